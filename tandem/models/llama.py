@@ -1,0 +1,200 @@
+"""Dense decoder-only transformer: Llama (1-3.x, SmolLM2), Qwen2/Qwen2.5, Qwen3.
+
+One implementation; the families differ only in small switches read from the HF config:
+Qwen2 adds biases to the q/k/v projections, Qwen3 adds per-head RMSNorm on q and k
+(before RoPE). Weights use the HF names; q/k/v and gate/up are stored fused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.attention.backend import AttentionBackend
+from tandem.attention.metadata import AttentionMetadata
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class DecoderSpec:
+    """Shape and family switches of a dense decoder, read from a HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, c) -> "DecoderSpec":
+        mt = c.model_type
+        heads = c.num_attention_heads
+        return cls(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            rms_norm_eps=c.rms_norm_eps,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            qkv_bias=mt == "qwen2" or bool(getattr(c, "attention_bias", False)),
+            qk_norm=mt == "qwen3",
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = spec.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, rotary, backend)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM over a paged KV cache.
+
+    ``forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer, see
+    tandem.attention.metadata), meta) -> hidden states [T, hidden_size]``;
+    ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` fp32.
+    """
+
+    def __init__(self, hf_config, backend: AttentionBackend, max_positions: int | None = None) -> None:
+        super().__init__()
+        spec = DecoderSpec.from_hf_config(hf_config)
+        self.spec = spec
+        rotary = RotaryEmbedding(hf_config, spec.head_dim, max_positions or spec.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    @property
+    def kv_cache_shape_per_block(self) -> tuple[int, int]:
+        """(num_kv_heads, head_dim) of every layer's cache."""
+        return self.spec.num_kv_heads, self.spec.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    _STACKED = {  # HF name part -> (fused param name part, shard index)
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the fused parameters.
+
+        Raises:
+            ValueError: a parameter of the model received no weight, or a shape differs.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        s = self.spec
+        qkv_sizes = [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and s.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for part, (fused, idx) in self._STACKED.items():
+                if f".{part}." in name:
+                    target, shard = name.replace(part, fused), (fused, idx)
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+            p = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    dst = p
+                else:
+                    fused, idx = shard
+                    sizes = qkv_sizes if fused == "qkv_proj" else [s.intermediate_size] * 2
+                    start = sum(sizes[:idx])
+                    dst = p.narrow(0, start, sizes[idx])
+                if dst.shape != tensor.shape:
+                    raise ValueError(f"shape of {name!r}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
+                dst.copy_(tensor)
+            loaded.add(f"{target}#{shard[1] if shard else ''}")
+        expected = set()
+        for pname in params:
+            if ".qkv_proj.weight" in pname or ".qkv_proj.bias" in pname:
+                expected |= {f"{pname}#{i}" for i in range(3)}
+            elif ".gate_up_proj." in pname:
+                expected |= {f"{pname}#{i}" for i in range(2)}
+            else:
+                expected.add(f"{pname}#")
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:6]} ({len(missing)} in all)")

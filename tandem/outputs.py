@@ -1,0 +1,61 @@
+"""Request outputs returned to users (vLLM's ``RequestOutput`` shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token: natural log, fp32 from the raw model logits.
+
+    ``rank`` is 1 for the most likely token; ``decoded_token`` is its text.
+    """
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# One position: token id -> Logprob (the sampled / prompt token plus the top-N).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request.
+
+    ``finish_reason`` is None while running, else "stop" (EOS, stop token or stop string)
+    "length" (max_tokens or context length) or "abort". ``stop_reason`` is the stop string
+    or stop token id that ended it (None for EOS and length).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Output of one request: prompt, its completions, and whether it is finished.
+
+    ``prompt_logprobs[0]`` is None (the first prompt token has no context).
+    ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,127 @@
+"""Sampling parameters with vLLM / OpenAI semantics."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries."""
+
+    CUMULATIVE = 0  # all text/tokens so far
+    DELTA = 1  # only what is new since the previous output (streaming)
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt.
+
+    Attributes follow vLLM's ``SamplingParams``: ``n`` completions; ``temperature`` 0 means
+    greedy; ``top_k`` <= 0 or -1 disables; ``top_p`` in (0, 1]; ``min_p`` in [0, 1];
+    ``seed`` makes the request's random stream independent of the batch;
+    ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] (OpenAI) act on generated
+    tokens, ``repetition_penalty`` > 0 (CTRL, Keskar et al. 2019) on prompt and generated
+    tokens; ``logit_bias`` maps token id -> bias added to the logit; ``max_tokens`` None
+    means up to the context length; ``stop`` strings are matched on the detokenized text;
+    ``logprobs`` = number of top logprobs per generated token (the sampled token is always
+    included), ``prompt_logprobs`` likewise per prompt token.
+
+    Raises:
+        ValueError: on an invalid value; the message names the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled by the engine: EOS ids of the model, unless ignore_eos.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias must map integer token ids to floats, got {self.logit_bias!r}") from e
+        self._verify()
+
+    def _verify(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}.")
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        check(self.temperature >= 0.0, "temperature", "must be non-negative")
+        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1 (disable), 0 (disable), or a positive integer")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        check(self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than zero")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens", "must be at least 1")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs", "must be a non-negative integer")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0), "prompt_logprobs", "must be a non-negative integer")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must contain non-empty strings")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must contain non-negative integers")
+        if self.logit_bias:
+            check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias", "values must be in [-100, 100]")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Check token ids against the model's vocabulary.
+
+        Raises:
+            ValueError: a logit_bias or stop_token_ids entry is outside ``[0, vocab_size)``.
+        """
+        if self.logit_bias:
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias contains token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}.")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids contains token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        from dataclasses import replace
+
+        return replace(self, **changes)
