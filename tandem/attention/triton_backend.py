@@ -443,7 +443,7 @@ class TritonAttentionBackend:
 
         num_prefill = meta.num_reqs - nd
         if num_prefill > 0:
-            heads_per_prog = _pow2_divisor(gqa, self.prefill_block_m // 16)
+            heads_per_prog = _pow2_divisor(gqa, self.prefill_block_m // 4)
             block_q = self.prefill_block_m // heads_per_prog
             grid = (triton.cdiv(meta.max_query_len, block_q), num_prefill, num_heads // heads_per_prog)
             _paged_prefill_kernel[grid](

@@ -1,0 +1,25 @@
+"""``tandem bench`` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_parser(sub) -> None:
+    from tandem.entrypoints.cli import add_engine_args
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    t = bench.add_parser("throughput", help="offline throughput on random prompts")
+    add_engine_args(t)
+    t.add_argument("--input-len", type=int, default=128)
+    t.add_argument("--output-len", type=int, default=128)
+    t.add_argument("--num-prompts", type=int, default=100)
+    t.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    t.add_argument("--output-json", default=None)
+
+    def run(args: argparse.Namespace) -> None:
+        from tandem.benchmarks.throughput import main
+
+        main(args)
+
+    t.set_defaults(func=run)

@@ -1,0 +1,177 @@
+"""The engine: schedule -> execute -> process outputs, optionally one step ahead.
+
+With ``async_output_proc`` (after vLLM PR #7049 and vLLM V1 async scheduling), step N+1
+is scheduled and launched before step N's outputs are processed, so the output
+processing of step N overlaps the model's execution of step N+1. See DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.core.block_manager import KVCacheManager
+from tandem.core.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.output_processor import OutputProcessor
+from tandem.model_loader.loader import build_model, load_hf_config, load_tokenizer
+from tandem.outputs import RequestOutput
+from tandem.request import Request
+from tandem.sampling_params import SamplingParams
+from tandem.attention.backend import get_attention_backend
+from tandem.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Owns the model runner, the scheduler and the output processor.
+
+    Args:
+        config: engine configuration.
+
+    Raises:
+        ValueError: the model cannot be loaded or the limits are inconsistent.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device, dtype = config.torch_device, config.torch_dtype
+        self.hf_config = load_hf_config(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        model_max = getattr(self.hf_config, "max_position_embeddings", 2048)
+        config.resolve_limits(model_max)
+        if config.max_model_len > model_max:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context length ({model_max}).")
+        backend = get_attention_backend(device)
+        self.model = build_model(self.hf_config, config.model, config.load_format, backend, dtype, device,
+                                 max_positions=config.max_model_len, seed=config.seed)
+        torch.manual_seed(config.seed)
+        num_kv_heads, head_dim = self.model.kv_cache_shape_per_block
+        num_layers = len(self.model.layers)
+        num_blocks = config.num_kv_blocks or self._num_kv_blocks(num_layers, num_kv_heads, head_dim, dtype, device)
+        self.num_kv_blocks = num_blocks
+        kv_caches = [torch.zeros(2, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        capacity = (num_blocks - 1) * config.block_size
+        if capacity < config.max_model_len:
+            logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, config.max_model_len)
+            config.max_model_len = capacity
+        self.vocab_size = self.hf_config.vocab_size
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
+        self.eos_token_ids = self._eos_token_ids()
+        self._inflight: tuple[SchedulerOutput, object] | None = None
+        self.async_output_proc = config.async_output_proc
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        for src in (self.hf_config, getattr(self.model, "generation_config", None)):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif eos:
+                ids.update(eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _num_kv_blocks(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+        bytes_per_block = 2 * num_layers * self.config.block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            used = total - free
+            # Activation headroom measured by a profiling step would refine this; keep a
+            # fixed reserve for the largest step's activations and logits.
+            budget = total * self.config.gpu_memory_utilization - used - 2 * 1024**3
+        else:
+            budget = self.config.kv_cache_memory_gib * 1024**3
+        n = int(budget // bytes_per_block)
+        if n < 2:
+            raise ValueError("not enough memory for the KV cache; lower the model size or raise the memory limits")
+        return n
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request (text prompt or token ids).
+
+        Raises:
+            ValueError: empty prompt, prompt + max_tokens over the context, token ids
+                outside the vocabulary, request_id already live, bad sampling values.
+        """
+        params = (params or SamplingParams()).clone()
+        params.verify_vocab(self.vocab_size)
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            if bad:
+                raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+        if not ids:
+            raise ValueError("prompt must contain at least one token.")
+        max_len = self.config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+                             f"{len(ids)} tokens, which leaves no room for completion tokens.")
+        if params.max_tokens is None:
+            max_tokens = max_len - len(ids)
+        elif len(ids) + params.max_tokens > max_len:
+            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                             f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, "
+                             f"{params.max_tokens} in the completion). Please reduce the length of the messages or completion.")
+        else:
+            max_tokens = params.max_tokens
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
+        if not params.ignore_eos:
+            params.all_stop_token_ids = set(self.eos_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        reqs = []
+        for i in range(params.n):
+            child = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            reqs.append(Request(request_id, ids, child, arrival, index=i, max_tokens=max_tokens))
+        self.output_processor.add_request(request_id, text, reqs)
+        for r in reqs:
+            self.scheduler.add_request(r)
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Abort requests: their blocks are freed now, nothing more is emitted for them."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.output_processor.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    # ----------------------------------------------------------------- the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration; returns the outputs produced by it."""
+        so = self.scheduler.schedule()
+        handle = self.runner.execute_model(so)
+        if not self.async_output_proc:
+            return self.output_processor.process(handle.result())
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None:
+            # Step N's outputs are processed while step N+1 (just launched) runs.
+            outputs = self.output_processor.process(self._inflight[1].result())
+        self._inflight = None if so.is_empty else (so, handle)
+        return outputs
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler.stats()
+        kv = self.kv_manager
+        s["prefix_cache_queries"] = kv.prefix_queries
+        s["prefix_cache_hits"] = kv.prefix_hits
+        s.update(self.output_processor.stats)
+        return s

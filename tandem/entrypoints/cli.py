@@ -1,0 +1,101 @@
+"""The ``tandem`` command: generate, serve, bench, eval."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from tandem.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """Engine flags, named as vLLM's (``--max-num-seqs``, ``--enable-prefix-caching``, ...)."""
+    if model_positional:
+        p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model (HF folder, GGUF file); default: embedded SmolLM2")
+    p.add_argument("--model", default=None, help="HF folder, .gguf file, or config.json with --load-format dummy; default: embedded SmolLM2-135M-Instruct")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy", "gguf", "safetensors"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="CPU KV cache size")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--async-output-proc", action=argparse.BooleanOptionalAction, default=True,
+                   help="process step N's outputs while step N+1 runs")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kw = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    if getattr(args, "model_pos", None):
+        kw["model"] = args.model_pos
+    return EngineConfig(**kw)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("-n", type=int, default=1)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from tandem.entrypoints.llm import LLM
+    from tandem.sampling_params import SamplingParams
+
+    cfg = engine_config_from_args(args)
+    llm = LLM(**vars(cfg))
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    for out in outs:
+        for c in out.outputs:
+            if len(outs) > 1 or len(out.outputs) > 1:
+                print(f"--- prompt {outs.index(out)} completion {c.index} ({c.finish_reason})")
+            print(c.text)
+    llm.engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference and serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate completions offline and print them")
+    g.add_argument("prompt", nargs="+")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=_generate)
+
+    from tandem.benchmarks.cli import add_bench_parser
+
+    add_bench_parser(sub)
+
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""Model runner: builds a step's input tensors, runs the model, samples.
+
+One-step-ahead execution (DESIGN.md): a step's sampled token ids stay on the device in
+``prev_sampled``; when the scheduler marks a sequence's last input token as the previous
+step's sample, the runner copies it into ``input_ids`` on the device (no host round
+trip). The device-to-host copy of the sampled ids is started non-blocking on a side
+stream and waited on only by ``PendingOutput.result()``.
+
+On the CPU, where torch kernels run synchronously, steps execute on one worker thread
+(torch releases the GIL inside kernels), so the caller's output processing still overlaps
+the model's compute, with the same pipeline structure as on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tandem.attention.metadata import AttentionMetadata
+from tandem.core.scheduler import SchedulerOutput
+from tandem.sampling_params import SamplingParams
+from tandem.worker.sampler import SamplingBatch, SamplerOutput, sample, token_seed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens computed in one step for one sequence.
+
+    ``token_ids`` / ``logprobs``: ``[n, 1 + K]`` (the actual next prompt token first, then
+    the top K); ``ranks``: ``[n]``; ``start``: index in the prompt of the first token they
+    score (>= 1).
+    """
+
+    start: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Host-side result of one step: one sampled token per sampling sequence."""
+
+    seq_ids: list[int]
+    sampled_token_ids: list[int]
+    # Per sampling row, when any row asked for logprobs: ([1+K] ids, [1+K] logprobs, rank).
+    logprobs: list[tuple[list[int], list[float], int]] | None = None
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class SeqState:
+    seq_id: int
+    params: SamplingParams
+    prompt_len: int
+    num_sampled: int
+    penalty_slot: int | None
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None
+    prompt_token_ids: list[int]
+
+
+class PendingOutput:
+    """A launched step's output; ``result()`` waits for its device-to-host copy."""
+
+    def __init__(self, seq_ids: list[int], host: dict[str, torch.Tensor], event, prompt_lp: dict, k: int) -> None:
+        self._seq_ids = seq_ids
+        self._host = host
+        self._event = event
+        self._prompt_lp = prompt_lp
+        self._k = k
+
+    def result(self) -> ModelRunnerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        h = self._host
+        out = ModelRunnerOutput(self._seq_ids, h["sampled"].tolist())
+        if "logprobs" in h:
+            ids, lps, ranks = h["logprob_token_ids"].tolist(), h["logprobs"].tolist(), h["ranks"].tolist()
+            out.logprobs = list(zip(ids, lps, ranks))
+        for sid, (start, t) in self._prompt_lp.items():
+            out.prompt_logprobs[sid] = PromptLogprobs(start, t[0].tolist(), t[1].tolist(), t[2].tolist())
+        return out
+
+
+class _Done:
+    def __init__(self, value: ModelRunnerOutput) -> None:
+        self._value = value
+
+    def result(self) -> ModelRunnerOutput:
+        return self._value
+
+
+class ModelRunner:
+    """Executes ``SchedulerOutput``s on one device.
+
+    Args:
+        model: a Tandem causal LM (``forward`` + ``compute_logits``).
+        kv_caches: one ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer.
+        block_size: tokens per block.
+        vocab_size: logits width.
+        max_num_seqs: rows of the penalty state tables.
+        device: where the model lives.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, vocab_size: int,
+                 max_num_seqs: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.states: dict[int, SeqState] = {}
+        self.prev_sampled: torch.Tensor | None = None
+        self.prev_rows: dict[int, int] = {}
+        self.max_num_seqs = max_num_seqs
+        self._free_slots = list(range(max_num_seqs))
+        self._output_counts: torch.Tensor | None = None
+        self._prompt_mask: torch.Tensor | None = None
+        self._is_cuda = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if self._is_cuda else None
+        self._executor = None if self._is_cuda else ThreadPoolExecutor(1, thread_name_prefix="tandem-step")
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- state
+    def _add_seq(self, req) -> None:
+        p = req.sampling_params
+        slot = None
+        if p.has_penalties:
+            if self._output_counts is None:
+                self._output_counts = torch.zeros(self.max_num_seqs, self.vocab_size, dtype=torch.int32, device=self.device)
+                self._prompt_mask = torch.zeros(self.max_num_seqs, self.vocab_size, dtype=torch.bool, device=self.device)
+            slot = self._free_slots.pop()
+            self._prompt_mask[slot].zero_()
+            self._prompt_mask[slot, torch.tensor(req.prompt_token_ids, device=self.device)] = True
+            counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.long), minlength=self.vocab_size)
+            self._output_counts[slot].copy_(counts.to(torch.int32))
+        bias = None
+        if p.logit_bias:
+            bias = (torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=self.device),
+                    torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device))
+        self.states[req.seq_id] = SeqState(req.seq_id, p, req.num_prompt_tokens, req.num_output_tokens, slot, bias,
+                                           req.prompt_token_ids)
+
+    def _drop_seq(self, seq_id: int) -> None:
+        st = self.states.pop(seq_id, None)
+        if st is not None and st.penalty_slot is not None:
+            self._free_slots.append(st.penalty_slot)
+
+    # ----------------------------------------------------------------- execute
+    def execute_model(self, so: SchedulerOutput):
+        """Launch a step. Returns an object whose ``result()`` is its ``ModelRunnerOutput``.
+
+        Steps run in submission order; ``result()`` of step N may be called after step
+        N+1 was launched.
+        """
+        if self._executor is not None:
+            fut: Future = self._executor.submit(self._run_to_host, so)
+            return fut
+        return self._execute(so)
+
+    def _run_to_host(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self._execute(so).result()
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    @torch.inference_mode()
+    def _execute(self, so: SchedulerOutput):
+        for sid in so.finished_seq_ids:
+            self._drop_seq(sid)
+        for sid in so.preempted_seq_ids:
+            self._drop_seq(sid)
+        for seq in so.scheduled:
+            if seq.new_request is not None:
+                self._drop_seq(seq.seq_id)
+                self._add_seq(seq.new_request)
+        if so.is_empty:
+            return _Done(ModelRunnerOutput([], []))
+
+        # Decode sequences (one new token) first: backends batch them uniformly.
+        order = sorted(range(len(so.scheduled)), key=lambda i: so.scheduled[i].num_new_tokens != 1)
+        seqs = [so.scheduled[i] for i in order]
+        num_reqs = len(seqs)
+        num_decode = sum(1 for s in seqs if s.num_new_tokens == 1)
+        q_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        total = int(qsl[-1])
+        computed = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+        seq_lens = computed + q_lens
+        input_ids = np.zeros(total, dtype=np.int64)
+        prev_dst, prev_src = [], []
+        max_blocks = max(len(s.block_ids) for s in seqs)
+        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+        for r, s in enumerate(seqs):
+            start = qsl[r]
+            n_known = len(s.token_ids)
+            input_ids[start : start + n_known] = s.token_ids
+            if s.uses_prev_sample:
+                prev_dst.append(start + s.num_new_tokens - 1)
+                prev_src.append(self.prev_rows[s.seq_id])
+            block_table[r, : len(s.block_ids)] = s.block_ids
+        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(computed, q_lens)]) if num_reqs > num_decode else computed.copy()
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+        bs = self.block_size
+        slot_mapping = block_table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+
+        dev = self.device
+        to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
+        input_ids_t = to_dev(input_ids)
+        if prev_dst:
+            input_ids_t[torch.tensor(prev_dst, device=dev)] = self.prev_sampled[torch.tensor(prev_src, device=dev)]
+        meta = AttentionMetadata(
+            query_start_loc=to_dev(qsl.astype(np.int32)),
+            seq_lens=to_dev(seq_lens.astype(np.int32)),
+            num_computed_tokens=to_dev(computed.astype(np.int32)),
+            block_tables=to_dev(block_table),
+            slot_mapping=to_dev(slot_mapping),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            num_decode_reqs=num_decode,
+        )
+        hidden = self.model(input_ids_t, to_dev(positions), self.kv_caches, meta)
+
+        sample_rows = [r for r, s in enumerate(seqs) if s.sample]
+        sample_seq_ids = [seqs[r].seq_id for r in sample_rows]
+        logits_idx = torch.tensor([int(qsl[r + 1]) - 1 for r in sample_rows], device=dev, dtype=torch.long)
+        prompt_lp = self._prompt_logprobs(seqs, qsl, hidden, input_ids_t)
+        host: dict[str, torch.Tensor] = {}
+        k = -1
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[logits_idx])
+            states = [self.states[sid] for sid in sample_seq_ids]
+            batch = self._sampling_batch(states)
+            k = batch.max_num_logprobs
+            out: SamplerOutput = sample(logits, batch, self._output_counts, self._prompt_mask)
+            sampled = out.sampled
+            self._record_sampled(states, sampled)
+            host_src = {"sampled": sampled}
+            if out.logprobs is not None:
+                host_src.update(logprobs=out.logprobs, logprob_token_ids=out.logprob_token_ids, ranks=out.sampled_ranks)
+        else:
+            sampled = torch.empty(0, dtype=torch.long, device=dev)
+            host_src = {"sampled": sampled}
+        self.prev_sampled = sampled
+        self.prev_rows = {sid: i for i, sid in enumerate(sample_seq_ids)}
+        event = None
+        if self._is_cuda:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(self._copy_stream):
+                for name, t in host_src.items():
+                    host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host[name].copy_(t, non_blocking=True)
+                    t.record_stream(self._copy_stream)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+        else:
+            host = host_src
+        return PendingOutput(sample_seq_ids, host, event, prompt_lp, k)
+
+    def _record_sampled(self, states: list[SeqState], sampled: torch.Tensor) -> None:
+        pen_rows = [i for i, st in enumerate(states) if st.penalty_slot is not None]
+        if pen_rows:
+            slots = torch.tensor([states[i].penalty_slot for i in pen_rows], device=self.device)
+            toks = sampled[torch.tensor(pen_rows, device=self.device)]
+            self._output_counts.index_put_((slots, toks), torch.ones_like(toks, dtype=torch.int32), accumulate=True)
+        for st in states:
+            st.num_sampled += 1
+
+    def _sampling_batch(self, states: list[SeqState]) -> SamplingBatch:
+        dev = self.device
+        n = len(states)
+        temps = [st.params.temperature for st in states]
+        greedy = [st.params.greedy for st in states]
+        top_k = [st.params.top_k if st.params.top_k > 0 else self.vocab_size for st in states]
+        top_p = [st.params.top_p for st in states]
+        min_p = [st.params.min_p for st in states]
+        all_greedy, all_random = all(greedy), not any(greedy)
+        pen = [i for i, st in enumerate(states) if st.penalty_slot is not None]
+        seeded = [(i, token_seed(st.params.seed, st.num_sampled)) for i, st in enumerate(states)
+                  if st.params.seed is not None and not st.params.greedy]
+        b_rows, b_toks, b_vals = [], [], []
+        for i, st in enumerate(states):
+            if st.logit_bias is not None:
+                ids, vals = st.logit_bias
+                b_rows.append(torch.full_like(ids, i))
+                b_toks.append(ids)
+                b_vals.append(vals)
+            if st.num_sampled < st.params.min_tokens:
+                stop_ids = sorted(st.params.all_stop_token_ids | set(st.params.stop_token_ids))
+                if stop_ids:
+                    ids = torch.tensor(stop_ids, dtype=torch.long, device=dev)
+                    b_rows.append(torch.full_like(ids, i))
+                    b_toks.append(ids)
+                    b_vals.append(torch.full(ids.shape, float("-inf"), device=dev))
+        lp = [st.params.logprobs for st in states if st.params.logprobs is not None]
+        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)  # noqa: E731
+        return SamplingBatch(
+            temperature=f32(temps),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=dev),
+            top_p=f32(top_p),
+            min_p=f32(min_p),
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=None if all_greedy or all_random else torch.tensor(greedy, device=dev),
+            need_top_k=any(k < self.vocab_size for k, g in zip(top_k, greedy) if not g),
+            need_top_p=any(p < 1.0 for p, g in zip(top_p, greedy) if not g),
+            need_min_p=any(p > 0.0 for p, g in zip(min_p, greedy) if not g),
+            penalty_rows=torch.tensor(pen, device=dev) if pen else None,
+            penalty_slots=torch.tensor([states[i].penalty_slot for i in pen], device=dev) if pen else None,
+            presence=f32([states[i].params.presence_penalty for i in pen]) if pen else None,
+            frequency=f32([states[i].params.frequency_penalty for i in pen]) if pen else None,
+            repetition=f32([states[i].params.repetition_penalty for i in pen]) if pen else None,
+            bias=(torch.cat(b_rows), torch.cat(b_toks), torch.cat(b_vals)) if b_rows else None,
+            seeded=seeded,
+            max_num_logprobs=max(lp) if lp else -1,
+        )
+
+    def _prompt_logprobs(self, seqs, qsl, hidden: torch.Tensor, input_ids: torch.Tensor) -> dict:
+        """Logprobs of the prompt tokens following each scheduled prompt position."""
+        out = {}
+        for r, s in enumerate(seqs):
+            st = self.states[s.seq_id]
+            k = st.params.prompt_logprobs
+            if k is None or s.num_computed_tokens >= st.prompt_len:
+                continue
+            start = s.num_computed_tokens
+            # Positions whose next token is still in the prompt.
+            end = min(start + s.num_new_tokens, st.prompt_len - 1)
+            if end <= start:
+                continue
+            lo = int(qsl[r])
+            lp = self.model.compute_logits(hidden[lo : lo + end - start]).log_softmax(dim=-1)
+            nxt = torch.tensor(st.prompt_token_ids[start + 1 : end + 1], device=self.device)
+            tok_lp = lp.gather(1, nxt[:, None])
+            ranks = (lp > tok_lp).sum(-1) + 1
+            ids, vals = nxt[:, None], tok_lp
+            if k > 0:
+                top_lp, top_ids = lp.topk(k, dim=-1)
+                ids, vals = torch.cat([ids, top_ids], 1), torch.cat([vals, top_lp], 1)
+            out[s.seq_id] = (start + 1, (ids.cpu(), vals.cpu(), ranks.cpu()))
+        return out

@@ -1,0 +1,142 @@
+"""Token sampling on the device, batched over requests with different parameters.
+
+Order of logit processing follows vLLM V1's sampler: logit bias, min_tokens (stop ids
+masked), penalties (repetition: CTRL, Keskar et al. 2019; presence/frequency: OpenAI API),
+then for random rows temperature, min-p (Nguyen et al. 2024), top-k, top-p (nucleus,
+Holtzman et al. 2020). Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)``, which is an
+exact sample of ``p`` (the exponential race / Gumbel-max trick). Seeded rows draw ``q``
+from a generator seeded by ``(seed, index of the token)``, so their tokens depend on
+nothing else in the batch, nor on preemption.
+Logprobs are of the raw model distribution (before any processing), as vLLM V1 returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SEED_MULT = 1_000_003
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs of one step (rows = sequences that sample).
+
+    temperature, top_p, min_p: ``[N]`` fp32 on the device; top_k: ``[N]`` int64 (vocab
+    size where disabled). Optional parts are None when no row needs them.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None  # [N] bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    # Penalties: rows of the penalty tables for penalised rows.
+    penalty_rows: torch.Tensor | None  # [P] int64 rows of the batch
+    penalty_slots: torch.Tensor | None  # [P] int64 rows of the state tables
+    presence: torch.Tensor | None  # [P]
+    frequency: torch.Tensor | None  # [P]
+    repetition: torch.Tensor | None  # [P]
+    # Sparse additive bias: (row indices, token ids, values); -inf masks for min_tokens.
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # Seeded rows: (row index, seed for this token).
+    seeded: list[tuple[int, int]]
+    max_num_logprobs: int  # -1: no row wants logprobs
+
+
+@dataclass
+class SamplerOutput:
+    """sampled: ``[N]`` int64. With logprobs: ``logprob_token_ids`` / ``logprobs``
+    ``[N, 1 + K]`` (sampled token first, then the top K), ``sampled_ranks`` ``[N]``."""
+
+    sampled: torch.Tensor
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+    """In place on ``logits [N, V]``; tables are ``[num_slots, V]`` (int32 counts, bool)."""
+    rows, slots = b.penalty_rows, b.penalty_slots
+    lg = logits[rows]
+    counts = output_counts[slots]
+    seen = counts > 0
+    rep = b.repetition[:, None]
+    penalised = seen | prompt_mask[slots]
+    lg = torch.where(penalised, torch.where(lg > 0, lg / rep, lg * rep), lg)
+    lg = lg - b.frequency[:, None] * counts - b.presence[:, None] * seen
+    logits[rows] = lg
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside the top-k and the top-p nucleus with -inf (at least 1 kept)."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    v = logits.shape[-1]
+    if top_k is not None:
+        ranks = torch.arange(v, device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p.
+        before = probs.cumsum(dim=-1) - probs
+        drop = before >= top_p[:, None]
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> SamplerOutput:
+    """Sample one token per row of ``logits [N, V]`` (fp32)."""
+    raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs >= 0 else None
+    if b.bias is not None:
+        rows, toks, vals = b.bias
+        logits = logits.index_put((rows, toks), vals, accumulate=True)
+    if b.penalty_rows is not None:
+        logits = logits.clone() if b.bias is None else logits
+        apply_penalties(logits, b, output_counts, prompt_mask)
+
+    greedy = logits.argmax(dim=-1)
+    if b.all_greedy:
+        sampled = greedy
+    else:
+        temp = torch.where(b.temperature < 1e-5, 1.0, b.temperature)
+        x = logits / temp[:, None]
+        if b.need_min_p:
+            probs = x.softmax(dim=-1)
+            thresh = probs.amax(dim=-1, keepdim=True) * b.min_p[:, None]
+            x = x.masked_fill(probs < thresh, float("-inf"))
+        if b.need_top_k or b.need_top_p:
+            x = top_k_top_p(x, b.top_k if b.need_top_k else None, b.top_p if b.need_top_p else None)
+        probs = x.softmax(dim=-1)
+        q = torch.empty_like(probs).exponential_()
+        if b.seeded:
+            gen = torch.Generator(device=probs.device)
+            for row, seed in b.seeded:
+                gen.manual_seed(seed)
+                q[row].exponential_(generator=gen)
+        random = (probs / q).argmax(dim=-1)
+        sampled = random if b.all_random else torch.where(b.greedy_mask, greedy, random)
+
+    out = SamplerOutput(sampled=sampled)
+    if raw_logprobs is not None:
+        k = b.max_num_logprobs
+        sampled_lp = raw_logprobs.gather(1, sampled[:, None])
+        out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
+        if k > 0:
+            top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
+            out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
+            out.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=1)
+        else:
+            out.logprobs, out.logprob_token_ids = sampled_lp, sampled[:, None]
+    return out
+
+
+def token_seed(seed: int, token_index: int) -> int:
+    """Seed of the random draw for a seeded request's ``token_index``-th output token."""
+    return (seed * _SEED_MULT + token_index) & 0x7FFF_FFFF_FFFF_FFFF

@@ -1,0 +1,302 @@
+"""Triton attention backend vs the torch reference backend.
+
+Without CUDA the kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` is set here,
+before anything imports the kernels; the interpreter decides per ``@triton.jit`` at
+decoration time). With CUDA they run compiled on the GPU and the larger CUDA-only cases
+run too. Force the interpreter on a GPU machine with ``TRITON_INTERPRET=1 pytest ...``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+pytest.importorskip("triton")
+
+
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns scalar tensors (1-element arrays) into Python ints
+    with ``int(array)``, which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be
+    converted to Python scalars", triton-lang/triton#9171); this breaks ``range()`` over
+    loaded values. Re-patch ``__index__`` with ``.item()`` after the interpreter's patch."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_tandem_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched._tandem_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _patch_interpreter_for_numpy_2_4()
+
+from tandem.attention import triton_backend  # noqa: E402
+from tandem.attention.metadata import AttentionMetadata  # noqa: E402
+from tandem.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from tandem.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+if INTERPRET and not triton_backend._INTERPRET:
+    pytest.skip(
+        "tandem.attention.triton_backend was imported before TRITON_INTERPRET was set; "
+        "run this module on its own (or first)",
+        allow_module_level=True,
+    )
+
+cuda_only = pytest.mark.skipif(INTERPRET, reason="large case: compiled CUDA only")
+
+TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def make_case(
+    reqs: list[tuple[int, int]],
+    num_decode: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_pad_tokens: int = 0,
+    strided_q: bool = False,
+    seed: int = 0,
+    num_blocks: int | None = None,
+    max_blocks: int | None = None,
+):
+    """Random step: ``reqs[r] = (num_computed_tokens, query_len)``; blocks shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    for r, (_, q_len) in enumerate(reqs[:num_decode]):
+        assert q_len == 1, r
+    seq_lens = [nc + ql for nc, ql in reqs]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max_blocks or max(blocks_per_req) + 2  # unused trailing entries stay 0
+    num_blocks = num_blocks or 1 + sum(blocks_per_req) + 3  # block 0: null block; a few spare
+    assert max_blocks >= max(blocks_per_req) and num_blocks > sum(blocks_per_req)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    block_tables = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)
+    for r, nb in enumerate(blocks_per_req):
+        block_tables[r, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
+        perm = perm[nb:]
+
+    qsl = [0]
+    slots = []
+    for r, (nc, ql) in enumerate(reqs):
+        qsl.append(qsl[-1] + ql)
+        for p in range(nc, nc + ql):
+            slots.append(int(block_tables[r, p // block_size]) * block_size + p % block_size)
+    num_tokens = qsl[-1] + num_pad_tokens
+    slots += [-1] * num_pad_tokens
+
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    if strided_q:  # q as a view into a fused qkv projection output
+        qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+        q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    else:
+        q = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        num_computed_tokens=torch.tensor([nc for nc, _ in reqs], dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        max_query_len=max(ql for _, ql in reqs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        num_decode_reqs=num_decode,
+    )
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kv_cache.to(DEVICE), meta
+
+
+def check(reqs, num_decode, num_heads, num_kv_heads, head_dim, block_size, dtype, backend=None, **kw):
+    q, k, v, kv_cache, meta = make_case(reqs, num_decode, num_heads, num_kv_heads, head_dim, block_size, dtype, **kw)
+    scale = head_dim**-0.5
+    cache_ref = kv_cache.clone()
+    ref = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, scale)
+    backend = backend or TritonAttentionBackend()
+    out = backend.forward(q, k, v, kv_cache, meta, scale)
+    n = meta.query_start_loc_cpu[-1]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.equal(kv_cache, cache_ref)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=tol, rtol=tol)
+    return out, meta
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
+def test_prefill_ragged(dtype, gqa):
+    """Fresh prompts of ragged lengths (incl. 1, block boundaries +-1)."""
+    reqs = [(0, 37), (0, 1), (0, 16), (0, 17), (0, 64)]
+    check(reqs, 0, num_heads=gqa, num_kv_heads=1, head_dim=64, block_size=16, dtype=dtype, seed=gqa)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_chunked_prefill_cached_prefix(block_size, head_dim):
+    """Queries after a cached prefix / earlier chunks, lengths at and around block edges.
+
+    Prefixes 62 / 126 / 14 put the first query right before a KV-tile edge (the split
+    between the unmasked and the causally masked KV loops)."""
+    reqs = [(32, 32), (31, 2), (5, 27), (100, 1), (64, 65), (62, 9), (126, 4), (14, 20)]
+    check(reqs, 0, num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_long_context_chunk(dtype):
+    """A short chunk at the end of a ~4000-token context (many unmasked KV tiles)."""
+    reqs = [(3990, 10), (4031, 33)]
+    check(reqs, 0, num_heads=2, num_kv_heads=1, head_dim=64, block_size=32, dtype=dtype)
+
+
+def test_prefill_small_tiles_many_q_blocks():
+    """Tiles smaller than the queries: several q blocks per request, causal diagonal tiles."""
+    backend = TritonAttentionBackend(prefill_block_m=16, block_n=16)
+    reqs = [(7, 45), (0, 33), (16, 16), (14, 20), (30, 18)]
+    check(reqs, 0, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, backend=backend)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
+def test_decode_only(dtype, gqa):
+    """Decode batch, seq lens exactly at block boundaries and off by one."""
+    reqs = [(15, 1), (16, 1), (31, 1), (0, 1), (47, 1), (63, 1)]
+    check(reqs, len(reqs), num_heads=gqa * 2, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, seed=gqa)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("max_splits", [1, 3, 8])
+def test_decode_split_kv(block_size, head_dim, max_splits):
+    """Split-KV on short contexts (small min_tokens_per_split) incl. empty trailing splits."""
+    backend = TritonAttentionBackend(max_num_splits=max_splits, min_tokens_per_split=16, block_n=16)
+    reqs = [(16, 1), (130, 1), (31, 1), (200, 1), (1, 1)]
+    nd = len(reqs)
+    splits = backend.num_decode_splits(nd, 1, 201, DEVICE)
+    assert splits == max_splits
+    check(reqs, nd, num_heads=4, num_kv_heads=1, head_dim=head_dim, block_size=block_size, dtype=torch.float32,
+          backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_long_context(dtype):
+    """~4000-token decode contexts: default backend picks split-KV."""
+    backend = TritonAttentionBackend(max_model_len=8192)
+    reqs = [(3999, 1), (4095, 1), (777, 1)]
+    assert backend.num_decode_splits(len(reqs), 1, 4096, DEVICE) > 1
+    check(reqs, len(reqs), num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, dtype=dtype, backend=backend)
+
+
+# --------------------------------------------------------------------------- mixed
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_mixed_decode_then_prefill(dtype, block_size):
+    """Decode requests first, then fresh prompts and chunked prefills; padding tokens; strided q."""
+    reqs = [(40, 1), (31, 1), (32, 1), (0, 23), (50, 14), (7, 1), (0, 33)]
+    backend = TritonAttentionBackend(min_tokens_per_split=16)
+    check(reqs, 3, num_heads=8, num_kv_heads=2, head_dim=64, block_size=block_size, dtype=dtype,
+          backend=backend, num_pad_tokens=5, strided_q=True)
+
+
+def test_mixed_long_context():
+    reqs = [(4000, 1), (12, 1), (3950, 50)]
+    check(reqs, 2, num_heads=3, num_kv_heads=1, head_dim=64, block_size=32, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- misc
+
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_non_power_of_two_head_dim_rejected(head_dim):
+    q, k, v, kv_cache, meta = make_case([(0, 4)], 0, 2, 1, head_dim, 16, torch.float32)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        TritonAttentionBackend().forward(q, k, v, kv_cache, meta, head_dim**-0.5)
+
+
+def test_num_splits_bounded_by_max_model_len():
+    backend = TritonAttentionBackend(max_model_len=1000, max_num_splits=16, min_tokens_per_split=256)
+    assert backend.max_num_splits == 4
+    assert backend.num_decode_splits(1, 1, 1000, torch.device("cpu")) == 4
+    assert backend.num_decode_splits(1, 1, 100, torch.device("cpu")) == 1
+    assert backend.num_decode_splits(1024, 8, 1000, torch.device("cpu")) == 1
+
+
+# --------------------------------------------------------------------------- CUDA only
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cuda_large_mixed(dtype, head_dim, block_size):
+    g = torch.Generator().manual_seed(1)
+    decode = [(int(torch.randint(1, 9000, (1,), generator=g)), 1) for _ in range(24)]
+    prefill = [(0, 1000), (2048, 512), (4095, 257), (0, 1), (123, 77)]
+    check(decode + prefill, len(decode), num_heads=32, num_kv_heads=8, head_dim=head_dim, block_size=block_size,
+          dtype=dtype, num_pad_tokens=7)
+
+
+@cuda_only
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
+def test_cuda_long_decode(gqa):
+    reqs = [(16383, 1), (10000, 1), (64, 1)]
+    check(reqs, 3, num_heads=4 * gqa, num_kv_heads=4, head_dim=128, block_size=16, dtype=torch.bfloat16,
+          backend=TritonAttentionBackend(max_model_len=32768))
+
+
+@cuda_only
+def test_cuda_graph_decode_replay():
+    """A captured decode step replays correctly when seq lens and block tables change.
+
+    The decode grid must not depend on ``meta.max_seq_len`` under capture: the captured
+    contexts are short, the replayed ones long (and vice versa).
+    """
+    backend = TritonAttentionBackend(max_model_len=8192)
+    H, Hkv, D, bs, dtype = 8, 2, 128, 16, torch.bfloat16
+    shape = dict(num_blocks=1200, max_blocks=512)
+    scale = D**-0.5
+    q, k, v, kv_cache, meta = make_case([(100, 1), (20, 1), (17, 1), (47, 1)], 4, H, Hkv, D, bs, dtype, **shape)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(q, k, v, kv_cache, meta, scale)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, kv_cache, meta, scale)
+    replays = [[(6000, 1), (1, 1), (300, 1), (8000, 1)], [(15, 1), (16, 1), (31, 1), (32, 1)]]
+    for seed, reqs in enumerate(replays, start=4):
+        q2, k2, v2, cache2, meta2 = make_case(reqs, 4, H, Hkv, D, bs, dtype, seed=seed, **shape)
+        ref = TorchAttentionBackend().forward(q2, k2, v2, cache2.clone(), meta2, scale)
+        for dst, src in [(q, q2), (k, k2), (v, v2), (kv_cache, cache2), (meta.seq_lens, meta2.seq_lens),
+                         (meta.slot_mapping, meta2.slot_mapping), (meta.block_tables, meta2.block_tables),
+                         (meta.num_computed_tokens, meta2.num_computed_tokens)]:
+            dst.copy_(src)
+        graph.replay()
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

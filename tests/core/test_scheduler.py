@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+from tandem.core.block_manager import KVCacheManager
+from tandem.core.scheduler import Scheduler
+from tandem.request import Request, RequestStatus
+from tandem.sampling_params import SamplingParams
+
+
+def _sched(num_blocks=64, block_size=4, budget=16, max_seqs=8, chunked=True):
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(kv, max_seqs, budget, 1024, chunked)
+
+
+def _req(n, max_tokens=8):
+    return Request("r", list(range(100, 100 + n)), SamplingParams(), 0.0, max_tokens=max_tokens)
+
+
+def test_chunked_prefill_respects_budget_and_samples_at_end():
+    s = _sched(budget=16)
+    r = _req(40)
+    s.add_request(r)
+    chunks = []
+    for _ in range(3):
+        out = s.schedule()
+        (seq,) = out.scheduled
+        chunks.append((seq.num_computed_tokens, seq.num_new_tokens, seq.sample))
+    assert chunks == [(0, 16, False), (16, 16, False), (32, 8, True)]
+    assert r.num_output_placeholders == 1
+
+
+def test_one_step_ahead_decode_uses_previous_sample():
+    s = _sched()
+    r = _req(5)
+    s.add_request(r)
+    s.schedule()
+    out = s.schedule()  # step 1's token not processed yet
+    (seq,) = out.scheduled
+    assert seq.uses_prev_sample and seq.token_ids == [] and seq.num_computed_tokens == 5
+    assert r.num_output_placeholders == 2
+    s.on_token(r)
+    r.output_token_ids.append(7)
+    out = s.schedule()
+    (seq,) = out.scheduled
+    assert seq.uses_prev_sample and seq.num_computed_tokens == 6
+
+
+def test_never_scheduled_past_max_tokens():
+    s = _sched()
+    r = _req(3, max_tokens=2)
+    s.add_request(r)
+    assert s.schedule().scheduled
+    assert s.schedule().scheduled  # second token
+    assert not s.schedule().scheduled  # both tokens are placeholders: nothing more
+    assert r.num_output_placeholders == 2
+
+
+def test_fcfs_and_max_num_seqs():
+    s = _sched(max_seqs=2, budget=100)
+    reqs = [_req(4) for _ in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    out = s.schedule()
+    assert [x.seq_id for x in out.scheduled] == [reqs[0].seq_id, reqs[1].seq_id]
+
+
+def test_preemption_frees_blocks_and_requeues_latest():
+    s = _sched(num_blocks=5, block_size=2, budget=100)  # 4 usable blocks = 8 tokens
+    a, b = _req(3, max_tokens=10), _req(3, max_tokens=10)
+    s.add_request(a)
+    s.add_request(b)
+    s.schedule()
+    for r in (a, b):
+        s.on_token(r)
+        r.output_token_ids.append(1)
+    s.schedule()  # each now needs its 3rd block? 4 tokens -> 2 blocks each: fits
+    for r in (a, b):
+        s.on_token(r)
+        r.output_token_ids.append(1)
+    out = s.schedule()  # 5 tokens -> 3 blocks each: one must go
+    assert out.preempted_seq_ids == [b.seq_id]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert s.waiting[0] is b
+
+
+def test_finish_is_idempotent_and_frees():
+    s = _sched()
+    r = _req(4)
+    s.add_request(r)
+    s.schedule()
+    assert s.finish_request(r.seq_id, RequestStatus.FINISHED_ABORTED) is r
+    assert s.finish_request(r.seq_id, RequestStatus.FINISHED_ABORTED) is None
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks - 1
+    assert s.schedule().finished_seq_ids == [r.seq_id]
