@@ -30,3 +30,24 @@ def assert_all_blocks_free(engine) -> None:
     assert not engine.scheduler.requests, "requests left in the scheduler"
     assert not engine.kv_manager.req_blocks, "sequences still hold blocks"
     assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+def make_llm(**kwargs):
+    """The embedded model with a small KV cache unless told otherwise."""
+    from tandem.entrypoints.llm import LLM
+
+    kwargs.setdefault("num_kv_blocks", 256)
+    kwargs.setdefault("max_model_len", 1024)
+    return LLM(**kwargs)
+
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is the English alphabet: ABC",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 2, 3, 4,",
+    "Translate to French: I like cheese. ->",
+    "The three primary colors are",
+    "Q: What is the boiling point of water at sea level in Celsius?\nA:",
+]

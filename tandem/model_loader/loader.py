@@ -8,6 +8,7 @@ llama.cpp's ``convert_hf_to_gguf.py``).
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -30,8 +31,10 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
+@functools.lru_cache(maxsize=4)
 def load_hf_config(model: str):
-    """HF config of a folder, a config.json, or a GGUF file.
+    """HF config of a folder, a config.json, or a GGUF file (cached per path: parsing a
+    GGUF file's metadata takes seconds; callers treat the config as read-only).
 
     Raises:
         ValueError: the path is none of those.
@@ -52,8 +55,10 @@ def load_hf_config(model: str):
     raise ValueError(f"model must be a Hugging Face folder, a config.json or a .gguf file; {model!r} is none of them.")
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(path: str):
-    """HF tokenizer (with chat template) of a folder or a GGUF file."""
+    """HF tokenizer (with chat template) of a folder or a GGUF file (cached per path,
+    read-only)."""
     from transformers import AutoTokenizer
 
     if is_gguf(path):

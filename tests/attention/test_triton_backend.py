@@ -132,7 +132,8 @@ def check(reqs, num_decode, num_heads, num_kv_heads, head_dim, block_size, dtype
     out = backend.forward(q, k, v, kv_cache, meta, scale)
     n = meta.query_start_loc_cpu[-1]
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert torch.equal(kv_cache, cache_ref)
+    # Block 0 (null block) takes the padding tokens' writes: duplicate slots, order undefined on CUDA.
+    assert torch.equal(kv_cache[:, 1:], cache_ref[:, 1:])
     tol = TOL[dtype]
     torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=tol, rtol=tol)
     return out, meta
