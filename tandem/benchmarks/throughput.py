@@ -23,6 +23,13 @@ class ThroughputResult:
     output_tokens_per_s: float
     total_tokens_per_s: float
     num_preemptions: int
+    # CUDA only: fraction of the timed wall time the GPU had no step queued (gaps between
+    # one step's last kernel and the next step's first), and decode-step statistics.
+    gpu_idle_fraction: float | None = None
+    gpu_idle_fraction_decode: float | None = None
+    decode_step_ms_at_max_batch: float | None = None
+    max_decode_batch: int | None = None
+    max_batch_context_tokens: int | None = None
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -40,13 +47,38 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     # Warm-up outside the timed region (first-call allocations, kernel selection).
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     pre = llm.engine.scheduler.num_preemptions
+    runner = llm.engine.runner
+    if runner.device.type == "cuda":
+        runner.step_events = []
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     n_in = num_prompts * input_len
-    return ThroughputResult(num_prompts, input_len, output_len, elapsed, num_prompts / elapsed, n_in / elapsed,
-                            n_out / elapsed, (n_in + n_out) / elapsed, llm.engine.scheduler.num_preemptions - pre)
+    res = ThroughputResult(num_prompts, input_len, output_len, elapsed, num_prompts / elapsed, n_in / elapsed,
+                           n_out / elapsed, (n_in + n_out) / elapsed, llm.engine.scheduler.num_preemptions - pre)
+    if runner.step_events:
+        torch.cuda.synchronize()
+        _gpu_step_stats(runner.step_events, res)
+        runner.step_events = None
+    return res
+
+
+def _gpu_step_stats(events, res: ThroughputResult) -> None:
+    """Idle gaps between consecutive steps and decode-step durations, from CUDA events."""
+    gaps = [max(0.0, events[i - 1][1].elapsed_time(events[i][0])) for i in range(1, len(events))]
+    span = events[0][0].elapsed_time(events[-1][1])
+    res.gpu_idle_fraction = sum(gaps) / span
+    decode_gaps = [g for g, e in zip(gaps, events[1:]) if e[3]]
+    decode_time = sum(e[0].elapsed_time(e[1]) for e in events[1:] if e[3]) + sum(decode_gaps)
+    res.gpu_idle_fraction_decode = sum(decode_gaps) / decode_time if decode_time else None
+    decodes = [e for e in events if e[3]]
+    if decodes:
+        res.max_decode_batch = max(e[2] for e in decodes)
+        at_max = [e for e in decodes if e[2] == res.max_decode_batch]
+        durations = sorted(e[0].elapsed_time(e[1]) for e in at_max)
+        res.decode_step_ms_at_max_batch = durations[len(durations) // 2]
+        res.max_batch_context_tokens = at_max[len(at_max) // 2][4]
 
 
 def main(args: argparse.Namespace) -> None:
@@ -59,6 +91,10 @@ def main(args: argparse.Namespace) -> None:
     print(f"Throughput: {res.requests_per_s:.2f} requests/s, {res.total_tokens_per_s:.1f} total tokens/s, "
           f"{res.input_tokens_per_s:.1f} input tokens/s, {res.output_tokens_per_s:.1f} output tokens/s "
           f"({res.num_prompts} prompts, {res.elapsed_s:.2f} s, {res.num_preemptions} preemptions)")
+    if res.gpu_idle_fraction is not None:
+        print(f"GPU idle between steps: {100 * res.gpu_idle_fraction:.2f}% of wall time "
+              f"({100 * res.gpu_idle_fraction_decode:.2f}% around decode steps); median decode step at batch "
+              f"{res.max_decode_batch}: {res.decode_step_ms_at_max_batch:.2f} ms")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(asdict(res) | {"async_output_proc": cfg.async_output_proc, "model": cfg.model}, f, indent=2)

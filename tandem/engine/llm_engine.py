@@ -8,7 +8,6 @@ processing of step N overlaps the model's execution of step N+1. See DESIGN.md.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
 
@@ -47,25 +46,29 @@ class LLMEngine:
         config.resolve_limits(model_max)
         if config.max_model_len > model_max:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context length ({model_max}).")
-        backend = get_attention_backend(device)
+        backend = get_attention_backend(device, config.max_model_len)
         self.model = build_model(self.hf_config, config.model, config.load_format, backend, dtype, device,
                                  max_positions=config.max_model_len, seed=config.seed)
         torch.manual_seed(config.seed)
+        self.vocab_size = self.hf_config.vocab_size
         num_kv_heads, head_dim = self.model.kv_cache_shape_per_block
+        # Planes per layer cache: 2 (keys, values); 1 for models caching one compressed
+        # latent per token (MLA: [1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]).
+        planes = getattr(self.model, "kv_cache_num_planes", 2)
         num_layers = len(self.model.layers)
-        num_blocks = config.num_kv_blocks or self._num_kv_blocks(num_layers, num_kv_heads, head_dim, dtype, device)
+        num_blocks = config.num_kv_blocks or self._num_kv_blocks(num_layers, num_kv_heads, head_dim, dtype, device, planes)
         self.num_kv_blocks = num_blocks
-        kv_caches = [torch.zeros(2, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        kv_caches = [torch.zeros(planes, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
                      for _ in range(num_layers)]
         capacity = (num_blocks - 1) * config.block_size
         if capacity < config.max_model_len:
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, config.max_model_len)
             config.max_model_len = capacity
-        self.vocab_size = self.hf_config.vocab_size
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device)
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
+                                  max_model_len=config.max_model_len, enforce_eager=config.enforce_eager)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
         self.eos_token_ids = self._eos_token_ids()
         self._inflight: tuple[SchedulerOutput, object] | None = None
@@ -86,17 +89,52 @@ class LLMEngine:
     def _num_kv_blocks(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
         bytes_per_block = 2 * num_layers * self.config.block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
         if device.type == "cuda":
+            activations = self._profile_activation_bytes(num_layers, kv_heads, head_dim, dtype, device)
             free, total = torch.cuda.mem_get_info(device)
-            used = total - free
-            # Activation headroom measured by a profiling step would refine this; keep a
-            # fixed reserve for the largest step's activations and logits.
-            budget = total * self.config.gpu_memory_utilization - used - 2 * 1024**3
+            non_torch = total - free - torch.cuda.memory_reserved(device)
+            weights = torch.cuda.memory_allocated(device)
+            budget = total * self.config.gpu_memory_utilization - non_torch - weights - activations
+            logger.info("GPU memory: %.1f GiB weights, %.1f GiB peak activations, %.1f GiB for the KV cache",
+                        weights / 2**30, activations / 2**30, budget / 2**30)
         else:
             budget = self.config.kv_cache_memory_gib * 1024**3
         n = int(budget // bytes_per_block)
         if n < 2:
             raise ValueError("not enough memory for the KV cache; lower the model size or raise the memory limits")
         return n
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                                  device: torch.device) -> int:
+        """Peak memory of the largest step: a prefill of ``max_num_batched_tokens`` tokens,
+        plus the sampler's working set for ``max_num_seqs`` rows of logits."""
+        from tandem.attention.metadata import AttentionMetadata
+
+        cfg = self.config
+        t = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+        bs = cfg.block_size
+        nb = -(-t // bs) + 1
+        caches = [torch.zeros(2, nb, bs, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        i32 = dict(dtype=torch.int32, device=device)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, t], **i32), seq_lens=torch.tensor([t], **i32),
+            num_computed_tokens=torch.tensor([0], **i32), block_tables=torch.arange(1, nb, **i32)[None],
+            slot_mapping=torch.arange(bs, bs + t, device=device), max_query_len=t, max_seq_len=t,
+            query_start_loc_cpu=[0, t], seq_lens_cpu=[t], num_decode_reqs=0,
+        )
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        hidden = self.model(torch.zeros(t, dtype=torch.long, device=device), torch.arange(t, device=device), caches, meta)
+        rows = min(cfg.max_num_seqs, t)
+        logits = self.model.compute_logits(hidden[:rows])
+        logits.sort(dim=-1)  # top-k/top-p sort, the sampler's largest temporary
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del caches, hidden, logits
+        torch.cuda.empty_cache()
+        # Softmax, noise and logprob copies of the logits beside the sort.
+        return peak + 4 * rows * self.vocab_size * 4
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

@@ -78,6 +78,12 @@ def _generate(args: argparse.Namespace) -> None:
     llm.engine.shutdown()
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from tandem.entrypoints.openai.api_server import run_server
+
+    run_server(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,9 +95,20 @@ def main(argv: list[str] | None = None) -> None:
     add_sampling_args(g)
     g.set_defaults(func=_generate)
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    add_engine_args(s, model_positional=True)
+    from tandem.entrypoints.openai.cli_args import add_serve_args
+
+    add_serve_args(s)
+    s.set_defaults(func=_serve)
+
     from tandem.benchmarks.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from tandem.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
 
     args = parser.parse_args(argv)
     args.func(args)

@@ -158,8 +158,13 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
         ValueError: unknown architecture, unknown load format, or weights not matching.
     """
     cls = get_model_class(hf_config)
-    with torch.device(device):
-        model = cls(hf_config, backend, max_positions=max_positions).to(dtype)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in the model dtype, on the device
+    try:
+        with torch.device(device):
+            model = cls(hf_config, backend, max_positions=max_positions)
+    finally:
+        torch.set_default_dtype(prev)
     # RoPE tables and other buffers stay fp32.
     for mod in model.modules():
         for bname, buf in mod.named_buffers(recurse=False):

@@ -8,6 +8,9 @@ _MODELS = {
     "llama": ("tandem.models.llama", "LlamaForCausalLM"),
     "qwen2": ("tandem.models.llama", "LlamaForCausalLM"),
     "qwen3": ("tandem.models.llama", "LlamaForCausalLM"),
+    "qwen3_moe": ("tandem.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "mixtral": ("tandem.models.mixtral", "MixtralForCausalLM"),
+    "deepseek_v2": ("tandem.models.deepseek_v2", "DeepseekV2ForCausalLM"),
 }
 
 

@@ -13,8 +13,6 @@ the model's compute, with the same pipeline structure as on a GPU.
 
 from __future__ import annotations
 
-import logging
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -24,9 +22,9 @@ import torch
 from tandem.attention.metadata import AttentionMetadata
 from tandem.core.scheduler import SchedulerOutput
 from tandem.sampling_params import SamplingParams
+from tandem.worker.cuda_graph import DecodeCUDAGraphs
 from tandem.worker.sampler import SamplingBatch, SamplerOutput, sample, token_seed
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,12 +103,14 @@ class ModelRunner:
         kv_caches: one ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer.
         block_size: tokens per block.
         vocab_size: logits width.
-        max_num_seqs: rows of the penalty state tables.
+        max_num_seqs: rows of the penalty state tables; largest CUDA-graph batch.
         device: where the model lives.
+        max_model_len: longest sequence (sizes the CUDA-graph block-table buffer).
+        enforce_eager: never use CUDA graphs.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, vocab_size: int,
-                 max_num_seqs: int, device: torch.device) -> None:
+                 max_num_seqs: int, device: torch.device, max_model_len: int = 2048, enforce_eager: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -126,7 +126,15 @@ class ModelRunner:
         self._is_cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._is_cuda else None
         self._executor = None if self._is_cuda else ThreadPoolExecutor(1, thread_name_prefix="tandem-step")
-        self._lock = threading.Lock()
+        self.cuda_graphs: DecodeCUDAGraphs | None = None
+        if self._is_cuda and not enforce_eager:
+            hidden = model.embed_tokens.weight.shape[1]
+            self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, -(-max_model_len // block_size), hidden,
+                                                model.embed_tokens.weight.dtype, device)
+            self.cuda_graphs.capture()
+        # Per step, when timing is on: (start event, end event, sequences, all decode?,
+        # total context tokens read by attention).
+        self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] | None = None
 
     # ----------------------------------------------------------------- state
     def _add_seq(self, req) -> None:
@@ -215,22 +223,30 @@ class ModelRunner:
 
         dev = self.device
         to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
+        timing = self.step_events is not None
+        if timing:
+            ev_start = torch.cuda.Event(enable_timing=True)
+            ev_start.record()
         input_ids_t = to_dev(input_ids)
         if prev_dst:
             input_ids_t[torch.tensor(prev_dst, device=dev)] = self.prev_sampled[torch.tensor(prev_src, device=dev)]
-        meta = AttentionMetadata(
-            query_start_loc=to_dev(qsl.astype(np.int32)),
-            seq_lens=to_dev(seq_lens.astype(np.int32)),
-            num_computed_tokens=to_dev(computed.astype(np.int32)),
-            block_tables=to_dev(block_table),
-            slot_mapping=to_dev(slot_mapping),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            num_decode_reqs=num_decode,
-        )
-        hidden = self.model(input_ids_t, to_dev(positions), self.kv_caches, meta)
+        graphs = self.cuda_graphs
+        if graphs is not None and num_decode == num_reqs and num_reqs <= graphs.max_size:
+            hidden = graphs.run(num_reqs, input_ids_t, positions, slot_mapping, seq_lens, computed, block_table)
+        else:
+            meta = AttentionMetadata(
+                query_start_loc=to_dev(qsl.astype(np.int32)),
+                seq_lens=to_dev(seq_lens.astype(np.int32)),
+                num_computed_tokens=to_dev(computed.astype(np.int32)),
+                block_tables=to_dev(block_table),
+                slot_mapping=to_dev(slot_mapping),
+                max_query_len=int(q_lens.max()),
+                max_seq_len=int(seq_lens.max()),
+                query_start_loc_cpu=qsl.tolist(),
+                seq_lens_cpu=seq_lens.tolist(),
+                num_decode_reqs=num_decode,
+            )
+            hidden = self.model(input_ids_t, to_dev(positions), self.kv_caches, meta)
 
         sample_rows = [r for r, s in enumerate(seqs) if s.sample]
         sample_seq_ids = [seqs[r].seq_id for r in sample_rows]
@@ -253,6 +269,10 @@ class ModelRunner:
             sampled = torch.empty(0, dtype=torch.long, device=dev)
             host_src = {"sampled": sampled}
         self.prev_sampled = sampled
+        if timing:
+            ev_end = torch.cuda.Event(enable_timing=True)
+            ev_end.record()
+            self.step_events.append((ev_start, ev_end, num_reqs, num_decode == num_reqs, int(seq_lens.sum())))
         self.prev_rows = {sid: i for i, sid in enumerate(sample_seq_ids)}
         event = None
         if self._is_cuda:

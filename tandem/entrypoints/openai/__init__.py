@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: protocol models, serving logic, FastAPI app, metrics."""

@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn): ``tandem serve [MODEL]``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``,
+``GET /tokenizer_info``, ``GET /version``, ``GET /debug/engine_stats``.
+
+Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``. User input
+never yields a 500: invalid JSON, validation failures (FastAPI's 422 included), unknown
+models, out-of-range values, over-long prompts and out-of-vocabulary token ids are 400;
+unknown routes 404. A client that disconnects aborts its request (streaming: the response
+task is cancelled; non-streaming: the handler races a disconnect listener).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.engine.async_llm import AsyncLLM, EngineDeadError
+from tandem.entrypoints.openai import protocol as P
+from tandem.entrypoints.openai.cli_args import served_names
+from tandem.entrypoints.openai.metrics import ServerMetrics
+from tandem.entrypoints.openai.serving import OpenAIError, OpenAIServing, bad_request, error_body
+
+logger = logging.getLogger("tandem.serve")
+
+_HTTP_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+               413: "RequestTooLarge", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("tandem")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "0.0.0"
+
+
+def _error(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, err_type or _HTTP_TYPES.get(status, "Error"), param), status_code=status)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    parts, param = [], None
+    for e in errors[:5]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if param is None and loc:
+            param = loc[0]
+        where = ".".join(loc)
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+async def _parse(raw: Request, model: type[BaseModel]):
+    body = await raw.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"Invalid JSON in the request body: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        msg, param = _validation_message(e.errors(include_url=False))
+        raise bad_request(msg, param) from None
+
+
+async def _until_disconnect(raw: Request) -> None:
+    while True:
+        msg = await raw.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _with_cancellation(raw: Request, coro):
+    """Run ``coro``; if the client disconnects first, cancel it (aborting its requests)."""
+    task = asyncio.ensure_future(coro)
+    waiter = asyncio.ensure_future(_until_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        waiter.cancel()
+        raise
+    waiter.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    return None
+
+
+class _RequestIdHeader:
+    """Echo the client's ``X-Request-Id`` header on the response (pure ASGI: streaming and
+    disconnect detection pass through untouched)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
+        if rid is None:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
+
+
+def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | None = None) -> FastAPI:
+    """The FastAPI application around a running ``AsyncLLM``.
+
+    ``app.state`` holds ``llm``, ``serving`` (``OpenAIServing``) and ``metrics``.
+    """
+    serving = OpenAIServing(llm, served_model_names)
+    metrics = ServerMetrics(llm, served_model_names[0])
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        serving.shutdown()
+
+    app = FastAPI(title="Tandem OpenAI-compatible server", version=_version(),
+                  lifespan=lifespan)
+    app.state.llm = llm
+    app.state.serving = serving
+    app.state.metrics = metrics
+
+    # ------------------------------------------------------------ error handlers
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        msg, param = _validation_message(list(exc.errors()))
+        return _error(400, msg, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError):
+        return _error(503, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        logger.exception("internal error")
+        return _error(500, f"internal error: {exc!r}")
+
+    app.add_middleware(_RequestIdHeader)
+
+    def request_id(raw: Request, body_id: str | None) -> str:
+        return raw.headers.get("x-request-id") or body_id or P.random_uuid()
+
+    def respond(result, raw: Request):
+        if result is None:  # the client went away
+            return Response(status_code=499)
+        if isinstance(result, AsyncIterator):
+            return StreamingResponse(result, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(result.model_dump())
+
+    # ------------------------------------------------------------------ routes
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        req = await _parse(raw, P.CompletionRequest)
+        rid = request_id(raw, req.request_id)
+        return respond(await _with_cancellation(raw, serving.create_completion(req, rid)), raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        req = await _parse(raw, P.ChatCompletionRequest)
+        rid = request_id(raw, req.request_id)
+        return respond(await _with_cancellation(raw, serving.create_chat_completion(req, rid)), raw)
+
+    @app.get("/v1/models")
+    async def models():
+        cards = [P.ModelCard(id=name, root=model_root or name, max_model_len=llm.max_model_len)
+                 for name in served_model_names]
+        return JSONResponse(P.ModelList(data=cards).model_dump())
+
+    @app.get("/health")
+    async def health():
+        if not llm.is_running:
+            return _error(503, f"the engine is not running: {llm.dead_error!r}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        req = await _parse(raw, P.TokenizeRequest)
+        return JSONResponse((await serving.tokenize(req)).model_dump(exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        req = await _parse(raw, P.DetokenizeRequest)
+        return JSONResponse((await serving.detokenize(req)).model_dump())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return JSONResponse(serving.tokenizer_info())
+
+    @app.get("/debug/engine_stats")
+    async def engine_stats():
+        """Engine state read in the engine thread between steps (tests, debugging)."""
+        return JSONResponse(await llm.call_in_engine(lambda _e: llm._collect_stats()))
+
+    return app
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Load the engine, start its thread, and serve until interrupted."""
+    import uvicorn
+
+    from tandem.entrypoints.cli import engine_config_from_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = engine_config_from_args(args)
+    names = served_names(args)
+    logger.info("loading %s", cfg.model)
+    llm = AsyncLLM(cfg)
+    app = build_app(llm, names, model_root=cfg.model)
+    logger.info("serving %s on http://%s:%d (max_model_len %d, %d KV blocks, pid %d)", names, args.host, args.port,
+                llm.max_model_len, llm.engine.num_kv_blocks, os.getpid())
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_keep_alive=args.timeout_keep_alive)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        llm.shutdown()

@@ -1,0 +1,23 @@
+"""``tandem serve`` flags (kept free of server imports so the CLI parses fast)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    model = getattr(args, "model_pos", None) or args.model
+    return [model] if model else ["SmolLM2-135M-Instruct"]
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """``tandem serve`` flags (engine flags are added by the caller)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) accepted in requests (default: the MODEL argument, or SmolLM2-135M-Instruct)")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--timeout-keep-alive", type=int, default=5)

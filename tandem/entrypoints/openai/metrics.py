@@ -1,0 +1,103 @@
+"""Prometheus metrics of the server (``GET /metrics``), named like vLLM's with ``tandem:``.
+
+Latency histograms (seconds) are observed by the front end as outputs arrive:
+``time_to_first_token_seconds`` (arrival -> first token), ``inter_token_latency_seconds``
+(between two streamed outputs), ``time_per_output_token_seconds`` (per request:
+(e2e - ttft) / (tokens - 1)), ``e2e_request_latency_seconds``. Engine state (running and
+waiting requests, KV cache usage, prefix-cache hits, token counters, preemptions) is read
+from the engine thread's latest snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tandem.engine.async_llm import AsyncLLM, RequestStats
+
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0]
+_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0]
+_TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+
+
+class _EngineCollector:
+    """Gauges and counters read from ``AsyncLLM.stats()`` when scraped."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+
+    def collect(self):
+        s = self.llm.stats()
+        labels = ["model_name"]
+        lv = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name: str, doc: str, value: float):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(lv, value)
+            return c
+
+        yield gauge("tandem:num_requests_running", "Sequences in the running batch.", s.get("num_running", 0))
+        yield gauge("tandem:num_requests_waiting", "Sequences waiting to be scheduled.", s.get("num_waiting", 0))
+        yield gauge("tandem:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", s.get("kv_cache_usage", 0.0))
+        yield gauge("tandem:kv_cache_free_blocks", "Free KV cache blocks.", s.get("num_free_blocks", 0))
+        yield gauge("tandem:kv_cache_usable_blocks", "Usable KV cache blocks (all but the null block).",
+                    s.get("num_usable_blocks", 0))
+        q, h = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
+        yield gauge("tandem:prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since start.",
+                    h / q if q else 0.0)
+        yield counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", q)
+        yield counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", h)
+        yield counter("tandem:prompt_tokens", "Prompt tokens of accepted requests.", s.get("prompt_tokens", 0))
+        yield counter("tandem:generation_tokens", "Generated tokens.", s.get("generation_tokens", 0))
+        yield counter("tandem:num_preemptions", "Preemptions (recompute).", s.get("num_preemptions", 0))
+
+
+class ServerMetrics:
+    """The server's Prometheus registry; a ``StatListener`` of ``AsyncLLM``."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.model_name = model_name
+        lab = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token (s).", lab,
+                              buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between two streamed outputs (s).", lab,
+                             buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("tandem:time_per_output_token_seconds", "Mean time per output token of a request (s).",
+                              lab, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "End-to-end request latency (s).", lab,
+                             buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_len = Histogram("tandem:request_prompt_tokens", "Prompt tokens per request.", lab,
+                                    buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.gen_len = Histogram("tandem:request_generation_tokens", "Generated tokens per request.", lab,
+                                 buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+        self._success = Counter("tandem:request_success", "Finished requests by finish reason.",
+                                lab + ["finished_reason"], registry=r)
+        r.register(_EngineCollector(llm, model_name))
+        llm.stat_listeners.append(self)
+
+    # StatListener
+    def on_first_token(self, ttft: float) -> None:
+        self.ttft.observe(ttft)
+
+    def on_inter_token(self, itl: float) -> None:
+        self.itl.observe(itl)
+
+    def on_request_finished(self, st: RequestStats) -> None:
+        self.e2e.observe(st.e2e)
+        if st.tpot is not None:
+            self.tpot.observe(st.tpot)
+        self.prompt_len.observe(st.num_prompt_tokens)
+        self.gen_len.observe(st.num_generation_tokens)
+        self._success.labels(self.model_name, st.finish_reason or "unknown").inc()

@@ -1,0 +1,538 @@
+"""OpenAI serving logic: requests -> engine requests -> responses and SSE chunks.
+
+Everything here runs on the server's event loop, except tokenization (prompts, chat
+templates, token strings), which runs on one front-end worker thread with the front end's
+own tokenizer copy, so that neither the event loop nor the engine thread waits for it.
+Non-streaming requests ask the engine for one final output (``FINAL_ONLY``); streaming ones
+for deltas (``DELTA``), each turned into one SSE chunk per choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
+from typing import Any
+
+from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from tandem.entrypoints.openai import protocol as P
+from tandem.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tandem.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+class OpenAIError(Exception):
+    """An error answered with an OpenAI-style body (``{"error": {...}}``)."""
+
+    def __init__(self, message: str, status_code: int = 400, err_type: str = "BadRequestError",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.err_type = err_type
+        self.param = param
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status_code, self.err_type, self.param)
+
+
+def error_body(message: str, code: int, err_type: str, param: str | None = None) -> dict:
+    return P.ErrorResponse(error=P.ErrorInfo(message=message, type=err_type, param=param, code=code)).model_dump()
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(message, 400, "BadRequestError", param)
+
+
+def _param_of(message: str) -> str | None:
+    """The field a ``SamplingParams`` / engine message names first, if any."""
+    first = message.split(" ", 1)[0]
+    return first if first in _SAMPLING_FIELDS else None
+
+
+def _clamp(lp: float) -> float:
+    """JSON has no infinities: vLLM's convention maps -inf / nan to -9999.0."""
+    return -9999.0 if math.isnan(lp) or math.isinf(lp) else max(lp, -9999.0)
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as ``(stream index, output)``, in arrival order."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the reader
+            q.put_nowait((i, e))
+            return
+        q.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+def sse(data: Any) -> str:
+    if isinstance(data, P.OpenAIBaseModel):
+        return f"data: {data.model_dump_json()}\n\n"
+    return f"data: {json.dumps(data)}\n\n"
+
+
+class OpenAIServing:
+    """Completions, chat completions, tokenize/detokenize on top of an ``AsyncLLM``.
+
+    Args:
+        llm: the engine front end.
+        served_model_names: names accepted in the ``model`` field (the first is reported).
+    """
+
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str]) -> None:
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
+
+    # ----------------------------------------------------------------- helpers
+    def shutdown(self) -> None:
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _in_tokenizer(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise bad_request(f"The model `{name}` does not exist. Served models: {self.served_model_names}.", "model")
+
+    def _check_token_ids(self, ids: list[int], what: str) -> None:
+        v = self.llm.vocab_size
+        bad = [t for t in ids if not 0 <= t < v]
+        if bad:
+            raise bad_request(f"{what} contains token ids outside the vocabulary [0, {v}): {bad[:8]}.", what)
+
+    def _sampling_params(self, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None, kind: RequestOutputKind) -> SamplingParams:
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise bad_request(f"best_of must equal n (beam search and best_of > n are not supported), got "
+                              f"best_of={req.best_of}, n={req.n}.", "best_of")
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        bias = None
+        if req.logit_bias:
+            try:
+                bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids (integers), got {list(req.logit_bias)[:8]}.",
+                                  "logit_bias") from None
+        try:
+            params = SamplingParams(
+                n=req.n or 1,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=req.seed,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=bias,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                output_kind=kind,
+            )
+            params.verify_vocab(self.llm.vocab_size)
+        except ValueError as e:
+            raise bad_request(str(e), _param_of(str(e))) from None
+        return params
+
+    def _stream_options(self, req: P._SamplingFields) -> bool:
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+        return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+    async def _add(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+        """Add one engine request per prompt, all at once; on any rejection abort the others."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        res = await asyncio.gather(*(self.llm.add_request(rid, p, params) for rid, p in zip(ids, prompts)),
+                                   return_exceptions=True)
+        errors = [r for r in res if isinstance(r, BaseException)]
+        if errors:
+            for r in res:
+                if isinstance(r, RequestStream):
+                    r.abort()
+            e = errors[0]
+            if isinstance(e, ValueError):
+                raise bad_request(str(e), _param_of(str(e)))
+            raise e
+        return res
+
+    @staticmethod
+    async def _final(stream: RequestStream) -> RequestOutput:
+        last = None
+        async for out in stream:
+            last = out
+        if last is None or not last.finished:  # pragma: no cover - engine contract
+            raise EngineDeadError("request ended without a final output")
+        return last
+
+    async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        try:
+            return list(await asyncio.gather(*(self._final(s) for s in streams)))
+        finally:
+            for s in streams:
+                s.abort()
+
+    # ------------------------------------------------------------ completions
+    def _tokenize_completion_prompts(self, req: P.CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = req.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif not p:
+            raise bad_request("prompt must not be empty.", "prompt")
+        elif all(isinstance(x, int) for x in p):
+            items = [p]
+        else:
+            items = list(p)
+        out = []
+        for x in items:
+            if isinstance(x, str):
+                out.append((x, self.tokenizer.encode(x, add_special_tokens=req.add_special_tokens)))
+            else:
+                if not x:
+                    raise bad_request("prompt must not be empty.", "prompt")
+                self._check_token_ids(x, "prompt")
+                out.append((None, list(x)))
+        return out
+
+    def _prompt_texts(self, prompts: list[tuple[str | None, list[int]]], want_tokens: bool) -> list[tuple[str, str]]:
+        """Prompt text (decoded when given as ids) and the first token's string, for echo."""
+        res = []
+        for text, ids in prompts:
+            if text is None:
+                text = self.tokenizer.decode(ids)
+            res.append((text, self.tokenizer.decode(ids[:1]) if want_tokens else ""))
+        return res
+
+    @staticmethod
+    def _completion_logprobs(token_ids: list[int], lps: list[PositionLogprobs | None], offset: int,
+                             first_token_str: str | None = None) -> P.CompletionLogProbs:
+        res = P.CompletionLogProbs()
+        for tok, pos in zip(token_ids, lps):
+            if pos is None:  # the first prompt token has no logprob
+                s = first_token_str or ""
+                res.tokens.append(s)
+                res.token_logprobs.append(None)
+                res.top_logprobs.append(None)
+            else:
+                lp = pos.get(tok) or next(iter(pos.values()))
+                s = lp.decoded_token or ""
+                res.tokens.append(s)
+                res.token_logprobs.append(_clamp(lp.logprob))
+                res.top_logprobs.append({(v.decoded_token or ""): _clamp(v.logprob) for v in pos.values()})
+            res.text_offset.append(offset)
+            offset += len(s)
+        return res
+
+    async def create_completion(self, req: P.CompletionRequest, request_id: str):
+        """Returns a ``CompletionResponse`` or, when streaming, an async iterator of SSE lines.
+
+        Raises:
+            OpenAIError: invalid request (400).
+        """
+        self.check_model(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported.", "suffix")
+        include_usage = self._stream_options(req)
+        echo = bool(req.echo)
+        max_tokens = req.max_tokens
+        echo_only = echo and max_tokens == 0  # score the prompt only (OpenAI's echo + max_tokens 0)
+        if echo_only:
+            max_tokens = 1
+        try:
+            prompts = await self._in_tokenizer(self._tokenize_completion_prompts, req)
+        except OpenAIError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise bad_request(f"could not tokenize the prompt: {e}", "prompt") from None
+        lp = req.logprobs
+        prompt_lp = lp if echo and lp is not None else req.prompt_logprobs
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        params = self._sampling_params(req, max_tokens, lp, prompt_lp, kind)
+        echo_texts = await self._in_tokenizer(self._prompt_texts, prompts, lp is not None) if echo else None
+        streams = await self._add(request_id, [ids for _, ids in prompts], params)
+        rid = f"cmpl-{request_id}"
+        n = params.n
+        if req.stream:
+            return self._completion_stream(streams, prompts, echo_texts, echo_only, lp, n, rid, include_usage)
+        outs = await self._collect(streams)
+        choices = []
+        num_prompt = num_gen = num_cached = 0
+        for i, out in enumerate(outs):
+            ids = prompts[i][1]
+            num_prompt += len(ids)
+            num_cached += out.num_cached_tokens
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                toks = [] if echo_only else c.token_ids
+                text = "" if echo_only else c.text
+                clps = [] if echo_only else (c.logprobs or [])
+                num_gen += len(toks)
+                logprobs = None
+                if echo:
+                    ptext, first_str = echo_texts[i]
+                    text = ptext + text
+                    if lp is not None:
+                        logprobs = self._completion_logprobs(ids + toks, (out.prompt_logprobs or [None] * len(ids)) + clps,
+                                                             0, first_str)
+                elif lp is not None:
+                    logprobs = self._completion_logprobs(toks, clps, 0)
+                choices.append(P.CompletionResponseChoice(
+                    index=i * n + c.index, text=text, logprobs=logprobs,
+                    finish_reason="length" if echo_only else c.finish_reason, stop_reason=c.stop_reason))
+        usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen)
+        return P.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
+
+    async def _completion_stream(self, streams, prompts, echo_texts, echo_only: bool, lp: int | None, n: int,
+                                 rid: str, include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent_chars: dict[int, int] = {}
+        num_gen = 0
+        prompt_lps: dict[int, list] = {}
+        try:
+            async for i, out in merge_streams(streams):
+                ids = prompts[i][1]
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    toks = [] if echo_only else c.token_ids
+                    text = "" if echo_only else c.text
+                    clps = [] if echo_only else (c.logprobs or [])
+                    num_gen += len(toks)
+                    offset = sent_chars.get(idx, 0)
+                    logprobs = None
+                    if echo_texts is not None and idx not in sent_chars:
+                        ptext, first_str = echo_texts[i]
+                        text = ptext + text
+                        if lp is not None:
+                            plps = prompt_lps.get(i) or [None] * len(ids)
+                            logprobs = self._completion_logprobs(ids + toks, plps + clps, offset, first_str)
+                    elif lp is not None:
+                        logprobs = self._completion_logprobs(toks, clps, offset)
+                    sent_chars[idx] = offset + len(text)
+                    finish = ("length" if echo_only else c.finish_reason) if c.finish_reason else None
+                    if not text and not toks and finish is None:
+                        continue
+                    chunk = P.CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[
+                        P.CompletionResponseStreamChoice(index=idx, text=text, logprobs=logprobs, finish_reason=finish,
+                                                         stop_reason=c.stop_reason if finish else None)])
+                    yield sse(chunk)
+            if include_usage:
+                num_prompt = sum(len(ids) for _, ids in prompts)
+                usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
+                                    total_tokens=num_prompt + num_gen)
+                yield sse(P.CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
+                                                     usage=usage))
+        except EngineDeadError as e:
+            yield sse(error_body(str(e), 503, "ServiceUnavailableError"))
+        except Exception as e:  # noqa: BLE001 - report, then close the stream
+            logger.exception("streaming completion failed")
+            yield sse(error_body(f"internal error: {e!r}", 500, "InternalServerError"))
+        finally:
+            for s in streams:
+                s.abort()
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------- chat
+    @staticmethod
+    def _conversation(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
+        conv = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise bad_request(f"messages[{i}]: only text content parts are supported, got "
+                                          f"{part.get('type')!r}.", "messages")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            d = {"role": m.role, "content": content if content is not None else ""}
+            if m.name is not None:
+                d["name"] = m.name
+            conv.append(d)
+        return conv
+
+    def _apply_chat_template(self, conv: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                             kwargs: dict | None) -> str:
+        if continue_final_message and add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true.",
+                              "continue_final_message")
+        try:
+            return self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, **(kwargs or {}))
+        except OpenAIError:
+            raise
+        except Exception as e:  # jinja2 TemplateError, ValueError, TypeError from the template
+            raise bad_request(f"the chat template could not be applied to these messages: {e}", "messages") from None
+
+    def _chat_prompt(self, req: P.ChatCompletionRequest) -> tuple[str, list[int]]:
+        conv = self._conversation(req.messages)
+        text = self._apply_chat_template(conv, req.add_generation_prompt, req.continue_final_message,
+                                         req.chat_template_kwargs)
+        # The template already holds the BOS token where the model wants it.
+        return text, self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+    @staticmethod
+    def _chat_logprobs(token_ids: list[int], lps: list[PositionLogprobs], top: int) -> P.ChatCompletionLogProbs:
+        content = []
+        for tok, pos in zip(token_ids, lps):
+            lp = pos.get(tok) or next(iter(pos.values()))
+            s = lp.decoded_token or ""
+            tops = sorted(pos.values(), key=lambda v: v.rank)[:top] if top else []
+            content.append(P.ChatCompletionLogProbsContent(
+                token=s, logprob=_clamp(lp.logprob), bytes=list(s.encode("utf-8")),
+                top_logprobs=[P.ChatCompletionLogProb(token=(v.decoded_token or ""), logprob=_clamp(v.logprob),
+                                                      bytes=list((v.decoded_token or "").encode("utf-8")))
+                              for v in tops]))
+        return P.ChatCompletionLogProbs(content=content)
+
+    async def create_chat_completion(self, req: P.ChatCompletionRequest, request_id: str):
+        """Returns a ``ChatCompletionResponse`` or, when streaming, an async iterator of SSE lines.
+
+        Raises:
+            OpenAIError: invalid request (400).
+        """
+        self.check_model(req.model)
+        if req.tools:
+            raise bad_request("tools (function calling) are not supported.", "tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise bad_request(f"response_format {req.response_format.type!r} is not supported.", "response_format")
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+        include_usage = self._stream_options(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        _, ids = await self._in_tokenizer(self._chat_prompt, req)
+        top = req.top_logprobs or 0
+        lp = top if req.logprobs else None
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        params = self._sampling_params(req, max_tokens, lp, None, kind)
+        streams = await self._add(request_id, [ids], params)
+        rid = f"chatcmpl-{request_id}"
+        if req.stream:
+            return self._chat_stream(streams[0], len(ids), params.n, lp, rid, include_usage)
+        (out,) = await self._collect(streams)
+        choices = []
+        num_gen = 0
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            num_gen += len(c.token_ids)
+            logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], top) if lp is not None else None
+            choices.append(P.ChatCompletionResponseChoice(
+                index=c.index, message=P.ChatResponseMessage(role="assistant", content=c.text), logprobs=logprobs,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=num_gen, total_tokens=len(ids) + num_gen)
+        return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
+
+    async def _chat_stream(self, stream: RequestStream, num_prompt: int, n: int, lp: int | None, rid: str,
+                           include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        num_gen = 0
+
+        def chunk(choices) -> str:
+            return sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=choices))
+
+        try:
+            for i in range(n):
+                yield chunk([P.ChatCompletionResponseStreamChoice(
+                    index=i, delta=P.DeltaMessage(role="assistant", content=""))])
+            async for out in stream:
+                for c in out.outputs:
+                    num_gen += len(c.token_ids)
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], lp) if lp is not None else None
+                    yield chunk([P.ChatCompletionResponseStreamChoice(
+                        index=c.index, delta=P.DeltaMessage(content=c.text), logprobs=logprobs,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason if c.finish_reason else None)])
+            if include_usage:
+                usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen)
+                yield sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
+                                                         usage=usage))
+        except EngineDeadError as e:
+            yield sse(error_body(str(e), 503, "ServiceUnavailableError"))
+        except Exception as e:  # noqa: BLE001
+            logger.exception("streaming chat completion failed")
+            yield sse(error_body(f"internal error: {e!r}", 500, "InternalServerError"))
+        finally:
+            stream.abort()
+        yield "data: [DONE]\n\n"
+
+    # -------------------------------------------------------------- tokenizer
+    def _tokenize(self, req: P.TokenizeRequest) -> P.TokenizeResponse:
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages.", "prompt")
+        if req.prompt is not None:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=add_special)
+        else:
+            conv = self._conversation(req.messages)
+            text = self._apply_chat_template(conv, req.add_generation_prompt, req.continue_final_message, None)
+            ids = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return P.TokenizeResponse(count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs)
+
+    async def tokenize(self, req: P.TokenizeRequest) -> P.TokenizeResponse:
+        self.check_model(req.model)
+        return await self._in_tokenizer(self._tokenize, req)
+
+    async def detokenize(self, req: P.DetokenizeRequest) -> P.DetokenizeResponse:
+        self.check_model(req.model)
+        self._check_token_ids(req.tokens, "tokens")
+        return P.DetokenizeResponse(prompt=await self._in_tokenizer(self.tokenizer.decode, req.tokens))
+
+    def tokenizer_info(self) -> dict:
+        tok = self.tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "chat_template": tok.chat_template if isinstance(tok.chat_template, str) else None,
+            "model_max_length": self.llm.max_model_len,
+            "vocab_size": self.llm.vocab_size,
+        }

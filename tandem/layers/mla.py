@@ -1,0 +1,169 @@
+"""Multi-head latent attention (MLA) of DeepSeek-V2 over a paged cache of compressed KV.
+
+DeepSeek-AI, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts Language
+Model", 2024, section 2.1. Per token the layer caches only
+
+* ``c_kv``: the KV latent, ``kv_a_layernorm(kv_a_proj_with_mqa(x)[:kv_lora_rank])``, and
+* ``k_pe``: the decoupled RoPE key shared by all heads (``qk_rope_head_dim``, rotated),
+
+i.e. ``kv_lora_rank + qk_rope_head_dim`` numbers (576 for DeepSeek-V2/-Lite) instead of
+``2 * num_heads * head_dim``.
+
+Cache layout (one tensor per layer, allocated by the engine from the model's
+``kv_cache_shape_per_block = (1, kv_lora_rank + qk_rope_head_dim)`` and
+``kv_cache_num_planes = 1``): ``[1, num_blocks, block_size, 1, kv_lora_rank +
+qk_rope_head_dim]``; slot ``s`` holds ``concat(c_kv, k_pe)`` of one token. There is no
+separate value plane: the values are decompressed from the same latent.
+
+Attention (this file, plain torch): at attention time the latents of each request are
+gathered through its block table and *decompressed* with ``kv_b_proj`` into per-head keys
+``[k_nope, k_pe]`` (``qk_nope_head_dim + qk_rope_head_dim``) and values (``v_head_dim``),
+then ``scaled_dot_product_attention`` with the causal mask of the cached prefix. Decode
+requests run as one padded batch, each prefill/chunk alone (as the torch backend).
+Absorbing ``kv_b_proj`` into the query and output projections (attention in the latent
+space) is the later optimisation for long-context decode.
+
+RoPE: transformers' DeepSeek-V2 rotates *interleaved* pairs ``(x[2i], x[2i+1])`` (complex
+multiplication), not the NeoX halves; the softmax scale is ``qk_head_dim**-0.5`` times
+``yarn_get_mscale(factor, mscale_all_dim)**2`` under YaRN scaling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.attention.metadata import AttentionMetadata
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of ``x [..., D]`` by ``cos/sin [..., D/2]`` (broadcast); fp32 math."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x1, x2 = xf[..., 0], xf[..., 1]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_softmax_scale(hf_config) -> float:
+    """``qk_head_dim**-0.5``, times ``mscale**2`` for YaRN with ``mscale_all_dim``."""
+    qk_head_dim = hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
+    scale = qk_head_dim**-0.5
+    params = rope_parameters(hf_config)
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        m = yarn_get_mscale(params["factor"], params["mscale_all_dim"])
+        scale *= m * m
+    return scale
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek-V2 attention with HF parameter names (``q_proj`` or ``q_a_proj`` /
+    ``q_a_layernorm`` / ``q_b_proj``; ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+    ``kv_b_proj``, ``o_proj``).
+
+    ``forward(x [T, H], positions [T], kv_cache [1, num_blocks, block_size, 1,
+    kv_lora_rank + qk_rope_head_dim], meta) -> [T, H]``.
+    """
+
+    def __init__(self, hf_config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        c = hf_config
+        self.num_heads = c.num_attention_heads
+        self.q_lora_rank, self.kv_lora_rank = c.q_lora_rank, c.kv_lora_rank
+        self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.qk_dim = self.nope + self.rope
+        bias = bool(getattr(c, "attention_bias", False))
+        h = c.hidden_size
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, self.num_heads * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # HF uses the default eps here
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
+        self.rotary = rotary
+        self.scale = mla_softmax_scale(c)
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.rope
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(t, self.num_heads, self.qk_dim).split([self.nope, self.rope], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [T, rope/2], fp32
+        q_pe = apply_rope_interleaved(q_pe, cos[:, None], sin[:, None])
+        k_pe = apply_rope_interleaved(k_pe, cos, sin)
+        write_latent_cache(torch.cat((c_kv, k_pe), dim=-1), kv_cache, meta.slot_mapping)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        o = self._attend(q, kv_cache, meta)
+        return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
+
+    def expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decompress ``latent [..., L, kv_lora_rank + rope]`` into keys ``[..., heads, L,
+        qk_dim]`` and values ``[..., heads, L, v_head_dim]``."""
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(c_kv).unflatten(-1, (self.num_heads, self.nope + self.v_dim))  # [..., L, h, nope+v]
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope)), dim=-1)
+        return k.transpose(-3, -2), v.transpose(-3, -2)
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        block_size = kv_cache.shape[2]
+        nd = meta.num_decode_reqs
+        if nd > 0:
+            max_len = max(meta.seq_lens_cpu[:nd])
+            nb = -(-max_len // block_size)
+            lat = gather_latent(kv_cache, meta.block_tables[:nd], nb)  # [nd, L, D]
+            k, v = self.expand_latent(lat)
+            pos = torch.arange(nb * block_size, device=q.device)
+            mask = pos[None, :] < meta.seq_lens[:nd, None]
+            o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                               scale=self.scale)
+            out[:nd] = o.squeeze(2)
+        qsl = meta.query_start_loc_cpu
+        for r in range(nd, meta.num_reqs):
+            start, end = qsl[r], qsl[r + 1]
+            if end == start:
+                continue
+            seq_len = meta.seq_lens_cpu[r]
+            nb = -(-seq_len // block_size)
+            lat = gather_latent(kv_cache, meta.block_tables[r: r + 1], nb)[0, :seq_len]
+            k, v = self.expand_latent(lat)  # [h, L, *]
+            qpos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=self.scale)
+            out[start:end] = o.transpose(0, 1)
+        return out
+
+
+def write_latent_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``latent [T, D]`` into plane 0 of ``kv_cache [1, num_blocks, block_size, 1,
+    D]``; padding slots (-1) write into the reserved null block's slot 0 (no host sync)."""
+    flat = kv_cache[0].view(-1, kv_cache.shape[-1])
+    flat.index_copy_(0, slot_mapping.clamp(min=0), latent.to(kv_cache.dtype))
+
+
+def gather_latent(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Latents of the first ``num_blocks`` blocks of each request: ``[R, num_blocks *
+    block_size, D]``."""
+    lat = kv_cache[0][block_tables[:, :num_blocks].long()]  # [R, nb, bs, 1, D]
+    r, nb, bs = lat.shape[:3]
+    return lat.reshape(r, nb * bs, lat.shape[-1])

@@ -1,0 +1,361 @@
+"""Mixture-of-Experts: routers of each family and expert compute without a per-expert loop.
+
+Routing (top-k gating, Shazeer et al. 2017) gives every token ``k`` experts and weights:
+
+* Mixtral (Jiang et al. 2024): softmax over all router logits, top-k, renormalise to sum 1
+  (equal to a softmax over the top-k logits) — :func:`softmax_topk` with ``renormalize``.
+* Qwen3-MoE: softmax, top-k, renormalise iff ``norm_topk_prob`` — :func:`softmax_topk`.
+* DeepSeek-V2 (DeepSeek-AI 2024): softmax in fp32; ``greedy`` top-k or
+  ``group_limited_greedy`` (keep the ``topk_group`` groups of experts with the highest
+  best score, then top-k inside them); optional renormalisation (``norm_topk_prob``), then
+  ``routed_scaling_factor`` — :func:`deepseek_v2_topk`.
+
+Expert compute (:func:`grouped_experts`): the ``T*k`` (token, expert) pairs are sorted by
+expert (a stable argsort of the flattened expert ids), each expert's rows are contiguous
+(``offsets``), and the two SwiGLU GEMMs run as *grouped* GEMMs over those row groups —
+``torch._grouped_mm`` (one kernel per GEMM on Hopper, bf16) or, as a fallback, ``torch.bmm``
+over per-expert buffers padded to the largest group. The weighted results are scattered
+back to token order and summed over the ``k`` choices. :func:`reference_experts` is the
+plain per-expert loop used by tests and the micro-benchmark.
+
+:class:`FusedMoE` holds the stacked expert weights (``w13 [E, 2I, H]``: gate rows then up
+rows, as transformers' ``gate_up_proj``; ``w2 [E, H, I]``) and goes through the
+all-to-all seam of :mod:`tandem.distributed.all2all` (dispatch -> local experts -> combine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.distributed.all2all import All2AllBackend, LocalAll2All
+
+# ----------------------------------------------------------------------------- routing
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (fp32) over ``logits [T, E]``, top-k, optional renormalisation.
+
+    Returns ``(topk_ids [T, k] int64, topk_weights [T, k] fp32)``.
+    """
+    probs = logits.float().softmax(dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def deepseek_v2_topk(logits: torch.Tensor, top_k: int, topk_method: str = "greedy", n_group: int | None = None,
+                     topk_group: int | None = None, routed_scaling_factor: float = 1.0,
+                     norm_topk_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 routing over ``logits [T, E]`` (computed in fp32).
+
+    ``group_limited_greedy`` splits the experts into ``n_group`` equal groups, keeps the
+    ``topk_group`` groups whose best expert scores highest, and zeroes the other scores
+    before the top-k. With ``norm_topk_prob`` (and ``k > 1``) the weights are renormalised
+    to sum 1 (+1e-20) before ``routed_scaling_factor`` is applied, as in DeepSeek-V3 and
+    vLLM; transformers 5 ignores ``norm_topk_prob`` for DeepSeek-V2, whose released
+    checkpoints all set it False (where every implementation agrees).
+
+    Returns ``(topk_ids [T, k] int64, topk_weights [T, k] fp32)``.
+
+    Raises:
+        ValueError: unknown ``topk_method`` or bad group settings.
+    """
+    scores = logits.float().softmax(dim=-1)
+    if topk_method == "greedy":
+        weights, ids = torch.topk(scores, top_k, dim=-1, sorted=False)
+    elif topk_method == "group_limited_greedy":
+        num_experts = scores.shape[-1]
+        if not n_group or not topk_group or num_experts % n_group:
+            raise ValueError(f"group_limited_greedy needs n_group dividing {num_experts} and topk_group; "
+                             f"got n_group={n_group}, topk_group={topk_group}")
+        group_scores = scores.view(-1, n_group, num_experts // n_group).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group).reshape(-1, num_experts)
+        scores = scores.masked_fill(~score_mask.bool(), 0.0)
+        weights, ids = torch.topk(scores, top_k, dim=-1, sorted=False)
+    else:
+        raise ValueError(f"unknown DeepSeek topk_method {topk_method!r} (greedy, group_limited_greedy)")
+    if norm_topk_prob and top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * routed_scaling_factor
+
+
+class TopKRouter(nn.Module):
+    """Router ``weight [E, H]`` (HF name ``mlp.gate.weight``) + a family's top-k rule.
+
+    ``forward(x [T, H]) -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)``.
+
+    Args:
+        method: ``"softmax_topk"`` (Mixtral, Qwen3-MoE) or ``"deepseek_v2"``.
+        fp32_logits: compute the logits in fp32 (DeepSeek) instead of the model dtype.
+        renormalize: softmax_topk's renormalisation / DeepSeek's ``norm_topk_prob``.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, method: str = "softmax_topk", *,
+                 renormalize: bool = False, fp32_logits: bool = False, topk_method: str = "greedy",
+                 n_group: int | None = None, topk_group: int | None = None,
+                 routed_scaling_factor: float = 1.0) -> None:
+        super().__init__()
+        if method not in ("softmax_topk", "deepseek_v2"):
+            raise ValueError(f"unknown routing method {method!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.top_k, self.method, self.renormalize, self.fp32_logits = top_k, method, renormalize, fp32_logits
+        self.topk_method, self.n_group, self.topk_group = topk_method, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float()) if self.fp32_logits else F.linear(x, self.weight)
+        if self.method == "softmax_topk":
+            return softmax_topk(logits, self.top_k, self.renormalize)
+        return deepseek_v2_topk(logits, self.top_k, self.topk_method, self.n_group, self.topk_group,
+                                self.routed_scaling_factor, self.renormalize)
+
+
+# ------------------------------------------------------------------------ expert compute
+
+
+@dataclass
+class ExpertSort:
+    """The (token, expert) pairs of a step sorted by expert.
+
+    Attributes:
+        order: ``[T*k]`` int64, flat pair index of each sorted row (stable argsort of the
+            expert ids; pairs with id ``-1`` — not this rank's expert — sort last).
+        token_idx: ``[T*k]`` int64, token of each sorted row (``order // k``).
+        counts: ``[E]`` int64 rows per expert.
+        offsets: ``[E]`` int32 cumulative row ends (``torch._grouped_mm``'s ``offs``).
+        sorted_ids: ``[T*k]`` int64 expert of each sorted row (``E`` for invalid pairs).
+    """
+
+    order: torch.Tensor
+    token_idx: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    sorted_ids: torch.Tensor
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertSort:
+    """Sort ``topk_ids [T, k]`` (local ids, ``-1`` = skip) by expert; no host sync."""
+    k = topk_ids.shape[-1]
+    flat = topk_ids.reshape(-1)
+    keyed = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)
+    order = torch.argsort(keyed, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, keyed, torch.ones_like(keyed))
+    counts = counts[:num_experts]
+    return ExpertSort(order, torch.div(order, k, rounding_mode="floor"), counts,
+                      counts.cumsum(0).to(torch.int32), keyed[order])
+
+
+def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``h = [..., 2I]`` (gate first)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs for this device/dtype (CPU: any float; CUDA:
+    bf16 on compute capability >= 9.0)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cpu"
+
+
+def _resolve_impl(impl: str, x: torch.Tensor) -> str:
+    if impl != "auto":
+        return impl
+    if x.device.type == "cuda":
+        return "grouped_mm" if grouped_mm_available(x.device, x.dtype) else "padded_bmm"
+    # CPU: torch._grouped_mm loops over the groups in C++ — no host sync and no padding
+    # (padded bmm multiplies E * max_group rows); the two are on par in
+    # benchmarks/moe_grouped_gemm.py, both ahead of the Python loop for small batches.
+    return "grouped_mm" if grouped_mm_available(x.device, x.dtype) else "padded_bmm"
+
+
+def _padded_bmm_rows(xs: torch.Tensor, s: ExpertSort, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Both GEMMs as ``torch.bmm`` over ``[E, capacity, H]`` buffers (capacity = the
+    largest group; one host sync to read it). Returns the sorted rows' outputs."""
+    num_experts = w13.shape[0]
+    n_valid = int(s.offsets[-1]) if num_experts else 0
+    out = xs.new_zeros(xs.shape[0], w2.shape[1])
+    if n_valid == 0:
+        return out
+    cap = int(s.counts.max())
+    ids = s.sorted_ids[:n_valid]
+    starts = s.offsets.long() - s.counts
+    pos = torch.arange(n_valid, device=xs.device) - starts[ids]
+    buf = xs.new_zeros(num_experts, cap, xs.shape[1])
+    buf[ids, pos] = xs[:n_valid]
+    h = silu_and_mul(torch.bmm(buf, w13.transpose(1, 2)))
+    y = torch.bmm(h, w2.transpose(1, 2))
+    out[:n_valid] = y[ids, pos]
+    return out
+
+
+def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """SwiGLU experts over sorted (token, expert) pairs with grouped GEMMs.
+
+    Args:
+        x: ``[N, H]`` tokens (model dtype).
+        topk_ids: ``[N, k]`` int64 local expert ids in ``[0, E)``; ``-1`` skips a slot.
+        topk_weights: ``[N, k]`` fp32 routing weights.
+        w13: ``[E, 2I, H]`` gate (rows ``:I``) and up (rows ``I:``) projections.
+        w2: ``[E, H, I]`` down projections.
+        impl: ``"grouped_mm"`` (``torch._grouped_mm``), ``"padded_bmm"``, ``"loop"``
+            (:func:`reference_experts`) or ``"auto"``.
+
+    Returns:
+        ``[N, H]`` in ``x.dtype``: ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over
+        the valid slots ``j`` (zeros for a token with none). The weighting is done in
+        fp32 and the ``k`` contributions are summed in ``x.dtype``.
+
+    Raises:
+        ValueError: unknown ``impl``.
+    """
+    impl = _resolve_impl(impl, x)
+    if impl == "loop":
+        return reference_experts(x, topk_ids, topk_weights, w13, w2)
+    n, k = topk_ids.shape
+    s = sort_by_expert(topk_ids, w13.shape[0])
+    xs = x[s.token_idx]  # [N*k, H]
+    if impl == "grouped_mm":
+        h = silu_and_mul(torch._grouped_mm(xs, w13.transpose(1, 2), offs=s.offsets))
+        ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=s.offsets)
+    elif impl == "padded_bmm":
+        ys = _padded_bmm_rows(xs, s, w13, w2)
+    else:
+        raise ValueError(f"unknown MoE impl {impl!r} (auto, grouped_mm, padded_bmm, loop)")
+    # Rows past the last group (invalid pairs) are not written by _grouped_mm: mask them.
+    valid = s.sorted_ids < w13.shape[0]
+    w_sorted = topk_weights.reshape(-1)[s.order].float()
+    ys = torch.where(valid[:, None], ys.float() * w_sorted[:, None], 0.0).to(x.dtype)
+    y = torch.empty_like(ys).index_copy_(0, s.order, ys)
+    return y.view(n, k, w2.shape[1]).sum(dim=1)
+
+
+def reference_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor) -> torch.Tensor:
+    """The per-expert Python loop (reference for :func:`grouped_experts`, same contract)."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for e in range(w13.shape[0]):
+        tok, slot = torch.where(topk_ids == e)
+        if tok.numel() == 0:
+            continue
+        y = F.linear(silu_and_mul(F.linear(x[tok], w13[e])), w2[e])
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
+    return out.to(x.dtype)
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one MoE layer, behind the dispatch/combine seam.
+
+    Parameters: ``w13 [E_local, 2I, H]`` and ``w2 [E_local, H, I]``, ``E_local`` =
+    ``all2all.placement.num_local_experts`` (all experts for the ``local`` backend).
+
+    ``forward(hidden [T, H], topk_ids [T, k] global ids int64, topk_weights [T, k] fp32)
+    -> [T, H]``. :meth:`forward_steps` is the same computation as a generator that yields
+    right after each launch half (``"dispatch"``, ``"combine"``), for dual-batch overlap.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 all2all: All2AllBackend | None = None, impl: str = "auto") -> None:
+        super().__init__()
+        self.all2all = all2all if all2all is not None else LocalAll2All(num_experts)
+        if self.all2all.placement.num_experts != num_experts:
+            raise ValueError("all2all placement and MoE layer disagree on the number of experts")
+        e_local = self.all2all.placement.num_local_experts
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.impl = impl
+        self.w13 = nn.Parameter(torch.empty(e_local, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(e_local, hidden_size, intermediate_size))
+
+    def expert_compute(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(x, local_ids, weights, self.w13, self.w2, self.impl)
+
+    def forward_steps(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> Generator[str, None, torch.Tensor]:
+        handle = self.all2all.dispatch_launch(hidden, topk_ids, topk_weights)
+        yield "dispatch"
+        x, ids, w, meta = self.all2all.dispatch_wait(handle)
+        out = self.expert_compute(x, ids, w)
+        handle = self.all2all.combine_launch(out, meta)
+        yield "combine"
+        return self.all2all.combine_wait(handle)
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        gen = self.forward_steps(hidden, topk_ids, topk_weights)
+        try:
+            while True:
+                next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+    # -------------------------------------------------------------- weight loading
+    def load_fused(self, which: str, tensor: torch.Tensor) -> None:
+        """Copy a stacked ``[E, ...]`` checkpoint tensor (``gate_up_proj``/``down_proj``);
+        only this rank's experts are kept.
+
+        Raises:
+            ValueError: shape mismatch.
+        """
+        p = self.w13 if which == "w13" else self.w2
+        pl = self.all2all.placement
+        src = tensor[pl.first_local_expert: pl.first_local_expert + pl.num_local_experts]
+        if tuple(src.shape) != tuple(p.shape) or tensor.shape[0] != self.num_experts:
+            raise ValueError(f"expert tensor {which}: checkpoint {tuple(tensor.shape)} vs model "
+                             f"{(self.num_experts, *p.shape[1:])}")
+        with torch.no_grad():
+            p.copy_(src)
+
+    def load_expert(self, which: str, expert: int, tensor: torch.Tensor, shard: int | None = None) -> bool:
+        """Copy one expert's matrix (``which`` = "w13" with ``shard`` 0 = gate / 1 = up, or
+        "w2"). Returns False (and copies nothing) when another rank owns the expert.
+
+        Raises:
+            ValueError: expert id or shape out of range.
+        """
+        pl = self.all2all.placement
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert id {expert} out of range [0, {self.num_experts})")
+        if not pl.is_local(expert):
+            return False
+        local = expert - pl.first_local_expert
+        dst = (self.w13 if which == "w13" else self.w2)[local]
+        if shard is not None:
+            dst = dst.narrow(0, shard * self.intermediate_size, self.intermediate_size)
+        if dst.shape != tensor.shape:
+            raise ValueError(f"expert {expert} {which}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+        return True
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts (+ shared experts, DeepSeek), HF names ``gate``,
+    ``experts``, ``shared_experts``. ``forward(x [T, H]) -> [T, H]``."""
+
+    def __init__(self, gate: TopKRouter, experts: FusedMoE, shared_experts: nn.Module | None = None) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.shared_experts = shared_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = self.gate(x)
+        out = self.experts(x, topk_ids, topk_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,246 @@
+"""Qwen3-MoE, and the pieces shared by Tandem's MoE decoders (Mixtral, DeepSeek-V2).
+
+Qwen3-MoE = the Qwen3 decoder (per-head q/k RMSNorm before RoPE, NeoX RoPE, GQA) with
+sparse MoE feed-forward blocks on the layers ``i`` where ``(i + 1) % decoder_sparse_step
+== 0`` and ``i not in mlp_only_layers`` (a dense SwiGLU of ``intermediate_size`` elsewhere).
+Routing: softmax, top-k, renormalise iff ``norm_topk_prob``.
+
+Weights use the HF names. Routed experts load from either the stacked tensors of
+transformers 5 (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H,
+I]``) or the per-expert tensors of Hub checkpoints (``mlp.experts.{e}.gate_proj.weight``
+..., Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.attention.backend import AttentionBackend
+from tandem.attention.metadata import AttentionMetadata
+from tandem.distributed.all2all import All2AllBackend
+from tandem.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.llama import MLP, Attention, DecoderSpec
+
+All2AllFactory = Callable[[int], All2AllBackend]  # num_experts -> backend of one MoE layer
+
+_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PER_EXPERT = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+               "down_proj": ("w2", None), "w2": ("w2", None)}
+_FUSED_EXPERT = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                     stacked: dict[str, tuple[str, int]], shard_sizes: Callable[[str, torch.Tensor], list[int]],
+                     tie_word_embeddings: bool) -> None:
+    """Copy HF-named tensors into a Tandem MoE model.
+
+    Args:
+        stacked: HF name part -> (fused parameter name part, shard index), e.g.
+            ``"q_proj": ("qkv_proj", 0)``.
+        shard_sizes: (fused part, parameter) -> row sizes of its shards.
+
+    Raises:
+        ValueError: a tensor matches no parameter, a shape differs, or a parameter (or an
+            expert of this rank) received no weight.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and tie_word_embeddings):
+            continue
+        m = _EXPERT_RE.match(name)
+        if m:
+            mod = modules.get(m.group(1))
+            if not isinstance(mod, FusedMoE):
+                raise ValueError(f"checkpoint tensor {name!r} has no matching expert layer")
+            which, shard = _PER_EXPERT[m.group(3)]
+            e = int(m.group(2))
+            if mod.load_expert(which, e, tensor, shard):
+                loaded.add(f"{m.group(1)}.{which}#{e}.{'' if shard is None else shard}")
+            continue
+        prefix, _, last = name.rpartition(".")
+        if last in _FUSED_EXPERT and isinstance(modules.get(prefix), FusedMoE):
+            mod, which = modules[prefix], _FUSED_EXPERT[last]
+            mod.load_fused(which, tensor)
+            loaded |= _expert_keys(prefix, mod, which)
+            continue
+        target, shard = name, None
+        for part, (fused, idx) in stacked.items():
+            if f".{part}." in name:
+                target, shard = name.replace(f".{part}.", f".{fused}."), (fused, idx)
+                break
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+        p = params[target]
+        dst = p
+        if shard is not None:
+            sizes = shard_sizes(shard[0], p)
+            dst = p.narrow(0, sum(sizes[: shard[1]]), sizes[shard[1]])
+        if dst.shape != tensor.shape:
+            raise ValueError(f"shape of {name!r}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+        loaded.add(f"{target}#{shard[1] if shard else ''}")
+
+    expected: set[str] = set()
+    fused_parts = {fused for fused, _ in stacked.values()}
+    for mname, mod in modules.items():
+        if isinstance(mod, FusedMoE):
+            expected |= _expert_keys(mname, mod, "w13") | _expert_keys(mname, mod, "w2")
+    for pname in params:
+        if pname.endswith((".w13", ".w2")) and isinstance(modules.get(pname.rpartition(".")[0]), FusedMoE):
+            continue
+        fused = next((f for f in fused_parts if f".{f}." in pname), None)
+        if fused is None:
+            expected.add(f"{pname}#")
+        else:
+            expected |= {f"{pname}#{i}" for i in range(len(shard_sizes(fused, params[pname])))}
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:6]} ({len(missing)} in all)")
+
+
+def _expert_keys(prefix: str, mod: FusedMoE, which: str) -> set[str]:
+    pl = mod.all2all.placement
+    experts = range(pl.first_local_expert, pl.first_local_expert + pl.num_local_experts)
+    if which == "w13":
+        return {f"{prefix}.w13#{e}.{s}" for e in experts for s in (0, 1)}
+    return {f"{prefix}.w2#{e}." for e in experts}
+
+
+class MoEDecoderLayer(nn.Module):
+    """Pre-norm decoder layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; ``mlp`` is a
+    :class:`SparseMoeBlock` or a dense :class:`MLP`, ``self_attn`` any attention module
+    with ``forward(x, positions, kv_cache, meta)``."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoECausalLM(nn.Module):
+    """Embedding -> decoder layers -> norm -> LM head over a paged KV cache; the base of
+    Tandem's MoE models. Subclasses build ``self.layers`` and define weight loading.
+
+    ``forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer), meta)
+    -> hidden [T, hidden_size]``; ``compute_logits(hidden [N, H]) -> [N, vocab]`` fp32.
+    """
+
+    def _init_common(self, vocab_size: int, hidden_size: int, eps: float, tie_word_embeddings: bool) -> None:
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.norm = RMSNorm(hidden_size, eps)
+        self.tie_word_embeddings = tie_word_embeddings
+        if not tie_word_embeddings:
+            self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+
+def check_no_sliding_window(hf_config, max_positions: int) -> None:
+    """Raises NotImplementedError for a sliding window shorter than the context."""
+    sw = getattr(hf_config, "sliding_window", None)
+    if sw is not None and sw < max_positions:
+        raise NotImplementedError(f"sliding-window attention (window {sw} < context {max_positions}) is not supported")
+
+
+class Qwen3MoeForCausalLM(MoECausalLM):
+    """Qwen3-MoE causal LM (see the module docstring).
+
+    Args:
+        hf_config: a ``Qwen3MoeConfig``.
+        backend: the attention backend.
+        max_positions: RoPE table length (default ``max_position_embeddings``).
+        all2all: builds the dispatch/combine backend of each MoE layer from its number of
+            experts (default: the ``local`` backend, EP=1).
+        moe_impl: expert compute of :func:`tandem.layers.moe.grouped_experts`.
+    """
+
+    qk_norm = True
+
+    def __init__(self, hf_config, backend: AttentionBackend, max_positions: int | None = None,
+                 all2all: All2AllFactory | None = None, moe_impl: str = "auto") -> None:
+        super().__init__()
+        spec = dataclasses.replace(DecoderSpec.from_hf_config(hf_config), qk_norm=self.qk_norm)
+        self.spec, self.hf_config = spec, hf_config
+        max_positions = max_positions or spec.max_position_embeddings
+        check_no_sliding_window(hf_config, max_positions)
+        rotary = RotaryEmbedding(hf_config, spec.head_dim, max_positions)
+        self._init_common(spec.vocab_size, spec.hidden_size, spec.rms_norm_eps, spec.tie_word_embeddings)
+        self.layers = nn.ModuleList(
+            MoEDecoderLayer(Attention(spec, rotary, backend), self._make_mlp(i, all2all, moe_impl), spec.hidden_size,
+                            spec.rms_norm_eps)
+            for i in range(spec.num_layers))
+
+    # -------------------------------------------------------------- family hooks
+    def is_moe_layer(self, i: int) -> bool:
+        c = self.hf_config
+        return (i not in (getattr(c, "mlp_only_layers", None) or []) and c.num_experts > 0
+                and (i + 1) % c.decoder_sparse_step == 0)
+
+    def _num_experts(self) -> int:
+        return self.hf_config.num_experts
+
+    def _router(self) -> TopKRouter:
+        c = self.hf_config
+        return TopKRouter(c.hidden_size, c.num_experts, c.num_experts_per_tok, "softmax_topk",
+                          renormalize=bool(c.norm_topk_prob))
+
+    def _moe_intermediate_size(self) -> int:
+        return self.hf_config.moe_intermediate_size
+
+    def _make_mlp(self, i: int, all2all: All2AllFactory | None, moe_impl: str) -> nn.Module:
+        c = self.hf_config
+        if not self.is_moe_layer(i):
+            return MLP(c.hidden_size, c.intermediate_size)
+        e = self._num_experts()
+        experts = FusedMoE(e, c.num_experts_per_tok, c.hidden_size, self._moe_intermediate_size(),
+                           all2all(e) if all2all else None, moe_impl)
+        return SparseMoeBlock(self._router(), experts)
+
+    @property
+    def kv_cache_shape_per_block(self) -> tuple[int, int]:
+        """(num_kv_heads, head_dim) of every layer's cache."""
+        return self.spec.num_kv_heads, self.spec.head_dim
+
+    # ---------------------------------------------------------------- weights
+    _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def _shard_sizes(self, fused: str, param: torch.Tensor) -> list[int]:
+        s = self.spec
+        if fused == "qkv_proj":
+            return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
+        return [param.shape[0] // 2] * 2
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (see the module docstring).
+
+        Raises:
+            ValueError: unknown tensor, shape mismatch or missing weights.
+        """
+        load_moe_weights(self, weights, self._STACKED, self._shard_sizes, self.spec.tie_word_embeddings)

@@ -1,0 +1,120 @@
+"""CUDA graphs of decode steps.
+
+A decode step (every sequence adds one token) of ``n`` sequences replays the graph captured
+for the smallest capture size ``>= n`` (1, 2, 4, 8, then multiples of 8 up to
+``max_num_seqs``, as vLLM does), with the real sequences in its first ``n`` rows and padding
+rows that write their K/V into the null block. Inputs travel through persistent device
+buffers; the graph's output is the final hidden states ``[size, hidden]``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tandem.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeCUDAGraphs:
+    """Captured decode forwards of one model, one per capture size.
+
+    Args:
+        model: ``forward(input_ids, positions, kv_caches, meta) -> hidden``.
+        kv_caches: the per-layer paged caches.
+        max_num_seqs: largest batch captured.
+        max_blocks_per_seq: width of the block-table buffer.
+        hidden_size: width of the output.
+        dtype: model dtype.
+        device: a CUDA device.
+    """
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_size = self.sizes[-1]
+        n = self.max_size
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.num_computed = torch.zeros(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.device = device
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            num_computed_tokens=self.num_computed[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            max_query_len=1,
+            max_seq_len=self.max_blocks_per_seq,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[1] * size,
+            num_decode_reqs=size,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so that smaller graphs reuse its memory pool."""
+        for size in reversed(self.sizes):
+            self._forward(size)  # compile / autotune kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.outputs[size] = self._forward(size)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[size] = g
+        torch.cuda.synchronize(self.device)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def padded_size(self, n: int) -> int | None:
+        for s in self.sizes:
+            if s >= n:
+                return s
+        return None
+
+    def run(self, n: int, input_ids: torch.Tensor, positions: np.ndarray, slot_mapping: np.ndarray,
+            seq_lens: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray) -> torch.Tensor:
+        """Replay for ``n`` decode sequences; returns hidden states ``[n, hidden]``.
+
+        ``input_ids`` is a device tensor (it may hold the previous step's samples); the
+        rest are host arrays copied into the persistent buffers without a host sync.
+        """
+        size = self.padded_size(n)
+        h2d = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(h2d(positions))
+        self.slot_mapping[:n].copy_(h2d(slot_mapping))
+        self.seq_lens[:n].copy_(h2d(seq_lens.astype(np.int32)))
+        self.num_computed[:n].copy_(h2d(num_computed.astype(np.int32)))
+        self.block_tables[:n, : block_table.shape[1]].copy_(h2d(block_table))
+        if size > n:
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(1)
+            self.block_tables[n:size, 0].fill_(0)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
