@@ -136,6 +136,10 @@ class ModelRunner:
         # total context tokens read by attention).
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] | None = None
 
+    def _h2d(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        # non_blocking: a blocking host-to-device copy would wait for the in-flight step.
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
     # ----------------------------------------------------------------- state
     def _add_seq(self, req) -> None:
         p = req.sampling_params
@@ -146,13 +150,12 @@ class ModelRunner:
                 self._prompt_mask = torch.zeros(self.max_num_seqs, self.vocab_size, dtype=torch.bool, device=self.device)
             slot = self._free_slots.pop()
             self._prompt_mask[slot].zero_()
-            self._prompt_mask[slot, torch.tensor(req.prompt_token_ids, device=self.device)] = True
+            self._prompt_mask[slot, self._h2d(req.prompt_token_ids, torch.long)] = True
             counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.long), minlength=self.vocab_size)
-            self._output_counts[slot].copy_(counts.to(torch.int32))
+            self._output_counts[slot].copy_(counts.to(torch.int32), non_blocking=True)
         bias = None
         if p.logit_bias:
-            bias = (torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=self.device),
-                    torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device))
+            bias = (self._h2d(list(p.logit_bias.keys()), torch.long), self._h2d(list(p.logit_bias.values()), torch.float32))
         self.states[req.seq_id] = SeqState(req.seq_id, p, req.num_prompt_tokens, req.num_output_tokens, slot, bias,
                                            req.prompt_token_ids)
 
@@ -229,7 +232,7 @@ class ModelRunner:
             ev_start.record()
         input_ids_t = to_dev(input_ids)
         if prev_dst:
-            input_ids_t[torch.tensor(prev_dst, device=dev)] = self.prev_sampled[torch.tensor(prev_src, device=dev)]
+            input_ids_t[self._h2d(prev_dst, torch.long)] = self.prev_sampled[self._h2d(prev_src, torch.long)]
         graphs = self.cuda_graphs
         if graphs is not None and num_decode == num_reqs and num_reqs <= graphs.max_size:
             hidden = graphs.run(num_reqs, input_ids_t, positions, slot_mapping, seq_lens, computed, block_table)
@@ -250,7 +253,7 @@ class ModelRunner:
 
         sample_rows = [r for r, s in enumerate(seqs) if s.sample]
         sample_seq_ids = [seqs[r].seq_id for r in sample_rows]
-        logits_idx = torch.tensor([int(qsl[r + 1]) - 1 for r in sample_rows], device=dev, dtype=torch.long)
+        logits_idx = self._h2d([int(qsl[r + 1]) - 1 for r in sample_rows], torch.long)
         prompt_lp = self._prompt_logprobs(seqs, qsl, hidden, input_ids_t)
         host: dict[str, torch.Tensor] = {}
         k = -1
@@ -291,15 +294,14 @@ class ModelRunner:
     def _record_sampled(self, states: list[SeqState], sampled: torch.Tensor) -> None:
         pen_rows = [i for i, st in enumerate(states) if st.penalty_slot is not None]
         if pen_rows:
-            slots = torch.tensor([states[i].penalty_slot for i in pen_rows], device=self.device)
-            toks = sampled[torch.tensor(pen_rows, device=self.device)]
+            slots = self._h2d([states[i].penalty_slot for i in pen_rows], torch.long)
+            toks = sampled[self._h2d(pen_rows, torch.long)]
             self._output_counts.index_put_((slots, toks), torch.ones_like(toks, dtype=torch.int32), accumulate=True)
         for st in states:
             st.num_sampled += 1
 
     def _sampling_batch(self, states: list[SeqState]) -> SamplingBatch:
         dev = self.device
-        n = len(states)
         temps = [st.params.temperature for st in states]
         greedy = [st.params.greedy for st in states]
         top_k = [st.params.top_k if st.params.top_k > 0 else self.vocab_size for st in states]
@@ -319,25 +321,25 @@ class ModelRunner:
             if st.num_sampled < st.params.min_tokens:
                 stop_ids = sorted(st.params.all_stop_token_ids | set(st.params.stop_token_ids))
                 if stop_ids:
-                    ids = torch.tensor(stop_ids, dtype=torch.long, device=dev)
+                    ids = self._h2d(stop_ids, torch.long)
                     b_rows.append(torch.full_like(ids, i))
                     b_toks.append(ids)
                     b_vals.append(torch.full(ids.shape, float("-inf"), device=dev))
         lp = [st.params.logprobs for st in states if st.params.logprobs is not None]
-        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)  # noqa: E731
+        f32 = lambda xs: self._h2d(xs, torch.float32)  # noqa: E731
         return SamplingBatch(
             temperature=f32(temps),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=dev),
+            top_k=self._h2d(top_k, torch.long),
             top_p=f32(top_p),
             min_p=f32(min_p),
             all_greedy=all_greedy,
             all_random=all_random,
-            greedy_mask=None if all_greedy or all_random else torch.tensor(greedy, device=dev),
+            greedy_mask=None if all_greedy or all_random else self._h2d(greedy, torch.bool),
             need_top_k=any(k < self.vocab_size for k, g in zip(top_k, greedy) if not g),
             need_top_p=any(p < 1.0 for p, g in zip(top_p, greedy) if not g),
             need_min_p=any(p > 0.0 for p, g in zip(min_p, greedy) if not g),
-            penalty_rows=torch.tensor(pen, device=dev) if pen else None,
-            penalty_slots=torch.tensor([states[i].penalty_slot for i in pen], device=dev) if pen else None,
+            penalty_rows=self._h2d(pen, torch.long) if pen else None,
+            penalty_slots=self._h2d([states[i].penalty_slot for i in pen], torch.long) if pen else None,
             presence=f32([states[i].params.presence_penalty for i in pen]) if pen else None,
             frequency=f32([states[i].params.frequency_penalty for i in pen]) if pen else None,
             repetition=f32([states[i].params.repetition_penalty for i in pen]) if pen else None,
@@ -361,7 +363,7 @@ class ModelRunner:
                 continue
             lo = int(qsl[r])
             lp = self.model.compute_logits(hidden[lo : lo + end - start]).log_softmax(dim=-1)
-            nxt = torch.tensor(st.prompt_token_ids[start + 1 : end + 1], device=self.device)
+            nxt = self._h2d(st.prompt_token_ids[start + 1 : end + 1], torch.long)
             tok_lp = lp.gather(1, nxt[:, None])
             ranks = (lp > tok_lp).sum(-1) + 1
             ids, vals = nxt[:, None], tok_lp
