@@ -34,13 +34,12 @@ class DecodeCUDAGraphs:
         kv_caches: the per-layer paged caches.
         max_num_seqs: largest batch captured.
         max_blocks_per_seq: width of the block-table buffer.
-        hidden_size: width of the output.
-        dtype: model dtype.
+        block_size: tokens per KV block.
         device: a CUDA device.
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 block_size: int, device: torch.device) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
@@ -54,6 +53,7 @@ class DecodeCUDAGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -67,7 +67,9 @@ class DecodeCUDAGraphs:
             block_tables=self.block_tables[:size],
             slot_mapping=self.slot_mapping[:size],
             max_query_len=1,
-            max_seq_len=self.max_blocks_per_seq,
+            # The longest possible context: eager warm-up then picks the kernel variants
+            # (e.g. the decode split count) that the capture uses.
+            max_seq_len=self.max_blocks_per_seq * self.block_size,
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[1] * size,
             num_decode_reqs=size,

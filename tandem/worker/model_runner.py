@@ -128,9 +128,8 @@ class ModelRunner:
         self._executor = None if self._is_cuda else ThreadPoolExecutor(1, thread_name_prefix="tandem-step")
         self.cuda_graphs: DecodeCUDAGraphs | None = None
         if self._is_cuda and not enforce_eager:
-            hidden = model.embed_tokens.weight.shape[1]
-            self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, -(-max_model_len // block_size), hidden,
-                                                model.embed_tokens.weight.dtype, device)
+            self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, -(-max_model_len // block_size), block_size,
+                                                device)
             self.cuda_graphs.capture()
         # Per step, when timing is on: (start event, end event, sequences, all decode?,
         # total context tokens read by attention).

@@ -212,6 +212,18 @@ def test_decode_long_context(dtype):
     check(reqs, len(reqs), num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, dtype=dtype, backend=backend)
 
 
+@pytest.mark.parametrize("max_splits", [1, 4])
+def test_decode_empty_sequence_gives_zeros(max_splits):
+    """A padding decode request with seq_len 0 (CUDA-graph batch padding) yields 0, not NaN."""
+    q, k, v, kv_cache, meta = make_case([(40, 1), (0, 1), (70, 1)], 3, 4, 2, 64, 16, torch.float32)
+    meta.seq_lens[1] = 0
+    meta.slot_mapping[1] = -1
+    backend = TritonAttentionBackend(max_num_splits=max_splits, min_tokens_per_split=16)
+    out = backend.forward(q, k, v, kv_cache, meta, 0.125)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isfinite(out).all()
+
+
 # --------------------------------------------------------------------------- mixed
 
 
@@ -261,6 +273,14 @@ def test_cuda_large_mixed(dtype, head_dim, block_size):
     prefill = [(0, 1000), (2048, 512), (4095, 257), (0, 1), (123, 77)]
     check(decode + prefill, len(decode), num_heads=32, num_kv_heads=8, head_dim=head_dim, block_size=block_size,
           dtype=dtype, num_pad_tokens=7)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_cuda_other_head_dims(dtype, head_dim):
+    reqs = [(700, 1), (3000, 1), (0, 300), (1000, 129)]
+    check(reqs, 2, num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype)
 
 
 @cuda_only
