@@ -23,3 +23,15 @@ def add_bench_parser(sub) -> None:
         main(args)
 
     t.set_defaults(func=run)
+
+    sv = bench.add_parser("serve", help="online serving benchmark against a running OpenAI-compatible server")
+    from tandem.benchmarks.serve import add_cli_args
+
+    add_cli_args(sv)
+
+    def run_serve(args: argparse.Namespace) -> None:
+        from tandem.benchmarks.serve import main
+
+        main(args)
+
+    sv.set_defaults(func=run_serve)

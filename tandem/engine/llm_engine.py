@@ -86,10 +86,11 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _num_kv_blocks(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
-        bytes_per_block = 2 * num_layers * self.config.block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    def _num_kv_blocks(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                       planes: int = 2) -> int:
+        bytes_per_block = planes * num_layers * self.config.block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
         if device.type == "cuda":
-            activations = self._profile_activation_bytes(num_layers, kv_heads, head_dim, dtype, device)
+            activations = self._profile_activation_bytes(num_layers, kv_heads, head_dim, dtype, device, planes)
             free, total = torch.cuda.mem_get_info(device)
             non_torch = total - free - torch.cuda.memory_reserved(device)
             weights = torch.cuda.memory_allocated(device)
@@ -105,7 +106,7 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _profile_activation_bytes(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                                  device: torch.device) -> int:
+                                  device: torch.device, planes: int = 2) -> int:
         """Peak memory of the largest step: a prefill of ``max_num_batched_tokens`` tokens,
         plus the sampler's working set for ``max_num_seqs`` rows of logits."""
         from tandem.attention.metadata import AttentionMetadata
@@ -114,7 +115,7 @@ class LLMEngine:
         t = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         bs = cfg.block_size
         nb = -(-t // bs) + 1
-        caches = [torch.zeros(2, nb, bs, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        caches = [torch.zeros(planes, nb, bs, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         i32 = dict(dtype=torch.int32, device=device)
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, t], **i32), seq_lens=torch.tensor([t], **i32),

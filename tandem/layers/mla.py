@@ -15,13 +15,16 @@ Cache layout (one tensor per layer, allocated by the engine from the model's
 qk_rope_head_dim]``; slot ``s`` holds ``concat(c_kv, k_pe)`` of one token. There is no
 separate value plane: the values are decompressed from the same latent.
 
-Attention (this file, plain torch): at attention time the latents of each request are
-gathered through its block table and *decompressed* with ``kv_b_proj`` into per-head keys
-``[k_nope, k_pe]`` (``qk_nope_head_dim + qk_rope_head_dim``) and values (``v_head_dim``),
-then ``scaled_dot_product_attention`` with the causal mask of the cached prefix. Decode
-requests run as one padded batch, each prefill/chunk alone (as the torch backend).
-Absorbing ``kv_b_proj`` into the query and output projections (attention in the latent
-space) is the later optimisation for long-context decode.
+Attention (this file, plain torch), as vLLM and FlashMLA split it:
+
+* prefill / chunks (compute-bound): the latents of the request are gathered through its
+  block table and *decompressed* with ``kv_b_proj`` into per-head keys ``[k_nope, k_pe]``
+  (``qk_nope_head_dim + qk_rope_head_dim``) and values (``v_head_dim``), then
+  ``scaled_dot_product_attention`` with the causal mask of the cached prefix;
+* decode (memory-bound): *absorbed* weights — ``kv_b_proj``'s key half is folded into the
+  query and its value half applied after attention, so attention runs directly over the
+  cached latents (multi-query, head dim ``kv_lora_rank + qk_rope_head_dim``) as one padded
+  batch; nothing per head is materialised and the step is CUDA-graph safe.
 
 RoPE: transformers' DeepSeek-V2 rotates *interleaved* pairs ``(x[2i], x[2i+1])`` (complex
 multiplication), not the NeoX halves; the softmax scale is ``qk_head_dim**-0.5`` times
@@ -111,8 +114,7 @@ class MLAAttention(nn.Module):
         q_pe = apply_rope_interleaved(q_pe, cos[:, None], sin[:, None])
         k_pe = apply_rope_interleaved(k_pe, cos, sin)
         write_latent_cache(torch.cat((c_kv, k_pe), dim=-1), kv_cache, meta.slot_mapping)
-        q = torch.cat((q_nope, q_pe), dim=-1)
-        o = self._attend(q, kv_cache, meta)
+        o = self._attend(q_nope, q_pe, kv_cache, meta)
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
 
     def expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,20 +126,18 @@ class MLAAttention(nn.Module):
         k = torch.cat((k_nope, k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope)), dim=-1)
         return k.transpose(-3, -2), v.transpose(-3, -2)
 
-    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
-        block_size = kv_cache.shape[2]
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj`` split per head: ``W_uk [heads, nope, kv_lora_rank]`` and ``W_uv
+        [heads, v_head_dim, kv_lora_rank]`` (views, no copy)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
         nd = meta.num_decode_reqs
         if nd > 0:
-            max_len = max(meta.seq_lens_cpu[:nd])
-            nb = -(-max_len // block_size)
-            lat = gather_latent(kv_cache, meta.block_tables[:nd], nb)  # [nd, L, D]
-            k, v = self.expand_latent(lat)
-            pos = torch.arange(nb * block_size, device=q.device)
-            mask = pos[None, :] < meta.seq_lens[:nd, None]
-            o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                               scale=self.scale)
-            out[:nd] = o.squeeze(2)
+            out[:nd] = self._decode_absorbed(q_nope[:nd], q_pe[:nd], kv_cache, meta)
+        block_size = kv_cache.shape[2]
         qsl = meta.query_start_loc_cpu
         for r in range(nd, meta.num_reqs):
             start, end = qsl[r], qsl[r + 1]
@@ -147,11 +147,36 @@ class MLAAttention(nn.Module):
             nb = -(-seq_len // block_size)
             lat = gather_latent(kv_cache, meta.block_tables[r: r + 1], nb)[0, :seq_len]
             k, v = self.expand_latent(lat)  # [h, L, *]
+            q = torch.cat((q_nope[start:end], q_pe[start:end]), dim=-1).transpose(0, 1)
             qpos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             out[start:end] = o.transpose(0, 1)
         return out
+
+    def _decode_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """Decode requests (one query each) attend in the latent space: ``W_uk`` is folded
+        into the query (``q_lat = q_nope W_uk``, so ``q_lat . c_kv = q_nope . k_nope``), the
+        keys are the cached latents ``[c_kv, k_pe]`` shared by all heads (MQA with head
+        dim ``kv_lora_rank + rope``), the values ``c_kv``, and ``W_uv`` maps the result to
+        ``v_head_dim`` — no per-head K/V is materialised. Under CUDA-graph capture the
+        whole block table is read (lengths come from the device ``seq_lens``).
+        Returns ``[nd, heads, v_head_dim]``."""
+        nd = q_nope.shape[0]
+        block_size = kv_cache.shape[2]
+        if q_nope.is_cuda and torch.cuda.is_current_stream_capturing():
+            nb = meta.block_tables.shape[1]
+        else:
+            nb = -(-max(meta.seq_lens_cpu[:nd]) // block_size)
+        w_uk, w_uv = self._absorbed_weights()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [nd, h, r]
+        q = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(2)  # [nd, h, 1, r + rope]
+        lat = gather_latent(kv_cache, meta.block_tables[:nd], nb).unsqueeze(1)  # [nd, 1, L, r + rope]
+        mask = torch.arange(nb * block_size, device=q.device)[None, :] < meta.seq_lens[:nd, None]
+        o = F.scaled_dot_product_attention(q, lat, lat[..., : self.kv_lora_rank], attn_mask=mask[:, None, None, :],
+                                           scale=self.scale, enable_gqa=True)  # [nd, h, 1, r]
+        return torch.bmm(o.squeeze(2).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 def write_latent_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

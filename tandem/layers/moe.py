@@ -183,24 +183,26 @@ def _resolve_impl(impl: str, x: torch.Tensor) -> str:
     return "grouped_mm" if grouped_mm_available(x.device, x.dtype) else "padded_bmm"
 
 
-def _padded_bmm_rows(xs: torch.Tensor, s: ExpertSort, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Both GEMMs as ``torch.bmm`` over ``[E, capacity, H]`` buffers (capacity = the
-    largest group; one host sync to read it). Returns the sorted rows' outputs."""
+def _padded_bmm_rows(xs: torch.Tensor, s: ExpertSort, w13: torch.Tensor, w2: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Both GEMMs as ``torch.bmm`` over ``[E, capacity, H]`` buffers. Capacity = the
+    largest group (one host sync to read it), or ``num_tokens`` (an upper bound: a token
+    picks an expert at most once) under CUDA-graph capture, where no sync is allowed.
+    Returns the sorted rows' outputs; rows of invalid pairs hold garbage (masked by the
+    caller)."""
     num_experts = w13.shape[0]
-    n_valid = int(s.offsets[-1]) if num_experts else 0
-    out = xs.new_zeros(xs.shape[0], w2.shape[1])
-    if n_valid == 0:
-        return out
-    cap = int(s.counts.max())
-    ids = s.sorted_ids[:n_valid]
-    starts = s.offsets.long() - s.counts
-    pos = torch.arange(n_valid, device=xs.device) - starts[ids]
-    buf = xs.new_zeros(num_experts, cap, xs.shape[1])
-    buf[ids, pos] = xs[:n_valid]
-    h = silu_and_mul(torch.bmm(buf, w13.transpose(1, 2)))
+    capturing = xs.is_cuda and torch.cuda.is_current_stream_capturing()
+    cap = num_tokens if capturing else (int(s.counts.max()) if xs.shape[0] else 0)
+    if cap == 0:
+        return xs.new_zeros(xs.shape[0], w2.shape[1])
+    # Row r of expert e goes to buf[e, r - start[e]]; invalid pairs (id E) into a spare
+    # slab E that is never multiplied.
+    starts = torch.cat((s.offsets.long() - s.counts, s.offsets[-1:].long()))
+    pos = (torch.arange(xs.shape[0], device=xs.device) - starts[s.sorted_ids]).clamp(max=cap - 1)
+    buf = xs.new_zeros(num_experts + 1, cap, xs.shape[1])
+    buf[s.sorted_ids, pos] = xs
+    h = silu_and_mul(torch.bmm(buf[:num_experts], w13.transpose(1, 2)))
     y = torch.bmm(h, w2.transpose(1, 2))
-    out[:n_valid] = y[ids, pos]
-    return out
+    return y[s.sorted_ids.clamp(max=num_experts - 1), pos]
 
 
 def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
@@ -234,7 +236,7 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         h = silu_and_mul(torch._grouped_mm(xs, w13.transpose(1, 2), offs=s.offsets))
         ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=s.offsets)
     elif impl == "padded_bmm":
-        ys = _padded_bmm_rows(xs, s, w13, w2)
+        ys = _padded_bmm_rows(xs, s, w13, w2, n)
     else:
         raise ValueError(f"unknown MoE impl {impl!r} (auto, grouped_mm, padded_bmm, loop)")
     # Rows past the last group (invalid pairs) are not written by _grouped_mm: mask them.

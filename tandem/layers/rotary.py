@@ -45,7 +45,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        freqs = torch.outer(t, inv_freq.to(t.device))
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
