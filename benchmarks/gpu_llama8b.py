@@ -66,14 +66,15 @@ def run_transformers(cfg_dir: str, args) -> dict:
     try:
         from transformers import ContinuousBatchingConfig  # transformers >= 5.2x
 
-        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(use_cuda_graph=True)
-        graphs = "ContinuousBatchingConfig(use_cuda_graph=True)"
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=0.8)
+        graphs = "ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=0.8)"
     except ImportError:
         gen.use_cuda_graph = True
         graphs = "GenerationConfig.use_cuda_graph=True"
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1000, cfg.vocab_size, (args.hf_num_prompts, 128), generator=g).tolist()
-    with torch.inference_mode():
+    # no_grad, not inference_mode: generate_batch's worker thread updates its own tensors in place.
+    with torch.no_grad():
         model.generate_batch(inputs=prompts[:8], generation_config=gen, **kwargs)  # warm-up + graph capture
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -81,6 +82,9 @@ def run_transformers(cfg_dir: str, args) -> dict:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     n_out = sum(len(o.generated_tokens) for o in outs.values())
+    failed = sum(1 for o in outs.values() if getattr(o, "error", None))
+    if failed or n_out == 0:
+        raise RuntimeError(f"transformers generate_batch: {failed} failed requests, {n_out} tokens")
     return dict(num_prompts=args.hf_num_prompts, elapsed_s=elapsed, requests_per_s=args.hf_num_prompts / elapsed,
                 output_tokens_per_s=n_out / elapsed, output_tokens=n_out, cuda_graphs=graphs)
 

@@ -1,0 +1,44 @@
+"""Where a decode step's GPU time goes: torch profiler over steady-state decode steps of a
+dummy-weight model (default: Llama-3.1-8B shape, bf16, batch 256, context ~128-192).
+
+    python benchmarks/profile_decode.py --config-dir DIR --tokenizer DIR [--batch 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config-dir", required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+
+    from tandem import LLM, SamplingParams
+    from tandem.benchmarks.throughput import random_prompts
+
+    llm = LLM(model=args.config_dir, tokenizer=args.tokenizer, load_format="dummy", dtype="bfloat16",
+              max_model_len=2048, max_num_seqs=args.batch)
+    eng = llm.engine
+    for i, p in enumerate(random_prompts(args.batch, 128, eng.vocab_size, 0)):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(20):  # prefills done, decode steady state
+        eng.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            eng.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    eng.abort_request([str(i) for i in range(args.batch)])
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+if __name__ == "__main__":
+    main()
