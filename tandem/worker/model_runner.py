@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tandem.attention.metadata import AttentionMetadata
-from tandem.core.scheduler import SchedulerOutput
+from tandem.core.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.sampling_params import SamplingParams
 from tandem.worker.cuda_graph import DecodeCUDAGraphs
+from tandem.worker.ubatching import StepInputs
 from tandem.worker.sampler import SamplingBatch, SamplerOutput, sample, token_seed
 
 
@@ -198,57 +198,26 @@ class ModelRunner:
         # Decode sequences (one new token) first: backends batch them uniformly.
         order = sorted(range(len(so.scheduled)), key=lambda i: so.scheduled[i].num_new_tokens != 1)
         seqs = [so.scheduled[i] for i in order]
-        num_reqs = len(seqs)
-        num_decode = sum(1 for s in seqs if s.num_new_tokens == 1)
-        q_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        total = int(qsl[-1])
-        computed = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
-        seq_lens = computed + q_lens
-        input_ids = np.zeros(total, dtype=np.int64)
-        prev_dst, prev_src = [], []
-        max_blocks = max(len(s.block_ids) for s in seqs)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        for r, s in enumerate(seqs):
-            start = qsl[r]
-            n_known = len(s.token_ids)
-            input_ids[start : start + n_known] = s.token_ids
-            if s.uses_prev_sample:
-                prev_dst.append(start + s.num_new_tokens - 1)
-                prev_src.append(self.prev_rows[s.seq_id])
-            block_table[r, : len(s.block_ids)] = s.block_ids
-        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(computed, q_lens)]) if num_reqs > num_decode else computed.copy()
-        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
-        bs = self.block_size
-        slot_mapping = block_table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        inputs = self._prepare_inputs(seqs)
+        num_reqs = inputs.num_reqs
+        num_decode = inputs.num_decode_reqs()
+        qsl = inputs.query_start_loc
 
         dev = self.device
-        to_dev = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
         timing = self.step_events is not None
         if timing:
             ev_start = torch.cuda.Event(enable_timing=True)
             ev_start.record()
-        input_ids_t = to_dev(input_ids)
-        if prev_dst:
-            input_ids_t[self._h2d(prev_dst, torch.long)] = self.prev_sampled[self._h2d(prev_src, torch.long)]
+        input_ids_t = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
+        if inputs.prev_dst:
+            input_ids_t[self._h2d(inputs.prev_dst, torch.long)] = self.prev_sampled[self._h2d(inputs.prev_src, torch.long)]
         graphs = self.cuda_graphs
         if graphs is not None and num_decode == num_reqs and num_reqs <= graphs.max_size:
-            hidden = graphs.run(num_reqs, input_ids_t, positions, slot_mapping, seq_lens, computed, block_table)
+            hidden = graphs.run(num_reqs, input_ids_t, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
+                                inputs.num_computed, inputs.block_table)
         else:
-            meta = AttentionMetadata(
-                query_start_loc=to_dev(qsl.astype(np.int32)),
-                seq_lens=to_dev(seq_lens.astype(np.int32)),
-                num_computed_tokens=to_dev(computed.astype(np.int32)),
-                block_tables=to_dev(block_table),
-                slot_mapping=to_dev(slot_mapping),
-                max_query_len=int(q_lens.max()),
-                max_seq_len=int(seq_lens.max()),
-                query_start_loc_cpu=qsl.tolist(),
-                seq_lens_cpu=seq_lens.tolist(),
-                num_decode_reqs=num_decode,
-            )
-            hidden = self.model(input_ids_t, to_dev(positions), self.kv_caches, meta)
+            positions_t = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
+            hidden = self.model(input_ids_t, positions_t, self.kv_caches, inputs.metadata(dev))
 
         sample_rows = [r for r, s in enumerate(seqs) if s.sample]
         sample_seq_ids = [seqs[r].seq_id for r in sample_rows]
@@ -274,7 +243,7 @@ class ModelRunner:
         if timing:
             ev_end = torch.cuda.Event(enable_timing=True)
             ev_end.record()
-            self.step_events.append((ev_start, ev_end, num_reqs, num_decode == num_reqs, int(seq_lens.sum())))
+            self.step_events.append((ev_start, ev_end, num_reqs, num_decode == num_reqs, int(inputs.seq_lens.sum())))
         self.prev_rows = {sid: i for i, sid in enumerate(sample_seq_ids)}
         event = None
         if self._is_cuda:
@@ -289,6 +258,32 @@ class ModelRunner:
         else:
             host = host_src
         return PendingOutput(sample_seq_ids, host, event, prompt_lp, k)
+
+    def _prepare_inputs(self, seqs: list[ScheduledSequence]) -> StepInputs:
+        num_reqs = len(seqs)
+        q_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        computed = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+        input_ids = np.zeros(int(qsl[-1]), dtype=np.int64)
+        prev_dst, prev_src = [], []
+        block_table = np.zeros((num_reqs, max(len(s.block_ids) for s in seqs)), dtype=np.int32)
+        for r, s in enumerate(seqs):
+            start = qsl[r]
+            input_ids[start : start + len(s.token_ids)] = s.token_ids
+            if s.uses_prev_sample:
+                prev_dst.append(int(start) + s.num_new_tokens - 1)
+                prev_src.append(self.prev_rows[s.seq_id])
+            block_table[r, : len(s.block_ids)] = s.block_ids
+        if (q_lens == 1).all():
+            positions = computed.copy()
+        else:
+            positions = np.concatenate([np.arange(c, c + n) for c, n in zip(computed, q_lens)])
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+        bs = self.block_size
+        slot_mapping = block_table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        return StepInputs(input_ids, positions, slot_mapping, qsl, computed, computed + q_lens, block_table,
+                          prev_dst, prev_src)
 
     def _record_sampled(self, states: list[SeqState], sampled: torch.Tensor) -> None:
         pen_rows = [i for i, st in enumerate(states) if st.penalty_slot is not None]

@@ -1,0 +1,151 @@
+"""Micro-batches (ubatches) for dual-batch overlap (DBO).
+
+A step's flattened tokens are cut in two on a token boundary at half the padded token count
+(vLLM "[Core/DBO][1/N] Add Dual-Batch Overlap mechanism"; SGLang two-batch overlap). A
+request whose tokens straddle the cut appears in both ubatches: the second part's
+``num_computed_tokens`` is advanced by the tokens of the first part, so each ubatch's
+attention sees exactly the keys an unsplit step would (the first part's K/V are written to
+the paged cache by the first ubatch before the second reads them in stream order).
+
+``run_ubatches`` alternates two generator-based forwards (one thread): each yields at its
+communication points; both must yield the same number of times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    """Host-side inputs of one forward pass (a step or a ubatch).
+
+    Arrays: ``input_ids`` / ``positions`` / ``slot_mapping`` ``[num_tokens]`` int64,
+    ``query_start_loc`` ``[num_reqs + 1]``, ``num_computed`` / ``seq_lens`` ``[num_reqs]``,
+    ``block_table`` ``[num_reqs, width]`` int32. ``prev_dst`` / ``prev_src``: token
+    positions whose input id is the previous step's sample (row ``prev_src`` of it).
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    num_computed: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+    prev_dst: list[int]
+    prev_src: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    def num_decode_reqs(self) -> int:
+        q = np.diff(self.query_start_loc)
+        nz = np.flatnonzero(q != 1)
+        return int(nz[0]) if len(nz) else len(q)
+
+    def metadata(self, device: torch.device) -> AttentionMetadata:
+        """Attention metadata on ``device`` (non-blocking copies, no host sync)."""
+        h2d = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)  # noqa: E731
+        q_lens = np.diff(self.query_start_loc)
+        return AttentionMetadata(
+            query_start_loc=h2d(self.query_start_loc.astype(np.int32)),
+            seq_lens=h2d(self.seq_lens.astype(np.int32)),
+            num_computed_tokens=h2d(self.num_computed.astype(np.int32)),
+            block_tables=h2d(self.block_table),
+            slot_mapping=h2d(self.slot_mapping),
+            max_query_len=int(q_lens.max()) if len(q_lens) else 0,
+            max_seq_len=int(self.seq_lens.max()) if len(self.seq_lens) else 0,
+            query_start_loc_cpu=self.query_start_loc.tolist(),
+            seq_lens_cpu=self.seq_lens.tolist(),
+            num_decode_reqs=self.num_decode_reqs(),
+        )
+
+    def slice_tokens(self, start: int, end: int) -> "StepInputs":
+        """The ubatch made of flattened tokens ``[start, end)``."""
+        qsl = self.query_start_loc
+        r0 = int(np.searchsorted(qsl, start, side="right")) - 1
+        r1 = int(np.searchsorted(qsl, end, side="left"))
+        starts = np.maximum(qsl[r0:r1], start)
+        ends = np.minimum(qsl[r0 + 1 : r1 + 1], end)
+        # Tokens of a request that fall before the cut are already computed for this part.
+        skipped = starts - qsl[r0:r1]
+        num_computed = self.num_computed[r0:r1] + skipped
+        q_lens = ends - starts
+        new_qsl = np.zeros(len(q_lens) + 1, dtype=qsl.dtype)
+        np.cumsum(q_lens, out=new_qsl[1:])
+        prev = [(d - start, s) for d, s in zip(self.prev_dst, self.prev_src) if start <= d < end]
+        return StepInputs(
+            input_ids=self.input_ids[start:end],
+            positions=self.positions[start:end],
+            slot_mapping=self.slot_mapping[start:end],
+            query_start_loc=new_qsl,
+            num_computed=num_computed,
+            seq_lens=num_computed + q_lens,
+            block_table=self.block_table[r0:r1],
+            prev_dst=[d for d, _ in prev],
+            prev_src=[s for _, s in prev],
+        )
+
+
+def split_point(num_tokens: int, num_padded_tokens: int) -> int | None:
+    """Token index where the second ubatch starts: half the padded count, on a token
+    boundary; None when the second ubatch would hold no real token."""
+    cut = num_padded_tokens // 2
+    if cut <= 0 or cut >= num_tokens:
+        return None
+    return cut
+
+
+def split_ubatches(inputs: StepInputs, num_padded_tokens: int) -> tuple[StepInputs, StepInputs] | None:
+    """Two ubatches, or None when the step should not be split."""
+    cut = split_point(inputs.num_tokens, num_padded_tokens)
+    if cut is None:
+        return None
+    return inputs.slice_tokens(0, cut), inputs.slice_tokens(cut, inputs.num_tokens)
+
+
+def run_ubatches(first: Generator, second: Generator) -> tuple[object, object]:
+    """Alternate two forward generators until both return; returns their results.
+
+    Each ``next`` runs one ubatch up to its next yield point (e.g. right after launching an
+    all-to-all), so the other ubatch's compute is issued while that communication is in
+    flight. Both must pass the same number of yield points.
+
+    Raises:
+        AssertionError: the ubatches yielded a different number of times.
+        Exception: whatever a ubatch raised; the other generator is closed first, so no
+            ubatch is left suspended mid-step.
+    """
+    gens = [first, second]
+    results: list[object] = [None, None]
+    done = [False, False]
+    yields = [0, 0]
+    try:
+        while not all(done):
+            for i, g in enumerate(gens):
+                if done[i]:
+                    continue
+                try:
+                    next(g)
+                    yields[i] += 1
+                except StopIteration as stop:
+                    done[i] = True
+                    results[i] = stop.value
+    except BaseException:
+        for g in gens:
+            g.close()
+        raise
+    assert yields[0] == yields[1], f"ubatches passed {yields[0]} and {yields[1]} yield points"
+    return results[0], results[1]
