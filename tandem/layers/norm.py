@@ -5,17 +5,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.layers.fused_ops import fused_add_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
-    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim; input any float dtype."""
+    """``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dim.
+
+    ``forward(x)`` returns the normalised tensor; ``forward(x, residual)`` first adds the
+    residual (in the input dtype) and returns ``(norm(x + residual), x + residual)``, as one
+    fused kernel on CUDA (see :mod:`tandem.layers.fused_ops` for the dispatch).
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

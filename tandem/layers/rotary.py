@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.layers.fused_ops import apply_rotary
+
 
 def rope_parameters(hf_config) -> dict:
     """RoPE settings of a HF config, for transformers 4.x (``rope_theta`` +
@@ -38,7 +40,9 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q ``[T, Hq, D]`` and k ``[T, Hk, D]`` at integer ``positions [T]``.
 
-    cos/sin are precomputed for ``max_positions`` positions (fp32, cast to the input dtype).
+    cos/sin ``[max_positions, D/2]`` are precomputed in fp32; the rotation is computed in
+    fp32 and cast to the input dtype, as one fused kernel on CUDA (outputs are new
+    contiguous tensors; see :func:`tandem.layers.fused_ops.apply_rotary`).
     """
 
     def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
@@ -50,11 +54,4 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return apply_rotary(q, k, self.cos, self.sin, positions)

@@ -16,6 +16,7 @@ from torch import nn
 
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.metadata import AttentionMetadata
+from tandem.layers.fused_ops import silu_and_mul
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -95,11 +96,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm layer, residual stream carried separately (as in vLLM) so that each residual
+    add is fused into the next RMSNorm: ``forward(hidden, residual, ...) -> (hidden,
+    residual)`` with ``residual=None`` for the first layer. The sum ``hidden + residual``
+    of the returned pair is the layer's output ``x + attn(norm(x)) + mlp(norm(...))``."""
+
     def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
         self.self_attn = Attention(spec, rotary, backend)
@@ -107,9 +112,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,10 +149,12 @@ class LlamaForCausalLM(nn.Module):
         return self.spec.num_kv_heads, self.spec.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, cache, meta)
-        return self.norm(x)
+            hidden, residual = layer(hidden, residual, positions, cache, meta)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight

@@ -1,0 +1,395 @@
+"""Fused elementwise ops of the decoder: RMSNorm (with the residual add), SiLU-and-mul, RoPE.
+
+Each op has a torch reference (``*_ref``, the exact code the model ran before, HF's
+semantics) and a Triton kernel doing the same arithmetic in one launch:
+
+* :func:`rms_norm` ``(x, weight, eps)``: ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``.
+* :func:`fused_add_rms_norm` ``(x, residual, weight, eps) -> (normed, x + residual)``: the
+  residual add is rounded to the input dtype (as ``x + residual`` is) and *that* sum is
+  normalised, so the pair equals ``r = x + residual; (rms_norm(r), r)``.
+* :func:`silu_and_mul` ``(gate_up [..., 2I]) -> silu(gate) * up [..., I]`` (gate first).
+* :func:`apply_rotary` ``(q [T, Hq, D], k [T, Hk, D], cos, sin [P, D/2], positions [T])``:
+  NeoX RoPE (halves rotated) in fp32, out of place (contiguous outputs) or in place.
+
+Dispatch (:func:`use_triton`): the kernel runs when the tensor is on CUDA, the torch code
+otherwise (the CPU path is the reference). ``TANDEM_FUSED_OPS=torch`` (or
+:func:`set_mode` / :func:`mode`) keeps the torch code on CUDA too; ``TANDEM_FUSED_OPS=triton``
+runs the kernels on any device, which on the CPU needs the Triton interpreter
+(``TRITON_INTERPRET=1`` set before the first kernel call: kernels are ``triton.jit``-ed
+lazily on first use, because the interpreter is chosen at decoration time).
+
+The kernels make no host sync and size their grid from tensor shapes only, so they can be
+captured in a CUDA graph; constexpr specialisations depend on the feature sizes, head
+counts and dtypes, never on the number of tokens. Zero tokens return empty outputs without
+a launch. Inputs must have a contiguous last dim (other dims may be strided, e.g. q/k/v
+views of a fused projection); math is fp32 and storage fp32/fp16/bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - CPU-only installs without Triton
+    triton = tl = None
+    HAS_TRITON = False
+
+_MODES = ("auto", "triton", "torch")
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_NORM_SIZE = 65536  # one program holds a whole row in registers
+
+
+def _mode_from_env() -> str:
+    m = os.environ.get("TANDEM_FUSED_OPS", "auto").strip().lower() or "auto"
+    if m not in _MODES:
+        raise ValueError(f"TANDEM_FUSED_OPS={m!r}: expected one of {_MODES}")
+    return m
+
+
+_mode = _mode_from_env()
+
+
+def get_mode() -> str:
+    return _mode
+
+
+def set_mode(m: str) -> None:
+    """``auto`` (Triton on CUDA tensors, torch elsewhere), ``triton`` (always the kernels) or
+    ``torch`` (always the reference code)."""
+    global _mode
+    if m not in _MODES:
+        raise ValueError(f"fused-ops mode {m!r}: expected one of {_MODES}")
+    _mode = m
+
+
+@contextlib.contextmanager
+def mode(m: str) -> Iterator[None]:
+    """Context manager form of :func:`set_mode`."""
+    prev = _mode
+    set_mode(m)
+    try:
+        yield
+    finally:
+        set_mode(prev)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the ops run their Triton kernel for a tensor on ``x``'s device."""
+    if _mode == "torch":
+        return False
+    if _mode == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError("TANDEM_FUSED_OPS=triton but Triton is not installed")
+        return True
+    return HAS_TRITON and x.is_cuda
+
+
+# ---------------------------------------------------------------- torch references
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    c = cos[positions].unsqueeze(1)  # [T, 1, D/2]
+    s = sin[positions].unsqueeze(1)
+    return _rotate_ref(q, c, s), _rotate_ref(k, c, s)
+
+
+# ---------------------------------------------------------------- Triton kernels
+# Plain functions, ``triton.jit``-ed on first use (see the module docstring).
+
+
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    B,  # rows are (a, b) pairs of a [A, B, N] view: row = a * B + b
+    stride_xa,
+    stride_xb,
+    stride_ra,
+    stride_rb,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    a = row // B
+    b = row % B
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + a * stride_xa + b * stride_xb + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + a * stride_ra + b * stride_rb + cols, mask=mask, other=0.0)
+        # ``x + residual`` in the storage dtype: fp32 add, one rounding (as torch does).
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * N + cols, s, mask=mask)
+        xf = s.to(tl.float32)
+        norm_dtype = res_out_ptr.dtype.element_ty
+    else:
+        xf = x.to(tl.float32)
+        norm_dtype = x_ptr.dtype.element_ty
+    var = tl.sum(xf * xf, axis=0) / N
+    rstd = tl.math.rsqrt(var + eps)
+    # HF: cast the normalised row back to the input dtype, then multiply by the weight.
+    y = (xf * rstd).to(norm_dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    stride_x,
+    I,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    # ``F.silu(gate) * up`` in the storage dtype: silu in fp32 rounded, then the product.
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * I + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_cos,
+    stride_sin,
+    HALF,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HALF
+    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_sin + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    hs = tl.arange(0, BLOCK_H)
+    for h0 in tl.static_range(0, HQ, BLOCK_H):
+        h = h0 + hs
+        m = (h < HQ)[:, None] & dmask[None, :]
+        src = q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]
+        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        dst = q_out_ptr + t * stride_qot + h[:, None] * stride_qoh + d[None, :]
+        tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
+    for h0 in tl.static_range(0, HK, BLOCK_H):
+        h = h0 + hs
+        m = (h < HK)[:, None] & dmask[None, :]
+        src = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
+        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        dst = k_out_ptr + t * stride_kot + h[:, None] * stride_koh + d[None, :]
+        tl.store(dst, (x1 * cos - x2 * sin).to(k_out_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(k_out_ptr.dtype.element_ty), mask=m)
+
+
+@functools.cache
+def _kernel(name: str):
+    return triton.jit(globals()[name])
+
+
+def _check_launch(kernel, *tensors: torch.Tensor) -> None:
+    if any(not t.is_cuda for t in tensors) and type(kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError("fused ops forced onto Triton for CPU tensors, but the kernels were not built by the Triton "
+                           "interpreter: set TRITON_INTERPRET=1 before the first fused-op call")
+
+
+def _check(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: dtype {t.dtype} not supported (fp32/fp16/bf16)")
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(t.stride())}; "
+                         "call .contiguous() first")
+
+
+def _num_warps(block: int) -> int:
+    return min(16, max(1, block // 512))
+
+
+# ---------------------------------------------------------------- public ops
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
+    """``x [..., N]`` as (tensor, A, B, stride_a, stride_b) of an ``[A, B, N]`` row grid."""
+    if x.dim() == 1:
+        return x, 1, 1, 0, 0
+    if x.dim() == 2:
+        return x, x.shape[0], 1, x.stride(0), 0
+    if x.dim() > 3:
+        x = x.reshape(-1, x.shape[-2], x.shape[-1])
+    return x, x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+
+
+def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = x.shape[-1]
+    _check("rms_norm input", x)
+    _check("rms_norm weight", weight)
+    if weight.shape != (n,):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} vs hidden size {n}")
+    if n > _MAX_NORM_SIZE:
+        raise ValueError(f"rms_norm: hidden size {n} > {_MAX_NORM_SIZE} is not supported by the fused kernel")
+    res_dtype = x.dtype
+    if residual is not None:
+        _check("rms_norm residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"fused_add_rms_norm: residual shape {tuple(residual.shape)} vs input {tuple(x.shape)}")
+        res_dtype = torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=torch.promote_types(res_dtype, weight.dtype), device=x.device)
+    res_out = torch.empty(x.shape, dtype=res_dtype, device=x.device) if residual is not None else None
+    rows = x.numel() // n if n else 0
+    if rows == 0 or n == 0:
+        if res_out is not None:
+            res_out.copy_(x + residual)  # empty or zero-width: nothing to launch
+        return out, res_out
+    xv, _, b, sxa, sxb = _rows(x)
+    if residual is not None:
+        rv, _, _, sra, srb = _rows(residual)
+    else:
+        rv, sra, srb = xv, 0, 0
+    kernel = _kernel("_rms_norm_kernel")
+    _check_launch(kernel, x, weight)
+    block = triton.next_power_of_2(n)
+    kernel[(rows,)](
+        xv, rv, weight, out, res_out if res_out is not None else out, b, sxa, sxb, sra, srb, n, float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block, num_warps=_num_warps(block),
+    )
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x [..., N]`` (new contiguous tensor, dtype of
+    ``weight * x``); leading dims may be strided."""
+    if not use_triton(x):
+        return rms_norm_ref(x, weight, eps)
+    return _norm_launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r = x + residual; return rms_norm(r, weight, eps), r`` in one pass (new tensors)."""
+    if not use_triton(x):
+        return fused_add_rms_norm_ref(x, residual, weight, eps)
+    return _norm_launch(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [..., 2I]`` (gate = first half) -> ``[..., I]``."""
+    if not use_triton(gate_up):
+        return silu_and_mul_ref(gate_up)
+    _check("silu_and_mul input", gate_up)
+    two_i = gate_up.shape[-1]
+    if two_i % 2:
+        raise ValueError(f"silu_and_mul: last dim {two_i} is odd")
+    inter = two_i // 2
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel() == 0:
+        return out
+    x = gate_up.reshape(-1, two_i)  # a view for the usual [T, 2I] / contiguous inputs
+    kernel = _kernel("_silu_and_mul_kernel")
+    _check_launch(kernel, x)
+    block = min(1024, triton.next_power_of_2(inter))
+    kernel[(x.shape[0], triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block,
+                                                     num_warps=max(1, min(4, block // 256)))
+    return out
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX RoPE of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at ``positions [T]`` with the
+    tables ``cos``/``sin [P, D/2]`` (any float dtype; math in fp32, results in q/k's dtype).
+
+    Out of place the results are new contiguous tensors; ``inplace=True`` writes into q and
+    k (which may be strided views) and returns them. Positions must lie in ``[0, P)``: the
+    kernel does not check (that would need a host sync).
+    """
+    if not use_triton(q):
+        rq, rk = apply_rotary_ref(q, k, cos, sin, positions)
+        if not inplace:
+            return rq, rk
+        return q.copy_(rq), k.copy_(rk)
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        _check(f"apply_rotary {name}", t)
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"apply_rotary: expected q [T, Hq, D], k [T, Hk, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if d % 2 or cos.dim() != 2 or sin.shape != cos.shape or cos.shape[1] * 2 != d:
+        raise ValueError(f"apply_rotary: cos/sin {tuple(cos.shape)}/{tuple(sin.shape)} must be [P, {d // 2}] for head dim {d}")
+    if positions.shape != (t,):
+        raise ValueError(f"apply_rotary: positions shape {tuple(positions.shape)} vs {t} tokens")
+    if q.dtype != k.dtype:
+        raise ValueError(f"apply_rotary: q dtype {q.dtype} != k dtype {k.dtype}")
+    q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if t == 0 or d == 0:
+        return q_out, k_out
+    kernel = _kernel("_rope_kernel")
+    _check_launch(kernel, q, k, cos, positions)
+    half = d // 2
+    block_d = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(hq, hk)), max(1, 2048 // block_d))
+    kernel[(t,)](
+        q, k, q_out, k_out, cos, sin, positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos.stride(0), sin.stride(0), half,
+        HQ=hq, HK=hk, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+    )
+    return q_out, k_out

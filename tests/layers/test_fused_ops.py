@@ -1,0 +1,243 @@
+"""Fused Triton ops (RMSNorm, add + RMSNorm, SiLU-and-mul, RoPE) vs their torch references,
+and a whole tiny model with the fused ops forced on vs the torch path.
+
+Without CUDA the kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` is set here,
+before any kernel is decorated: :mod:`tandem.layers.fused_ops` jits them on first use).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+pytest.importorskip("triton")
+
+from tests.triton_interpreter import patch_interpreter_bf16_rounding, patch_interpreter_for_numpy_2_4  # noqa: E402
+
+if INTERPRET:
+    patch_interpreter_for_numpy_2_4()
+    patch_interpreter_bf16_rounding()  # the interpreter truncates fp32 -> bf16; GPUs round to nearest even
+
+from transformers import LlamaConfig, Qwen3Config  # noqa: E402
+
+from tandem.attention.metadata import AttentionMetadata  # noqa: E402
+from tandem.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from tandem.layers import fused_ops  # noqa: E402
+from tandem.layers.rotary import RotaryEmbedding  # noqa: E402
+from tandem.models.llama import LlamaForCausalLM  # noqa: E402
+
+fused_ops._kernel.cache_clear()  # jit again now that TRITON_INTERPRET is settled
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _triton():
+    with fused_ops.mode("triton"):
+        yield
+
+
+def _close(got, want, dtype):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _rand(*shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576])
+@pytest.mark.parametrize("t", [0, 1, 7, 256])
+def test_rms_norm(t, hidden, dtype):
+    x = _rand(t, hidden, dtype=dtype) * 3
+    w = _rand(hidden, dtype=dtype, seed=1)
+    _close(fused_ops.rms_norm(x, w, 1e-6), fused_ops.rms_norm_ref(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576])
+@pytest.mark.parametrize("t", [0, 1, 7, 256])
+def test_fused_add_rms_norm(t, hidden, dtype):
+    x = _rand(t, hidden, dtype=dtype)
+    res = _rand(t, hidden, dtype=dtype, seed=1) * 4
+    w = _rand(hidden, dtype=dtype, seed=2)
+    out, new_res = fused_ops.fused_add_rms_norm(x, res, w, 1e-5)
+    want_out, want_res = fused_ops.fused_add_rms_norm_ref(x, res, w, 1e-5)
+    torch.testing.assert_close(new_res, want_res, atol=0, rtol=0)  # same single rounding as ``x + res``
+    _close(out, want_out, dtype)
+    assert new_res.data_ptr() not in (x.data_ptr(), res.data_ptr())  # out of place
+
+
+def test_rms_norm_strided_heads_and_dtypes():
+    """Per-head norm (Qwen3 q/k norm) on a [T, H, D] view of a fused projection; fp16;
+    fp32 weight with a bf16 input (the result promotes, as ``weight * x`` does)."""
+    qkv = _rand(5, 9 * 64 + 2 * 3 * 64, dtype=torch.float32)
+    q = qkv[:, : 9 * 64].view(5, 9, 64)
+    w = _rand(64, dtype=torch.float32, seed=3)
+    _close(fused_ops.rms_norm(q, w, 1e-6), fused_ops.rms_norm_ref(q, w, 1e-6), torch.float32)
+    x16 = _rand(7, 576, dtype=torch.float16)
+    w16 = _rand(576, dtype=torch.float16, seed=4)
+    _close(fused_ops.rms_norm(x16, w16, 1e-6), fused_ops.rms_norm_ref(x16, w16, 1e-6), torch.float16)
+    xb = _rand(7, 64, dtype=torch.bfloat16)
+    wf = _rand(64, dtype=torch.float32, seed=5)
+    _close(fused_ops.rms_norm(xb, wf, 1e-6), fused_ops.rms_norm_ref(xb, wf, 1e-6), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 576, 1536])
+@pytest.mark.parametrize("t", [0, 1, 7, 256])
+def test_silu_and_mul(t, inter, dtype):
+    if t == 256 and inter == 1536 and INTERPRET:
+        t = 31
+    x = _rand(t, 2 * inter, dtype=dtype) * 3
+    _close(fused_ops.silu_and_mul(x), fused_ops.silu_and_mul_ref(x), dtype)
+
+
+def _rope_tables(head_dim, max_pos=512, scaled=False):
+    kw = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 64}) if scaled else {}
+    cfg = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, max_position_embeddings=max_pos, **kw)
+    rot = RotaryEmbedding(cfg, head_dim, max_pos)
+    return rot.cos.to(DEVICE), rot.sin.to(DEVICE)
+
+
+ROPE_SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", list(ROPE_SHAPES))
+@pytest.mark.parametrize("t", [0, 1, 7, 256])
+def test_apply_rotary(t, shape, dtype):
+    hq, hk, d = ROPE_SHAPES[shape]
+    if shape == "llama8b" and t == 256:
+        t = 16  # small T for the big heads
+    cos, sin = _rope_tables(d, scaled=shape == "llama8b")
+    # q/k as views of a fused qkv projection output (strided rows), like the model's.
+    qkv = _rand(t, (hq + 2 * hk) * d, dtype=dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    pos = torch.randint(0, cos.shape[0], (t,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want_q, want_k = fused_ops.apply_rotary_ref(q, k, cos, sin, pos)
+    got_q, got_k = fused_ops.apply_rotary(q, k, cos, sin, pos)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    # In place: writes through the views, leaves v alone.
+    v_before = qkv[:, (hq + hk) * d :].clone()
+    rq, rk = fused_ops.apply_rotary(q, k, cos, sin, pos.to(torch.int32), inplace=True)
+    assert rq.data_ptr() == q.data_ptr() and rk.data_ptr() == k.data_ptr()
+    _close(q, want_q, dtype)
+    _close(k, want_k, dtype)
+    torch.testing.assert_close(qkv[:, (hq + hk) * d :], v_before, atol=0, rtol=0)
+
+
+def test_rotary_module_matches_reference():
+    cos, sin = _rope_tables(64)
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=512)
+    rot = RotaryEmbedding(cfg, 64, 512).to(DEVICE)
+    q, k = _rand(7, 9, 64, dtype=torch.float32), _rand(7, 3, 64, dtype=torch.float32, seed=1)
+    pos = torch.tensor([0, 5, 511, 3, 3, 100, 7], device=DEVICE)
+    got = rot(pos, q, k)
+    with fused_ops.mode("torch"):
+        want = rot(pos, q, k)
+    for g, w in zip(got, want):
+        _close(g, w, torch.float32)
+
+
+def test_non_contiguous_last_dim_is_rejected():
+    x = _rand(64, 8, dtype=torch.float32).t()  # [8, 64], last-dim stride 8
+    w = _rand(64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        fused_ops.rms_norm(x, w, 1e-6)
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        fused_ops.fused_add_rms_norm(x, x, w, 1e-6)
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        fused_ops.silu_and_mul(x)
+    q = _rand(4, 64, 2, dtype=torch.float32).transpose(1, 2)  # [4, 2, 64], last-dim stride 2
+    cos, sin = _rope_tables(64)
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        fused_ops.apply_rotary(q, q, cos, sin, torch.zeros(4, dtype=torch.long, device=DEVICE))
+
+
+def test_dispatch():
+    x = torch.randn(2, 8)
+    with fused_ops.mode("auto"):
+        assert fused_ops.use_triton(x) is False  # CPU tensors: torch reference
+        if torch.cuda.is_available():
+            assert fused_ops.use_triton(x.cuda()) is True
+    with fused_ops.mode("torch"):
+        assert fused_ops.use_triton(x) is False
+    assert fused_ops.use_triton(x) is True  # forced by the fixture
+    with pytest.raises(ValueError):
+        fused_ops.set_mode("fast")
+
+
+# ---------------------------------------------------------------- whole model
+
+COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def _meta(q_lens, computed, block_tables, block_size):
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    seq_lens = [c + q for c, q in zip(computed, q_lens)]
+    slots = [bt[p // block_size] * block_size + p % block_size
+             for q, c, bt in zip(q_lens, computed, block_tables) for p in range(c, c + q)]
+    width = max(len(b) for b in block_tables)
+    bt = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.int32)
+    num_decode = 0
+    for q in q_lens:
+        if q != 1:
+            break
+        num_decode += 1
+    t = lambda v, dt=torch.int32: torch.tensor(v, dtype=dt, device=DEVICE)  # noqa: E731
+    return AttentionMetadata(t(qsl), t(seq_lens), t(computed), bt.to(DEVICE), t(slots, torch.long), max(q_lens),
+                             max(seq_lens), qsl, seq_lens, num_decode)
+
+
+def _run(model, cfg, dtype):
+    """A prefill of 3 prompts then 2 decode steps; the logits of every step."""
+    bs = 8
+    kv = [torch.zeros(2, 32, bs, cfg.num_key_value_heads, model.spec.head_dim, dtype=dtype, device=DEVICE)
+          for _ in range(cfg.num_hidden_layers)]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (13, 8, 21)]
+    tables = [list(range(1, 5)), list(range(5, 9)), list(range(9, 13))]
+    ids = torch.tensor([t for p in prompts for t in p], device=DEVICE)
+    pos = torch.cat([torch.arange(len(p)) for p in prompts]).to(DEVICE)
+    out = [model.compute_logits(model(ids, pos, kv, _meta([len(p) for p in prompts], [0, 0, 0], tables, bs)))]
+    lens = [len(p) for p in prompts]
+    for step in range(2):
+        ids = torch.randint(0, cfg.vocab_size, (3,), generator=g).to(DEVICE)
+        meta = _meta([1, 1, 1], lens, tables, bs)
+        out.append(model.compute_logits(model(ids, torch.tensor(lens, device=DEVICE), kv, meta)))
+        lens = [n + 1 for n in lens]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name,dtype,tol", [("llama", torch.float32, 1e-4), ("qwen3", torch.float32, 1e-4),
+                                            ("llama", torch.bfloat16, 5e-2)])
+def test_model_fused_matches_unfused(name, dtype, tol):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**COMMON) if name == "llama" else Qwen3Config(**COMMON, head_dim=32)
+    model = LlamaForCausalLM(cfg, TorchAttentionBackend())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    model = model.to(device=DEVICE, dtype=dtype).eval()
+    with torch.no_grad():
+        fused = _run(model, cfg, dtype)
+        with fused_ops.mode("torch"):
+            ref = _run(model, cfg, dtype)
+    torch.testing.assert_close(fused, ref, atol=tol, rtol=0)
