@@ -55,6 +55,14 @@ class EngineConfig:
         async_output_proc: process step N's outputs while step N+1 runs (DESIGN.md).
         enforce_eager: no CUDA graphs.
         seed: seed of the engine's global random generator.
+        enable_dbo: dual-batch overlap for MoE models: split large steps into two ubatches
+            and overlap one's all-to-all with the other's compute (DESIGN.md).
+        dbo_decode_token_threshold: smallest decode-only step that is split.
+        dbo_prefill_token_threshold: smallest step with prefill tokens that is split.
+        all2all_backend: MoE dispatch/combine: "local" (EP=1), "simulated" (EP=1 data plus a
+            modeled link delay), or a multi-rank backend; "auto" picks local on one rank.
+        simulated_link_gbps / simulated_link_latency_us / simulated_ep_size: the link model
+            of the simulated backend (defaults: one inter-node RDMA NIC per GPU, EP=8).
     """
 
     model: str | None = None
@@ -74,6 +82,13 @@ class EngineConfig:
     async_output_proc: bool = True
     enforce_eager: bool = False
     seed: int = 0
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
+    all2all_backend: str = "auto"
+    simulated_link_gbps: float = 40.0
+    simulated_link_latency_us: float = 20.0
+    simulated_ep_size: int = 8
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -86,6 +101,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.load_format not in ("auto", "dummy", "gguf", "safetensors"):
             raise ValueError(f"load_format must be auto, dummy, gguf or safetensors, got {self.load_format!r}.")
+        if self.dbo_decode_token_threshold < 2 or self.dbo_prefill_token_threshold < 2:
+            raise ValueError("dbo_decode_token_threshold and dbo_prefill_token_threshold must be >= 2 "
+                             "(each ubatch needs a token).")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}.")
 

@@ -79,6 +79,7 @@ class RequestStream:
     """
 
     request_id: str  # unique engine-side id
+    user_request_id: str  # as given to add_request; set on the outputs
     owner: "AsyncLLM"
     loop: asyncio.AbstractEventLoop
     arrival_time: float  # time.monotonic()
@@ -105,6 +106,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        item.request_id = self.user_request_id
         self._observe(item)
         if item.finished:
             self.finished = True
@@ -217,7 +219,7 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._dead!r})")
         loop = asyncio.get_running_loop()
-        stream = RequestStream(f"{request_id}#{next(self._counter)}", self, loop,
+        stream = RequestStream(f"{request_id}#{next(self._counter)}", request_id, self, loop,
                                time.monotonic() if arrival_time is None else arrival_time, len(prompt_token_ids))
         self._push(("add", stream, list(prompt_token_ids), params))
         try:
@@ -230,10 +232,16 @@ class AsyncLLM:
             raise first
         return stream
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs; leaving the loop early aborts it."""
-        stream = await self.add_request(request_id, prompt_token_ids, params)
+        """Add a request (text, tokenized here, or token ids) and yield its outputs;
+        leaving the loop early (``break``, ``aclose()``, task cancelled) aborts it.
+
+        Raises:
+            ValueError: the engine rejected the request.
+        """
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        stream = await self.add_request(request_id, ids, params)
         try:
             async for out in stream:
                 yield out

@@ -22,7 +22,7 @@ from tandem.outputs import RequestOutput
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 from tandem.attention.backend import get_attention_backend
-from tandem.worker.model_runner import ModelRunner
+from tandem.worker.model_runner import DBOConfig, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context length ({model_max}).")
         backend = get_attention_backend(device, config.max_model_len)
         self.model = build_model(self.hf_config, config.model, config.load_format, backend, dtype, device,
-                                 max_positions=config.max_model_len, seed=config.seed)
+                                 max_positions=config.max_model_len, seed=config.seed, **self._moe_kwargs())
         torch.manual_seed(config.seed)
         self.vocab_size = self.hf_config.vocab_size
         num_kv_heads, head_dim = self.model.kv_cache_shape_per_block
@@ -68,11 +68,31 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
-                                  max_model_len=config.max_model_len, enforce_eager=config.enforce_eager)
+                                  max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
+                                  dbo=DBOConfig(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
+                                  if config.enable_dbo else None)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
         self.eos_token_ids = self._eos_token_ids()
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.async_output_proc = config.async_output_proc
+
+    def _moe_kwargs(self) -> dict:
+        """The dispatch/combine backend of MoE layers (dense models take none)."""
+        cfg = self.config
+        if not getattr(self.hf_config, "num_experts", None) and not getattr(self.hf_config, "n_routed_experts", None) \
+                and not getattr(self.hf_config, "num_local_experts", None):
+            if cfg.enable_dbo:
+                logger.warning("--enable-dbo has no effect on the dense model %s", self.hf_config.model_type)
+            return {}
+        name = "local" if cfg.all2all_backend == "auto" else cfg.all2all_backend
+        if name == "simulated":
+            from tandem.distributed.all2all import LinkModel, SimulatedAll2All
+
+            link = LinkModel(cfg.simulated_link_gbps, cfg.simulated_link_latency_us, cfg.simulated_ep_size)
+            return {"all2all": lambda num_experts: SimulatedAll2All(num_experts, link=link, record=False)}
+        from tandem.distributed.all2all import get_all2all_backend
+
+        return {"all2all": lambda num_experts: get_all2all_backend(name, num_experts)}
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -192,17 +212,46 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; returns the outputs produced by it."""
+        """Run one engine iteration; returns the outputs produced by it.
+
+        Raises:
+            Exception: a model step failed (e.g. an exception in one DBO ubatch). The
+                requests of the failed step and of the step in flight are aborted (their
+                blocks freed); the engine stays usable for the others and for new ones.
+        """
         so = self.scheduler.schedule()
-        handle = self.runner.execute_model(so)
-        if not self.async_output_proc:
-            return self.output_processor.process(handle.result())
-        outputs: list[RequestOutput] = []
-        if self._inflight is not None:
-            # Step N's outputs are processed while step N+1 (just launched) runs.
-            outputs = self.output_processor.process(self._inflight[1].result())
-        self._inflight = None if so.is_empty else (so, handle)
-        return outputs
+        failed = [so]
+        handle = None
+        try:
+            handle = self.runner.execute_model(so)
+            if not self.async_output_proc:
+                return self.output_processor.process(handle.result())
+            outputs: list[RequestOutput] = []
+            if self._inflight is not None:
+                prev, self._inflight = self._inflight, None
+                failed.append(prev[0])
+                # Step N's outputs are processed while step N+1 (just launched) runs.
+                outputs = self.output_processor.process(prev[1].result())
+            self._inflight = None if so.is_empty else (so, handle)
+            return outputs
+        except Exception:
+            self._abort_steps(failed, handle)
+            raise
+
+    def _abort_steps(self, steps: list[SchedulerOutput], launched) -> None:
+        """Abort every request with a sequence in ``steps``; wait out the launched step."""
+        if launched is not None:
+            try:
+                launched.result()
+            except Exception:  # the same failure, already being raised
+                pass
+        self._inflight = None
+        for so in steps:
+            for seq in so.scheduled:
+                entry = self.output_processor.seqs.get(seq.seq_id)
+                if entry is not None:
+                    logger.error("aborting request %s: its model step failed", entry[0].request_id)
+                    self.output_processor.abort(entry[0].request_id)
 
     def shutdown(self) -> None:
         self.runner.shutdown()

@@ -31,6 +31,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="process step N's outputs while step N+1 runs")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-dbo", action="store_true", help="dual-batch overlap for MoE models")
+    p.add_argument("--dbo-decode-token-threshold", type=int, default=32)
+    p.add_argument("--dbo-prefill-token-threshold", type=int, default=512)
+    p.add_argument("--all2all-backend", default="auto",
+                   help="MoE dispatch/combine: auto, local, simulated, allgather_reducescatter, all_to_all")
+    p.add_argument("--simulated-link-gbps", type=float, default=40.0, help="simulated all2all bandwidth, GB/s")
+    p.add_argument("--simulated-link-latency-us", type=float, default=20.0, help="simulated all2all latency, us")
+    p.add_argument("--simulated-ep-size", type=int, default=8, help="EP size the simulated link models")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

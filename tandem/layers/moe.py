@@ -298,12 +298,7 @@ class FusedMoE(nn.Module):
         return self.all2all.combine_wait(handle)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        gen = self.forward_steps(hidden, topk_ids, topk_weights)
-        try:
-            while True:
-                next(gen)
-        except StopIteration as stop:
-            return stop.value
+        return drain(self.forward_steps(hidden, topk_ids, topk_weights))
 
     # -------------------------------------------------------------- weight loading
     def load_fused(self, which: str, tensor: torch.Tensor) -> None:
@@ -355,9 +350,24 @@ class SparseMoeBlock(nn.Module):
         self.experts = experts
         self.shared_experts = shared_experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_steps(self, x: torch.Tensor) -> Generator[str, None, torch.Tensor]:
+        """The block as a generator yielding at the experts' communication points; the
+        shared experts run while the dispatch is in flight."""
         topk_ids, topk_weights = self.gate(x)
-        out = self.experts(x, topk_ids, topk_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        steps = self.experts.forward_steps(x, topk_ids, topk_weights)
+        yield next(steps)  # dispatch launched
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        out = yield from steps
+        return out if shared is None else out + shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drain(self.forward_steps(x))
+
+
+def drain(steps: Generator) -> object:
+    """Run a forward generator to its end in one go (no overlap); returns its value."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as stop:
+        return stop.value

@@ -151,8 +151,9 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def build_model(hf_config, model_path: str, load_format: str, backend: AttentionBackend, dtype: torch.dtype,
-                device: torch.device, max_positions: int, seed: int = 0) -> nn.Module:
-    """Instantiate the model class of the config and load its weights.
+                device: torch.device, max_positions: int, seed: int = 0, **model_kwargs) -> nn.Module:
+    """Instantiate the model class of the config and load its weights; ``model_kwargs``
+    go to the model's constructor (e.g. ``all2all`` for MoE models).
 
     Raises:
         ValueError: unknown architecture, unknown load format, or weights not matching.
@@ -162,7 +163,7 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
     torch.set_default_dtype(dtype)  # parameters are created in the model dtype, on the device
     try:
         with torch.device(device):
-            model = cls(hf_config, backend, max_positions=max_positions)
+            model = cls(hf_config, backend, max_positions=max_positions, **model_kwargs)
     finally:
         torch.set_default_dtype(prev)
     # RoPE tables and other buffers stay fp32.

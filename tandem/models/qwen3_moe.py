@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from torch import nn
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.distributed.all2all import All2AllBackend
-from tandem.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter
+from tandem.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter, drain
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.llama import MLP, Attention, DecoderSpec
@@ -130,9 +130,18 @@ class MoEDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward_steps(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata) -> Generator[str, None, torch.Tensor]:
         x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, SparseMoeBlock):
+            out = yield from self.mlp.forward_steps(h)
+        else:
+            out = self.mlp(h)
+        return x + out
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return drain(self.forward_steps(x, positions, kv_cache, meta))
 
 
 class MoECausalLM(nn.Module):
@@ -150,11 +159,17 @@ class MoECausalLM(nn.Module):
         if not tie_word_embeddings:
             self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      meta: AttentionMetadata) -> Generator[str, None, torch.Tensor]:
+        """The forward as a generator that yields at every MoE layer's dispatch and combine
+        launch, for dual-batch overlap (``tandem.worker.ubatching.run_ubatches``)."""
         x = self.embed_tokens(input_ids)
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, cache, meta)
+            x = yield from layer.forward_steps(x, positions, cache, meta)
         return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        return drain(self.forward_steps(input_ids, positions, kv_caches, meta))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

@@ -18,11 +18,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from tandem.core.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.sampling_params import SamplingParams
 from tandem.worker.cuda_graph import DecodeCUDAGraphs
-from tandem.worker.ubatching import StepInputs
+from tandem.distributed.dp_coordination import StepPlan, coordinate_step
+from tandem.distributed.forward_context import ForwardContext, forward_context
+from tandem.worker.ubatching import (StepInputs, empty_step_inputs, pad_step_inputs, run_ubatches,
+                                     split_point)
 from tandem.worker.sampler import SamplingBatch, SamplerOutput, sample, token_seed
 
 
@@ -51,6 +55,14 @@ class ModelRunnerOutput:
     # Per sampling row, when any row asked for logprobs: ([1+K] ids, [1+K] logprobs, rank).
     logprobs: list[tuple[list[int], list[float], int]] | None = None
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DBOConfig:
+    """Smallest steps split into two ubatches (decode-only steps / steps with prefill)."""
+
+    decode_token_threshold: int = 32
+    prefill_token_threshold: int = 512
 
 
 @dataclass
@@ -107,10 +119,12 @@ class ModelRunner:
         device: where the model lives.
         max_model_len: longest sequence (sizes the CUDA-graph block-table buffer).
         enforce_eager: never use CUDA graphs.
+        dbo: dual-batch overlap thresholds; None disables it.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, vocab_size: int,
-                 max_num_seqs: int, device: torch.device, max_model_len: int = 2048, enforce_eager: bool = True) -> None:
+                 max_num_seqs: int, device: torch.device, max_model_len: int = 2048, enforce_eager: bool = True,
+                 dbo: DBOConfig | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -131,6 +145,10 @@ class ModelRunner:
             self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, -(-max_model_len // block_size), block_size,
                                                 device)
             self.cuda_graphs.capture()
+        # Data-parallel coordination group (gloo), set by the distributed launcher.
+        self.dp_group: dist.ProcessGroup | None = None
+        self.dbo = dbo
+        self.num_dbo_steps = 0
         # Per step, when timing is on: (start event, end event, sequences, all decode?,
         # total context tokens read by attention).
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] | None = None
@@ -192,13 +210,22 @@ class ModelRunner:
             if seq.new_request is not None:
                 self._drop_seq(seq.seq_id)
                 self._add_seq(seq.new_request)
-        if so.is_empty:
+        seqs, inputs = [], None
+        if not so.is_empty:
+            # Decode sequences (one new token) first: backends batch them uniformly.
+            seqs = sorted(so.scheduled, key=lambda s: s.num_new_tokens != 1)
+            inputs = self._prepare_inputs(seqs)
+        num_tokens = inputs.num_tokens if inputs is not None else 0
+        graphs = self.cuda_graphs
+        graph_ok = (graphs is not None and inputs is not None and inputs.num_decode_reqs() == inputs.num_reqs
+                    and inputs.num_reqs <= graphs.max_size)
+        plan = coordinate_step(self.dp_group, num_tokens, num_tokens, self._wants_split(inputs), graph_ok)
+        if plan.max_tokens == 0:
             return _Done(ModelRunnerOutput([], []))
-
-        # Decode sequences (one new token) first: backends batch them uniformly.
-        order = sorted(range(len(so.scheduled)), key=lambda i: so.scheduled[i].num_new_tokens != 1)
-        seqs = [so.scheduled[i] for i in order]
-        inputs = self._prepare_inputs(seqs)
+        if inputs is None:
+            # Idle data-parallel rank: a dummy batch keeps the MoE collectives matched.
+            self._forward(empty_step_inputs(), torch.empty(0, dtype=torch.long, device=self.device), plan)
+            return _Done(ModelRunnerOutput([], []))
         num_reqs = inputs.num_reqs
         num_decode = inputs.num_decode_reqs()
         qsl = inputs.query_start_loc
@@ -211,13 +238,11 @@ class ModelRunner:
         input_ids_t = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
         if inputs.prev_dst:
             input_ids_t[self._h2d(inputs.prev_dst, torch.long)] = self.prev_sampled[self._h2d(inputs.prev_src, torch.long)]
-        graphs = self.cuda_graphs
-        if graphs is not None and num_decode == num_reqs and num_reqs <= graphs.max_size:
+        if plan.graph_mode and not plan.split and self.dp_size == 1:
             hidden = graphs.run(num_reqs, input_ids_t, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
                                 inputs.num_computed, inputs.block_table)
         else:
-            positions_t = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
-            hidden = self.model(input_ids_t, positions_t, self.kv_caches, inputs.metadata(dev))
+            hidden = self._forward(inputs, input_ids_t, plan)
 
         sample_rows = [r for r, s in enumerate(seqs) if s.sample]
         sample_seq_ids = [seqs[r].seq_id for r in sample_rows]
@@ -258,6 +283,42 @@ class ModelRunner:
         else:
             host = host_src
         return PendingOutput(sample_seq_ids, host, event, prompt_lp, k)
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+
+    def _wants_split(self, inputs: StepInputs | None) -> bool:
+        """This rank's view: DBO on, an MoE model, and a step above the threshold."""
+        if self.dbo is None or inputs is None or not hasattr(self.model, "forward_steps"):
+            return False
+        n = inputs.num_tokens
+        decode_only = inputs.num_decode_reqs() == inputs.num_reqs
+        threshold = self.dbo.decode_token_threshold if decode_only else self.dbo.prefill_token_threshold
+        return n >= threshold and split_point(n, n) is not None
+
+    def _forward(self, inputs: StepInputs, input_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Eager forward of a step, padded to the size every DP rank agreed on and, when
+        the plan says so, run as two overlapped ubatches. Returns ``[num_tokens, H]``."""
+        n = inputs.num_tokens
+        padded = max(plan.padded_tokens, n) if self.dp_size > 1 else n
+        full = pad_step_inputs(inputs, padded)
+        if padded > n:
+            input_ids = torch.cat([input_ids, torch.zeros(padded - n, dtype=torch.long, device=self.device)])
+        dev = self.device
+        positions = torch.from_numpy(full.positions).to(dev, non_blocking=True)
+        cut = padded // 2 if plan.split else padded
+        ctx = ForwardContext(max_tokens_per_rank=padded - cut if plan.split else padded, dp_size=self.dp_size)
+        with forward_context(ctx):
+            if not plan.split:
+                return self.model(input_ids, positions, self.kv_caches, full.metadata(dev))[:n]
+            first, second = full.slice_tokens(0, cut), full.slice_tokens(cut, padded)
+            h0, h1 = run_ubatches(
+                self.model.forward_steps(input_ids[:cut], positions[:cut], self.kv_caches, first.metadata(dev)),
+                self.model.forward_steps(input_ids[cut:], positions[cut:], self.kv_caches, second.metadata(dev)),
+            )
+        self.num_dbo_steps += 1
+        return torch.cat([h0, h1])[:n]
 
     def _prepare_inputs(self, seqs: list[ScheduledSequence]) -> StepInputs:
         num_reqs = len(seqs)

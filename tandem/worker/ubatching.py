@@ -99,6 +99,36 @@ class StepInputs:
         )
 
 
+def empty_step_inputs() -> StepInputs:
+    """A step with no tokens (an idle data-parallel rank), to be padded."""
+    z = np.zeros(0, dtype=np.int64)
+    return StepInputs(z, z, z, np.zeros(1, dtype=np.int64), z, z, np.zeros((0, 1), dtype=np.int32), [], [])
+
+
+def pad_step_inputs(inputs: StepInputs, num_tokens: int) -> StepInputs:
+    """Append padding tokens up to ``num_tokens`` as one extra request.
+
+    Padding tokens have id 0 and RoPE position 0, write their K/V into the null block
+    (slot -1) and attend only to it (a block table row of zeros), so they change nothing.
+    """
+    pad = num_tokens - inputs.num_tokens
+    if pad <= 0:
+        return inputs
+    zeros = np.zeros(pad, dtype=np.int64)
+    width = inputs.block_table.shape[1]
+    return StepInputs(
+        input_ids=np.concatenate([inputs.input_ids, zeros]),
+        positions=np.concatenate([inputs.positions, zeros]),
+        slot_mapping=np.concatenate([inputs.slot_mapping, np.full(pad, -1, dtype=np.int64)]),
+        query_start_loc=np.append(inputs.query_start_loc, num_tokens),
+        num_computed=np.append(inputs.num_computed, 0),
+        seq_lens=np.append(inputs.seq_lens, pad),
+        block_table=np.concatenate([inputs.block_table, np.zeros((1, width), dtype=np.int32)]),
+        prev_dst=inputs.prev_dst,
+        prev_src=inputs.prev_src,
+    )
+
+
 def split_point(num_tokens: int, num_padded_tokens: int) -> int | None:
     """Token index where the second ubatch starts: half the padded count, on a token
     boundary; None when the second ubatch would hold no real token."""

@@ -1,0 +1,38 @@
+"""Per-step facts every rank agreed on, read by layers that exchange data across ranks.
+
+The model runner sets it around each forward. Multi-rank all-to-all backends pad the local
+tokens of a forward (a step, or one ubatch under DBO) to ``max_tokens_per_rank`` so that
+every rank's collective has the same shape, whatever its own batch holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """``max_tokens_per_rank``: tokens of the largest forward (or ubatch) on any DP rank;
+    ``dp_size``: ranks in the data-parallel group."""
+
+    max_tokens_per_rank: int
+    dp_size: int = 1
+
+
+_current: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext | None:
+    return _current
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    prev, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = prev
