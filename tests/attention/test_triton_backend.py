@@ -20,24 +20,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytest.importorskip("triton")
 
 
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """Triton 3.6's interpreter turns scalar tensors (1-element arrays) into Python ints
-    with ``int(array)``, which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be
-    converted to Python scalars", triton-lang/triton#9171); this breaks ``range()`` over
-    loaded values. Re-patch ``__index__`` with ``.item()`` after the interpreter's patch."""
-    from triton.runtime import interpreter
-
-    orig = interpreter._patch_lang_tensor
-    if getattr(orig, "_tandem_patched", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    patched._tandem_patched = True
-    interpreter._patch_lang_tensor = patched
-
+from tests.triton_interpreter import patch_interpreter_for_numpy_2_4 as _patch_interpreter_for_numpy_2_4  # noqa: E402
 
 if INTERPRET:
     _patch_interpreter_for_numpy_2_4()

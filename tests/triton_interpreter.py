@@ -1,0 +1,59 @@
+"""Helpers for running Triton kernels in the interpreter on CPU-only machines.
+
+A test module that runs kernels does, before importing anything that decorates them::
+
+    import os, torch
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    from tests.triton_interpreter import patch_interpreter_bf16_rounding, patch_interpreter_for_numpy_2_4
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        patch_interpreter_for_numpy_2_4()
+        patch_interpreter_bf16_rounding()  # where bf16 results are compared tightly
+"""
+
+from __future__ import annotations
+
+
+def patch_interpreter_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns scalar tensors (1-element arrays) into Python ints
+    with ``int(array)``, which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be
+    converted to Python scalars", triton-lang/triton#9171); this breaks ``range()`` over
+    loaded values. Re-patch ``__index__`` with ``.item()`` after the interpreter's patch."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_tandem_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched._tandem_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+def patch_interpreter_bf16_rounding() -> None:
+    """Triton 3.6's interpreter converts fp32 to bf16 by truncating the mantissa (a plain
+    ``x.to(tl.bfloat16)``, which compiles to a round-to-nearest-even ``cvt.rn``), and its
+    explicit RTNE path rounds half up without carrying into the exponent. Convert with torch
+    (round to nearest even, as the GPU and ``tensor.to(torch.bfloat16)`` do) unless
+    round-toward-zero is asked for explicitly."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    orig = interpreter._convert_float
+    if getattr(orig, "_tandem_patched", False):
+        return
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode != ir.ROUNDING_MODE.RTZ:
+            src = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
+            return src.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(input.shape)
+        return orig(input, input_dtype, output_dtype, rounding_mode)
+
+    convert._tandem_patched = True
+    interpreter._convert_float = convert
