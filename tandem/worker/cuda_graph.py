@@ -36,10 +36,13 @@ class DecodeCUDAGraphs:
         max_blocks_per_seq: width of the block-table buffer.
         block_size: tokens per KV block.
         device: a CUDA device.
+        dbo_min_size: capture sizes from this one up as dual-batch overlap graphs: two
+            ubatches of half the rows each, their forwards interleaved at the MoE
+            dispatch/combine yield points (the model needs ``forward_steps``). None: off.
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, dbo_min_size: int | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
@@ -54,18 +57,22 @@ class DecodeCUDAGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
+        # The second ubatch's query_start_loc restarts at 0.
+        self.dbo_min_size = dbo_min_size
+        self.split_sizes = {s for s in self.sizes if dbo_min_size is not None and s >= dbo_min_size and s >= 2}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.device = device
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _meta(self, start: int, end: int) -> AttentionMetadata:
+        size = end - start
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            num_computed_tokens=self.num_computed[:size],
-            block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size],
+            seq_lens=self.seq_lens[start:end],
+            num_computed_tokens=self.num_computed[start:end],
+            block_tables=self.block_tables[start:end],
+            slot_mapping=self.slot_mapping[start:end],
             max_query_len=1,
             # The longest possible context: eager warm-up then picks the kernel variants
             # (e.g. the decode split count) that the capture uses.
@@ -76,7 +83,17 @@ class DecodeCUDAGraphs:
         )
 
     def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size))
+        if size not in self.split_sizes:
+            return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(0, size))
+        from tandem.distributed.forward_context import ForwardContext, forward_context
+        from tandem.worker.ubatching import run_ubatches
+
+        cut = size // 2
+        halves = [(0, cut), (cut, size)]
+        with forward_context(ForwardContext(max_tokens_per_rank=size - cut)):
+            h0, h1 = run_ubatches(*(self.model.forward_steps(self.input_ids[a:b], self.positions[a:b], self.kv_caches,
+                                                             self._meta(a, b)) for a, b in halves))
+        return torch.cat([h0, h1])
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -142,8 +142,9 @@ class ModelRunner:
         self._executor = None if self._is_cuda else ThreadPoolExecutor(1, thread_name_prefix="tandem-step")
         self.cuda_graphs: DecodeCUDAGraphs | None = None
         if self._is_cuda and not enforce_eager:
+            dbo_min = dbo.decode_token_threshold if dbo is not None and hasattr(model, "forward_steps") else None
             self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, -(-max_model_len // block_size), block_size,
-                                                device)
+                                                device, dbo_min_size=dbo_min)
             self.cuda_graphs.capture()
         # Data-parallel coordination group (gloo), set by the distributed launcher.
         self.dp_group: dist.ProcessGroup | None = None
@@ -219,7 +220,12 @@ class ModelRunner:
         graphs = self.cuda_graphs
         graph_ok = (graphs is not None and inputs is not None and inputs.num_decode_reqs() == inputs.num_reqs
                     and inputs.num_reqs <= graphs.max_size)
-        plan = coordinate_step(self.dp_group, num_tokens, num_tokens, self._wants_split(inputs), graph_ok)
+        if graph_ok:
+            # A graph's padded size decides the split, so that replay matches the capture.
+            wants_split = graphs.padded_size(num_tokens) in graphs.split_sizes
+        else:
+            wants_split = self._wants_split(inputs)
+        plan = coordinate_step(self.dp_group, num_tokens, num_tokens, wants_split, graph_ok)
         if plan.max_tokens == 0:
             return _Done(ModelRunnerOutput([], []))
         if inputs is None:
@@ -238,7 +244,7 @@ class ModelRunner:
         input_ids_t = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
         if inputs.prev_dst:
             input_ids_t[self._h2d(inputs.prev_dst, torch.long)] = self.prev_sampled[self._h2d(inputs.prev_src, torch.long)]
-        if plan.graph_mode and not plan.split and self.dp_size == 1:
+        if plan.graph_mode and self.dp_size == 1 and plan.split == (graphs.padded_size(num_reqs) in graphs.split_sizes):
             hidden = graphs.run(num_reqs, input_ids_t, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
                                 inputs.num_computed, inputs.block_table)
         else:
