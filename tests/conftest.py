@@ -7,6 +7,11 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on the CPU; it is chosen when a kernel is
+    # defined, so it must be set before any test module imports one.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
