@@ -39,13 +39,15 @@ class DecodeCUDAGraphs:
         dbo_min_size: capture sizes from this one up as dual-batch overlap graphs: two
             ubatches of half the rows each, their forwards interleaved at the MoE
             dispatch/combine yield points (the model needs ``forward_steps``). None: off.
+        sizes: capture sizes (default: ``capture_sizes(max_num_seqs)``).
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device, dbo_min_size: int | None = None) -> None:
+                 block_size: int, device: torch.device, dbo_min_size: int | None = None,
+                 sizes: list[int] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = sorted(sizes) if sizes else capture_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
         n = self.max_size
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)

@@ -1,0 +1,154 @@
+"""Dual-batch overlap on one GPU with the ``simulated`` all-to-all (issue 7).
+
+DeepSeek-V2-Lite shape (27 layers, 64 routed experts top-6 + 2 shared, MLA), bf16, dummy
+weights, decode steps of ``--batches`` sequences with ``--context`` cached tokens each, run
+as CUDA graphs. For each batch size the compute time is the step time with a free link;
+then the link bandwidth is set so that the modeled communication of a step (dispatch +
+combine of every MoE layer) is ``ratio`` x compute, for each of ``--ratios``, and the step
+is timed with DBO off (one batch) and on (two interleaved ubatches), beside
+max(compute, comm), the best overlap can give.
+
+    python benchmarks/dbo_sweep.py --out DIR [--batches 64,128,256,512] [--ratios 0.25,0.5,1,1.5,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import numpy as np
+import torch
+
+DEEPSEEK_V2_LITE = dict(
+    model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+    num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1, routed_scaling_factor=1.0, topk_method="greedy",
+    n_group=1, topk_group=1, norm_topk_prob=False, max_position_embeddings=163840, rope_theta=10000.0,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                      mscale=0.707, mscale_all_dim=0.707),
+    rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001,
+)
+
+
+def build(cfg_dict: dict, device: torch.device, link):
+    from transformers import AutoConfig
+
+    from tandem.attention.backend import get_attention_backend
+    from tandem.distributed.all2all import SimulatedAll2All
+    from tandem.model_loader.loader import build_model
+
+    d = dict(cfg_dict)
+    hf = AutoConfig.for_model(d.pop("model_type"), **d)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(hf, "", "dummy", get_attention_backend(device, 4096), dtype, device, max_positions=4096,
+                        all2all=lambda e: SimulatedAll2All(e, link=link, record=False))
+    return model, dtype
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", default="64,128,256,512")
+    ap.add_argument("--ratios", default="0.25,0.5,1,1.5,2")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--latency-us", type=float, default=10.0)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer toy shape (dry run)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    from tandem.distributed.all2all import LinkModel
+    from tandem.worker.cuda_graph import DecodeCUDAGraphs
+
+    device = torch.device("cuda")
+    cfg = dict(DEEPSEEK_V2_LITE)
+    if args.tiny:
+        cfg.update(num_hidden_layers=2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                   n_routed_experts=8, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+                   qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, vocab_size=1000)
+    link = LinkModel(bandwidth_gbps=1e9, latency_us=0.0, ep_size=8)
+    model, dtype = build(cfg, device, link)
+    batches = [int(b) for b in args.batches.split(",")]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    bs = 16
+    blocks_per_seq = math.ceil((args.context + 1) / bs)
+    num_blocks = max(batches) * blocks_per_seq + 1
+    planes = getattr(model, "kv_cache_num_planes", 2)
+    heads, dim = model.kv_cache_shape_per_block
+    kv = [torch.zeros(planes, num_blocks, bs, heads, dim, dtype=dtype, device=device) for _ in range(len(model.layers))]
+    num_moe = sum(1 for m in model.modules() if type(m).__name__ == "FusedMoE")
+    top_k, hidden = cfg["num_experts_per_tok"], cfg["hidden_size"]
+    elem = torch.finfo(dtype).bits // 8
+
+    def step_time(b: int, split: bool) -> float:
+        g = DecodeCUDAGraphs(model, kv, b, blocks_per_seq, bs, device, dbo_min_size=2 if split else None, sizes=[b])
+        g.capture()
+        table = (1 + np.arange(b)[:, None] * blocks_per_seq + np.arange(blocks_per_seq)[None, :]).astype(np.int32)
+        pos = np.full(b, args.context, dtype=np.int64)
+        slots = table[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs
+        ids = torch.randint(1000, cfg["vocab_size"], (b,), device=device)
+        times = []
+        for i in range(args.iters + 3):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.run(b, ids, pos, slots, pos + 1, pos, table)
+            e.record()
+            e.synchronize()
+            if i >= 3:
+                times.append(s.elapsed_time(e))
+        del g
+        torch.cuda.synchronize()
+        return float(np.median(times))
+
+    rows = []
+    for b in batches:
+        link.bandwidth_gbps, link.latency_us = 1e9, 0.0
+        compute = step_time(b, False)
+        for r in ratios:
+            exchange_bytes = link.bytes(b, top_k, hidden, elem)
+            comm_target = r * compute * 1e-3
+            latency_total = 2 * num_moe * args.latency_us * 1e-6
+            link.latency_us = args.latency_us
+            link.bandwidth_gbps = 2 * num_moe * exchange_bytes / max(comm_target - latency_total, 1e-9) / 1e9
+            comm = 2 * num_moe * link.seconds(b, top_k, hidden, elem) * 1e3
+            off, on = step_time(b, False), step_time(b, True)
+            row = dict(batch=b, ratio=r, compute_ms=compute, comm_ms=comm, link_gbps=link.bandwidth_gbps,
+                       dbo_off_ms=off, dbo_on_ms=on, bound_ms=max(compute, comm))
+            row["on_over_bound"] = on / row["bound_ms"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    with open(os.path.join(args.out, "dbo_sweep.json"), "w") as f:
+        json.dump(dict(config=cfg, context=args.context, latency_us=args.latency_us, rows=rows), f, indent=2)
+    print("\n| batch | comm/compute | link GB/s | compute ms | comm ms | DBO off ms | DBO on ms | max(compute, comm) ms | on / max |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['ratio']:.2f} | {r['link_gbps']:.1f} | {r['compute_ms']:.2f} | {r['comm_ms']:.2f} | "
+              f"{r['dbo_off_ms']:.2f} | {r['dbo_on_ms']:.2f} | {r['bound_ms']:.2f} | {r['on_over_bound']:.2f} |")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.5), sharey=False)
+        for ax, b in zip(np.atleast_1d(axes), batches):
+            rs = [r for r in rows if r["batch"] == b]
+            x = [r["ratio"] for r in rs]
+            ax.plot(x, [r["dbo_off_ms"] for r in rs], "o-", label="DBO off")
+            ax.plot(x, [r["dbo_on_ms"] for r in rs], "s-", label="DBO on")
+            ax.plot(x, [r["bound_ms"] for r in rs], "k--", label="max(compute, comm)")
+            ax.set_title(f"decode batch {b}")
+            ax.set_xlabel("comm / compute")
+            ax.set_ylabel("step time (ms)")
+        np.atleast_1d(axes)[0].legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "dbo_sweep.png"), dpi=110)
+    except ImportError as e:
+        print(f"no plot: {e}")
+
+
+if __name__ == "__main__":
+    main()
