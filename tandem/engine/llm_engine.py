@@ -26,6 +26,9 @@ from tandem.worker.model_runner import DBOConfig, ModelRunner
 
 logger = logging.getLogger(__name__)
 
+# Most top logprobs per position a request may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
 
 class LLMEngine:
     """Owns the model runner, the scheduler and the output processor.
@@ -168,6 +171,10 @@ class LLMEngine:
         """
         params = (params or SamplingParams()).clone()
         params.verify_vocab(self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:

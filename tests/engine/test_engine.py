@@ -172,6 +172,8 @@ def test_bad_requests_leave_engine_clean(llm):
         llm.generate(["hi"], SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="maximum context length is 1024"):
         llm.generate(["hi"], SamplingParams(max_tokens=5000), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs must be at most 20"):
+        llm.generate(["hi"], SamplingParams(logprobs=10**6), use_tqdm=False)
     with pytest.raises(ValueError, match="at least one token"):
         llm.generate([[]], SamplingParams(), use_tqdm=False)
     assert_all_blocks_free(llm.engine)

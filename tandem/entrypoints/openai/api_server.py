@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -32,7 +31,7 @@ from tandem.engine.async_llm import AsyncLLM, EngineDeadError
 from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.cli_args import served_names
 from tandem.entrypoints.openai.metrics import ServerMetrics
-from tandem.entrypoints.openai.serving import OpenAIError, OpenAIServing, bad_request, error_body
+from tandem.entrypoints.openai.serving import OpenAIError, OpenAIServing, SSEStream, bad_request, error_body
 
 logger = logging.getLogger("tandem.serve")
 
@@ -64,10 +63,14 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+def _reject_constant(name: str):
+    raise json.JSONDecodeError(f"{name} is not valid JSON", name, 0)
+
+
 async def _parse(raw: Request, model: type[BaseModel]):
     body = await raw.body()
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_reject_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"Invalid JSON in the request body: {e}") from None
     if not isinstance(data, dict):
@@ -101,6 +104,22 @@ async def _with_cancellation(raw: Request, coro):
         return task.result()
     task.cancel()
     return None
+
+
+class _SSEResponse(StreamingResponse):
+    """``text/event-stream`` response that aborts its engine requests when it ends, in every
+    way it can end (done, client disconnect, send error, never started)."""
+
+    def __init__(self, stream: SSEStream) -> None:
+        super().__init__(stream, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.abort()
 
 
 class _RequestIdHeader:
@@ -176,9 +195,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
     def respond(result, raw: Request):
         if result is None:  # the client went away
             return Response(status_code=499)
-        if isinstance(result, AsyncIterator):
-            return StreamingResponse(result, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if isinstance(result, SSEStream):
+            return _SSEResponse(result)
         return JSONResponse(result.model_dump())
 
     # ------------------------------------------------------------------ routes

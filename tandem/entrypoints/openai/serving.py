@@ -21,7 +21,7 @@ from typing import Any
 
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from tandem.entrypoints.openai import protocol as P
-from tandem.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tandem.outputs import PositionLogprobs, RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,25 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple
         for t in tasks:
             t.cancel()
         for s in streams:
+            s.abort()
+
+
+class SSEStream:
+    """A streaming response body (SSE lines) and the engine requests behind it.
+
+    ``abort()`` stops the requests even if the body was never iterated (a client gone
+    before the first chunk); the HTTP layer calls it when the response ends, however.
+    """
+
+    def __init__(self, body: AsyncIterator[str], streams: Sequence[RequestStream]) -> None:
+        self.body = body
+        self.streams = list(streams)
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.body.__aiter__()
+
+    def abort(self) -> None:
+        for s in self.streams:
             s.abort()
 
 
@@ -268,6 +287,15 @@ class OpenAIServing:
             offset += len(s)
         return res
 
+    @staticmethod
+    def _prompt_logprobs(out: RequestOutput) -> list[dict[str, P.PromptLogprob] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt position, token id -> logprob, rank, text."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if pos is None else
+                {str(t): P.PromptLogprob(logprob=_clamp(v.logprob), rank=v.rank, decoded_token=v.decoded_token)
+                 for t, v in pos.items()} for pos in out.prompt_logprobs]
+
     async def create_completion(self, req: P.CompletionRequest, request_id: str):
         """Returns a ``CompletionResponse`` or, when streaming, an async iterator of SSE lines.
 
@@ -298,7 +326,8 @@ class OpenAIServing:
         rid = f"cmpl-{request_id}"
         n = params.n
         if req.stream:
-            return self._completion_stream(streams, prompts, echo_texts, echo_only, lp, n, rid, include_usage)
+            return SSEStream(self._completion_stream(streams, prompts, echo_texts, echo_only, lp, n, rid,
+                                                     include_usage), streams)
         outs = await self._collect(streams)
         choices = []
         num_prompt = num_gen = num_cached = 0
@@ -322,7 +351,8 @@ class OpenAIServing:
                     logprobs = self._completion_logprobs(toks, clps, 0)
                 choices.append(P.CompletionResponseChoice(
                     index=i * n + c.index, text=text, logprobs=logprobs,
-                    finish_reason="length" if echo_only else c.finish_reason, stop_reason=c.stop_reason))
+                    finish_reason="length" if echo_only else c.finish_reason, stop_reason=c.stop_reason,
+                    prompt_logprobs=self._prompt_logprobs(out) if req.prompt_logprobs is not None else None))
         usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen)
         return P.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
 
@@ -454,7 +484,7 @@ class OpenAIServing:
         streams = await self._add(request_id, [ids], params)
         rid = f"chatcmpl-{request_id}"
         if req.stream:
-            return self._chat_stream(streams[0], len(ids), params.n, lp, rid, include_usage)
+            return SSEStream(self._chat_stream(streams[0], len(ids), params.n, lp, rid, include_usage), streams)
         (out,) = await self._collect(streams)
         choices = []
         num_gen = 0

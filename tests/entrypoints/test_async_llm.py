@@ -1,0 +1,115 @@
+"""``AsyncLLM``: the engine stepped by its own thread, fed from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tandem.config import EngineConfig
+from tandem.engine.async_llm import AsyncLLM, EngineDeadError
+from tandem.sampling_params import RequestOutputKind, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = AsyncLLM(EngineConfig(num_kv_blocks=256, max_model_len=1024, device="cpu"))
+    yield llm
+    llm.shutdown()
+
+
+def _all_free(engine) -> dict:
+    kv = engine.kv_manager
+    return {"seqs": len(engine.scheduler.requests), "holding": len(kv.req_blocks),
+            "live": len(engine.output_processor.parents), "free": kv.pool.num_free_blocks == kv.num_usable_blocks}
+
+
+async def _wait_idle(llm: AsyncLLM, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = await llm.call_in_engine(_all_free)
+        if state == {"seqs": 0, "holding": 0, "live": 0, "free": True} or time.monotonic() > deadline:
+            return state
+        await asyncio.sleep(0.05)
+
+
+def test_delta_stream_joins_to_final_output(llm):
+    async def main():
+        greedy = dict(temperature=0.0, max_tokens=12, n=2, seed=3)
+        deltas: dict[int, str] = {}
+        tokens: dict[int, list] = {}
+        async for out in llm.generate("The capital of France is", SamplingParams(
+                output_kind=RequestOutputKind.DELTA, **greedy), "req"):
+            assert out.request_id == "req"
+            for c in out.outputs:
+                deltas[c.index] = deltas.get(c.index, "") + c.text
+                tokens.setdefault(c.index, []).extend(c.token_ids)
+        finals = [o async for o in llm.generate("The capital of France is", SamplingParams(
+            output_kind=RequestOutputKind.FINAL_ONLY, **greedy), "req")]
+        return deltas, tokens, finals
+
+    deltas, tokens, finals = asyncio.run(main())
+    assert len(finals) == 1 and finals[0].finished
+    assert {c.index: c.text for c in finals[0].outputs} == deltas
+    assert {c.index: c.token_ids for c in finals[0].outputs} == tokens
+
+
+def test_leaving_the_loop_aborts_and_frees_blocks(llm):
+    async def main():
+        params = SamplingParams(max_tokens=500, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        gens = [llm.generate(f"Story number {i}:", params, f"r{i}") for i in range(6)]
+        for g in gens:
+            n = 0
+            async for _ in g:
+                n += 1
+                if n == 2:
+                    break
+            await g.aclose()
+        # a task cancelled while waiting for outputs aborts too
+        async def consume():
+            async for _ in llm.generate("Cancel me", params, "c"):
+                pass
+
+        t = asyncio.create_task(consume())
+        await asyncio.sleep(0.5)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        return await _wait_idle(llm)
+
+    assert asyncio.run(main()) == {"seqs": 0, "holding": 0, "live": 0, "free": True}
+
+
+def test_rejected_request_raises_value_error(llm):
+    async def main():
+        with pytest.raises(ValueError, match="maximum context length is 1024"):
+            await llm.add_request("big", [42] * 8, SamplingParams(max_tokens=1020))
+        with pytest.raises(ValueError, match="vocabulary"):
+            await llm.add_request("bias", [42], SamplingParams(logit_bias={10**7: 1.0}))
+        return await _wait_idle(llm)
+
+    assert asyncio.run(main())["live"] == 0
+
+
+def test_engine_thread_sleeps_when_idle(llm):
+    async def main():
+        await _wait_idle(llm)
+        before = llm.stats()["num_steps"]
+        await asyncio.sleep(0.5)
+        return before, llm.stats()["num_steps"]
+
+    before, after = asyncio.run(main())
+    assert before == after  # no steps without work (the thread waits on a condition)
+
+
+def test_shutdown_fails_new_requests(llm):
+    """Runs last in this module: it stops the shared engine thread."""
+    llm.shutdown()
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("x", [1, 2], SamplingParams(max_tokens=2))
+
+    asyncio.run(main())
+    assert not llm.is_running

@@ -1,0 +1,131 @@
+"""Bad input gets HTTP 400 with an OpenAI-style body (never a 500), unknown routes 404, and
+the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+MODEL_NAME = "SmolLM2-135M-Instruct"  # as served by the conftest fixture
+EIGHT_TOKENS = [504, 3458, 282, 4649, 314, 1345, 30, 216]
+
+BAD_COMPLETIONS = {
+    "unknown model": {"model": "no-such-model", "prompt": "Hi"},
+    "temperature < 0": {"prompt": "Hi", "temperature": -0.5},
+    "top_p > 1": {"prompt": "Hi", "top_p": 1.5},
+    "top_p = 0": {"prompt": "Hi", "top_p": 0},
+    "top_k < -1": {"prompt": "Hi", "top_k": -5},
+    "min_p > 1": {"prompt": "Hi", "min_p": 2.0},
+    "n = 0": {"prompt": "Hi", "n": 0},
+    "max_tokens < 0": {"prompt": "Hi", "max_tokens": -1},
+    "max_tokens not an int": {"prompt": "Hi", "max_tokens": "many"},
+    "presence_penalty > 2": {"prompt": "Hi", "presence_penalty": 3},
+    "frequency_penalty < -2": {"prompt": "Hi", "frequency_penalty": -2.5},
+    "repetition_penalty <= 0": {"prompt": "Hi", "repetition_penalty": 0},
+    "logprobs < 0": {"prompt": "Hi", "logprobs": -1},
+    "logprobs > 20": {"prompt": "Hi", "logprobs": 21},
+    "min_tokens > max_tokens": {"prompt": "Hi", "max_tokens": 2, "min_tokens": 5},
+    "logit_bias id >= vocab": {"prompt": "Hi", "logit_bias": {"49152": 5}},
+    "logit_bias id < 0": {"prompt": "Hi", "logit_bias": {"-1": 5}},
+    "logit_bias not an id": {"prompt": "Hi", "logit_bias": {"hello": 5}},
+    "logit_bias value > 100": {"prompt": "Hi", "logit_bias": {"42": 500}},
+    "stop_token_ids outside vocab": {"prompt": "Hi", "stop_token_ids": [10**7]},
+    "prompt token outside vocab": {"prompt": [1, 2, 10**6]},
+    "negative prompt token": {"prompt": [1, -2]},
+    "empty prompt list": {"prompt": []},
+    "empty prompt string": {"prompt": ""},
+    "missing prompt": {"max_tokens": 3},
+    "empty stop string": {"prompt": "Hi", "stop": [""]},
+    "best_of > n": {"prompt": "Hi", "best_of": 3},
+    "stream_options without stream": {"prompt": "Hi", "stream_options": {"include_usage": True}},
+    "suffix": {"prompt": "Hi", "suffix": "tail"},
+    "prompt too long for max_tokens": {"prompt": EIGHT_TOKENS, "max_tokens": 2045},
+    "prompt over the context": {"prompt": [42] * 2048},
+}
+
+BAD_CHAT = {
+    "unknown model": {"model": "gpt-17", "messages": [{"role": "user", "content": "Hi"}]},
+    "no messages": {"messages": []},
+    "unknown role": {"messages": [{"role": "wizard", "content": "Hi"}]},
+    "image part": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    "top_logprobs without logprobs": {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 3},
+    "top_logprobs > 20": {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 50},
+    "temperature < 0": {"messages": [{"role": "user", "content": "Hi"}], "temperature": -1},
+    "max_completion_tokens over the context": {"messages": [{"role": "user", "content": "Hi"}],
+                                               "max_completion_tokens": 4096},
+    "logit_bias outside vocab": {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"999999": 1}},
+    "tools": {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+}
+
+
+def _assert_400(r: httpx.Response) -> dict:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400
+    assert isinstance(err["message"], str) and err["message"]
+    assert "param" in err
+    return err
+
+
+def _assert_alive(url: str) -> None:
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("case", sorted(BAD_COMPLETIONS))
+def test_bad_completion_requests(server, case):
+    body = BAD_COMPLETIONS[case]
+    for stream in (False,) if "without stream" in case else (False, True):
+        _assert_400(httpx.post(f"{server.url}/v1/completions", json={**body, "stream": stream}, timeout=60))
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHAT))
+def test_bad_chat_requests(server, case):
+    for stream in (False, True):
+        _assert_400(httpx.post(f"{server.url}/v1/chat/completions", json={**BAD_CHAT[case], "stream": stream},
+                               timeout=60))
+
+
+def test_invalid_json_and_bodies(server):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        for content in (b"{not json", b"", b"[1, 2]", b"null", b'"text"', b"\xff\xfe",
+                        b'{"prompt": "Hi", "temperature": Infinity}', b'{"prompt": "Hi", "top_p": NaN}'):
+            _assert_400(httpx.post(f"{server.url}{path}", content=content,
+                                   headers={"Content-Type": "application/json"}))
+    _assert_400(httpx.post(f"{server.url}/detokenize", json={"tokens": [10**9]}))
+    _assert_400(httpx.post(f"{server.url}/tokenize", json={}))
+    _assert_400(httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "model": "nope"}))
+    _assert_alive(server.url)
+
+
+def test_context_length_message_numbers(server):
+    err = _assert_400(httpx.post(f"{server.url}/v1/completions",
+                                 json={"model": MODEL_NAME, "prompt": EIGHT_TOKENS, "max_tokens": 2045}))
+    for number in ("2048", "8", "2045", "2053"):
+        assert number in err["message"], err["message"]
+    assert "This model's maximum context length is 2048 tokens" in err["message"]
+
+
+def test_openai_client_sees_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                       temperature=-3.0)
+
+
+def test_unknown_route_is_404(server):
+    for method, path in (("GET", "/v2/nothing"), ("POST", "/v1/embeddings"), ("GET", "/")):
+        r = httpx.request(method, f"{server.url}{path}")
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == 404
+
+
+def test_server_still_answers(server):
+    _assert_alive(server.url)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    stats = httpx.get(f"{server.url}/debug/engine_stats").json()
+    assert stats["num_live_requests"] == 0 and stats["num_seqs_with_blocks"] == 0
