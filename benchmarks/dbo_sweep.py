@@ -79,7 +79,9 @@ def main() -> None:
     planes = getattr(model, "kv_cache_num_planes", 2)
     heads, dim = model.kv_cache_shape_per_block
     kv = [torch.zeros(planes, num_blocks, bs, heads, dim, dtype=dtype, device=device) for _ in range(len(model.layers))]
-    num_moe = sum(1 for m in model.modules() if type(m).__name__ == "FusedMoE")
+    from tandem.layers.moe import SparseMoeBlock
+
+    num_moe = sum(1 for m in model.modules() if isinstance(m, SparseMoeBlock))
     top_k, hidden = cfg["num_experts_per_tok"], cfg["hidden_size"]
     elem = torch.finfo(dtype).bits // 8
 
@@ -89,7 +91,7 @@ def main() -> None:
         table = (1 + np.arange(b)[:, None] * blocks_per_seq + np.arange(blocks_per_seq)[None, :]).astype(np.int32)
         pos = np.full(b, args.context, dtype=np.int64)
         slots = table[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs
-        ids = torch.randint(1000, cfg["vocab_size"], (b,), device=device)
+        ids = torch.randint(0, cfg["vocab_size"], (b,), device=device)
         times = []
         for i in range(args.iters + 3):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
