@@ -60,9 +60,17 @@ class EngineConfig:
         dbo_decode_token_threshold: smallest decode-only step that is split.
         dbo_prefill_token_threshold: smallest step with prefill tokens that is split.
         all2all_backend: MoE dispatch/combine: "local" (EP=1), "simulated" (EP=1 data plus a
-            modeled link delay), or a multi-rank backend; "auto" picks local on one rank.
+            modeled link delay), "allgather_reducescatter" or "all_to_all" (EP > 1, over
+            torch.distributed); "auto": local without EP, allgather_reducescatter with EP.
         simulated_link_gbps / simulated_link_latency_us / simulated_ep_size: the link model
             of the simulated backend (defaults: one inter-node RDMA NIC per GPU, EP=8).
+        tensor_parallel_size: ranks sharding each layer's heads / MLP (Megatron-style).
+        data_parallel_size: engine replicas, each with its own scheduler and KV cache
+            (data-parallel attention); ``tensor_parallel_size * data_parallel_size``
+            processes are launched (or taken from torchrun's environment).
+        enable_expert_parallel: shard MoE experts over all DP x TP ranks.
+        master_addr / master_port: rendezvous of the ranks (None: MASTER_ADDR/MASTER_PORT
+            from the environment, else 127.0.0.1 and a free port).
     """
 
     model: str | None = None
@@ -89,6 +97,11 @@ class EngineConfig:
     simulated_link_gbps: float = 40.0
     simulated_link_latency_us: float = 20.0
     simulated_ep_size: int = 8
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    master_addr: str | None = None
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -104,6 +117,14 @@ class EngineConfig:
         if self.dbo_decode_token_threshold < 2 or self.dbo_prefill_token_threshold < 2:
             raise ValueError("dbo_decode_token_threshold and dbo_prefill_token_threshold must be >= 2 "
                              "(each ubatch needs a token).")
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size and data_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size} and {self.data_parallel_size}.")
+        from tandem.distributed.all2all import ALL2ALL_BACKENDS
+
+        if self.all2all_backend != "auto" and self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise ValueError(f"all2all_backend must be auto or one of {', '.join(ALL2ALL_BACKENDS)}, "
+                             f"got {self.all2all_backend!r}.")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}.")
 
@@ -118,6 +139,11 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the deployment: ``tensor_parallel_size * data_parallel_size``."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
     def resolve_limits(self, model_max_len: int) -> None:
         """Fill ``max_model_len`` and ``max_num_batched_tokens`` from the model's context.

@@ -292,7 +292,10 @@ class SimulatedAll2All(All2AllBackend):
 
 
 def get_all2all_backend(name: str, placement: ExpertPlacement | int, **kwargs) -> All2AllBackend:
-    """Backend by name: ``local`` or ``simulated`` (kwargs: ``link``, ``record``).
+    """Backend by name: ``local``, ``simulated`` (kwargs: ``link``, ``record``), or the
+    torch.distributed backends ``allgather_reducescatter`` / ``all_to_all`` (kwargs:
+    ``group`` the EP process group, ``pool`` a shared buffer pool; see
+    :mod:`tandem.distributed.ep_all2all`).
 
     Raises:
         ValueError: unknown name.
@@ -301,8 +304,18 @@ def get_all2all_backend(name: str, placement: ExpertPlacement | int, **kwargs) -
         return LocalAll2All(placement)
     if name == "simulated":
         return SimulatedAll2All(placement, **kwargs)
-    raise ValueError(f"unknown all2all backend {name!r}; available: local, simulated")
+    if name in ("allgather_reducescatter", "all_to_all"):
+        from tandem.distributed.ep_all2all import AllGatherReduceScatterAll2All, AllToAllAll2All
+
+        if isinstance(placement, int):
+            placement = ExpertPlacement(placement)
+        cls = AllGatherReduceScatterAll2All if name == "allgather_reducescatter" else AllToAllAll2All
+        return cls(placement, kwargs.get("group"), kwargs.get("pool"))
+    raise ValueError(f"unknown all2all backend {name!r}; available: {', '.join(ALL2ALL_BACKENDS)}")
 
 
-__all__ = ["All2AllBackend", "ExpertPlacement", "LinkModel", "LocalAll2All", "SimRecord", "SimulatedAll2All",
+ALL2ALL_BACKENDS = ("local", "simulated", "allgather_reducescatter", "all_to_all")
+
+
+__all__ = ["ALL2ALL_BACKENDS", "All2AllBackend", "ExpertPlacement", "LinkModel", "LocalAll2All", "SimRecord", "SimulatedAll2All",
            "get_all2all_backend"]

@@ -16,6 +16,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.block_manager import KVCacheManager
 from tandem.core.scheduler import Scheduler, SchedulerOutput
+from tandem.distributed import parallel_state as ps
 from tandem.engine.output_processor import OutputProcessor
 from tandem.model_loader.loader import build_model, load_hf_config, load_tokenizer
 from tandem.outputs import RequestOutput
@@ -42,6 +43,13 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.world_size != ps.get_world_size():
+            raise ValueError(f"tensor_parallel_size x data_parallel_size = {config.world_size} ranks, but this process "
+                             f"is not one of them: build the engine through tandem.entrypoints.llm.LLM or "
+                             f"tandem.engine.dp_engine (they launch the ranks)")
+        if ps.get_ep_size() > 1 and not config.enforce_eager:
+            # The EP exchanges need a forward context that decode CUDA graphs do not set yet.
+            config.enforce_eager = True
         device, dtype = config.torch_device, config.torch_dtype
         self.hf_config = load_hf_config(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
@@ -60,6 +68,8 @@ class LLMEngine:
         planes = getattr(self.model, "kv_cache_num_planes", 2)
         num_layers = len(self.model.layers)
         num_blocks = config.num_kv_blocks or self._num_kv_blocks(num_layers, num_kv_heads, head_dim, dtype, device, planes)
+        # The TP ranks of one replica share the driver's block ids: agree on the smallest cache.
+        num_blocks = ps.tp_min(num_blocks)
         self.num_kv_blocks = num_blocks
         kv_caches = [torch.zeros(planes, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
                      for _ in range(num_layers)]
@@ -75,9 +85,16 @@ class LLMEngine:
                                   dbo=DBOConfig(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
                                   if config.enable_dbo else None)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
+        if ps.get_ep_size() > 1:
+            # Expert parallelism: every DP rank's forward takes part in the EP collectives, so
+            # the runner agrees on each step (and runs dummy batches) over the DP group.
+            self.runner.dp_group = ps.get_dp_group()
         self.eos_token_ids = self._eos_token_ids()
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.async_output_proc = config.async_output_proc
+        # Tensor parallelism: the driver sends each step's SchedulerOutput to the other TP
+        # ranks before running it (set by tandem.engine.dp_engine).
+        self.step_broadcast = None
 
     def _moe_kwargs(self) -> dict:
         """The dispatch/combine backend of MoE layers (dense models take none)."""
@@ -87,7 +104,14 @@ class LLMEngine:
             if cfg.enable_dbo:
                 logger.warning("--enable-dbo has no effect on the dense model %s", self.hf_config.model_type)
             return {}
-        name = "local" if cfg.all2all_backend == "auto" else cfg.all2all_backend
+        ep = ps.get_ep_size()
+        name = cfg.all2all_backend
+        if name == "auto":
+            name = "local" if ep == 1 else "allgather_reducescatter"
+        if ep > 1 or name in ("allgather_reducescatter", "all_to_all"):
+            from tandem.distributed.ep_all2all import make_all2all_factory
+
+            return {"all2all": make_all2all_factory(name, group=ps.get_ep_group(), ep_size=ep, ep_rank=ps.get_ep_rank())}
         if name == "simulated":
             from tandem.distributed.all2all import LinkModel, SimulatedAll2All
 
@@ -227,6 +251,8 @@ class LLMEngine:
                 blocks freed); the engine stays usable for the others and for new ones.
         """
         so = self.scheduler.schedule()
+        if self.step_broadcast is not None:
+            self.step_broadcast(so)
         failed = [so]
         handle = None
         try:

@@ -35,10 +35,17 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--dbo-decode-token-threshold", type=int, default=32)
     p.add_argument("--dbo-prefill-token-threshold", type=int, default=512)
     p.add_argument("--all2all-backend", default="auto",
-                   help="MoE dispatch/combine: auto, local, simulated, allgather_reducescatter, all_to_all")
+                   choices=["auto", "local", "simulated", "allgather_reducescatter", "all_to_all"],
+                   help="MoE dispatch/combine (auto: local without EP, allgather_reducescatter with EP)")
     p.add_argument("--simulated-link-gbps", type=float, default=40.0, help="simulated all2all bandwidth, GB/s")
     p.add_argument("--simulated-link-latency-us", type=float, default=20.0, help="simulated all2all latency, us")
     p.add_argument("--simulated-ep-size", type=int, default=8, help="EP size the simulated link models")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks sharding each layer (TP)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas with their own scheduler and KV cache (DP attention)")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="shard MoE experts over all DP x TP ranks")
+    p.add_argument("--master-addr", default=None, help="rendezvous address of the ranks (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port of the ranks (default: a free one)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -23,7 +23,9 @@ class LLM:
         model: HF folder, GGUF file, or config (with ``load_format="dummy"``); None for
             the embedded default (SmolLM2-135M-Instruct).
         **kwargs: any ``EngineConfig`` field (block_size, max_num_seqs,
-            enable_prefix_caching, async_output_proc, ...).
+            enable_prefix_caching, async_output_proc, ...). With ``data_parallel_size *
+            tensor_parallel_size > 1`` the ranks are launched (``tandem.engine.dp_engine``)
+            and ``engine`` is their front-end.
 
     Raises:
         TypeError: an unknown keyword argument.
@@ -34,7 +36,13 @@ class LLM:
         unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        if config.world_size > 1:  # data / tensor parallel: launch (or join) the ranks
+            from tandem.engine.dp_engine import make_parallel_engine
+
+            self.engine = make_parallel_engine(config)
+        else:
+            self.engine = LLMEngine(config)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

@@ -196,20 +196,36 @@ class ServerBackend:
 
         return self._map(one, prompts)
 
+    def _continuation_tokens(self, ctx: str, cont: str) -> tuple[float, int, bool]:
+        """(log-probability of ``cont`` after ``ctx``, its token count, whether a token starts
+        exactly at the context's end), from ``echo`` + ``logprobs``."""
+        r = self.client.completions.create(model=self.model, prompt=ctx + cont, max_tokens=1, temperature=0.0,
+                                           echo=True, logprobs=0)
+        lp = r.choices[0].logprobs
+        end = len(ctx) + len(cont)
+        total, count = 0.0, 0
+        for off, v in zip(lp.text_offset, lp.token_logprobs):
+            if len(ctx) <= off < end:
+                total += v
+                count += 1
+        return total, count, len(ctx) in lp.text_offset
+
     def choice_logprobs(self, contexts: list[str], continuations: list[str]) -> list[ChoiceScores]:
-        def loglikelihood(ctx: str, cont: str) -> float:
-            r = self.client.completions.create(model=self.model, prompt=ctx + cont, max_tokens=1, temperature=0.0,
-                                               echo=True, logprobs=0)
-            lp = r.choices[0].logprobs
-            end = len(ctx) + len(cont)
-            total = 0.0
-            for off, v in zip(lp.text_offset, lp.token_logprobs):
-                if len(ctx) <= off < end:
-                    total += v
-            return total
+        if not contexts:
+            return []
+        # Without the server's tokenizer: the next-token method needs every continuation to be
+        # one token right after the context; probe that on the first context's tail (the
+        # tokens at its end do not depend on text far before them).
+        probe = [self._continuation_tokens(contexts[0][-256:], c) for c in continuations]
+        single = all(n == 1 and aligned for _, n, aligned in probe)
+
+        def exact(ctx: str, top: str | None = None) -> ChoiceScores:
+            return ChoiceScores([self._continuation_tokens(ctx, c)[0] for c in continuations], "loglikelihood", top)
 
         def one(ctx: str) -> ChoiceScores:
             try:
+                if not single:
+                    return exact(ctx)
                 r = self.client.completions.create(model=self.model, prompt=ctx, max_tokens=1, temperature=0.0,
                                                    logprobs=self.top_n)
                 c = r.choices[0]
@@ -218,8 +234,8 @@ class ServerBackend:
                 if any(v is not None for v in lps):
                     return ChoiceScores(lps, f"next-token-top{self.top_n}", c.text,
                                         getattr(r.usage, "prompt_tokens", None))
-                return ChoiceScores([loglikelihood(ctx, cont) for cont in continuations], "loglikelihood", c.text)
-            except Exception as e:  # noqa: BLE001
+                return exact(ctx, c.text)
+            except Exception as e:  # noqa: BLE001 - a failed item is recorded, not fatal
                 return ChoiceScores([None] * len(continuations), "error", error=f"{type(e).__name__}: {e}")
 
         return self._map(one, contexts)

@@ -105,8 +105,9 @@ def _run_parity(args: argparse.Namespace) -> None:
     variants = [v.strip() for v in args.variants.split(",")] if args.variants else None
     kw = _engine_kwargs(args)
     print("overlap variants: " + ", ".join(f"{v.name} ({v.description}; on={v.on}, off={v.off})" for v in OVERLAP_VARIANTS))
-    print("each runs the task with the feature on, then off; DBO variants are appended to "
-          "tandem.eval.parity.OVERLAP_VARIANTS and run once EngineConfig has their options")
+    print("each variant runs the task with its feature on, then off, the other engine options as given (DBO acts "
+          "on MoE models only: add e.g. --all2all-backend simulated --dbo-decode-token-threshold 4); more variants "
+          "are appended to tandem.eval.parity.OVERLAP_VARIANTS")
     reports = run_parity(task, kw, args.num_fewshot, args.limit, args.max_gen_toks, variants, args.logprob_atol,
                          make_backend=default_backend_factory(args.top_logprobs), log=_log)
     print(format_parity(reports))

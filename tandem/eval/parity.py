@@ -11,15 +11,19 @@ engine options as given) and fails when
 - (multiple choice) a continuation's log-probability differs by more than ``logprob_atol``
   or is present in one run and absent from the other.
 
-Variants are named engine-option sets. One whose options ``EngineConfig`` does not have yet
-is reported as skipped with the reason, and joins the parity run by itself once the engine
-has them: ``dbo`` is listed now and waits for the engine's ``enable_dbo``. To cover a new
-feature, append an ``OverlapVariant`` to ``OVERLAP_VARIANTS``.
+Variants are named engine-option sets: a variant flips its feature's switch and leaves the
+other engine options as given, so ``--all2all-backend simulated --dbo-decode-token-threshold
+4`` and the like apply to both of its runs. After the "on" run a variant may say whether the
+feature acted at all (``dbo``: how many steps were split; none on a dense model, whose
+parity is then vacuous). A variant whose options ``EngineConfig`` does not have is reported
+as skipped with the reason. To cover a new feature, append an ``OverlapVariant`` to
+``OVERLAP_VARIANTS``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from tandem.eval.runner import EvalResult, _fmt, evaluate
@@ -33,6 +37,8 @@ class OverlapVariant:
     description: str
     on: dict
     off: dict
+    # backend of the "on" run -> a line on how much the feature acted (None: nothing to say)
+    activity: Callable[[object], str | None] | None = None
 
     def missing_options(self) -> list[str]:
         from tandem.config import EngineConfig
@@ -41,11 +47,22 @@ class OverlapVariant:
         return sorted((set(self.on) | set(self.off)) - known)
 
 
+def _dbo_activity(backend) -> str | None:
+    runner = getattr(getattr(getattr(backend, "llm", None), "engine", None), "runner", None)
+    n = getattr(runner, "num_dbo_steps", None)
+    if n is None:
+        return None
+    if n == 0:
+        return ("DBO split no step (a dense model, or every step under --dbo-*-token-threshold): "
+                "this parity check is vacuous")
+    return f"DBO split {n} steps into two ubatches"
+
+
 OVERLAP_VARIANTS: list[OverlapVariant] = [
     OverlapVariant("async_output_proc", "asynchronous output processing (one-step-ahead scheduling)",
                    {"async_output_proc": True}, {"async_output_proc": False}),
-    OverlapVariant("dbo", "dual-batch overlap (MoE under expert parallelism)",
-                   {"enable_dbo": True}, {"enable_dbo": False}),
+    OverlapVariant("dbo", "dual-batch overlap of MoE all-to-all and compute",
+                   {"enable_dbo": True}, {"enable_dbo": False}, _dbo_activity),
 ]
 
 
@@ -60,9 +77,11 @@ class VariantReport:
     score_diffs: list[str] = field(default_factory=list)
     answer_diffs: list[dict] = field(default_factory=list)
     max_logprob_diff: float | None = None
+    activity: str | None = None
 
     def to_json(self, samples: bool = False) -> dict:
         out = {"name": self.name, "description": self.description, "status": self.status, "reason": self.reason,
+               "activity": self.activity,
                "score_diffs": self.score_diffs, "answer_diffs": self.answer_diffs,
                "max_logprob_diff": self.max_logprob_diff}
         for key in ("on", "off"):
@@ -156,16 +175,20 @@ def run_parity(task, engine_kwargs: dict, num_fewshot: int | None = None, limit:
                 log(f"[parity] {v.name}: skipped ({reports[-1].reason})")
             continue
         runs = {}
+        activity = None
         for setting, opts in (("on", v.on), ("off", v.off)):
             if log:
                 log(f"[parity] {v.name}={setting} ({opts})")
             backend = make_backend({**engine_kwargs, **opts})
             try:
                 runs[setting] = evaluate(task, backend, num_fewshot, limit, max_tokens)
+                if setting == "on" and v.activity is not None:
+                    activity = v.activity(backend)
             finally:
                 backend.close()
         sd, ad, mlp = compare_results(runs["on"], runs["off"], logprob_atol)
-        rep = VariantReport(v.name, v.description, "fail" if sd or ad else "pass", "", runs["on"], runs["off"], sd, ad, mlp)
+        rep = VariantReport(v.name, v.description, "fail" if sd or ad else "pass", "", runs["on"], runs["off"], sd, ad, mlp,
+                            activity)
         if sd or ad:
             rep.reason = f"{len(sd)} score(s) and {len(ad)} answer(s) differ"
         reports.append(rep)
@@ -190,6 +213,8 @@ def format_parity(reports: list[VariantReport]) -> str:
     line = lambda cells: "|" + "|".join(c.ljust(w) for c, w in zip(cells, widths)) + "|"  # noqa: E731
     out = [line(header), "|" + "|".join("-" * w for w in widths) + "|"] + [line(row) for row in rows]
     for r in reports:
+        if r.activity:
+            out.append(f"{r.name}: {r.activity}")
         if r.max_logprob_diff is not None:
             out.append(f"{r.name}: largest |logprob on - logprob off| = {r.max_logprob_diff:.3g}")
         for d in r.answer_diffs[:5]:

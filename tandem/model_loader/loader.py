@@ -138,14 +138,24 @@ def iterate_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights generated on the model's device: N(0, 0.02) for matrices, 1 for norms."""
+    """Random weights generated on the model's device: N(0, 0.02) for matrices, 1 for norms.
+
+    A parameter sharded over tensor- or expert-parallel ranks (attributes ``full_shape``
+    and ``shard``, see :mod:`tandem.layers.linear`) is drawn at its full shape and sliced,
+    so that every rank of every parallel layout holds a slice of the same model.
+    """
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            full_shape = getattr(p, "full_shape", None)
             if p.dim() == 1 and "norm" in name:
                 p.fill_(1.0)
             elif p.dim() == 1:
                 p.zero_()
+            elif full_shape is not None and tuple(full_shape) != tuple(p.shape):
+                full = torch.empty(full_shape, dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
+                p.copy_(p.shard(full))
+                del full
             else:
                 p.normal_(0.0, 0.02, generator=gen)
 

@@ -25,11 +25,41 @@ import torch
 from torch import nn
 
 from tandem.attention.backend import AttentionBackend
+from tandem.distributed import parallel_state as ps
+from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.layers.mla import MLAAttention
-from tandem.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter
+from tandem.layers.moe import SparseMoeBlock, TopKRouter
+from tandem.layers.parallel_moe import ParallelFusedMoE
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.llama import MLP
 from tandem.models.qwen3_moe import All2AllFactory, MoECausalLM, MoEDecoderLayer, load_moe_weights
+
+
+class ParallelMLAAttention(MLAAttention):
+    """MLA with the heads sharded over the TP ranks: ``q_proj``/``q_b_proj`` and
+    ``kv_b_proj`` column-parallel by heads, ``o_proj`` row-parallel (all-reduce); the
+    latent path (``q_a_proj``, ``kv_a_proj_with_mqa``, their norms) and the latent cache are
+    replicated. ``num_heads`` is this rank's.
+
+    Raises:
+        ValueError: the head count is not a multiple of the TP size.
+    """
+
+    def __init__(self, hf_config, rotary: RotaryEmbedding) -> None:
+        super().__init__(hf_config, rotary)
+        tp = ps.get_tp_size()
+        if tp == 1:
+            return
+        c, n = hf_config, hf_config.num_attention_heads
+        if n % tp:
+            raise ValueError(f"num_attention_heads ({n}) must be a multiple of the TP size ({tp})")
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(c.hidden_size, n * self.qk_dim)
+        else:
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, n * self.qk_dim)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, n * (self.nope + self.v_dim))
+        self.o_proj = RowParallelLinear(n * self.v_dim, c.hidden_size, bias=bool(getattr(c, "attention_bias", False)))
+        self.num_heads = n // tp
 
 
 class DeepseekV2ForCausalLM(MoECausalLM):
@@ -53,7 +83,7 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         rotary = RotaryEmbedding(c, c.qk_rope_head_dim, max_positions)
         self._init_common(c.vocab_size, c.hidden_size, c.rms_norm_eps, bool(getattr(c, "tie_word_embeddings", False)))
         self.layers = nn.ModuleList(
-            MoEDecoderLayer(MLAAttention(c, rotary), self._make_mlp(i, all2all, moe_impl), c.hidden_size, c.rms_norm_eps)
+            MoEDecoderLayer(ParallelMLAAttention(c, rotary), self._make_mlp(i, all2all, moe_impl), c.hidden_size, c.rms_norm_eps)
             for i in range(c.num_hidden_layers))
 
     def is_moe_layer(self, i: int) -> bool:
@@ -71,8 +101,8 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         gate = TopKRouter(c.hidden_size, e, c.num_experts_per_tok, "deepseek_v2", fp32_logits=True,
                           renormalize=bool(getattr(c, "norm_topk_prob", False)), topk_method=c.topk_method or "greedy",
                           n_group=c.n_group, topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor)
-        experts = FusedMoE(e, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
-                           all2all(e) if all2all else None, moe_impl)
+        experts = ParallelFusedMoE(e, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
+                                   all2all(e) if all2all else None, moe_impl)
         shared = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts) if c.n_shared_experts else None
         return SparseMoeBlock(gate, experts, shared)
 

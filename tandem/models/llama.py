@@ -3,6 +3,11 @@
 One implementation; the families differ only in small switches read from the HF config:
 Qwen2 adds biases to the q/k/v projections, Qwen3 adds per-head RMSNorm on q and k
 (before RoPE). Weights use the HF names; q/k/v and gate/up are stored fused.
+
+Tensor parallelism (:mod:`tandem.layers.linear`, sizes from
+:mod:`tandem.distributed.parallel_state`): q/k/v and gate/up are column-parallel (whole
+heads per rank; KV heads replicated when fewer than the TP ranks), o_proj and down_proj
+row-parallel with an all-reduce; embeddings, norms and the LM head are replicated.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch import nn
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.fused_ops import silu_and_mul
+from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -59,13 +65,18 @@ class DecoderSpec:
 
 
 class Attention(nn.Module):
+    """GQA self-attention over the paged cache; heads sharded over the TP ranks
+    (``num_heads`` / ``num_kv_heads`` are this rank's)."""
+
     def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads,
+                                          bias=spec.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = self.num_heads * spec.head_dim
+        self.kv_size = self.num_kv_heads * spec.head_dim
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -88,12 +99,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``; the
+    intermediate dim is sharded over the TP ranks (``reduce_results=False``: the output is
+    this rank's partial sum, reduced by the caller)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce_results: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -145,8 +158,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def kv_cache_shape_per_block(self) -> tuple[int, int]:
-        """(num_kv_heads, head_dim) of every layer's cache."""
-        return self.spec.num_kv_heads, self.spec.head_dim
+        """(num_kv_heads of this TP rank, head_dim) of every layer's cache."""
+        return self.layers[0].self_attn.num_kv_heads, self.spec.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
@@ -174,7 +187,6 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         s = self.spec
-        qkv_sizes = [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
@@ -184,23 +196,23 @@ class LlamaForCausalLM(nn.Module):
             target, shard = name, None
             for part, (fused, idx) in self._STACKED.items():
                 if f".{part}." in name:
-                    target, shard = name.replace(part, fused), (fused, idx)
+                    target, shard = name.replace(part, fused), idx
                     break
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
             p = params[target]
-            with torch.no_grad():
-                if shard is None:
-                    dst = p
+            loader = getattr(p, "weight_loader", None)
+            try:
+                if loader is not None:  # tensor-parallel layers slice this rank's part
+                    loader(tensor, shard)
+                elif p.shape != tensor.shape:
+                    raise ValueError(f"checkpoint {tuple(tensor.shape)} vs model {tuple(p.shape)}")
                 else:
-                    fused, idx = shard
-                    sizes = qkv_sizes if fused == "qkv_proj" else [s.intermediate_size] * 2
-                    start = sum(sizes[:idx])
-                    dst = p.narrow(0, start, sizes[idx])
-                if dst.shape != tensor.shape:
-                    raise ValueError(f"shape of {name!r}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
-                dst.copy_(tensor)
-            loaded.add(f"{target}#{shard[1] if shard else ''}")
+                    with torch.no_grad():
+                        p.copy_(tensor)
+            except ValueError as e:
+                raise ValueError(f"shape of {name!r}: {e}") from None
+            loaded.add(f"{target}#{'' if shard is None else shard}")
         expected = set()
         for pname in params:
             if ".qkv_proj.weight" in pname or ".qkv_proj.bias" in pname:

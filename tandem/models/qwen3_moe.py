@@ -5,6 +5,10 @@ sparse MoE feed-forward blocks on the layers ``i`` where ``(i + 1) % decoder_spa
 == 0`` and ``i not in mlp_only_layers`` (a dense SwiGLU of ``intermediate_size`` elsewhere).
 Routing: softmax, top-k, renormalise iff ``norm_topk_prob``.
 
+Parallelism: attention and dense MLPs are tensor-parallel (:mod:`tandem.models.llama`);
+routed experts are :class:`~tandem.layers.parallel_moe.ParallelFusedMoE` (expert-parallel
+through the ``all2all`` backend's placement, or TP-sharded intermediate dim without EP).
+
 Weights use the HF names. Routed experts load from either the stacked tensors of
 transformers 5 (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H,
 I]``) or the per-expert tensors of Hub checkpoints (``mlp.experts.{e}.gate_proj.weight``
@@ -25,6 +29,7 @@ from tandem.attention.backend import AttentionBackend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.distributed.all2all import All2AllBackend
 from tandem.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter, drain
+from tandem.layers.parallel_moe import ParallelFusedMoE
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.llama import MLP, Attention, DecoderSpec
@@ -82,14 +87,21 @@ def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
         p = params[target]
-        dst = p
-        if shard is not None:
-            sizes = shard_sizes(shard[0], p)
-            dst = p.narrow(0, sum(sizes[: shard[1]]), sizes[shard[1]])
-        if dst.shape != tensor.shape:
-            raise ValueError(f"shape of {name!r}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst.copy_(tensor)
+        loader = getattr(p, "weight_loader", None)
+        if loader is not None:  # tensor-parallel layers slice this rank's part
+            try:
+                loader(tensor, None if shard is None else shard[1])
+            except ValueError as e:
+                raise ValueError(f"shape of {name!r}: {e}") from None
+        else:
+            dst = p
+            if shard is not None:
+                sizes = shard_sizes(shard[0], p)
+                dst = p.narrow(0, sum(sizes[: shard[1]]), sizes[shard[1]])
+            if dst.shape != tensor.shape:
+                raise ValueError(f"shape of {name!r}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor)
         loaded.add(f"{target}#{shard[1] if shard else ''}")
 
     expected: set[str] = set()
@@ -233,14 +245,14 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         if not self.is_moe_layer(i):
             return MLP(c.hidden_size, c.intermediate_size)
         e = self._num_experts()
-        experts = FusedMoE(e, c.num_experts_per_tok, c.hidden_size, self._moe_intermediate_size(),
-                           all2all(e) if all2all else None, moe_impl)
+        experts = ParallelFusedMoE(e, c.num_experts_per_tok, c.hidden_size, self._moe_intermediate_size(),
+                                   all2all(e) if all2all else None, moe_impl)
         return SparseMoeBlock(self._router(), experts)
 
     @property
     def kv_cache_shape_per_block(self) -> tuple[int, int]:
-        """(num_kv_heads, head_dim) of every layer's cache."""
-        return self.spec.num_kv_heads, self.spec.head_dim
+        """(num_kv_heads of this TP rank, head_dim) of every layer's cache."""
+        return self.layers[0].self_attn.num_kv_heads, self.spec.head_dim
 
     # ---------------------------------------------------------------- weights
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
