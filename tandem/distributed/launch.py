@@ -1,0 +1,68 @@
+"""Launching the ranks of a deployment.
+
+Two ways, both ending in :func:`tandem.distributed.parallel_state.init_distributed`:
+
+* **Tandem's own launcher** (one machine): ``--data-parallel-size N
+  --tensor-parallel-size M`` spawns ``N * M`` processes with ``torch.multiprocessing``
+  (spawn start method: CUDA-safe); rank ``r`` uses ``cuda:r`` on GPUs. They meet at
+  ``tcp://master_addr:master_port`` (``--master-addr`` / ``--master-port``; defaults:
+  ``MASTER_ADDR``/``MASTER_PORT`` from the environment, else 127.0.0.1 and a free port).
+* **Standard rendezvous** (``torchrun``, SLURM wrappers, any env:// launcher, one or many
+  machines): when ``RANK`` and ``WORLD_SIZE`` are in the environment, the process *is* a
+  rank; ``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_RANK`` come from the environment too. E.g.
+  ``torchrun --nproc-per-node 2 -m tandem.entrypoints.cli generate "Hi" --data-parallel-size 2``
+  (global rank 0 runs the front-end; the other ranks serve it and exit with it).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch.multiprocessing as mp
+
+from tandem.distributed.parallel_state import env_rendezvous
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet (``tcp://addr:port``)."""
+
+    master_addr: str
+    master_port: int
+
+
+def resolve_rendezvous(master_addr: str | None = None, master_port: int | None = None) -> Rendezvous:
+    """Flags first, then ``MASTER_ADDR``/``MASTER_PORT``, then 127.0.0.1 and a free port."""
+    addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = master_port or (int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None)
+    if port is None:
+        port = free_port(addr if addr in ("127.0.0.1", "localhost") else "")
+    return Rendezvous(addr, port)
+
+
+def spawn_ranks(target: Callable[..., None], world_size: int, args_of_rank: Callable[[int], Sequence],
+                daemon: bool = True) -> list[mp.Process]:
+    """Start ``world_size`` processes ``target(*args_of_rank(rank))`` (spawn start method).
+
+    Returns the started processes (the caller joins them, or kills them by their handles).
+    """
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(world_size):
+        p = ctx.Process(target=target, args=tuple(args_of_rank(rank)), daemon=daemon, name=f"tandem-rank{rank}")
+        p.start()
+        procs.append(p)
+    return procs
+
+
+__all__ = ["Rendezvous", "env_rendezvous", "free_port", "resolve_rendezvous", "spawn_ranks"]

@@ -1,0 +1,284 @@
+"""Process groups of one Tandem deployment: data parallel (DP) x tensor parallel (TP), and
+expert parallel (EP) over all of them.
+
+World layout (``world_size = dp_size * tp_size``): global rank ``r = dp_rank * tp_size +
+tp_rank``, so the ranks of one TP group are consecutive (one DP replica's shards sit on
+neighbouring GPUs, where NVLink is fastest). Groups (every rank builds all of them, in the
+same order, as ``torch.distributed.new_group`` requires; groups of size 1 are not built and
+their getters return None):
+
+* **TP group** (``get_tp_group``, device backend: NCCL on CUDA, gloo on the CPU): the
+  all-reduces after row-parallel layers. ``get_tp_cpu_group`` (gloo, same ranks) carries
+  the driver's per-step ``SchedulerOutput`` broadcast to the other TP ranks.
+* **DP group** (``get_dp_group``, **gloo**): the ranks with the same ``tp_rank`` in every DP
+  replica; the model runner's per-step :func:`~tandem.distributed.dp_coordination.coordinate_step`
+  (CPU tensors, no GPU sync). ``get_dp_control_group`` (gloo, same ranks) is the engine
+  loop's own group (request routing, lockstep, output gathering) so that the loop (main
+  thread) and the runner (a worker thread on the CPU) never share a group.
+* **EP group** (``get_ep_group``, device backend): every rank when expert parallelism is
+  on (``ep_size = dp_size * tp_size``, ``ep_rank = r``), else None.
+
+Rendezvous: ``torchrun`` / env:// (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``LOCAL_RANK`` in the environment) or explicit ``rank``/``world_size``
+with ``tcp://master_addr:master_port`` (Tandem's own single-machine launcher,
+:mod:`tandem.distributed.launch`). Not distributed (one process, nothing in the
+environment): every getter returns None / size 1 / rank 0 and no process group is made.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """This process's place in the deployment (all sizes >= 1)."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    @property
+    def is_driver(self) -> bool:
+        """TP rank 0: runs the scheduler of its DP replica."""
+        return self.tp_rank == 0
+
+
+@dataclass
+class _State:
+    info: ParallelInfo
+    device_backend: str | None = None
+    tp_group: dist.ProcessGroup | None = None
+    tp_cpu_group: dist.ProcessGroup | None = None
+    tp_ranks: tuple[int, ...] = (0,)
+    dp_group: dist.ProcessGroup | None = None
+    dp_control_group: dist.ProcessGroup | None = None
+    dp_ranks: tuple[int, ...] = (0,)
+    ep_group: dist.ProcessGroup | None = None
+    owns_process_group: bool = False
+
+
+_STATE = _State(ParallelInfo())
+
+
+def env_rendezvous() -> bool:
+    """Whether torchrun-style variables (``RANK`` and ``WORLD_SIZE``) are set."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(tp_size: int = 1, dp_size: int = 1, enable_expert_parallel: bool = False, *,
+                     rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
+                     master_addr: str | None = None, master_port: int | None = None, backend: str = "auto",
+                     device: torch.device | str | None = None,
+                     timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> ParallelInfo:
+    """Join (or create) the default process group and build the TP, DP and EP groups.
+
+    Args:
+        tp_size / dp_size: the parallel sizes; ``tp_size * dp_size`` must equal the world.
+        enable_expert_parallel: shard MoE experts over all ranks (EP group = world).
+        rank / world_size / local_rank: explicit ranks (Tandem's launcher); None: from the
+            environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) when set, else one process.
+        master_addr / master_port: rendezvous address for explicit ranks (default
+            ``MASTER_ADDR``/``MASTER_PORT`` from the environment, else 127.0.0.1:29500).
+        backend: "auto" (NCCL when ``device`` is CUDA, else gloo), "nccl" or "gloo".
+        device: the rank's device (CUDA: ``cuda:local_rank`` is selected).
+        timeout: collective timeout of the default group.
+
+    Returns:
+        This rank's :class:`ParallelInfo` (also kept for the getters below).
+
+    Raises:
+        ValueError: sizes do not multiply to the world size, or bad ranks.
+    """
+    global _STATE
+    if tp_size < 1 or dp_size < 1:
+        raise ValueError(f"tensor_parallel_size and data_parallel_size must be >= 1, got {tp_size}, {dp_size}")
+    if rank is None and env_rendezvous():
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
+        init_method = "env://"
+    else:
+        rank = 0 if rank is None else rank
+        world_size = tp_size * dp_size if world_size is None else world_size
+        addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = master_port or int(os.environ.get("MASTER_PORT", "29500"))
+        init_method = f"tcp://{addr}:{port}"
+    local_rank = rank if local_rank is None else local_rank
+    if world_size != tp_size * dp_size:
+        raise ValueError(f"world size {world_size} != tensor_parallel_size ({tp_size}) x data_parallel_size ({dp_size})")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside the world of {world_size}")
+    info = ParallelInfo(world_size, rank, local_rank, dp_size, rank // tp_size, tp_size, rank % tp_size,
+                        world_size if enable_expert_parallel else 1, rank if enable_expert_parallel else 0)
+    if world_size == 1:
+        _STATE = _State(info)
+        return info
+
+    dev = torch.device(device) if device is not None else None
+    if backend == "auto":
+        backend = "nccl" if dev is not None and dev.type == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(dev if dev.index is not None else torch.device("cuda", local_rank))
+    owns = False
+    if not dist.is_initialized():
+        kwargs = dict(backend=backend, init_method=init_method, timeout=timeout)
+        if init_method != "env://":
+            kwargs.update(rank=rank, world_size=world_size)
+        dist.init_process_group(**kwargs)
+        owns = True
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise ValueError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                         f"{dist.get_world_size()}, not {rank} of {world_size}")
+    state = _State(info, device_backend=backend, owns_process_group=owns)
+    # Every rank creates every group, in this order.
+    long = datetime.timedelta(days=7)  # control groups wait out idle periods between requests
+    for d in range(dp_size):
+        ranks = list(range(d * tp_size, (d + 1) * tp_size))
+        if tp_size > 1:
+            g = dist.new_group(ranks, backend=backend, timeout=timeout)
+            gc = dist.new_group(ranks, backend="gloo", timeout=long)
+            if d == info.dp_rank:
+                state.tp_group, state.tp_cpu_group, state.tp_ranks = g, gc, tuple(ranks)
+    for t in range(tp_size):
+        ranks = list(range(t, world_size, tp_size))
+        if dp_size > 1:
+            g = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            gc = dist.new_group(ranks, backend="gloo", timeout=long)
+            if t == info.tp_rank:
+                state.dp_group, state.dp_control_group, state.dp_ranks = g, gc, tuple(ranks)
+    if info.ep_size > 1:
+        state.ep_group = dist.new_group(list(range(world_size)), backend=backend, timeout=timeout)
+    if tp_size == 1:
+        state.tp_ranks = (rank,)
+    if dp_size == 1:
+        state.dp_ranks = (rank,)
+    _STATE = state
+    logger.info("rank %d/%d: dp %d/%d, tp %d/%d, ep %d/%d (%s)", rank, world_size, info.dp_rank, dp_size,
+                info.tp_rank, tp_size, info.ep_rank, info.ep_size, backend)
+    return info
+
+
+def destroy_distributed() -> None:
+    """Forget the groups; destroy the default group if :func:`init_distributed` made it."""
+    global _STATE
+    owns = _STATE.owns_process_group
+    _STATE = _State(ParallelInfo())
+    if owns and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_parallel_info() -> ParallelInfo:
+    return _STATE.info
+
+
+def is_distributed() -> bool:
+    return _STATE.info.world_size > 1
+
+
+def get_world_size() -> int:
+    return _STATE.info.world_size
+
+
+def get_rank() -> int:
+    return _STATE.info.rank
+
+
+# ------------------------------------------------------------------------------ TP
+def get_tp_group() -> dist.ProcessGroup | None:
+    """Device group of this rank's TP group (None when ``tp_size == 1``)."""
+    return _STATE.tp_group
+
+
+def get_tp_cpu_group() -> dist.ProcessGroup | None:
+    """gloo group over the same ranks as :func:`get_tp_group` (object broadcasts)."""
+    return _STATE.tp_cpu_group
+
+
+def get_tp_size() -> int:
+    return _STATE.info.tp_size
+
+
+def get_tp_rank() -> int:
+    return _STATE.info.tp_rank
+
+
+def get_tp_src_rank() -> int:
+    """Global rank of this TP group's driver (TP rank 0)."""
+    return _STATE.tp_ranks[0]
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the TP group in place (identity when ``tp_size == 1``); returns it."""
+    g = _STATE.tp_group
+    if g is not None:
+        dist.all_reduce(x, group=g)
+    return x
+
+
+def tp_min(value: int) -> int:
+    """Smallest ``value`` over the TP group (gloo; ``value`` itself when ``tp_size == 1``)."""
+    g = _STATE.tp_cpu_group
+    if g is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
+    return int(t.item())
+
+
+# ------------------------------------------------------------------------------ DP
+def get_dp_group() -> dist.ProcessGroup | None:
+    """gloo group of the ranks with this ``tp_rank`` in every DP replica (None when
+    ``dp_size == 1``): the model runner's per-step ``coordinate_step``."""
+    return _STATE.dp_group
+
+
+def get_dp_control_group() -> dist.ProcessGroup | None:
+    """gloo group, same ranks as :func:`get_dp_group`, for the engine loop only."""
+    return _STATE.dp_control_group
+
+
+def get_dp_size() -> int:
+    return _STATE.info.dp_size
+
+
+def get_dp_rank() -> int:
+    return _STATE.info.dp_rank
+
+
+def get_dp_ranks() -> tuple[int, ...]:
+    """Global ranks of this rank's DP group, by DP rank."""
+    return _STATE.dp_ranks
+
+
+# ------------------------------------------------------------------------------ EP
+def get_ep_group() -> dist.ProcessGroup | None:
+    """Device group of all ranks when expert parallelism is on (None otherwise)."""
+    return _STATE.ep_group
+
+
+def get_ep_size() -> int:
+    return _STATE.info.ep_size
+
+
+def get_ep_rank() -> int:
+    return _STATE.info.ep_rank
+
+
+__all__ = ["ParallelInfo", "destroy_distributed", "env_rendezvous", "get_dp_control_group", "get_dp_group",
+           "get_dp_rank", "get_dp_ranks", "get_dp_size", "get_ep_group", "get_ep_rank", "get_ep_size",
+           "get_parallel_info", "get_rank", "get_tp_cpu_group", "get_tp_group", "get_tp_rank", "get_tp_size",
+           "get_tp_src_rank", "get_world_size", "init_distributed", "is_distributed", "tp_all_reduce", "tp_min"]
