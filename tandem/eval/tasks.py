@@ -268,14 +268,17 @@ class GSMSymbolic(Task):
 
         docs = self._generate(self.seed, self.size)
         self._data_info = {"source": f"reasoning-gym=={md.version('reasoning-gym')} gsm_symbolic", "seed": self.seed,
-                          "fewshot_seed": self.seed + 1, "docs": len(docs)}
+                           "fewshot_seed": self.seed + 1, "docs": len(docs)}
         return docs
 
     def eval_docs(self, limit: int | None = None) -> list[Doc]:
-        # Generated problems are already in random order: a limit takes the first ones.
-        if limit is not None and limit < self.size and self._docs is None:
-            self.size = limit
-        return self.docs[:limit] if limit is not None else list(self.docs)
+        """The first ``limit`` generated problems (default ``default_size``); problem ``i`` is
+        the same whatever the limit."""
+        n = self.size if limit is None else limit
+        if self._docs is None or len(self._docs) < n:
+            self.size = n
+            self._docs = self.load_docs()
+        return self._docs[:n]
 
     def fewshot_pool(self, doc: Doc) -> list[Doc]:
         if self._shots is None:
