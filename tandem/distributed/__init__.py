@@ -1,7 +1,12 @@
 """Distributed pieces: expert placement and the all-to-all (dispatch/combine) backends.
 
-Process groups, DP coordination and the multi-rank backends (``allgather_reducescatter``,
-``all_to_all``) build on :mod:`tandem.distributed.all2all`'s interface.
+* :mod:`~tandem.distributed.all2all`: the dispatch/combine contract, ``local`` and
+  ``simulated``; :mod:`~tandem.distributed.ep_all2all`: ``allgather_reducescatter`` and
+  ``all_to_all`` over torch.distributed (EP > 1).
+* :mod:`~tandem.distributed.parallel_state`: the DP x TP world, its TP / DP / EP groups.
+* :mod:`~tandem.distributed.launch`: spawning the ranks on one machine, or torchrun/env://.
+* :mod:`~tandem.distributed.dp_coordination` / :mod:`~tandem.distributed.forward_context`:
+  the model runner's per-step agreement and the per-forward facts layers read.
 """
 
 from tandem.distributed.all2all import (

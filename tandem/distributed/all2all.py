@@ -30,7 +30,9 @@ with preallocated buffers must keep one set per micro-batch.
 
 Backends: ``local`` (EP=1, no communication) and ``simulated`` (EP=1 data plus a modeled
 link delay, for studying overlap on one device). ``allgather_reducescatter`` and
-``all_to_all`` (torch.distributed) implement the same interface for EP>1.
+``all_to_all`` (torch.distributed, :mod:`tandem.distributed.ep_all2all`) implement the same
+interface for EP>1; they pad every rank's tokens to the forward context's
+``max_tokens_per_rank`` and keep their buffers in two slots (one per micro-batch).
 """
 
 from __future__ import annotations

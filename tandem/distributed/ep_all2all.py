@@ -98,8 +98,9 @@ class EPBufferPool:
         return s
 
     def reserve(self, max_tokens: int) -> None:
-        """Size buffers allocated from now on for ``max_tokens`` tokens per rank (call
-        before capturing CUDA graphs; buffers already made grow on their next use)."""
+        """Allocate buffers made from now on for ``max_tokens`` tokens per rank, so that
+        they never grow later (call before the first forward, e.g. before capturing CUDA
+        graphs)."""
         self.reserved_tokens = max(self.reserved_tokens, max_tokens)
 
     def get(self, slot: int, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

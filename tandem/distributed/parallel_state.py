@@ -132,7 +132,7 @@ def init_distributed(tp_size: int = 1, dp_size: int = 1, enable_expert_parallel:
     if backend == "auto":
         backend = "nccl" if dev is not None and dev.type == "cuda" else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(dev if dev.index is not None else torch.device("cuda", local_rank))
+        torch.cuda.set_device(dev if dev is not None and dev.index is not None else torch.device("cuda", local_rank))
     owns = False
     if not dist.is_initialized():
         kwargs = dict(backend=backend, init_method=init_method, timeout=timeout)

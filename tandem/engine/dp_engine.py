@@ -54,6 +54,7 @@ import torch.distributed as dist
 from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
 from tandem.distributed.launch import resolve_rendezvous, spawn_ranks
+from tandem.entrypoints.llm import LLM
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -237,6 +238,10 @@ def _serve_nonzero(engine, info) -> None:
 def _rank_main(config: EngineConfig, rank: int, world_size: int, master_addr: str, master_port: int,
                inbox, outbox) -> None:
     """Entry of a spawned rank process."""
+    if os.environ.get("TANDEM_DUMP_STACKS_AFTER_S"):  # debugging a hang: every rank prints its stacks
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["TANDEM_DUMP_STACKS_AFTER_S"]), exit=False)
     engine = None
     try:
         engine, info = _build_rank_engine(config, rank, world_size, rank, master_addr, master_port)
@@ -263,7 +268,7 @@ def _rank_main(config: EngineConfig, rank: int, world_size: int, master_addr: st
         finally:
             if info.tp_size > 1:
                 engine.step_broadcast(None)
-        outbox.put(("stopped", loop.num_steps))
+        outbox.put(("stopped", {"num_steps": loop.num_steps, "num_dbo_steps": getattr(engine.runner, "num_dbo_steps", 0)}))
     except BaseException:  # noqa: BLE001 - reported to the front-end, then re-raised
         outbox.put(("fatal", rank, traceback.format_exc()))
         raise
@@ -354,16 +359,19 @@ class SpawnedEngineClient(_ClientBase):
 
     Args:
         config: the engine configuration (``world_size`` ranks are spawned).
-        startup_timeout: seconds to wait for every rank to load the model.
+        startup_timeout: seconds to wait for every rank to load the model (default:
+            ``TANDEM_STARTUP_TIMEOUT_S`` from the environment, else 1800).
 
     Raises:
         RuntimeError: a rank failed to start (its traceback is in the message).
     """
 
-    def __init__(self, config: EngineConfig, startup_timeout: float = 1800.0) -> None:
+    def __init__(self, config: EngineConfig, startup_timeout: float | None = None) -> None:
         super().__init__(config)
         import torch.multiprocessing as mp
 
+        if startup_timeout is None:
+            startup_timeout = float(os.environ.get("TANDEM_STARTUP_TIMEOUT_S", "1800"))
         rdv = resolve_rendezvous(config.master_addr, config.master_port)
         ctx = mp.get_context("spawn")
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
@@ -384,7 +392,7 @@ class SpawnedEngineClient(_ClientBase):
         self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
         self.num_kv_blocks = info["num_kv_blocks"]
         self.rank0_info = info  # rank 0's ParallelInfo ("parallel") and cache shape, for tests and logs
-        self.num_steps: int | None = None
+        self.final_stats: dict | None = None  # rank 0's step counts, after shutdown
 
     def _send(self, msg: tuple) -> None:
         if self._closed:
@@ -431,7 +439,7 @@ class SpawnedEngineClient(_ClientBase):
             while time.monotonic() < deadline:
                 msg = self._get(timeout=max(0.1, deadline - time.monotonic()))
                 if msg[0] == "stopped":
-                    self.num_steps = msg[1]
+                    self.final_stats = msg[1]
                     break
         except RuntimeError as e:
             logger.warning("parallel engine shutdown: %s", e)
@@ -514,19 +522,27 @@ def make_parallel_engine(config: EngineConfig):
     sys.exit(0)
 
 
-def _llm_class():
-    from tandem.entrypoints.llm import LLM
+class DPLLM(LLM):
+    """Offline data-parallel inference: ``LLM`` with ``data_parallel_size`` replicas (2 by
+    default) launched on this machine (or joined under torchrun). ``LLM`` itself does the
+    same whenever ``data_parallel_size * tensor_parallel_size > 1``; this class only names
+    it and is a context manager that shuts the ranks down.
 
-    return LLM
+    Example: ``with DPLLM(model, data_parallel_size=2, enable_expert_parallel=True) as llm:
+    llm.generate(prompts, params)``.
+    """
 
+    def __init__(self, model: str | None = None, *, data_parallel_size: int = 2, **kwargs) -> None:
+        super().__init__(model, data_parallel_size=data_parallel_size, **kwargs)
 
-class DPLLM:
-    """Offline data-/tensor-parallel inference: ``DPLLM(model, data_parallel_size=2,
-    enable_expert_parallel=True, ...)`` is ``LLM(...)`` with those settings (``LLM`` itself
-    launches the ranks whenever ``data_parallel_size * tensor_parallel_size > 1``)."""
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
-    def __new__(cls, model: str | None = None, **kwargs) -> Any:
-        return _llm_class()(model, **kwargs)
+    def __enter__(self) -> "DPLLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
 
 __all__ = ["DPLLM", "DPRankLoop", "InProcessEngineClient", "IterationResult", "SpawnedEngineClient",

@@ -173,7 +173,12 @@ class LLMEngine:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        hidden = self.model(torch.zeros(t, dtype=torch.long, device=device), torch.arange(t, device=device), caches, meta)
+        from tandem.distributed.forward_context import ForwardContext, forward_context
+
+        # Every rank profiles the same t tokens: expert-parallel exchanges pair up.
+        with forward_context(ForwardContext(max_tokens_per_rank=t, dp_size=ps.get_dp_size())):
+            hidden = self.model(torch.zeros(t, dtype=torch.long, device=device), torch.arange(t, device=device), caches,
+                                meta)
         rows = min(cfg.max_num_seqs, t)
         logits = self.model.compute_logits(hidden[:rows])
         logits.sort(dim=-1)  # top-k/top-p sort, the sampler's largest temporary

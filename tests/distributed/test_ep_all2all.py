@@ -1,0 +1,107 @@
+"""The torch.distributed EP backends against ``local`` on 2 gloo ranks: random routing,
+uneven token counts (one rank with 0 tokens), two exchanges in flight (DBO), and the
+FusedMoE layer end to end; plus the single-process checks (missing forward context)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed._harness import run_ranks
+
+E, K, H, I = 8, 2, 16, 24
+BACKENDS = ("allgather_reducescatter", "all_to_all")
+
+
+def _weights():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(E, 2 * I, H, generator=g) * 0.2, torch.randn(E, H, I, generator=g) * 0.2
+
+
+def _tokens(rank: int, t: int, seed: int):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    hidden = torch.randn(t, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]) if t else torch.zeros(0, K, dtype=torch.long)
+    w = torch.rand(t, K, generator=g)
+    return hidden, ids, w
+
+
+def _ranks_body(rank, world, port):
+    import torch.distributed as dist
+
+    from tandem.distributed.all2all import ExpertPlacement
+    from tandem.distributed.ep_all2all import EPBufferPool, make_all2all_factory
+    from tandem.distributed.forward_context import ForwardContext, forward_context
+    from tandem.layers.moe import FusedMoE, grouped_experts
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    w13, w2 = _weights()
+    pl = ExpertPlacement(E, world, rank)
+    lo, hi = pl.first_local_expert, pl.first_local_expert + pl.num_local_experts
+    report = []
+    # (tokens per rank, seed): uneven, one rank empty, both equal, single token.
+    cases = [((5, 3), 1), ((0, 7), 2), ((6, 0), 3), ((4, 4), 4), ((1, 1), 5)]
+    for name in BACKENDS:
+        factory = make_all2all_factory(name, group=dist.group.WORLD, ep_size=world, ep_rank=rank)
+        be = factory(E)
+        for counts, seed in cases:
+            hidden, ids, w = _tokens(rank, counts[rank], seed)
+            want = grouped_experts(hidden, ids, w, w13, w2, impl="loop")
+            with forward_context(ForwardContext(max_tokens_per_rank=max(counts), dp_size=world)):
+                x, lid, lw, meta = be.dispatch_wait(be.dispatch_launch(hidden, ids, w))
+                assert lid.min() >= -1 and lid.max() < pl.num_local_experts
+                out = be.combine_wait(be.combine_launch(grouped_experts(x, lid, lw, w13[lo:hi], w2[lo:hi], "loop"), meta))
+            assert out.shape == (counts[rank], H)
+            report.append((name, counts, float((out - want).abs().max()) if out.numel() else 0.0))
+        # Two ubatches in flight at once (DBO order: D0 D1 | C0 C1), different sizes.
+        a, b = _tokens(rank, 3 + rank, 7), _tokens(rank, 2, 8)
+        with forward_context(ForwardContext(max_tokens_per_rank=4, dp_size=world)):
+            ha, hb = be.dispatch_launch(*a), be.dispatch_launch(*b)
+            xa, ia, wa, ma = be.dispatch_wait(ha)
+            xb, ib, wb, mb = be.dispatch_wait(hb)
+            ca = be.combine_launch(grouped_experts(xa, ia, wa, w13[lo:hi], w2[lo:hi], "loop"), ma)
+            cb = be.combine_launch(grouped_experts(xb, ib, wb, w13[lo:hi], w2[lo:hi], "loop"), mb)
+            oa, ob = be.combine_wait(ca), be.combine_wait(cb)
+        for (hid, i_, w_), o in ((a, oa), (b, ob)):
+            report.append((name, "dbo", float((o - grouped_experts(hid, i_, w_, w13, w2, "loop")).abs().max())))
+        # The FusedMoE layer with this backend (weights loaded from the full stack).
+        moe = FusedMoE(E, K, H, I, factory(E))
+        moe.load_fused("w13", w13)
+        moe.load_fused("w2", w2)
+        hidden, ids, w = _tokens(rank, 2 + 3 * rank, 9)
+        with forward_context(ForwardContext(max_tokens_per_rank=5, dp_size=world)), torch.no_grad():
+            got = moe(hidden, ids, w)
+        report.append((name, "fused_moe", float((got - grouped_experts(hidden, ids, w, w13, w2, "loop")).abs().max())))
+        assert isinstance(factory.pool, EPBufferPool)
+    dist.destroy_process_group()
+    return report
+
+
+def test_ep_backends_match_local_on_two_gloo_ranks():
+    results = run_ranks(_ranks_body, 2, timeout=120)
+    for rank, report in enumerate(results):
+        for name, case, err in report:
+            assert err < 1e-5, (rank, name, case, err)
+    assert len(results[0]) == len(BACKENDS) * 8
+
+
+def test_ep_backend_needs_forward_context():
+    """A multi-rank exchange without a forward context, or with more local tokens than
+    agreed, is a clear error."""
+    from tandem.distributed.ep_all2all import forward_capacity
+    from tandem.distributed.forward_context import ForwardContext, forward_context
+
+    with pytest.raises(RuntimeError, match="ForwardContext"):
+        forward_capacity(3)
+    with forward_context(ForwardContext(max_tokens_per_rank=2)):
+        with pytest.raises(ValueError, match="exceed"):
+            forward_capacity(3)
+        assert forward_capacity(2) == 2
+
+
+def test_single_rank_backends_refuse_ep():
+    from tandem.distributed.ep_all2all import make_all2all_factory
+
+    with pytest.raises(ValueError, match="one rank"):
+        make_all2all_factory("simulated", ep_size=2, ep_rank=0)(8)
+    assert make_all2all_factory("local")(8).placement.num_local_experts == 8
