@@ -270,7 +270,12 @@ class LLMEngine:
                 failed.append(prev[0])
                 # Step N's outputs are processed while step N+1 (just launched) runs.
                 outputs = self.output_processor.process(prev[1].result())
-            self._inflight = None if so.is_empty else (so, handle)
+            if so.is_empty:
+                # Nothing to process later, but an idle DP rank's dummy batch can fail: wait.
+                handle.result()
+                self._inflight = None
+            else:
+                self._inflight = (so, handle)
             return outputs
         except Exception:
             self._abort_steps(failed, handle)

@@ -308,7 +308,7 @@ class ModelRunner:
         the plan says so, run as two overlapped ubatches. Returns ``[num_tokens, H]``."""
         n = inputs.num_tokens
         padded = max(plan.padded_tokens, n) if self.dp_size > 1 else n
-        full = pad_step_inputs(inputs, padded)
+        full = pad_step_inputs(inputs, padded, self.block_size)
         if padded > n:
             input_ids = torch.cat([input_ids, torch.zeros(padded - n, dtype=torch.long, device=self.device)])
         dev = self.device

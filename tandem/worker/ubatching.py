@@ -105,17 +105,20 @@ def empty_step_inputs() -> StepInputs:
     return StepInputs(z, z, z, np.zeros(1, dtype=np.int64), z, z, np.zeros((0, 1), dtype=np.int32), [], [])
 
 
-def pad_step_inputs(inputs: StepInputs, num_tokens: int) -> StepInputs:
+def pad_step_inputs(inputs: StepInputs, num_tokens: int, block_size: int) -> StepInputs:
     """Append padding tokens up to ``num_tokens`` as one extra request.
 
     Padding tokens have id 0 and RoPE position 0, write their K/V into the null block
-    (slot -1) and attend only to it (a block table row of zeros), so they change nothing.
+    (slot -1) and attend only to it (a block table row of zeros, wide enough for the
+    padding request's own length), so they change nothing.
     """
     pad = num_tokens - inputs.num_tokens
     if pad <= 0:
         return inputs
     zeros = np.zeros(pad, dtype=np.int64)
-    width = inputs.block_table.shape[1]
+    width = max(inputs.block_table.shape[1], -(-pad // block_size))
+    table = np.zeros((inputs.num_reqs, width), dtype=np.int32)
+    table[:, : inputs.block_table.shape[1]] = inputs.block_table
     return StepInputs(
         input_ids=np.concatenate([inputs.input_ids, zeros]),
         positions=np.concatenate([inputs.positions, zeros]),
@@ -123,7 +126,7 @@ def pad_step_inputs(inputs: StepInputs, num_tokens: int) -> StepInputs:
         query_start_loc=np.append(inputs.query_start_loc, num_tokens),
         num_computed=np.append(inputs.num_computed, 0),
         seq_lens=np.append(inputs.seq_lens, pad),
-        block_table=np.concatenate([inputs.block_table, np.zeros((1, width), dtype=np.int32)]),
+        block_table=np.concatenate([table, np.zeros((1, width), dtype=np.int32)]),
         prev_dst=inputs.prev_dst,
         prev_src=inputs.prev_src,
     )

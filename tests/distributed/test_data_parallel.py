@@ -10,11 +10,8 @@ import pytest
 from tandem.engine.dp_engine import DPLLM
 from tests.distributed.conftest import PROMPTS, generate_ids, make_llm, single_process_ids
 
-# block_size 128 (>= every padded step here). Open runner issue: the padding request of
-# ubatching.pad_step_inputs keeps the batch's block-table width, so padding more than
-# width * block_size tokens (an idle rank's dummy batch beside a 9+-token step with
-# block_size 8) fails in attention; it needs ceil(pad / block_size) columns.
-DP_ENGINE = dict(block_size=128, num_kv_blocks=16)
+# block_size 8: an idle rank's dummy batch beside a step of 9+ tokens spans several blocks.
+DP_ENGINE = dict(block_size=8, num_kv_blocks=256)
 
 CASES = {
     "qwen3_moe-allgather": ("qwen3_moe", dict(all2all_backend="allgather_reducescatter")),

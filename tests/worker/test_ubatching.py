@@ -45,6 +45,17 @@ def test_mixed_batch_split_keeps_decodes_leading():
     np.testing.assert_array_equal(np.concatenate([a.slot_mapping, b.slot_mapping]), inp.slot_mapping)
 
 
+def test_padding_request_gets_its_own_blocks():
+    from tandem.worker.ubatching import empty_step_inputs, pad_step_inputs
+
+    padded = pad_step_inputs(empty_step_inputs(), 9, block_size=8)
+    assert padded.num_tokens == 9 and padded.block_table.shape == (1, 2)
+    assert (padded.slot_mapping == -1).all() and (padded.block_table == 0).all()
+    padded = pad_step_inputs(_inputs([3], [0], block_size=8, width=1), 20, block_size=8)
+    assert padded.block_table.shape == (2, 3) and padded.block_table[0, 0] == 1
+    assert padded.seq_lens.tolist() == [3, 17]
+
+
 def test_no_split_when_second_ubatch_empty():
     assert split_point(3, 4) == 2
     assert split_point(2, 8) is None  # the second half would be padding only
