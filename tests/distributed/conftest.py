@@ -75,9 +75,9 @@ def generate_ids(llm, prompts, params=GREEDY, timeout: float = 180.0) -> list[li
     return [o.outputs[0].token_ids for o in box["out"]]
 
 
-def single_process_ids(model: str, prompts=PROMPTS, **kwargs) -> list[list[int]]:
+def single_process_ids(model: str, prompts=PROMPTS, params=GREEDY, **kwargs) -> list[list[int]]:
     llm = make_llm(model, **kwargs)
     try:
-        return generate_ids(llm, prompts)
+        return generate_ids(llm, prompts, params)
     finally:
         llm.engine.shutdown()

@@ -40,3 +40,29 @@ def test_dp2_ep2_equals_single_process(model_dir, case):
     stats = llm.engine.final_stats
     assert stats["num_steps"] > 0
     assert (stats["num_dbo_steps"] > 0) == bool(kw.get("enable_dbo"))
+
+
+def test_dbo_on_off_with_uneven_ranks(model_dir):
+    """DBO on equals off with DP=2 + EP=2 when the ranks' steps differ wildly: a 64-token
+    prefill beside a 1-token one, then one rank decoding 1 token while the other is idle
+    (its request finished). A hang fails through generate_ids' timeout."""
+    from tandem.sampling_params import SamplingParams
+
+    model = model_dir("qwen3_moe")
+    prompts = [list(range(11, 75)), [9]]  # least-outstanding balancing: one prompt per replica
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)]
+    want = single_process_ids(model, prompts=prompts, params=params, **DP_ENGINE)
+    for dbo in (False, True):
+        kw = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8) if dbo else {}
+        llm = make_llm(model, DPLLM, data_parallel_size=2, enable_expert_parallel=True,
+                       all2all_backend="all_to_all", **DP_ENGINE, **kw)
+        try:
+            assert generate_ids(llm, prompts, params) == want
+            # Many prompts: steps large enough on both ranks to split.
+            many = [list(range(5 + i, 25 + i)) for i in range(8)]
+            assert generate_ids(llm, many) == single_process_ids(model, prompts=many, **DP_ENGINE)
+        finally:
+            llm.engine.shutdown()
+        stats = llm.engine.final_stats
+        assert (stats["num_dbo_steps"] > 0) == dbo
