@@ -84,6 +84,14 @@ class BlockPool:
         # A duplicate computed by a concurrent request keeps the first one canonical.
         self.cached.setdefault(block_hash, block)
 
+    def evict_idle_cached_blocks(self) -> None:
+        """Forget the cached contents of every idle block (e.g. after a failed step)."""
+        for block in self.free_queue.values():
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero become free.
 
@@ -155,9 +163,12 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted sequence's prefix-cache lookup (for the hit rate)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens after ``req.num_computed_tokens``.

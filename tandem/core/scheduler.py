@@ -171,6 +171,7 @@ class Scheduler:
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
+                    self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 seq = self._schedule_seq(req, num_new)

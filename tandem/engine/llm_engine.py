@@ -258,43 +258,44 @@ class LLMEngine:
         so = self.scheduler.schedule()
         if self.step_broadcast is not None:
             self.step_broadcast(so)
-        failed = [so]
+        prev, self._inflight = self._inflight, None
+        failed = [so] + ([prev[0]] if prev is not None else [])
         handle = None
         try:
             handle = self.runner.execute_model(so)
             if not self.async_output_proc:
                 return self.output_processor.process(handle.result())
-            outputs: list[RequestOutput] = []
-            if self._inflight is not None:
-                prev, self._inflight = self._inflight, None
-                failed.append(prev[0])
-                # Step N's outputs are processed while step N+1 (just launched) runs.
-                outputs = self.output_processor.process(prev[1].result())
+            # Step N's outputs are processed while step N+1 (just launched) runs.
+            outputs = self.output_processor.process(prev[1].result()) if prev is not None else []
             if so.is_empty:
                 # Nothing to process later, but an idle DP rank's dummy batch can fail: wait.
                 handle.result()
-                self._inflight = None
             else:
                 self._inflight = (so, handle)
             return outputs
         except Exception:
-            self._abort_steps(failed, handle)
+            self._abort_steps(failed, [h for h in (handle, prev[1] if prev is not None else None) if h is not None])
             raise
 
-    def _abort_steps(self, steps: list[SchedulerOutput], launched) -> None:
-        """Abort every request with a sequence in ``steps``; wait out the launched step."""
-        if launched is not None:
+    def _abort_steps(self, steps: list[SchedulerOutput], handles: list) -> None:
+        """Abort every request with a sequence in ``steps`` after waiting out their handles.
+
+        Blocks those steps were to fill may be registered in the prefix cache without
+        valid K/V; once their requests are aborted they are all idle, and the idle part of
+        the prefix cache is dropped.
+        """
+        for h in handles:
             try:
-                launched.result()
-            except Exception:  # the same failure, already being raised
+                h.result()
+            except Exception:  # the failure being raised, or a consequence of it
                 pass
-        self._inflight = None
         for so in steps:
             for seq in so.scheduled:
                 entry = self.output_processor.seqs.get(seq.seq_id)
                 if entry is not None:
                     logger.error("aborting request %s: its model step failed", entry[0].request_id)
                     self.output_processor.abort(entry[0].request_id)
+        self.kv_manager.pool.evict_idle_cached_blocks()
 
     def shutdown(self) -> None:
         self.runner.shutdown()

@@ -130,7 +130,8 @@ class OutputProcessor:
             hide = status == RequestStatus.FINISHED_STOPPED and not req.sampling_params.include_stop_str_in_output
             stop_str = s.detok.update([] if hide else [tok], status is not None,
                                       check_stop=req.num_output_tokens >= req.sampling_params.min_tokens)
-            if stop_str is not None and status is None:
+            # A stop string completed by the last allowed token still ends it as "stop".
+            if stop_str is not None and status in (None, RequestStatus.FINISHED_LENGTH):
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
             if status is not None:
                 self.scheduler.finish_request(sid, status)
@@ -162,7 +163,9 @@ class OutputProcessor:
 
     def _add_prompt_logprobs(self, parent: ParentState, pl: PromptLogprobs) -> None:
         k = parent.seqs[0].req.sampling_params.prompt_logprobs
-        for ids, lps, rank in zip(pl.token_ids, pl.logprobs, pl.ranks):
+        # After a preemption the prompt is recomputed: skip positions already delivered.
+        skip = max(len(parent.prompt_logprobs) - pl.start, 0)
+        for ids, lps, rank in list(zip(pl.token_ids, pl.logprobs, pl.ranks))[skip:]:
             parent.prompt_logprobs.append(self._position_logprobs(ids, lps, rank, k))
 
     def _make_output(self, parent: ParentState, now: float) -> RequestOutput | None:

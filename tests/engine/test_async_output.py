@@ -184,3 +184,50 @@ def test_request_id_reuse(engines, async_on):
     solo = engines[async_on].generate([PROMPTS[1]], p.clone(max_tokens=4), use_tqdm=False)[0]
     assert second.outputs[0].token_ids == solo.outputs[0].token_ids
     assert_all_blocks_free(eng)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_failed_step_aborts_its_requests_and_poisons_nothing(engines, inline):
+    """A step that raises (inline, as on CUDA, or on the CPU step thread) aborts the requests
+    of the failed and the in-flight step, frees their blocks, drops idle prefix-cache
+    entries whose K/V were never written, and the engine keeps serving."""
+    m = engines[True]
+    eng, runner = m.engine, m.engine.runner
+    prompt = "The quick brown fox jumps over the lazy dog. " * 5
+    p = SamplingParams(temperature=0, max_tokens=12)
+    want = m.generate([prompt], p, use_tqdm=False)[0].outputs[0].text
+    eng.kv_manager.pool.evict_idle_cached_blocks()
+    executor, real = runner._executor, runner._execute
+    calls = {"n": 0}
+
+    def flaky(so):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+        return real(so)
+
+    runner._execute = flaky
+    if inline:
+        runner._executor = None
+    try:
+        eng.add_request("a", "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        eng.add_request("b", prompt, p)
+        with pytest.raises(RuntimeError, match="injected"):
+            for _ in range(10):
+                eng.step()
+        for _ in range(50):
+            if not eng.has_unfinished_requests():
+                break
+            eng.step()
+    finally:
+        runner._execute, runner._executor = real, executor
+    assert_all_blocks_free(eng)
+    assert m.generate([prompt], p, use_tqdm=False)[0].outputs[0].text == want
+
+
+def test_stop_string_on_last_allowed_token_is_stop(engines):
+    out = engines[True].generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=2, stop=["."]),
+                                 use_tqdm=False)[0].outputs[0]
+    if out.text.endswith("."):
+        pytest.skip("the model's first two tokens end differently")
+    assert (out.finish_reason, out.stop_reason) == ("stop", ".")

@@ -134,11 +134,25 @@ def test_prefix_caching_with_prompt_logprobs():
     assert results[True] == results[False]
 
 
+def test_prompt_logprobs_survive_preemption():
+    m = make_llm(num_kv_blocks=6, block_size=16)  # 5 usable blocks for 3 sequences: preemption
+    p = SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=1, ignore_eos=True)
+    outs = m.generate(PROMPTS[3:6], p, use_tqdm=False)
+    assert m.engine.scheduler.num_preemptions > 0
+    for o in outs:
+        assert len(o.prompt_logprobs) == len(o.prompt_token_ids)
+    assert_all_blocks_free(m.engine)
+    m.engine.shutdown()
+
+
 def test_prefix_cache_hits_are_counted(llm):
     prompt = "A long shared system prompt. " * 8
     llm.generate([prompt + "First question?"], SamplingParams(max_tokens=2), use_tqdm=False)
+    before = llm.engine.kv_manager.prefix_queries
     out = llm.generate([prompt + "Second question?"], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert out.num_cached_tokens >= 32
+    # One lookup counted per admitted sequence.
+    assert llm.engine.kv_manager.prefix_queries - before == len(out.prompt_token_ids)
 
 
 def test_logprobs_are_consistent(llm):
