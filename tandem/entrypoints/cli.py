@@ -68,19 +68,20 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("-n", type=int, default=1)
+    p.add_argument("-n", "--n", dest="n", type=int, default=1, help="completions per prompt")
 
 
 def _generate(args: argparse.Namespace) -> None:
     from tandem.entrypoints.llm import LLM
     from tandem.sampling_params import SamplingParams
 
-    cfg = engine_config_from_args(args)
-    llm = LLM(**vars(cfg))
+    # Sampling values are checked before the model loads.
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos)
+    cfg = engine_config_from_args(args)
+    llm = LLM(**vars(cfg))
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
     else:
@@ -126,7 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     add_eval_parser(sub)
 
     args = parser.parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        # Bad input (a flag value, a model path, a prompt over the context): the message,
+        # not a traceback.
+        parser.exit(2, f"tandem {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":
