@@ -94,8 +94,9 @@ class PendingOutput:
         if "logprobs" in h:
             ids, lps, ranks = h["logprob_token_ids"].tolist(), h["logprobs"].tolist(), h["ranks"].tolist()
             out.logprobs = list(zip(ids, lps, ranks))
-        for sid, (start, t) in self._prompt_lp.items():
-            out.prompt_logprobs[sid] = PromptLogprobs(start, t[0].tolist(), t[1].tolist(), t[2].tolist())
+        for sid, start in self._prompt_lp.items():
+            out.prompt_logprobs[sid] = PromptLogprobs(start, h[f"plp_ids_{sid}"].tolist(), h[f"plp_vals_{sid}"].tolist(),
+                                                      h[f"plp_ranks_{sid}"].tolist())
         return out
 
 
@@ -253,7 +254,7 @@ class ModelRunner:
         sample_rows = [r for r, s in enumerate(seqs) if s.sample]
         sample_seq_ids = [seqs[r].seq_id for r in sample_rows]
         logits_idx = self._h2d([int(qsl[r + 1]) - 1 for r in sample_rows], torch.long)
-        prompt_lp = self._prompt_logprobs(seqs, qsl, hidden, input_ids_t)
+        prompt_lp, prompt_lp_tensors = self._prompt_logprobs(seqs, qsl, hidden)
         host: dict[str, torch.Tensor] = {}
         k = -1
         if sample_rows:
@@ -271,6 +272,7 @@ class ModelRunner:
             sampled = torch.empty(0, dtype=torch.long, device=dev)
             host_src = {"sampled": sampled}
         self.prev_sampled = sampled
+        host_src.update(prompt_lp_tensors)
         if timing:
             ev_end = torch.cuda.Event(enable_timing=True)
             ev_end.record()
@@ -409,9 +411,13 @@ class ModelRunner:
             max_num_logprobs=max(lp) if lp else -1,
         )
 
-    def _prompt_logprobs(self, seqs, qsl, hidden: torch.Tensor, input_ids: torch.Tensor) -> dict:
-        """Logprobs of the prompt tokens following each scheduled prompt position."""
-        out = {}
+    def _prompt_logprobs(self, seqs, qsl, hidden: torch.Tensor) -> tuple[dict[int, int], dict[str, torch.Tensor]]:
+        """Logprobs of the prompt tokens following each scheduled prompt position.
+
+        Returns ({seq_id: index of the first scored prompt token}, device tensors named
+        ``plp_{ids,vals,ranks}_{seq_id}``), copied to the host with the sampled ids (no sync).
+        """
+        starts, tensors = {}, {}
         for r, s in enumerate(seqs):
             st = self.states[s.seq_id]
             k = st.params.prompt_logprobs
@@ -431,5 +437,6 @@ class ModelRunner:
             if k > 0:
                 top_lp, top_ids = lp.topk(k, dim=-1)
                 ids, vals = torch.cat([ids, top_ids], 1), torch.cat([vals, top_lp], 1)
-            out[s.seq_id] = (start + 1, (ids.cpu(), vals.cpu(), ranks.cpu()))
-        return out
+            starts[s.seq_id] = start + 1
+            tensors.update({f"plp_ids_{s.seq_id}": ids, f"plp_vals_{s.seq_id}": vals, f"plp_ranks_{s.seq_id}": ranks})
+        return starts, tensors
