@@ -83,7 +83,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-    def token_at(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]

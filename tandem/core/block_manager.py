@@ -215,6 +215,3 @@ class KVCacheManager:
         self.num_cached_hashed.pop(req.seq_id, None)
         if blocks:
             self.pool.free(list(reversed(blocks)))
-
-    def reset_prefix_cache_stats(self) -> None:
-        self.prefix_queries = self.prefix_hits = 0

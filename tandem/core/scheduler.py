@@ -86,10 +86,6 @@ class Scheduler:
         self.requests[req.seq_id] = req
         self.waiting.append(req)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

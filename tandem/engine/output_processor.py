@@ -151,9 +151,6 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _decode_token(self, tok: int) -> str:
-        return self.tokenizer.convert_ids_to_tokens(tok)
-
     def _position_logprobs(self, ids: list[int], lps: list[float], rank: int, k: int) -> PositionLogprobs:
         out = {ids[0]: Logprob(lps[0], rank, self.tokenizer.decode([ids[0]]))}
         for r, (t, lp) in enumerate(zip(ids[1 : 1 + k], lps[1 : 1 + k]), start=1):
