@@ -28,7 +28,8 @@ class ScheduledSequence:
     ``token_ids`` are the host-known input tokens; when ``uses_prev_sample`` the last
     input token is the sequence's sample from the previous step, still on the device.
     ``sample`` is True when the step's last token is the end of the known sequence, so a
-    new token is sampled.
+    new token is sampled. ``new_block_ids`` are the KV blocks appended to the sequence's
+    block table since it was last scheduled (its whole table when ``new_request`` is set).
     """
 
     seq_id: int
@@ -37,7 +38,7 @@ class ScheduledSequence:
     token_ids: list[int]
     uses_prev_sample: bool
     sample: bool
-    block_ids: list[int]
+    new_block_ids: list[int]
     # Set the first time the sequence is scheduled (or again after a preemption).
     new_request: Request | None = None
 
@@ -79,6 +80,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
         self._finished_since_last_step: list[int] = []
+        # Block ids of each running sequence already sent to the model runner.
+        self._num_sent_blocks: dict[int, int] = {}
         self._step_id = 0
         self.num_preemptions = 0
 
@@ -104,14 +107,18 @@ class Scheduler:
         uses_prev = end > req.num_tokens
         assert end - known_end <= 1, "at most one not-yet-known token (the previous step's sample)"
         sample = end == req.num_tokens + req.num_output_placeholders
-        tokens = req.all_token_ids[c:known_end] if c < known_end else []
+        tokens = req.token_slice(c, known_end)
         req.num_computed_tokens = end
         if sample:
             req.num_output_placeholders += 1
-        return ScheduledSequence(req.seq_id, c, num_new, tokens, uses_prev, sample, self.kv.block_ids(req.seq_id))
+        blocks = self.kv.req_blocks.get(req.seq_id, [])
+        sent = self._num_sent_blocks.get(req.seq_id, 0)
+        self._num_sent_blocks[req.seq_id] = len(blocks)
+        return ScheduledSequence(req.seq_id, c, num_new, tokens, uses_prev, sample, [b.block_id for b in blocks[sent:]])
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self._num_sent_blocks.pop(req.seq_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -204,6 +211,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(req)
+        self._num_sent_blocks.pop(seq_id, None)
         self._finished_since_last_step.append(seq_id)
         return req
 

@@ -74,6 +74,7 @@ class SeqState:
     penalty_slot: int | None
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None
     prompt_token_ids: list[int]
+    block_ids: list[int] = field(default_factory=list)
 
 
 class PendingOutput:
@@ -212,6 +213,7 @@ class ModelRunner:
             if seq.new_request is not None:
                 self._drop_seq(seq.seq_id)
                 self._add_seq(seq.new_request)
+            self.states[seq.seq_id].block_ids.extend(seq.new_block_ids)
         seqs, inputs = [], None
         if not so.is_empty:
             # Decode sequences (one new token) first: backends batch them uniformly.
@@ -336,14 +338,15 @@ class ModelRunner:
         computed = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
         input_ids = np.zeros(int(qsl[-1]), dtype=np.int64)
         prev_dst, prev_src = [], []
-        block_table = np.zeros((num_reqs, max(len(s.block_ids) for s in seqs)), dtype=np.int32)
+        tables = [self.states[s.seq_id].block_ids for s in seqs]
+        block_table = np.zeros((num_reqs, max(len(t) for t in tables)), dtype=np.int32)
         for r, s in enumerate(seqs):
             start = qsl[r]
             input_ids[start : start + len(s.token_ids)] = s.token_ids
             if s.uses_prev_sample:
                 prev_dst.append(int(start) + s.num_new_tokens - 1)
                 prev_src.append(self.prev_rows[s.seq_id])
-            block_table[r, : len(s.block_ids)] = s.block_ids
+            block_table[r, : len(tables[r])] = tables[r]
         if (q_lens == 1).all():
             positions = computed.copy()
         else:
