@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, MixtralConfig, Qwen3MoeConfig
 
-from tandem.attention.metadata import AttentionMetadata
+from tests.models.paged_parity import assert_paged_parity
 from tandem.attention.torch_backend import TorchAttentionBackend
 from tandem.models.registry import get_model_class
 
@@ -19,22 +19,6 @@ COMMON = dict(vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention
 DS = dict(COMMON, intermediate_size=96, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
           n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
           v_head_dim=32)
-
-
-def _meta(q_lens, computed, block_tables, block_size):
-    """Metadata of one step (decode requests first), as the model runner builds it."""
-    qsl = [0]
-    for q in q_lens:
-        qsl.append(qsl[-1] + q)
-    seq_lens = [c + q for c, q in zip(computed, q_lens)]
-    slots = [bt[p // block_size] * block_size + p % block_size
-             for q, c, bt in zip(q_lens, computed, block_tables) for p in range(c, c + q)]
-    width = max(len(b) for b in block_tables)
-    bt = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.int32)
-    num_decode = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
-    return AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
-                             torch.tensor(computed, dtype=torch.int32), bt, torch.tensor(slots), max(q_lens),
-                             max(seq_lens), qsl, seq_lens, num_decode)
 
 
 def _configs():
@@ -82,43 +66,7 @@ def test_logits_match_transformers(name):
 
     bs, nblocks = 8, 64
     kv = _cache(model, cfg.num_hidden_layers, nblocks, bs)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (13, 8, 21)]
-    perm = (torch.randperm(nblocks - 1) + 1).tolist()  # shuffled physical blocks
-    tables = [perm[0:6], perm[6:12], perm[12:18]]
-    seqs = [list(p) for p in prompts]
-    with torch.no_grad():
-        meta = _meta([len(p) for p in prompts], [0, 0, 0], tables, bs)
-        ids = torch.tensor([t for p in prompts for t in p])
-        pos = torch.cat([torch.arange(len(p)) for p in prompts])
-        logits = model.compute_logits(model(ids, pos, kv, meta))
-        off = 0
-        for p in prompts:
-            torch.testing.assert_close(logits[off: off + len(p)], ref(torch.tensor([p])).logits[0], atol=1e-4, rtol=0)
-            off += len(p)
-        last = [logits[sum(len(p) for p in prompts[: i + 1]) - 1].argmax().item() for i in range(3)]
-        for _ in range(3):  # decode steps, one token per sequence
-            for s, t in zip(seqs, last):
-                s.append(t)
-            computed = [len(s) - 1 for s in seqs]
-            meta = _meta([1, 1, 1], computed, tables, bs)
-            step_logits = model.compute_logits(model(torch.tensor(last), torch.tensor(computed), kv, meta))
-            for i, s in enumerate(seqs):
-                torch.testing.assert_close(step_logits[i], ref(torch.tensor([s])).logits[0, -1], atol=1e-4, rtol=0)
-            last = step_logits.argmax(-1).tolist()
-        # Chunked step: two decodes + a 5-token chunk on top of a cached prefix.
-        extra = torch.randint(0, cfg.vocab_size, (5,)).tolist()
-        c0 = len(seqs[0])
-        seqs[0] += extra
-        for s, t in zip(seqs[1:], last[1:]):
-            s.append(t)
-        computed = [len(seqs[1]) - 1, len(seqs[2]) - 1, c0]
-        meta = _meta([1, 1, 5], computed, [tables[1], tables[2], tables[0]], bs)
-        ids = torch.tensor([last[1], last[2]] + extra)
-        pos = torch.tensor([computed[0], computed[1]] + list(range(c0, c0 + 5)))
-        out = model.compute_logits(model(ids, pos, kv, meta))
-        torch.testing.assert_close(out[0], ref(torch.tensor([seqs[1]])).logits[0, -1], atol=1e-4, rtol=0)
-        torch.testing.assert_close(out[1], ref(torch.tensor([seqs[2]])).logits[0, -1], atol=1e-4, rtol=0)
-        torch.testing.assert_close(out[2:], ref(torch.tensor([seqs[0]])).logits[0, -5:], atol=1e-4, rtol=0)
+    assert_paged_parity(model, ref, cfg.vocab_size, kv, bs, decode_steps=3)
 
 
 def test_per_expert_checkpoint_names_load():
