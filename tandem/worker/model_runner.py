@@ -74,6 +74,8 @@ class SeqState:
     penalty_slot: int | None
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None
     prompt_token_ids: list[int]
+    # Prompt logprobs are shared by a request's n sequences: only its first computes them.
+    wants_prompt_logprobs: bool = False
     block_ids: list[int] = field(default_factory=list)
 
 
@@ -177,7 +179,7 @@ class ModelRunner:
         if p.logit_bias:
             bias = (self._h2d(list(p.logit_bias.keys()), torch.long), self._h2d(list(p.logit_bias.values()), torch.float32))
         self.states[req.seq_id] = SeqState(req.seq_id, p, req.num_prompt_tokens, req.num_output_tokens, slot, bias,
-                                           req.prompt_token_ids)
+                                           req.prompt_token_ids, p.prompt_logprobs is not None and req.index == 0)
 
     def _drop_seq(self, seq_id: int) -> None:
         st = self.states.pop(seq_id, None)
@@ -424,7 +426,7 @@ class ModelRunner:
         for r, s in enumerate(seqs):
             st = self.states[s.seq_id]
             k = st.params.prompt_logprobs
-            if k is None or s.num_computed_tokens >= st.prompt_len:
+            if not st.wants_prompt_logprobs or s.num_computed_tokens >= st.prompt_len:
                 continue
             start = s.num_computed_tokens
             # Positions whose next token is still in the prompt.

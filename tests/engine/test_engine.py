@@ -198,3 +198,11 @@ def test_chat_uses_template(llm):
     out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert "<|im_start|>user" in out.prompt and out.prompt.rstrip().endswith("<|im_start|>assistant")
     assert out.outputs[0].text
+
+
+def test_prompt_logprobs_with_n(llm):
+    one = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    three = llm.generate([PROMPTS[0]], SamplingParams(n=3, temperature=0, max_tokens=2, prompt_logprobs=2),
+                         use_tqdm=False)[0]
+    assert len(three.outputs) == 3
+    assert three.prompt_logprobs == one.prompt_logprobs
