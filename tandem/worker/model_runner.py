@@ -222,8 +222,9 @@ class ModelRunner:
             seqs = sorted(so.scheduled, key=lambda s: s.num_new_tokens != 1)
             inputs = self._prepare_inputs(seqs)
         num_tokens = inputs.num_tokens if inputs is not None else 0
+        num_decode = inputs.num_decode_reqs() if inputs is not None else 0
         graphs = self.cuda_graphs
-        graph_ok = (graphs is not None and inputs is not None and inputs.num_decode_reqs() == inputs.num_reqs
+        graph_ok = (graphs is not None and inputs is not None and num_decode == inputs.num_reqs
                     and inputs.num_reqs <= graphs.max_size)
         if graph_ok:
             # A graph's padded size decides the split, so that replay matches the capture.
@@ -238,7 +239,6 @@ class ModelRunner:
             self._forward(empty_step_inputs(), torch.empty(0, dtype=torch.long, device=self.device), plan)
             return _Done(ModelRunnerOutput([], []))
         num_reqs = inputs.num_reqs
-        num_decode = inputs.num_decode_reqs()
         qsl = inputs.query_start_loc
 
         dev = self.device

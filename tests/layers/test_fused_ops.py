@@ -26,7 +26,7 @@ if INTERPRET:
 
 from transformers import LlamaConfig, Qwen3Config  # noqa: E402
 
-from tandem.attention.metadata import AttentionMetadata  # noqa: E402
+from tests.models.paged_parity import step_metadata  # noqa: E402
 from tandem.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tandem.layers import fused_ops  # noqa: E402
 from tandem.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -189,22 +189,7 @@ COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def _meta(q_lens, computed, block_tables, block_size):
-    qsl = [0]
-    for q in q_lens:
-        qsl.append(qsl[-1] + q)
-    seq_lens = [c + q for c, q in zip(computed, q_lens)]
-    slots = [bt[p // block_size] * block_size + p % block_size
-             for q, c, bt in zip(q_lens, computed, block_tables) for p in range(c, c + q)]
-    width = max(len(b) for b in block_tables)
-    bt = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.int32)
-    num_decode = 0
-    for q in q_lens:
-        if q != 1:
-            break
-        num_decode += 1
-    t = lambda v, dt=torch.int32: torch.tensor(v, dtype=dt, device=DEVICE)  # noqa: E731
-    return AttentionMetadata(t(qsl), t(seq_lens), t(computed), bt.to(DEVICE), t(slots, torch.long), max(q_lens),
-                             max(seq_lens), qsl, seq_lens, num_decode)
+    return step_metadata(q_lens, computed, block_tables, block_size, DEVICE)
 
 
 def _run(model, cfg, dtype):

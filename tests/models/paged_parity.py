@@ -8,7 +8,7 @@ import torch
 from tandem.attention.metadata import AttentionMetadata
 
 
-def step_metadata(q_lens, computed, block_tables, block_size) -> AttentionMetadata:
+def step_metadata(q_lens, computed, block_tables, block_size, device: torch.device | str = "cpu") -> AttentionMetadata:
     """Metadata of one step (decode requests first), as the model runner builds it."""
     qsl = [0]
     for q in q_lens:
@@ -17,10 +17,10 @@ def step_metadata(q_lens, computed, block_tables, block_size) -> AttentionMetada
     slots = [bt[p // block_size] * block_size + p % block_size
              for q, c, bt in zip(q_lens, computed, block_tables) for p in range(c, c + q)]
     width = max(len(b) for b in block_tables)
-    bt = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.int32)
+    bt = [b + [0] * (width - len(b)) for b in block_tables]
     num_decode = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
-    return AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
-                             torch.tensor(computed, dtype=torch.int32), bt, torch.tensor(slots), max(q_lens),
+    t = lambda v, dt=torch.int32: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
+    return AttentionMetadata(t(qsl), t(seq_lens), t(computed), t(bt), t(slots, torch.long), max(q_lens),
                              max(seq_lens), qsl, seq_lens, num_decode)
 
 
