@@ -15,16 +15,22 @@ Cache layout (one tensor per layer, allocated by the engine from the model's
 qk_rope_head_dim]``; slot ``s`` holds ``concat(c_kv, k_pe)`` of one token. There is no
 separate value plane: the values are decompressed from the same latent.
 
-Attention (this file, plain torch), as vLLM and FlashMLA split it:
+Attention, as vLLM and FlashMLA split it:
 
-* prefill / chunks (compute-bound): the latents of the request are gathered through its
-  block table and *decompressed* with ``kv_b_proj`` into per-head keys ``[k_nope, k_pe]``
-  (``qk_nope_head_dim + qk_rope_head_dim``) and values (``v_head_dim``), then
-  ``scaled_dot_product_attention`` with the causal mask of the cached prefix;
+* prefill / chunks (compute-bound, plain torch): the latents of the request are gathered
+  through its block table and *decompressed* with ``kv_b_proj`` into per-head keys
+  ``[k_nope, k_pe]`` (``qk_nope_head_dim + qk_rope_head_dim``) and values
+  (``v_head_dim``), then ``scaled_dot_product_attention`` with the causal mask of the
+  cached prefix;
 * decode (memory-bound): *absorbed* weights — ``kv_b_proj``'s key half is folded into the
-  query and its value half applied after attention, so attention runs directly over the
-  cached latents (multi-query, head dim ``kv_lora_rank + qk_rope_head_dim``) as one padded
-  batch; nothing per head is materialised and the step is CUDA-graph safe.
+  query (a bmm) and its value half applied after attention (a bmm), so attention runs
+  directly over the cached latents (multi-query, keys ``[c_kv, k_pe]``, values ``c_kv``);
+  nothing per head is materialised and the step is CUDA-graph safe. The attention itself
+  is the paged split-KV Triton kernel :func:`tandem.attention.triton_mla.mla_decode_attention`
+  (it reads the latents through the block tables) wherever the dense models get the Triton
+  attention backend from :func:`tandem.attention.backend.get_attention_backend` (CUDA);
+  elsewhere (CPU) a plain-torch reference gathers the latents and runs one padded, masked
+  ``scaled_dot_product_attention`` (``MLAAttention.decode_backend`` overrides the choice).
 
 RoPE: transformers' DeepSeek-V2 rotates *interleaved* pairs ``(x[2i], x[2i+1])`` (complex
 multiplication), not the NeoX halves; the softmax scale is ``qk_head_dim**-0.5`` times
@@ -33,12 +39,14 @@ multiplication), not the NeoX halves; the softmax scale is ``qk_head_dim**-0.5``
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.attention.backend import get_attention_backend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_parameters
@@ -74,6 +82,11 @@ class MLAAttention(nn.Module):
     ``forward(x [T, H], positions [T], kv_cache [1, num_blocks, block_size, 1,
     kv_lora_rank + qk_rope_head_dim], meta) -> [T, H]``.
     """
+
+    #: Decode attention: ``"triton"`` (paged kernel), ``"torch"`` (gather + SDPA reference)
+    #: or ``None``: the kind of backend ``get_attention_backend`` gives the dense models on
+    #: the input's device (Triton on CUDA, torch on the CPU).
+    decode_backend: str | None = None
 
     def __init__(self, hf_config, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -160,23 +173,53 @@ class MLAAttention(nn.Module):
         into the query (``q_lat = q_nope W_uk``, so ``q_lat . c_kv = q_nope . k_nope``), the
         keys are the cached latents ``[c_kv, k_pe]`` shared by all heads (MQA with head
         dim ``kv_lora_rank + rope``), the values ``c_kv``, and ``W_uv`` maps the result to
-        ``v_head_dim`` — no per-head K/V is materialised. Under CUDA-graph capture the
-        whole block table is read (lengths come from the device ``seq_lens``).
+        ``v_head_dim`` — no per-head K/V is materialised.
+
+        Triton (:meth:`_decode_uses_triton`): the paged split-KV kernel reads the latents
+        through the block tables, no host sync. Torch: the latents are gathered and one
+        masked SDPA runs over the padded batch; under CUDA-graph capture the whole block
+        table is read (lengths come from the device ``seq_lens``).
         Returns ``[nd, heads, v_head_dim]``."""
-        nd = q_nope.shape[0]
+        w_uk, w_uv = self._absorbed_weights()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [h, nd, r]
+        if self._decode_uses_triton(q_nope.device):
+            from tandem.attention.triton_mla import mla_decode_attention
+
+            o = torch.empty_like(q_lat)  # [h, nd, r]: the kernel writes it as [nd, h, r]
+            mla_decode_attention(q_lat.transpose(0, 1), q_pe, kv_cache, meta.block_tables, meta.seq_lens,
+                                 self.scale, out=o.transpose(0, 1), max_seq_len=meta.max_seq_len)
+        else:
+            o = self._decode_attention_torch(q_lat.transpose(0, 1), q_pe, kv_cache, meta).transpose(0, 1)
+        return torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _decode_uses_triton(self, device: torch.device) -> bool:
+        if self.decode_backend is not None:
+            if self.decode_backend not in ("triton", "torch"):
+                raise ValueError(f"decode_backend must be 'triton', 'torch' or None, got {self.decode_backend!r}")
+            return self.decode_backend == "triton"
+        return _default_backend_name(device.type) == "triton"
+
+    def _decode_attention_torch(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                                meta: AttentionMetadata) -> torch.Tensor:
+        """Reference latent attention: ``[nd, h, r]`` from ``q_lat [nd, h, r]``, ``q_pe``."""
+        nd = q_lat.shape[0]
         block_size = kv_cache.shape[2]
-        if q_nope.is_cuda and torch.cuda.is_current_stream_capturing():
+        if q_lat.is_cuda and torch.cuda.is_current_stream_capturing():
             nb = meta.block_tables.shape[1]
         else:
             nb = -(-max(meta.seq_lens_cpu[:nd]) // block_size)
-        w_uk, w_uv = self._absorbed_weights()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [nd, h, r]
         q = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(2)  # [nd, h, 1, r + rope]
         lat = gather_latent(kv_cache, meta.block_tables[:nd], nb).unsqueeze(1)  # [nd, 1, L, r + rope]
         mask = torch.arange(nb * block_size, device=q.device)[None, :] < meta.seq_lens[:nd, None]
         o = F.scaled_dot_product_attention(q, lat, lat[..., : self.kv_lora_rank], attn_mask=mask[:, None, None, :],
                                            scale=self.scale, enable_gqa=True)  # [nd, h, 1, r]
-        return torch.bmm(o.squeeze(2).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return o.squeeze(2)
+
+
+@functools.cache
+def _default_backend_name(device_type: str) -> str:
+    """Name of the attention backend the dense models get on this kind of device."""
+    return get_attention_backend(torch.device(device_type)).name
 
 
 def write_latent_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

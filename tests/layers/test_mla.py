@@ -1,8 +1,14 @@
 """MLA pieces: interleaved RoPE == transformers' DeepSeek-V2 rotary; absorbed-weight decode
-== decompressed attention, whatever the block-table width."""
+(torch reference and the Triton kernel) == decompressed attention, whatever the
+block-table width; the whole layer / model with the Triton decode == the torch path /
+transformers. Without CUDA the Triton kernel runs in the interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import DeepseekV2Config
@@ -10,6 +16,33 @@ from transformers import DeepseekV2Config
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.mla import MLAAttention, apply_rope_interleaved, gather_latent, write_latent_cache
 from tandem.layers.rotary import RotaryEmbedding
+from tests.models.paged_parity import assert_paged_parity, step_metadata
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
+DECODE_BACKENDS = ["torch", "triton"]
+
+
+@pytest.fixture
+def triton_decode():
+    """Skip unless the Triton MLA kernel can run here (compiled on CUDA or interpreted)."""
+    pytest.importorskip("triton")
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from tests.triton_interpreter import patch_interpreter_for_numpy_2_4
+    from tandem.attention import triton_mla
+
+    if INTERPRET:
+        if not triton_mla._INTERPRET:
+            pytest.skip("tandem.attention.triton_mla was imported before TRITON_INTERPRET was set")
+        patch_interpreter_for_numpy_2_4()
+
+
+@pytest.fixture
+def triton_decode_cpu(triton_decode):
+    """For tests on CPU tensors: the kernel must run in the interpreter."""
+    if not INTERPRET:
+        pytest.skip("CPU tensors: needs TRITON_INTERPRET=1")
 
 
 def _cfg():
@@ -30,10 +63,14 @@ def test_interleaved_rope_matches_transformers():
     torch.testing.assert_close(apply_rope_interleaved(k, cos, sin), want_k)
 
 
-def test_absorbed_decode_equals_decompressed():
+@pytest.mark.parametrize("decode_backend", DECODE_BACKENDS)
+def test_absorbed_decode_equals_decompressed(decode_backend, request):
+    if decode_backend == "triton":
+        request.getfixturevalue("triton_decode_cpu")
     torch.manual_seed(0)
     cfg = _cfg()
     attn = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 128))
+    attn.decode_backend = decode_backend
     for p in attn.parameters():
         torch.nn.init.normal_(p, 0, 0.2)
     bs, nblocks = 4, 20
@@ -57,3 +94,83 @@ def test_absorbed_decode_equals_decompressed():
         q = torch.cat((q_nope[i], q_pe[i]), -1)[:, None]  # [h, 1, qk]
         want = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)[:, 0]
         torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
+
+
+def test_default_decode_backend_follows_attention_backend():
+    """Triton kernel wherever get_attention_backend picks the Triton backend (CUDA)."""
+    from tandem.attention.backend import get_attention_backend
+
+    cfg = _cfg()
+    attn = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 128))
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for dev in devices:
+        assert attn._decode_uses_triton(dev) == (get_attention_backend(dev).name == "triton")
+    assert not attn._decode_uses_triton(torch.device("cpu"))
+    attn.decode_backend = "triton"
+    assert attn._decode_uses_triton(torch.device("cpu"))
+    attn.decode_backend = "flash"
+    with pytest.raises(ValueError, match="decode_backend"):
+        attn._decode_uses_triton(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layer_triton_decode_equals_torch(dtype, triton_decode):
+    """A mixed step (decodes at block edges, one of them length 1, then a chunk on a cached
+    prefix and a fresh prompt) through the whole layer: same output and cache either way."""
+    torch.manual_seed(1)
+    cfg = DeepseekV2Config(hidden_size=80, num_attention_heads=5, kv_lora_rank=64, q_lora_rank=24, qk_rope_head_dim=16,
+                           qk_nope_head_dim=32, v_head_dim=24, max_position_embeddings=256)
+    attn = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 256)).to(DEVICE)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, 0, 0.2)
+    attn = attn.to(dtype)
+    bs, nblocks = 16, 40
+    perm = (torch.randperm(nblocks - 1) + 1).tolist()
+    computed, q_lens = [31, 0, 47, 100, 20, 0], [1, 1, 1, 1, 7, 9]
+    tables, i = [], 0
+    for c, q in zip(computed, q_lens):
+        nb = -(-(c + q) // bs)
+        tables.append(perm[i: i + nb])
+        i += nb
+    meta = step_metadata(q_lens, computed, tables, bs, DEVICE)
+    cache = torch.randn(1, nblocks, bs, 1, 64 + 16, device=DEVICE).to(dtype)  # the cached prefixes
+    x = torch.randn(sum(q_lens), 80, device=DEVICE).to(dtype)
+    pos = torch.tensor([p for c, q in zip(computed, q_lens) for p in range(c, c + q)], device=DEVICE)
+    outs, caches = {}, {}
+    with torch.no_grad():
+        for backend in DECODE_BACKENDS:
+            attn.decode_backend = backend
+            caches[backend] = cache.clone()
+            outs[backend] = attn(x, pos, caches[backend], meta)
+    assert meta.num_decode_reqs == 4
+    assert torch.equal(caches["triton"], caches["torch"])
+    tol = (1e-5 if INTERPRET else 1e-4) if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=tol, rtol=tol)
+
+
+def test_model_with_triton_decode_matches_transformers(triton_decode_cpu):
+    """Tiny random DeepSeek-V2 with the Triton decode in every layer: transformers' logits
+    for a ragged prefill, decode steps and a chunked step (fp32, 1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models.registry import get_model_class
+
+    cfg = DeepseekV2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           max_position_embeddings=256, rms_norm_eps=1e-6, intermediate_size=96, n_routed_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                           kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=24)
+    torch.manual_seed(0)
+    cfg._attn_implementation = "eager"
+    ref = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.1)
+    model = get_model_class(cfg)(cfg).eval()
+    model.load_weights(ref.state_dict().items())
+    mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
+    assert len(mla) == 2
+    for m in mla:
+        m.decode_backend = "triton"
+    bs = 8
+    kv = [torch.zeros(1, 64, bs, 1, 32 + 16) for _ in range(2)]
+    assert_paged_parity(model, ref, cfg.vocab_size, kv, bs, decode_steps=2)

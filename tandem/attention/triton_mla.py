@@ -1,0 +1,362 @@
+"""Paged multi-head latent attention (MLA) decode in Triton.
+
+The decode half of DeepSeek-V2's MLA (:mod:`tandem.layers.mla`) with *absorbed* weights:
+``kv_b_proj``'s key half is folded into the query, so every head of a decode token
+attends over the cached latents directly — multi-query attention with one shared "KV
+head" per token, keys ``[c_kv, k_pe]`` (``kv_lora_rank + rope_dim``) and values ``c_kv``
+(``kv_lora_rank``). The output stays in the latent space (``W_uv`` is applied by the
+caller). As in FlashMLA (DeepSeek-AI, 2025) and vLLM's / SGLang's Triton MLA decode, the
+heads are the rows of the matrix products, so each latent tile read from the cache serves
+``BLOCK_H`` heads at once.
+
+Cache layout (one tensor per layer, see :mod:`tandem.layers.mla`): ``kv_cache [1,
+num_blocks, block_size, 1, kv_lora_rank + rope_dim]``, slot ``s = block * block_size +
+offset`` holds ``concat(c_kv, k_pe)`` of one token; request ``r``'s token ``t`` lives in
+physical block ``block_tables[r, t // block_size]``. Keys are mapped to their blocks one
+by one, so any block size works.
+
+Kernels (split-KV, as in Flash-Decoding: Dao, Haziza, Massa, Sizov, "Flash-Decoding for
+long-context inference", 2023):
+
+* ``_mla_decode_kernel``: one program per (request, tile of ``BLOCK_H`` heads, KV
+  segment). Scores ``q_lat . c_kv + q_pe . k_pe`` are two dots (``kv_lora_rank`` and
+  ``rope_dim`` wide: 512 + 64 need no padding to 1024), the softmax is online in fp32 and
+  base 2 (``log2(e)`` folded into the scale), ``acc += p @ c_kv``. The context of a
+  request is cut into ``num_splits`` segments of whole ``BLOCK_N`` tiles; the segment of a
+  program is computed *inside* the kernel from ``seq_lens``, so the grid ``(num_reqs,
+  cdiv(num_heads, BLOCK_H), num_splits)`` depends only on host values fixed for a captured
+  CUDA graph. Programs whose segment lies past the end of their sequence exit at once.
+  With one split the kernel writes the normalised output directly.
+* ``_mla_decode_reduce_kernel``: combines the partial outputs of the non-empty segments by
+  their log-sum-exp, one program per (request, head).
+
+Nothing syncs with the host: :func:`mla_decode_attention` uses only tensor shapes and the
+optional host bound ``max_seq_len``.
+
+Supported dtypes: fp16, bf16 and fp32 (``q_lat``, ``q_pe``, the cache and the output share
+one); any ``kv_lora_rank`` / ``rope_dim`` (powers of two run unpadded). Under
+``TRITON_INTERPRET=1`` the kernels run on the CPU (bf16 dots are upcast to fp32 there).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.attention.triton_backend import _dot
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Launch defaults (H200 guesses, to be tuned on the GPU): keys per inner iteration, heads
+# per program, warps, software-pipeline stages, and the split-count heuristic (target two
+# programs per SM, at most MAX_NUM_SPLITS segments of at least MIN_TOKENS_PER_SPLIT keys).
+BLOCK_N = 32
+BLOCK_H = 16
+NUM_WARPS = 4
+NUM_STAGES = 2
+MAX_NUM_SPLITS = 32
+MIN_TOKENS_PER_SPLIT = 256
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_lat_ptr,
+    q_pe_ptr,
+    cache_ptr,
+    out_ptr,  # final output (DIRECT) or fp32 partial outputs [R, H, S, KV_RANK]
+    lse_ptr,  # fp32 partial log2-sum-exp [R, H, S] (unused when DIRECT)
+    seq_lens_ptr,
+    block_tables_ptr,
+    num_heads,
+    num_splits,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    stride_qlt,
+    stride_qlh,
+    stride_qpt,
+    stride_qph,
+    stride_cb,
+    stride_cs,
+    stride_or,
+    stride_oh,
+    stride_os,
+    stride_lr,
+    stride_lh,
+    stride_btr,
+    stride_btb,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_H: tl.constexpr,  # heads per program (>= 16: tl.dot minimum)
+    BLOCK_N: tl.constexpr,  # keys per inner iteration
+    KV_RANK: tl.constexpr,  # kv_lora_rank
+    ROPE_DIM: tl.constexpr,  # qk_rope_head_dim
+    BLOCK_R: tl.constexpr,  # KV_RANK padded to a power of two >= 16
+    BLOCK_P: tl.constexpr,  # ROPE_DIM padded to a power of two >= 16
+    DIRECT: tl.constexpr,  # one split: write the normalised output, no reduce pass
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head_group = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_start = split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+    if not DIRECT:
+        if tile_start >= tile_end:
+            return  # segment past the end of this sequence; the reduce skips it
+
+    head = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_valid = head < num_heads
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    # Column masks only where the latent / rope width is padded (keeps loads vectorised).
+    if BLOCK_R == KV_RANK:
+        qr_mask = head_valid[:, None]
+    else:
+        qr_mask = head_valid[:, None] & (offs_r[None, :] < KV_RANK)
+    if BLOCK_P == ROPE_DIM:
+        qp_mask = head_valid[:, None]
+    else:
+        qp_mask = head_valid[:, None] & (offs_p[None, :] < ROPE_DIM)
+    q_lat = tl.load(
+        q_lat_ptr + req.to(tl.int64) * stride_qlt + head.to(tl.int64)[:, None] * stride_qlh + offs_r[None, :],
+        mask=qr_mask, other=0.0,
+    )
+    q_pe = tl.load(
+        q_pe_ptr + req.to(tl.int64) * stride_qpt + head.to(tl.int64)[:, None] * stride_qph + offs_p[None, :],
+        mask=qp_mask, other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_btr
+
+    for tile in range(tile_start, tile_end):
+        k_pos = tile * BLOCK_N + offs_n
+        k_valid = k_pos < seq_len
+        phys = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_btb, mask=k_valid, other=0).to(tl.int64)
+        slot = cache_ptr + phys * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
+        if BLOCK_R == KV_RANK:
+            c_mask = k_valid[:, None]
+        else:
+            c_mask = k_valid[:, None] & (offs_r[None, :] < KV_RANK)
+        if BLOCK_P == ROPE_DIM:
+            p_mask = k_valid[:, None]
+        else:
+            p_mask = k_valid[:, None] & (offs_p[None, :] < ROPE_DIM)
+        c_kv = tl.load(slot[:, None] + offs_r[None, :], mask=c_mask, other=0.0)  # [BLOCK_N, BLOCK_R]
+        k_pe = tl.load(slot[:, None] + KV_RANK + offs_p[None, :], mask=p_mask, other=0.0)  # [BLOCK_N, BLOCK_P]
+        s = _dot(q_lat, tl.trans(c_kv), PRECISION, UPCAST)
+        s += _dot(q_pe, tl.trans(k_pe), PRECISION, UPCAST)
+        s = tl.where(k_valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: each tile holds >= 1 valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(c_kv.dtype), c_kv, PRECISION, UPCAST)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty sequence (padding request): output 0
+    o = acc / l_safe[:, None]
+    o_ptrs = out_ptr + req.to(tl.int64) * stride_or + head.to(tl.int64)[:, None] * stride_oh + offs_r[None, :]
+    if DIRECT:
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qr_mask)
+    else:
+        tl.store(o_ptrs + split * stride_os, o, mask=qr_mask)
+        lse = m_i + tl.log2(l_i)
+        lse_off = req.to(tl.int64) * stride_lr + head.to(tl.int64) * stride_lh + split
+        tl.store(lse_ptr + lse_off, lse, mask=head_valid)
+
+
+@triton.jit
+def _mla_decode_reduce_kernel(
+    part_out_ptr,
+    lse_ptr,
+    out_ptr,
+    seq_lens_ptr,
+    num_splits,
+    stride_pr,
+    stride_ph,
+    stride_ps,
+    stride_lr,
+    stride_lh,
+    stride_or,
+    stride_oh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    KV_RANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    # Same segmentation as _mla_decode_kernel: count the non-empty segments.
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
+    num_valid = tl.cdiv(num_tiles, tiles_per_split)
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_R)
+    s_valid = offs_s < num_valid
+    r_valid = offs_r < KV_RANK
+    lse_base = req.to(tl.int64) * stride_lr + head.to(tl.int64) * stride_lh
+    lse = tl.load(lse_ptr + lse_base + offs_s, mask=s_valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no valid split (seq_len 0)
+    w = tl.where(s_valid, tl.exp2(lse - m), 0.0)
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    p_base = req.to(tl.int64) * stride_pr + head.to(tl.int64) * stride_ph
+    part = tl.load(part_out_ptr + p_base + offs_s[:, None] * stride_ps + offs_r[None, :],
+                   mask=s_valid[:, None] & r_valid[None, :], other=0.0)
+    o = tl.sum(part * w[:, None], 0) / denom
+    o_off = req.to(tl.int64) * stride_or + head.to(tl.int64) * stride_oh
+    tl.store(out_ptr + o_off + offs_r, o.to(out_ptr.dtype.element_ty), mask=r_valid)
+
+
+def _interpreting() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(_mla_decode_kernel, InterpretedFunction)
+
+
+_INTERPRET = _interpreting()
+_NUM_SMS: dict[int, int] = {}
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 256
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return 2 * _NUM_SMS[idx]
+
+
+def mla_num_splits(num_reqs: int, num_heads: int, max_len: int, device: torch.device, block_h: int = BLOCK_H,
+                   max_num_splits: int = MAX_NUM_SPLITS, min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT) -> int:
+    """KV segments per request for a decode batch (host ints only, no sync): enough
+    programs to fill the GPU (two per SM), at most ``max_num_splits`` and at most one per
+    ``min_tokens_per_split`` keys of ``max_len`` (a bound on the context lengths)."""
+    programs = max(1, num_reqs * -(-num_heads // block_h))
+    splits = -(-_target_programs(device) // programs)
+    splits = min(splits, max_num_splits, -(-max_len // min_tokens_per_split))
+    return max(1, splits)
+
+
+def mla_decode_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int = BLOCK_N,
+    block_h: int = BLOCK_H,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+) -> torch.Tensor:
+    """Absorbed-MLA decode attention over the paged latent cache (one query per request).
+
+    Args:
+        q_lat: ``[nd, H, R]`` absorbed query ``q_nope W_uk`` (``R = kv_lora_rank``); any
+            strides with a unit last one (e.g. a transposed ``[H, nd, R]`` bmm output).
+        q_pe: ``[nd, H, P]`` rotated RoPE query (``P = qk_rope_head_dim``), same dtype.
+        kv_cache: ``[1, num_blocks, block_size, 1, R + P]`` latents ``concat(c_kv, k_pe)``,
+            same dtype; slots contiguous in the last dim.
+        block_tables: ``[>= nd, max_blocks]`` int32 physical block ids; row ``r`` serves
+            request ``r`` (rows past ``nd`` are ignored).
+        seq_lens: ``[>= nd]`` int32 context lengths (device), the new token included;
+            0 gives a zero output.
+        scale: softmax scale.
+        out: optional ``[nd, H, R]`` output (any strides with a unit last one), q's dtype.
+        max_seq_len: host upper bound on ``seq_lens[:nd]``, caps the split count outside
+            CUDA-graph capture; ``None``: the block-table width. Under capture the split
+            count depends only on ``nd``, ``H`` and the block-table width.
+        num_splits: force the number of KV segments per request (tests, tuning).
+        block_n, block_h, num_warps, num_stages: launch parameters (powers of two >= 16
+            for ``block_n`` / ``block_h``).
+
+    Returns:
+        ``[nd, H, R]`` attention output in the latent space (before ``W_uv``), q's dtype.
+
+    Raises:
+        ValueError: unsupported dtypes or inconsistent shapes.
+    """
+    nd, num_heads, rank = q_lat.shape
+    rope = q_pe.shape[-1]
+    _, _, block_size, _, width = kv_cache.shape
+    if q_pe.shape[:2] != (nd, num_heads):
+        raise ValueError(f"q_pe {tuple(q_pe.shape)} does not match q_lat {tuple(q_lat.shape)}")
+    if width != rank + rope or kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} is not [1, blocks, block_size, 1, {rank} + {rope}]")
+    if q_lat.dtype not in _SUPPORTED_DTYPES or q_pe.dtype != q_lat.dtype or kv_cache.dtype != q_lat.dtype:
+        raise ValueError(f"unsupported dtypes q_lat={q_lat.dtype} q_pe={q_pe.dtype} kv_cache={kv_cache.dtype}")
+    for name, val in (("block_n", block_n), ("block_h", block_h)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {val}")
+    if out is None:
+        out = torch.empty(nd, num_heads, rank, dtype=q_lat.dtype, device=q_lat.device)
+    elif out.shape != (nd, num_heads, rank) or out.dtype != q_lat.dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not [{nd}, {num_heads}, {rank}] {q_lat.dtype}")
+    if nd == 0:
+        return out
+    if q_lat.stride(-1) != 1:
+        q_lat = q_lat.contiguous()
+    if q_pe.stride(-1) != 1:
+        q_pe = q_pe.contiguous()
+    if out.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("out and kv_cache need a unit stride in the last dim")
+
+    cache = kv_cache[0, :, :, 0]  # [num_blocks, block_size, R + P]
+    head_groups = -(-num_heads // block_h)
+    if num_splits is None:
+        bound = block_tables.shape[1] * block_size
+        capturing = q_lat.is_cuda and torch.cuda.is_current_stream_capturing()
+        if max_seq_len is not None and not capturing:
+            bound = min(bound, max_seq_len)
+        num_splits = mla_num_splits(nd, num_heads, bound, q_lat.device, block_h)
+    direct = num_splits == 1
+    if direct:
+        part_out, lse = out, out
+        po_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
+    else:
+        part_out = torch.empty(nd, num_heads, num_splits, rank, dtype=torch.float32, device=q_lat.device)
+        lse = torch.empty(nd, num_heads, num_splits, dtype=torch.float32, device=q_lat.device)
+        po_strides, lse_strides = part_out.stride()[:3], lse.stride()[:2]
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_p = max(16, triton.next_power_of_2(rope))
+    _mla_decode_kernel[(nd, head_groups, num_splits)](
+        q_lat, q_pe, cache, part_out, lse, seq_lens, block_tables,
+        num_heads, num_splits, scale * math.log2(math.e),
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        cache.stride(0), cache.stride(1), *po_strides, *lse_strides,
+        block_tables.stride(0), block_tables.stride(1),
+        BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, KV_RANK=rank, ROPE_DIM=rope,
+        BLOCK_R=block_r, BLOCK_P=block_p, DIRECT=direct,
+        PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
+        UPCAST=_INTERPRET and q_lat.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not direct:
+        _mla_decode_reduce_kernel[(nd, num_heads)](
+            part_out, lse, out, seq_lens, num_splits,
+            *part_out.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
+            BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits), KV_RANK=rank, BLOCK_R=block_r,
+            num_warps=4,
+        )
+    return out
