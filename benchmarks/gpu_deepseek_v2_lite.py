@@ -1,0 +1,70 @@
+"""The seed workload on a DeepSeek-V2-Lite-shaped MoE model (MLA, 64 experts top-6 + 2
+shared), bf16, dummy weights, one GPU (issues 6 and 7).
+
+Runs ``tandem bench throughput`` (1000 random prompts, input 128, output 256, greedy, EOS
+ignored, CUDA graphs on), each in its own process:
+  1. ``local``: all experts on this GPU, no communication;
+  2. ``simulated`` all-to-all (a modeled inter-node link on a communication stream, flags
+     ``--link-gbps`` / ``--latency-us`` / ``--ep-size``), DBO off;
+  3. the same with ``--enable-dbo``.
+
+    python benchmarks/gpu_deepseek_v2_lite.py --out DIR [--num-prompts 1000] [--runs local,sim,sim_dbo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from model_shapes import DEEPSEEK_V2_LITE, tokenizer_dir, write_config_dir
+
+
+def run(cfg_dir: str, out: str, name: str, extra: list[str], args) -> dict:
+    path = os.path.join(out, f"{name}.json")
+    cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "bench", "throughput", "--model", cfg_dir,
+           "--tokenizer", tokenizer_dir(), "--load-format", "dummy", "--dtype", "bfloat16",
+           "--num-prompts", str(args.num_prompts), "--input-len", "128", "--output-len", "256",
+           "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs), "--output-json", path, *extra]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    with open(path) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--runs", default="local,sim,sim_dbo")
+    ap.add_argument("--link-gbps", type=float, default=40.0)
+    ap.add_argument("--latency-us", type=float, default=20.0)
+    ap.add_argument("--ep-size", type=int, default=8)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cfg_dir = write_config_dir(DEEPSEEK_V2_LITE, os.path.join(args.out, "deepseek_v2_lite"))
+    sim = ["--all2all-backend", "simulated", "--simulated-link-gbps", str(args.link_gbps),
+           "--simulated-link-latency-us", str(args.latency_us), "--simulated-ep-size", str(args.ep_size)]
+    variants = {"local": ["--all2all-backend", "local"], "sim": sim, "sim_dbo": [*sim, "--enable-dbo"]}
+    res = {}
+    for name in args.runs.split(","):
+        res[name] = run(cfg_dir, args.out, name, variants[name], args)
+    with open(os.path.join(args.out, "gpu_deepseek_v2_lite.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"\nsimulated link: {args.link_gbps} GB/s, {args.latency_us} us, EP {args.ep_size}")
+    print("| run | requests/s | output tok/s | GPU idle between steps | median decode step (batch) |")
+    print("|---|---|---|---|---|")
+    for name, r in res.items():
+        idle = r.get("gpu_idle_fraction")
+        print(f"| {name} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} | "
+              f"{'' if idle is None else f'{100 * idle:.2f}%'} | "
+              f"{r.get('decode_step_ms_at_max_batch') or 0:.2f} ms ({r.get('max_decode_batch')}) |")
+    if "sim" in res and "sim_dbo" in res:
+        print(f"\nDBO on / off (simulated link): {res['sim_dbo']['requests_per_s'] / res['sim']['requests_per_s']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

