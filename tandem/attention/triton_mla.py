@@ -304,6 +304,10 @@ def mla_decode_attention(
         raise ValueError(f"q_pe {tuple(q_pe.shape)} does not match q_lat {tuple(q_lat.shape)}")
     if width != rank + rope or kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1:
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} is not [1, blocks, block_size, 1, {rank} + {rope}]")
+    if block_tables.dim() != 2 or block_tables.shape[0] < nd or seq_lens.shape[0] < nd:
+        # The kernels index rows 0..nd-1 of both without bounds checks.
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                         f"need >= {nd} rows")
     if q_lat.dtype not in _SUPPORTED_DTYPES or q_pe.dtype != q_lat.dtype or kv_cache.dtype != q_lat.dtype:
         raise ValueError(f"unsupported dtypes q_lat={q_lat.dtype} q_pe={q_pe.dtype} kv_cache={kv_cache.dtype}")
     for name, val in (("block_n", block_n), ("block_h", block_h)):

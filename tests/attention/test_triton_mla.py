@@ -194,6 +194,11 @@ def test_rejects_bad_inputs():
         mla_decode_attention(q_lat, q_pe[..., :8], kv_cache, bt, seq_lens, scale)
     with pytest.raises(ValueError, match="block_n"):
         mla_decode_attention(q_lat, q_pe, kv_cache, bt, seq_lens, scale, block_n=24)
+    q2, p2 = q_lat.expand(3, -1, -1), q_pe.expand(3, -1, -1)  # 3 requests; bt / seq_lens have 3 rows
+    with pytest.raises(ValueError, match="rows"):
+        mla_decode_attention(q2, p2, kv_cache, bt[:2], seq_lens, scale)
+    with pytest.raises(ValueError, match="rows"):
+        mla_decode_attention(q2, p2, kv_cache, bt, seq_lens[:2], scale)
 
 
 # --------------------------------------------------------------------------- CUDA only
