@@ -7,7 +7,9 @@ Runs, each in its own process so that every engine gets the whole GPU:
   3. transformers ``generate_batch`` (continuous batching, ``attn_implementation="paged|sdpa"``,
      CUDA graphs on) on ``--hf-num-prompts`` prompts, scaled to requests/s.
 Workload: ``--num-prompts`` random prompts, input 128, output 256, greedy, EOS ignored.
-Also prints the HBM floor of a decode step at the largest batch (weights + KV read once).
+Also prints two floors of a decode step at the largest batch: HBM (matmul weights + KV
+read once at peak bandwidth) and matmul-at-peak + KV (2 flops per matmul weight per token
+at the bf16 tensor-core peak, plus the KV read).
 
     python benchmarks/gpu_llama8b.py --out DIR [--num-prompts 1000] [--hf-num-prompts 200]
 """
@@ -102,12 +104,14 @@ def main() -> None:
 
     c = LLAMA_31_8B
     head_dim = c["hidden_size"] // c["num_attention_heads"]
-    weight_bytes = 2 * (2 * c["vocab_size"] * c["hidden_size"] + c["num_hidden_layers"] * (
+    # Weights of every matmul (the layers and the LM head), bf16. The input embedding is a
+    # lookup: a decode step reads only its batch's rows of it, so neither floor counts it.
+    matmul_weights = c["vocab_size"] * c["hidden_size"] + c["num_hidden_layers"] * (
         c["hidden_size"] * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * head_dim
-        + c["num_attention_heads"] * head_dim * c["hidden_size"] + 3 * c["hidden_size"] * c["intermediate_size"]))
+        + c["num_attention_heads"] * head_dim * c["hidden_size"] + 3 * c["hidden_size"] * c["intermediate_size"])
+    weight_bytes = 2 * matmul_weights
     kv_bytes_per_token = 2 * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim
-    # Per decoded token the weight matmuls take 2 flops per weight (the input embedding is a lookup).
-    flops_per_token = 2 * (weight_bytes // 2 - c["vocab_size"] * c["hidden_size"])
+    flops_per_token = 2 * matmul_weights  # one multiply-add per weight per decoded token
     print("\n| run | requests/s | output tok/s | GPU idle between steps | decode step (batch) | HBM floor "
           "| matmul-at-peak + KV floor |")
     print("|---|---|---|---|---|---|---|")
