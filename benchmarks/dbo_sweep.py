@@ -26,6 +26,7 @@ import torch
 
 from model_shapes import DEEPSEEK_V2_LITE
 
+
 def build(cfg_dict: dict, device: torch.device, link):
     from transformers import AutoConfig
 
@@ -160,6 +161,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
 
 if __name__ == "__main__":
     main()
