@@ -18,6 +18,17 @@ over per-expert buffers padded to the largest group. The weighted results are sc
 back to token order and summed over the ``k`` choices. :func:`reference_experts` is the
 plain per-expert loop used by tests and the micro-benchmark.
 
+``impl="triton"`` runs the fused-MoE Triton kernel of :mod:`tandem.layers.fused_moe_triton`
+instead (vLLM-style: each expert's sorted rows padded to ``BLOCK_M`` tiles, one program per
+(expert tile, output-column tile) reading its weight tile once, the routing weight applied
+in the second GEMM's epilogue). It is built for the memory-bound decode regime, where each
+expert has a handful of rows and the layer's time is the read of the expert weights.
+``impl="auto"`` (:func:`_resolve_impl`) on CUDA with fp16/bf16 takes the Triton kernel when
+the number of (token, expert) pairs ``T*k`` is at most :data:`TRITON_MAX_PAIRS` (or when
+``torch._grouped_mm`` is unavailable), ``torch._grouped_mm`` above it (compute-bound);
+the choice is a host int from tensor shapes (no sync, stable under CUDA-graph capture for
+a fixed batch size). On the CPU ``auto`` never picks Triton (its interpreter is slow).
+
 :class:`FusedMoE` holds the stacked expert weights (``w13 [E, 2I, H]``: gate rows then up
 rows, as transformers' ``gate_up_proj``; ``w2 [E, H, I]``) and goes through the
 all-to-all seam of :mod:`tandem.distributed.all2all` (dispatch -> local experts -> combine).
@@ -172,11 +183,31 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu"
 
 
-def _resolve_impl(impl: str, x: torch.Tensor) -> str:
+# impl="auto" on CUDA: the fused-MoE Triton kernel up to this many (token, expert) pairs
+# (the decode regime, bound by reading the expert weights), torch._grouped_mm above (to be
+# re-tuned on the GPU with benchmarks/moe_grouped_gemm.py).
+TRITON_MAX_PAIRS = 4096
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # pragma: no cover - CPU-only installs without Triton
+        return False
+    return True
+
+
+def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0) -> str:
+    """The expert-compute implementation for ``impl`` (``"auto"`` resolved from the
+    device, dtype and ``num_pairs`` = ``T*k``, a host int from shapes)."""
     if impl != "auto":
         return impl
     if x.device.type == "cuda":
-        return "grouped_mm" if grouped_mm_available(x.device, x.dtype) else "padded_bmm"
+        grouped = grouped_mm_available(x.device, x.dtype)
+        if x.dtype in (torch.float16, torch.bfloat16) and _triton_available() and (
+                num_pairs <= TRITON_MAX_PAIRS or not grouped):
+            return "triton"
+        return "grouped_mm" if grouped else "padded_bmm"
     # CPU: torch._grouped_mm loops over the groups in C++ — no host sync and no padding
     # (padded bmm multiplies E * max_group rows); the two are on par in
     # benchmarks/moe_grouped_gemm.py, both ahead of the Python loop for small batches.
@@ -215,20 +246,25 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         topk_weights: ``[N, k]`` fp32 routing weights.
         w13: ``[E, 2I, H]`` gate (rows ``:I``) and up (rows ``I:``) projections.
         w2: ``[E, H, I]`` down projections.
-        impl: ``"grouped_mm"`` (``torch._grouped_mm``), ``"padded_bmm"``, ``"loop"``
-            (:func:`reference_experts`) or ``"auto"``.
+        impl: ``"grouped_mm"`` (``torch._grouped_mm``), ``"padded_bmm"``, ``"triton"``
+            (:func:`tandem.layers.fused_moe_triton.fused_experts_triton`, default tiles),
+            ``"loop"`` (:func:`reference_experts`) or ``"auto"`` (see the module docstring).
 
     Returns:
         ``[N, H]`` in ``x.dtype``: ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over
         the valid slots ``j`` (zeros for a token with none). The weighting is done in
-        fp32 and the ``k`` contributions are summed in ``x.dtype``.
+        fp32 and the ``k`` contributions are summed in ``x.dtype`` (in fp32 by ``triton``).
 
     Raises:
         ValueError: unknown ``impl``.
     """
-    impl = _resolve_impl(impl, x)
+    impl = _resolve_impl(impl, x, topk_ids.numel())
     if impl == "loop":
         return reference_experts(x, topk_ids, topk_weights, w13, w2)
+    if impl == "triton":
+        from tandem.layers.fused_moe_triton import fused_experts_triton  # lazy: Triton is optional
+
+        return fused_experts_triton(x, topk_ids, topk_weights, w13, w2)
     n, k = topk_ids.shape
     s = sort_by_expert(topk_ids, w13.shape[0])
     xs = x[s.token_idx]  # [N*k, H]
@@ -238,7 +274,7 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     elif impl == "padded_bmm":
         ys = _padded_bmm_rows(xs, s, w13, w2, n)
     else:
-        raise ValueError(f"unknown MoE impl {impl!r} (auto, grouped_mm, padded_bmm, loop)")
+        raise ValueError(f"unknown MoE impl {impl!r} (auto, grouped_mm, padded_bmm, triton, loop)")
     # Rows past the last group (invalid pairs) are not written by _grouped_mm: mask them.
     valid = s.sorted_ids < w13.shape[0]
     w_sorted = topk_weights.reshape(-1)[s.order].float()

@@ -1,0 +1,323 @@
+"""Fused MoE expert GEMMs in Triton for the memory-bound (decode) regime.
+
+At decode sizes every expert sees a handful of rows, so the SwiGLU experts are bound by
+reading the expert weights (DeepSeek-V2-Lite: 64 x 3 x 2048 x 1408 bf16 = 1.1 GB per
+layer). The design follows the well-known "fused MoE" kernel of vLLM / SGLang:
+
+1. **Alignment** (:func:`moe_align_block_size`, torch ops only, no host sync): the ``T*k``
+   (token, expert) pairs are sorted by expert and each expert's group is padded to a
+   multiple of ``BLOCK_M``. The result is ``sorted_ids`` (flat pair id ``t*k + j`` of every
+   padded row, the sentinel ``T*k`` in padding rows), ``tile_experts`` (expert of every
+   ``BLOCK_M`` tile) and ``num_padded`` (a one-element device tensor: rows actually used).
+   Its length is the static bound ``T*k + E*(BLOCK_M-1)``, so every shape is a function
+   of ``(T, k, E, BLOCK_M)``: the whole path can be captured in a CUDA graph.
+2. **GEMM** (``_fused_moe_gemm_kernel``), launched twice: each program takes one
+   ``BLOCK_M`` tile of one expert and one ``BLOCK_N`` tile of the output columns, gathers
+   its rows of ``A`` through ``sorted_ids`` (``row = pair // A_ROW_DIV``: the token for the
+   first GEMM, the pair for the second), reads the expert's weight tile once, accumulates
+   over ``K`` in fp32 and writes the rows of its pairs (output indexed by pair id). The
+   grid covers the bound; programs past ``num_padded`` exit at once. A ``GROUP_M`` swizzle
+   keeps the tiles sharing a weight tile close in time (L2 reuse when an expert has
+   several tiles).
+
+   * ``x [T, H] @ w13[e].T -> [T*k, 2I]`` (gate rows then up rows), then
+     :func:`tandem.layers.fused_ops.silu_and_mul` -> ``[T*k, I]``;
+   * ``h [T*k, I] @ w2[e].T -> [T*k, H]``, times the pair's routing weight (fp32, in the
+     epilogue).
+3. **Reduction** (``_moe_sum_kernel``): ``out[t] = sum_j y[t*k + j]`` over the slots with a
+   valid expert id, in fp32, one program per (token, column tile); no atomics and no
+   zero-fill of ``y`` (rows of pairs with id ``-1`` are never written nor read).
+
+Pairs whose local expert id is ``-1`` (expert owned by another rank, see
+:mod:`tandem.distributed.all2all`) get no row in ``sorted_ids`` and contribute nothing; a
+token without a valid slot gets zeros.
+
+Entry point: :func:`fused_experts_triton` (same contract as
+:func:`tandem.layers.moe.grouped_experts`); ``grouped_experts(..., impl="triton")`` calls
+it. Storage dtypes fp16 / bf16 / fp32 (fp32 dots in IEEE precision, for tests); any
+``E``, ``H``, ``I`` (masked tails), top-k 1..8 (anything >= 1 works). Under
+``TRITON_INTERPRET=1`` the kernels run on the CPU (bf16 dots upcast to fp32 there). The
+tile sizes are arguments; the defaults (:data:`DEFAULT_BLOCK_M` ...) are H200 guesses for
+decode and must be tuned on the GPU (``benchmarks/moe_grouped_gemm.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.layers.fused_ops import silu_and_mul
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Launch defaults for decode on an H200 (guesses, to be tuned): rows per expert tile (>= 16,
+# tl.dot's minimum), output columns / reduction depth per program, tile-group size of the
+# swizzle, warps and software-pipeline stages. ``block_m=None`` picks BLOCK_M from the mean
+# rows per expert (:func:`default_block_m`).
+DEFAULT_BLOCK_N = 64
+DEFAULT_BLOCK_K = 128
+DEFAULT_GROUP_M = 8
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 4
+SUM_BLOCK = 1024  # columns per program of the k-way reduction
+
+
+def default_block_m(num_pairs: int, num_experts: int) -> int:
+    """BLOCK_M from the mean rows per expert (a host int from shapes, no sync): 16 while an
+    expert has about one tile of rows (decode), larger tiles as the groups grow so that a
+    weight tile serves more rows per read."""
+    mean = num_pairs / max(1, num_experts)
+    if mean <= 24:
+        return 16
+    if mean <= 96:
+        return 32
+    return 64
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` accumulated in fp32 (UPCAST works around the interpreter's bf16 dot)."""
+    if UPCAST:
+        res = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+    else:
+        res = tl.dot(a, b, input_precision=PRECISION)
+    return res
+
+
+@triton.jit
+def _fused_moe_gemm_kernel(
+    a_ptr,  # [rows, K]: x (A_ROW_DIV = top_k) or h (A_ROW_DIV = 1)
+    b_ptr,  # [E, N, K] expert weights (w13 or w2)
+    c_ptr,  # [num_pairs, N] output, row = flat pair id
+    topk_w_ptr,  # [num_pairs] fp32 routing weights (read iff MUL_WEIGHT)
+    sorted_ids_ptr,  # [bound] int32 pair id of each padded row (num_pairs = padding)
+    tile_experts_ptr,  # [num_tiles_bound] int32 expert of each BLOCK_M tile
+    num_padded_ptr,  # [1] int32 padded rows in use
+    num_pairs,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    N: tl.constexpr,  # output columns (a model constant: specialised, as are K and the tiles)
+    K: tl.constexpr,  # reduction depth
+    A_ROW_DIV: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_M_TILES: tl.constexpr,  # cdiv(bound, BLOCK_M): the grid's M extent
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    # Swizzle: GROUP_M consecutive M tiles walk the N tiles together.
+    per_group = GROUP_M * num_n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(NUM_M_TILES - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M >= num_padded:
+        return  # past the last real tile (the grid covers the static bound)
+
+    expert = tl.load(tile_experts_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_valid = pair < num_pairs
+    a_row = (pair // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_valid[None, :], other=0.0)
+        else:
+            k_valid = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=n_valid[None, :] & k_valid[:, None], other=0.0)
+        acc += _dot(a, b, PRECISION, UPCAST)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if MUL_WEIGHT:
+        w = tl.load(topk_w_ptr + pair, mask=row_valid, other=0.0)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(
+    y_ptr,  # [T*k, H] weighted expert outputs (rows of invalid pairs: garbage, never read)
+    ids_ptr,  # [T*k] expert ids (-1 = skip)
+    out_ptr,  # [T, H]
+    H,
+    stride_ym,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_valid = cols < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        eid = tl.load(ids_ptr + tok * TOP_K + j)
+        y = tl.load(y_ptr + (tok * TOP_K + j) * stride_ym + cols, mask=col_valid & (eid >= 0), other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(out_ptr + tok * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_valid)
+
+
+def _interpreting() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(_fused_moe_gemm_kernel, InterpretedFunction)
+
+
+_INTERPRET = _interpreting()
+
+
+# -------------------------------------------------------------------------- alignment
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
+                         block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the pairs of ``topk_ids [T, k]`` (local ids, ``-1`` = skip) by expert and pad
+    each expert's group to a multiple of ``block_m``; torch ops only, no host sync.
+
+    Returns:
+        ``sorted_ids [T*k + E*(block_m-1)]`` int32: flat pair id of each padded row
+        (stable order inside an expert), ``T*k`` in padding rows and past the end;
+        ``tile_experts [cdiv(len(sorted_ids), block_m)]`` int32: expert of each tile
+        (``E`` for tiles past the end); ``num_padded [1]`` int32: padded rows in use
+        (a multiple of ``block_m``).
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    bound = num_pairs + num_experts * (block_m - 1)
+    keyed = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)
+    # index_add_, not bincount: CUDA bincount reads the max id on the host.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.index_add_(0, keyed, torch.ones_like(keyed))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    padded[num_experts] = 0  # invalid pairs get no rows
+    pad_ends = padded.cumsum(0)
+    pad_starts = pad_ends - padded
+    group_starts = counts.cumsum(0) - counts
+    order = torch.argsort(keyed, stable=True)
+    sorted_keys = keyed[order]
+    # Row r of the sort, expert e, goes to pad_starts[e] + (r - group_starts[e]); invalid
+    # pairs (e = E) go to a spare slot past the bound, cut off below.
+    dest = pad_starts[sorted_keys] + torch.arange(num_pairs, device=device) - group_starts[sorted_keys]
+    dest = torch.where(sorted_keys < num_experts, dest, torch.full_like(dest, bound))
+    sorted_ids = torch.full((bound + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    num_tiles = triton.cdiv(bound, block_m)
+    tile_starts = torch.arange(num_tiles, device=device, dtype=torch.int64) * block_m
+    tile_experts = torch.searchsorted(pad_ends[:num_experts], tile_starts, right=True).to(torch.int32)
+    return sorted_ids[:bound], tile_experts, pad_ends[num_experts - 1:num_experts].to(torch.int32)
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_w: torch.Tensor | None, sorted_ids: torch.Tensor,
+          tile_experts: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_div: int, block_m: int,
+          block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int) -> None:
+    n, k = b.shape[1], b.shape[2]
+    num_m_tiles = tile_experts.shape[0]
+    grid = (num_m_tiles * triton.cdiv(n, block_n),)
+    _fused_moe_gemm_kernel[grid](
+        a, b, c, topk_w if topk_w is not None else c, sorted_ids, tile_experts, num_padded,
+        num_pairs,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        N=n, K=k, A_ROW_DIV=a_row_div, MUL_WEIGHT=topk_w is not None, EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, NUM_M_TILES=num_m_tiles,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        UPCAST=_INTERPRET and a.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                         w2: torch.Tensor, *, block_m: int | None = None, block_n: int = DEFAULT_BLOCK_N,
+                         block_k: int = DEFAULT_BLOCK_K, group_m: int = DEFAULT_GROUP_M,
+                         num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES) -> torch.Tensor:
+    """SwiGLU experts with the fused-MoE Triton kernel (contract of
+    :func:`tandem.layers.moe.grouped_experts`).
+
+    Args:
+        x: ``[T, H]`` tokens (fp16 / bf16 / fp32).
+        topk_ids: ``[T, k]`` integer local expert ids in ``[0, E)``; ``-1`` skips a slot.
+        topk_weights: ``[T, k]`` routing weights (applied in fp32).
+        w13: ``[E, 2I, H]`` gate (rows ``:I``) and up (rows ``I:``) projections.
+        w2: ``[E, H, I]`` down projections.
+        block_m: rows per expert tile (power of two >= 16); ``None``: :func:`default_block_m`.
+        block_n, block_k: output columns and reduction depth per program (powers of two
+            >= 16), shared by both GEMMs.
+        group_m: M tiles per swizzle group; num_warps, num_stages: launch settings.
+
+    Returns:
+        ``[T, H]`` in ``x.dtype``: ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over the
+        valid slots (zeros for a token with none); the ``k`` terms are summed in fp32.
+
+    Raises:
+        ValueError: unsupported dtype, shape mismatch or bad tile sizes.
+    """
+    if x.dtype not in _SUPPORTED_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"fused_experts_triton: x/w13/w2 must share one of {_SUPPORTED_DTYPES}, got "
+                         f"{x.dtype}/{w13.dtype}/{w2.dtype}")
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    if (w13.shape[2] != hidden or two_i % 2 or tuple(w2.shape) != (num_experts, hidden, inter)
+            or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape):
+        raise ValueError(f"fused_experts_triton: shapes x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
+                         f"topk_weights {tuple(topk_weights.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if block_m is None:
+        block_m = default_block_m(num_pairs, num_experts)
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"fused_experts_triton: {name}={v} must be a power of two >= 16")
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_pairs == 0 or hidden == 0:
+        return out.zero_()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    sorted_ids, tile_experts, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
+    cfg = dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m, num_warps=num_warps,
+               num_stages=num_stages)
+    # Rows of invalid pairs stay unwritten (torch.empty): never read as GEMM inputs of a
+    # valid pair, and masked by the reduction.
+    gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, gate_up, None, sorted_ids, tile_experts, num_padded, num_pairs, top_k, **cfg)
+    h = silu_and_mul(gate_up)
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    w_flat = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    _gemm(h, w2, y, w_flat, sorted_ids, tile_experts, num_padded, num_pairs, 1, **cfg)
+    ids_flat = topk_ids.reshape(-1).contiguous()
+    block = min(SUM_BLOCK, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, ids_flat, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+        num_warps=max(1, min(4, block // 256)))
+    return out

@@ -1,0 +1,143 @@
+"""Fused-MoE Triton kernel (tandem.layers.fused_moe_triton) == the per-expert loop.
+
+On the CPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set by
+conftest.py), so the shapes are small; the CUDA tests (skipped without a GPU) check the
+DeepSeek-V2-Lite expert shape in bf16 and CUDA-graph capture/replay with new routing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.layers.fused_moe_triton import default_block_m, fused_experts_triton, moe_align_block_size
+from tandem.layers.moe import TRITON_MAX_PAIRS, _resolve_impl, grouped_experts, reference_experts
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _case(n, e, k, h, i, dtype, seed, used=None, device=DEV):
+    """Tokens, routing (each token: k distinct experts among the first ``used``), weights."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, h, generator=g, device=device)
+    w13 = torch.randn(e, 2 * i, h, generator=g, device=device) * h**-0.5
+    w2 = torch.randn(e, h, i, generator=g, device=device) * i**-0.5
+    ids = torch.rand(n, e if used is None else used, generator=g, device=device).topk(k, dim=-1).indices
+    w = torch.rand(n, k, generator=g, device=device)
+    return x.to(dtype), ids, w, w13.to(dtype), w2.to(dtype)
+
+
+def _check(got, x, ids, w, w13, w2, tight):
+    want = reference_experts(x, ids, w, w13, w2)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    tol = dict(atol=1e-5, rtol=1e-5) if tight else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("n,e,k,h,i,used", [
+    (1, 4, 1, 16, 16, None),  # one token, one slot
+    (7, 8, 2, 48, 40, 4),  # non-multiples of the tiles; experts 4..7 get no tokens
+    (33, 16, 4, 64, 24, None),
+    (20, 10, 8, 32, 40, None),  # top-8
+    (64, 64, 6, 64, 48, None),  # DeepSeek-V2-Lite routing (64 experts, top-6) at toy widths
+])
+def test_fp32_matches_reference(n, e, k, h, i, used):
+    x, ids, w, w13, w2 = _case(n, e, k, h, i, torch.float32, seed=n * 31 + e, used=used)
+    _check(fused_experts_triton(x, ids, w, w13, w2), x, ids, w, w13, w2, tight=True)
+
+
+@pytest.mark.parametrize("block_m,block_n,block_k", [(16, 16, 16), (32, 32, 64)])
+def test_fp32_tile_sizes_and_swizzle(block_m, block_n, block_k):
+    """Several M tiles per expert, several N/K tiles, K and N tails, a partial swizzle group."""
+    x, ids, w, w13, w2 = _case(40, 4, 3, 72, 40, torch.float32, seed=5)
+    got = fused_experts_triton(x, ids, w, w13, w2, block_m=block_m, block_n=block_n, block_k=block_k, group_m=5)
+    _check(got, x, ids, w, w13, w2, tight=True)
+
+
+def test_all_tokens_on_one_expert():
+    x, _, w, w13, w2 = _case(37, 8, 1, 32, 24, torch.float32, seed=3)
+    ids = torch.full((37, 1), 5, device=DEV)
+    _check(fused_experts_triton(x, ids, w, w13, w2, block_m=16), x, ids, w, w13, w2, tight=True)
+
+
+def test_invalid_slots_and_empty_input():
+    """-1 (expert on another rank) contributes nothing; a token without a valid slot gives 0."""
+    x, _, w, w13, w2 = _case(5, 4, 2, 16, 16, torch.float32, seed=1)
+    ids = torch.tensor([[0, -1], [-1, -1], [3, 3], [-1, 2], [1, 0]], device=DEV)
+    got = fused_experts_triton(x, ids, w, w13, w2)
+    _check(got, x, ids, w, w13, w2, tight=True)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert torch.equal(fused_experts_triton(x, torch.full_like(ids, -1), w, w13, w2), torch.zeros_like(x))
+    assert fused_experts_triton(x[:0], ids[:0], w[:0], w13, w2).shape == (0, 16)
+
+
+def test_bf16_and_fp16_close_to_reference():
+    for dtype in (torch.bfloat16, torch.float16):
+        x, ids, w, w13, w2 = _case(24, 8, 3, 64, 48, dtype, seed=7)
+        ids[::5, 1] = -1
+        got = grouped_experts(x, ids, w, w13, w2, impl="triton")
+        _check(got, x, ids, w, w13, w2, tight=False)
+
+
+def test_align_block_size():
+    ids = torch.tensor([[2, 0], [2, -1], [0, 2], [1, 2]])
+    sorted_ids, tile_experts, num_padded = moe_align_block_size(ids, 4, 4)
+    pad = ids.numel()
+    assert sorted_ids.shape == (8 + 4 * 3,) and tile_experts.shape == (5,)
+    assert int(num_padded) == 12  # experts 0, 1, 2: one tile of 4 each; expert 3 none
+    assert sorted_ids[:12].tolist() == [1, 4, pad, pad, 6, pad, pad, pad, 0, 2, 5, 7]
+    assert (sorted_ids[12:] == pad).all()
+    assert tile_experts.tolist() == [0, 1, 2, 4, 4]
+
+
+def test_auto_selection():
+    cpu = torch.zeros(1, 8)
+    assert _resolve_impl("auto", cpu, 16) != "triton"  # never the interpreter in auto mode
+    assert _resolve_impl("triton", cpu, 10**6) == "triton"
+    assert default_block_m(64 * 6, 64) == 16
+    if torch.cuda.is_available():
+        g = torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)
+        assert _resolve_impl("auto", g, TRITON_MAX_PAIRS) == "triton"
+        assert _resolve_impl("auto", g.float(), 16) != "triton"
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@cuda
+@pytest.mark.parametrize("n", [1, 64, 1000])
+def test_v2_lite_shape_bf16(n):
+    """DeepSeek-V2-Lite experts (E=64, top-6, H=2048, I=1408) in bf16."""
+    x, ids, w, w13, w2 = _case(n, 64, 6, 2048, 1408, torch.bfloat16, seed=n)
+    ids[::9, 2] = -1
+    got = fused_experts_triton(x, ids, w, w13, w2)
+    want = reference_experts(x, ids, w, w13, w2)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@cuda
+def test_cuda_graph_capture_and_replay_with_new_routing():
+    n, e, k, h, i = 48, 16, 4, 256, 192
+    x, ids, w, w13, w2 = _case(n, e, k, h, i, torch.bfloat16, seed=11)
+    fn = lambda: grouped_experts(x, ids, w, w13, w2, impl="triton")  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # compile + warm-up off the default stream
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    for seed in (12, 13):
+        # Second replay: every token on the same k experts (several tiles each, the rest
+        # idle) and some slots on another rank.
+        x_new, ids_new, w_new, _, _ = _case(n, e, k, h, i, torch.bfloat16, seed=seed, used=k if seed == 13 else None)
+        if seed == 13:
+            ids_new[::4, 1] = -1
+        x.copy_(x_new)
+        ids.copy_(ids_new)
+        w.copy_(w_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), reference_experts(x, ids, w, w13, w2).float(), atol=3e-2, rtol=3e-2)
