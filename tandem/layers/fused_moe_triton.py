@@ -4,13 +4,18 @@ At decode sizes every expert sees a handful of rows, so the SwiGLU experts are b
 reading the expert weights (DeepSeek-V2-Lite: 64 x 3 x 2048 x 1408 bf16 = 1.1 GB per
 layer). The design follows the well-known "fused MoE" kernel of vLLM / SGLang:
 
-1. **Alignment** (:func:`moe_align_block_size`, torch ops only, no host sync): the ``T*k``
-   (token, expert) pairs are sorted by expert and each expert's group is padded to a
-   multiple of ``BLOCK_M``. The result is ``sorted_ids`` (flat pair id ``t*k + j`` of every
-   padded row, the sentinel ``T*k`` in padding rows), ``tile_experts`` (expert of every
-   ``BLOCK_M`` tile) and ``num_padded`` (a one-element device tensor: rows actually used).
-   Its length is the static bound ``T*k + E*(BLOCK_M-1)``, so every shape is a function
-   of ``(T, k, E, BLOCK_M)``: the whole path can be captured in a CUDA graph.
+1. **Alignment** (:func:`moe_align_block_size`, no host sync): the ``T*k`` (token, expert)
+   pairs are grouped by expert and each expert's group is padded to a multiple of
+   ``BLOCK_M``. The result is ``sorted_ids`` (flat pair id ``t*k + j`` of every padded row,
+   the sentinel ``T*k`` in padding rows), ``tile_experts`` (expert of every ``BLOCK_M``
+   tile) and ``num_padded`` (a one-element device tensor: rows actually used). Its length
+   is the static bound ``T*k + E*(BLOCK_M-1)``, so every shape is a function of ``(T, k,
+   E, BLOCK_M)``: the whole path can be captured in a CUDA graph. Three small kernels do
+   it (histogram with atomics + sentinel fill; scan of the padded group sizes + expert of
+   every tile; scatter of the pair ids through atomic per-expert cursors, so the order
+   inside a group is arbitrary, which no output depends on);
+   :func:`moe_align_block_size_torch` is the same in ~25 torch ops (stable order; the
+   tests' reference).
 2. **GEMM** (``_fused_moe_gemm_kernel``), launched twice: each program takes one
    ``BLOCK_M`` tile of one expert and one ``BLOCK_N`` tile of the output columns, gathers
    its rows of ``A`` through ``sorted_ids`` (``row = pair // A_ROW_DIV``: the token for the
@@ -61,6 +66,7 @@ DEFAULT_GROUP_M = 8
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 4
 SUM_BLOCK = 1024  # columns per program of the k-way reduction
+ALIGN_BLOCK = 1024  # pairs per program of the alignment kernels
 
 
 def default_block_m(num_pairs: int, num_experts: int) -> int:
@@ -184,6 +190,71 @@ def _moe_sum_kernel(
     tl.store(out_ptr + tok * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_valid)
 
 
+@triton.jit
+def _align_count_kernel(
+    ids_ptr,  # [num_pairs] expert ids (-1 = skip)
+    counts_ptr,  # [num_experts] int32, zeroed: rows per expert (atomically accumulated)
+    sorted_ids_ptr,  # [bound] int32: filled with the sentinel num_pairs
+    num_pairs,
+    bound,
+    num_experts,
+    NUM_BINS: tl.constexpr,  # power of two > num_experts (bin num_experts: invalid pairs)
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(sorted_ids_ptr + offs, tl.full((BLOCK,), 0, tl.int32) + num_pairs, mask=offs < bound)
+    if tl.program_id(0) * BLOCK < num_pairs:
+        in_range = offs < num_pairs
+        e = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+        valid = in_range & (e >= 0)
+        hist = tl.histogram(tl.where(valid, e, num_experts).to(tl.int32), NUM_BINS)
+        bins = tl.arange(0, NUM_BINS)
+        tl.atomic_add(counts_ptr + bins, hist.to(tl.int32), mask=bins < num_experts)
+
+
+@triton.jit
+def _align_offsets_kernel(
+    counts_ptr,  # [num_experts] int32 rows per expert
+    cursor_ptr,  # [num_experts] int32 out: padded start of each expert's group
+    tile_experts_ptr,  # [num_tiles] int32 out: expert of each tile (num_experts past the end)
+    num_padded_ptr,  # [1] int32 out
+    num_experts,
+    num_tiles,
+    NUM_BINS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # Every program recomputes the (tiny) exclusive scan of the padded group sizes.
+    bins = tl.arange(0, NUM_BINS)
+    bin_valid = bins < num_experts
+    counts = tl.load(counts_ptr + bins, mask=bin_valid, other=0)
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    if tl.program_id(0) == 0:
+        tl.store(cursor_ptr + bins, ends - padded, mask=bin_valid)
+        tl.store(num_padded_ptr, tl.sum(padded, 0))
+    tiles = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # expert of a tile = number of groups ending at or before its first row
+    done = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & bin_valid[None, :]
+    tl.store(tile_experts_ptr + tiles, tl.sum(done.to(tl.int32), 1), mask=tiles < num_tiles)
+
+
+@triton.jit
+def _align_scatter_kernel(
+    ids_ptr,  # [num_pairs] expert ids (-1 = skip)
+    cursor_ptr,  # [num_experts] int32 next free padded row of each expert (atomically bumped)
+    sorted_ids_ptr,  # [bound] int32 out
+    num_pairs,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < num_pairs
+    e = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+    valid = in_range & (e >= 0)
+    row = tl.atomic_add(cursor_ptr + tl.where(valid, e, 0), tl.full((BLOCK,), 1, tl.int32), mask=valid)
+    tl.store(sorted_ids_ptr + row, offs.to(tl.int32), mask=valid)
+
+
 def _interpreting() -> bool:
     try:
         from triton.runtime.interpreter import InterpretedFunction
@@ -200,6 +271,35 @@ _INTERPRET = _interpreting()
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
                          block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moe_align_block_size_torch` with three small Triton kernels (count, scan,
+    scatter: 4 launches with the counter memset instead of ~25 torch ops; no host sync).
+    Rows of one expert are in no particular order (atomic slots): each output row only
+    depends on its own input row, so the results are the same."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    bound = num_pairs + num_experts * (block_m - 1)
+    num_tiles = triton.cdiv(bound, block_m)
+    num_bins = triton.next_power_of_2(num_experts + 1)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(bound, dtype=torch.int32, device=device)
+    tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    _align_count_kernel[(triton.cdiv(bound, ALIGN_BLOCK),)](flat, counts, sorted_ids, num_pairs, bound, num_experts,
+                                                            NUM_BINS=num_bins, BLOCK=ALIGN_BLOCK)
+    block_t = max(16, min(128, 8192 // num_bins))
+    _align_offsets_kernel[(triton.cdiv(num_tiles, block_t),)](counts, cursor, tile_experts, num_padded, num_experts,
+                                                              num_tiles, NUM_BINS=num_bins, BLOCK_M=block_m,
+                                                              BLOCK_T=block_t)
+    if num_pairs:
+        _align_scatter_kernel[(triton.cdiv(num_pairs, ALIGN_BLOCK),)](flat, cursor, sorted_ids, num_pairs,
+                                                                      BLOCK=ALIGN_BLOCK)
+    return sorted_ids, tile_experts, num_padded
+
+
+def moe_align_block_size_torch(topk_ids: torch.Tensor, num_experts: int,
+                               block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the pairs of ``topk_ids [T, k]`` (local ids, ``-1`` = skip) by expert and pad
     each expert's group to a multiple of ``block_m``; torch ops only, no host sync.
 

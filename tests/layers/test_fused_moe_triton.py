@@ -10,7 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.layers.fused_moe_triton import default_block_m, fused_experts_triton, moe_align_block_size
+from tandem.layers.fused_moe_triton import (
+    default_block_m,
+    fused_experts_triton,
+    moe_align_block_size,
+    moe_align_block_size_torch,
+)
 from tandem.layers.moe import TRITON_MAX_PAIRS, _resolve_impl, grouped_experts, reference_experts
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -82,13 +87,30 @@ def test_bf16_and_fp16_close_to_reference():
 
 def test_align_block_size():
     ids = torch.tensor([[2, 0], [2, -1], [0, 2], [1, 2]])
-    sorted_ids, tile_experts, num_padded = moe_align_block_size(ids, 4, 4)
+    sorted_ids, tile_experts, num_padded = moe_align_block_size_torch(ids, 4, 4)
     pad = ids.numel()
     assert sorted_ids.shape == (8 + 4 * 3,) and tile_experts.shape == (5,)
     assert int(num_padded) == 12  # experts 0, 1, 2: one tile of 4 each; expert 3 none
     assert sorted_ids[:12].tolist() == [1, 4, pad, pad, 6, pad, pad, pad, 0, 2, 5, 7]
     assert (sorted_ids[12:] == pad).all()
     assert tile_experts.tolist() == [0, 1, 2, 4, 4]
+
+
+@pytest.mark.parametrize("n,e,k,block_m", [(4, 4, 2, 4), (50, 8, 3, 16), (300, 64, 6, 16), (700, 5, 2, 32), (0, 4, 2, 16)])
+def test_align_kernels_match_torch(n, e, k, block_m):
+    """The Triton alignment == the torch one up to the order of the rows inside a tile."""
+    g = torch.Generator(device=DEV).manual_seed(n + e)
+    ids = torch.rand(n, e, generator=g, device=DEV).topk(k, dim=-1).indices
+    ids[::3, 0] = -1
+    got = moe_align_block_size(ids, e, block_m)
+    want = moe_align_block_size_torch(ids, e, block_m)
+    for a, b in zip(got[1:], want[1:]):
+        assert torch.equal(a, b)
+    assert got[0].shape == want[0].shape
+    used = int(want[2])
+    tiles = lambda t: t[:used].view(-1, block_m).sort(-1).values  # noqa: E731
+    assert torch.equal(tiles(got[0]), tiles(want[0]))
+    assert (got[0][used:] == ids.numel()).all()
 
 
 def test_auto_selection():
