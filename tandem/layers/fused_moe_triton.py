@@ -37,6 +37,11 @@ Pairs whose local expert id is ``-1`` (expert owned by another rank, see
 :mod:`tandem.distributed.all2all`) get no row in ``sorted_ids`` and contribute nothing; a
 token without a valid slot gets zeros.
 
+Nothing syncs with the host and every grid is sized from shapes; the constexpr
+specialisations depend on the feature sizes, top-k, tiles and dtypes, never on the number
+of tokens (``default_block_m`` picks one of three tile heights from it), so a serving run
+compiles a handful of variants, not one per batch size.
+
 Entry point: :func:`fused_experts_triton` (same contract as
 :func:`tandem.layers.moe.grouped_experts`); ``grouped_experts(..., impl="triton")`` calls
 it. Storage dtypes fp16 / bf16 / fp32 (fp32 dots in IEEE precision, for tests); any
@@ -104,6 +109,7 @@ def _fused_moe_gemm_kernel(
     tile_experts_ptr,  # [num_tiles_bound] int32 expert of each BLOCK_M tile
     num_padded_ptr,  # [1] int32 padded rows in use
     num_pairs,
+    num_m_tiles,  # cdiv(bound, BLOCK_M): the grid's M extent (runtime: no recompile per batch size)
     stride_am,
     stride_ak,
     stride_be,
@@ -120,7 +126,6 @@ def _fused_moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    NUM_M_TILES: tl.constexpr,  # cdiv(bound, BLOCK_M): the grid's M extent
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -129,7 +134,7 @@ def _fused_moe_gemm_kernel(
     # Swizzle: GROUP_M consecutive M tiles walk the N tiles together.
     per_group = GROUP_M * num_n_tiles
     first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(NUM_M_TILES - first_m, GROUP_M)
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
 
@@ -348,10 +353,10 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_w: torch.Tenso
     grid = (num_m_tiles * triton.cdiv(n, block_n),)
     _fused_moe_gemm_kernel[grid](
         a, b, c, topk_w if topk_w is not None else c, sorted_ids, tile_experts, num_padded,
-        num_pairs,
+        num_pairs, num_m_tiles,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         N=n, K=k, A_ROW_DIV=a_row_div, MUL_WEIGHT=topk_w is not None, EVEN_K=k % block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, NUM_M_TILES=num_m_tiles,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRET and a.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
