@@ -39,16 +39,16 @@ token without a valid slot gets zeros.
 
 Nothing syncs with the host and every grid is sized from shapes; the constexpr
 specialisations depend on the feature sizes, top-k, tiles and dtypes, never on the number
-of tokens (``default_block_m`` picks one of three tile heights from it), so a serving run
-compiles a handful of variants, not one per batch size.
+of tokens (:func:`default_config` picks one of a few tile configurations from it), so a
+serving run compiles a handful of variants, not one per batch size.
 
 Entry point: :func:`fused_experts_triton` (same contract as
 :func:`tandem.layers.moe.grouped_experts`); ``grouped_experts(..., impl="triton")`` calls
 it. Storage dtypes fp16 / bf16 / fp32 (fp32 dots in IEEE precision, for tests); any
 ``E``, ``H``, ``I`` (masked tails), top-k 1..8 (anything >= 1 works). Under
 ``TRITON_INTERPRET=1`` the kernels run on the CPU (bf16 dots upcast to fp32 there). The
-tile sizes are arguments; the defaults (:data:`DEFAULT_BLOCK_M` ...) are H200 guesses for
-decode and must be tuned on the GPU (``benchmarks/moe_grouped_gemm.py``).
+tile sizes are arguments; the defaults (:data:`TILE_CONFIGS`) are H200 guesses and must
+be tuned on the GPU (``benchmarks/moe_grouped_gemm.py --sweep``).
 """
 
 from __future__ import annotations
@@ -61,29 +61,30 @@ from tandem.layers.fused_ops import silu_and_mul
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Launch defaults for decode on an H200 (guesses, to be tuned): rows per expert tile (>= 16,
-# tl.dot's minimum), output columns / reduction depth per program, tile-group size of the
-# swizzle, warps and software-pipeline stages. ``block_m=None`` picks BLOCK_M from the mean
-# rows per expert (:func:`default_block_m`).
-DEFAULT_BLOCK_N = 64
-DEFAULT_BLOCK_K = 128
-DEFAULT_GROUP_M = 8
-DEFAULT_NUM_WARPS = 4
-DEFAULT_NUM_STAGES = 4
 SUM_BLOCK = 1024  # columns per program of the k-way reduction
 ALIGN_BLOCK = 1024  # pairs per program of the alignment kernels
 
+# Launch configurations by mean rows per expert (``T*k / E``), H200 guesses to be tuned on
+# the GPU (benchmarks/moe_grouped_gemm.py --sweep): (upper bound of the mean, block_m,
+# block_n, block_k, group_m, num_warps, num_stages). BLOCK_M >= 16 (tl.dot's minimum). In
+# the decode regime an expert holds about one tile of rows: BLOCK_M 16 wastes the least
+# padding and wide N/K tiles keep enough weight bytes in flight; as the groups grow, taller
+# tiles let one weight tile serve more rows per read.
+TILE_CONFIGS = (
+    (8, 16, 128, 128, 8, 4, 3),
+    (16, 32, 128, 128, 8, 4, 3),
+    (48, 64, 64, 64, 8, 4, 3),
+    (float("inf"), 64, 128, 64, 8, 8, 4),
+)
+_CONFIG_KEYS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
 
-def default_block_m(num_pairs: int, num_experts: int) -> int:
-    """BLOCK_M from the mean rows per expert (a host int from shapes, no sync): 16 while an
-    expert has about one tile of rows (decode), larger tiles as the groups grow so that a
-    weight tile serves more rows per read."""
+
+def default_config(num_pairs: int, num_experts: int) -> dict[str, int]:
+    """The launch configuration of :data:`TILE_CONFIGS` for ``num_pairs`` (token, expert)
+    pairs over ``num_experts`` experts (host ints from shapes: no sync)."""
     mean = num_pairs / max(1, num_experts)
-    if mean <= 24:
-        return 16
-    if mean <= 96:
-        return 32
-    return 64
+    row = next(r for r in TILE_CONFIGS if mean <= r[0])
+    return dict(zip(_CONFIG_KEYS, row[1:]))
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -364,9 +365,9 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_w: torch.Tenso
 
 
 def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                         w2: torch.Tensor, *, block_m: int | None = None, block_n: int = DEFAULT_BLOCK_N,
-                         block_k: int = DEFAULT_BLOCK_K, group_m: int = DEFAULT_GROUP_M,
-                         num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES) -> torch.Tensor:
+                         w2: torch.Tensor, *, block_m: int | None = None, block_n: int | None = None,
+                         block_k: int | None = None, group_m: int | None = None, num_warps: int | None = None,
+                         num_stages: int | None = None) -> torch.Tensor:
     """SwiGLU experts with the fused-MoE Triton kernel (contract of
     :func:`tandem.layers.moe.grouped_experts`).
 
@@ -376,10 +377,11 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
         topk_weights: ``[T, k]`` routing weights (applied in fp32).
         w13: ``[E, 2I, H]`` gate (rows ``:I``) and up (rows ``I:``) projections.
         w2: ``[E, H, I]`` down projections.
-        block_m: rows per expert tile (power of two >= 16); ``None``: :func:`default_block_m`.
+        block_m: rows per expert tile (power of two >= 16).
         block_n, block_k: output columns and reduction depth per program (powers of two
             >= 16), shared by both GEMMs.
         group_m: M tiles per swizzle group; num_warps, num_stages: launch settings.
+            Each launch setting left ``None`` comes from :func:`default_config`.
 
     Returns:
         ``[T, H]`` in ``x.dtype``: ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over the
@@ -400,18 +402,20 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
                          f"topk_weights {tuple(topk_weights.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    if block_m is None:
-        block_m = default_block_m(num_pairs, num_experts)
-    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+    given = dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m, num_warps=num_warps,
+                 num_stages=num_stages)
+    cfg = {key: v if v is not None else default_config(num_pairs, num_experts)[key] for key, v in given.items()}
+    for name in ("block_m", "block_n", "block_k"):
+        v = cfg[name]
         if v < 16 or v & (v - 1):
             raise ValueError(f"fused_experts_triton: {name}={v} must be a power of two >= 16")
+    if cfg["group_m"] < 1:
+        raise ValueError(f"fused_experts_triton: group_m={cfg['group_m']} must be >= 1")
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_pairs == 0 or hidden == 0:
         return out.zero_()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    sorted_ids, tile_experts, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
-    cfg = dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m, num_warps=num_warps,
-               num_stages=num_stages)
+    sorted_ids, tile_experts, num_padded = moe_align_block_size(topk_ids, num_experts, cfg["block_m"])
     # Rows of invalid pairs stay unwritten (torch.empty): never read as GEMM inputs of a
     # valid pair, and masked by the reduction.
     gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem.layers.fused_moe_triton import (
-    default_block_m,
+    default_config,
     fused_experts_triton,
     moe_align_block_size,
     moe_align_block_size_torch,
@@ -117,7 +117,7 @@ def test_auto_selection():
     cpu = torch.zeros(1, 8)
     assert _resolve_impl("auto", cpu, 16) != "triton"  # never the interpreter in auto mode
     assert _resolve_impl("triton", cpu, 10**6) == "triton"
-    assert default_block_m(64 * 6, 64) == 16
+    assert default_config(64 * 6, 64)["block_m"] == 16  # V2-Lite decode at batch 64
     if torch.cuda.is_available():
         g = torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)
         assert _resolve_impl("auto", g, TRITON_MAX_PAIRS) == "triton"
