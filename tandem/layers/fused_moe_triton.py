@@ -388,8 +388,12 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
         valid slots (zeros for a token with none); the ``k`` terms are summed in fp32.
 
     Raises:
-        ValueError: unsupported dtype, shape mismatch or bad tile sizes.
+        ValueError: unsupported dtype, shape mismatch, bad tile sizes, or CPU tensors
+            without the interpreter.
     """
+    if not x.is_cuda and not _INTERPRET:
+        raise ValueError("fused_experts_triton: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 "
+                         "set before tandem.layers.fused_moe_triton is imported)")
     if x.dtype not in _SUPPORTED_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"fused_experts_triton: x/w13/w2 must share one of {_SUPPORTED_DTYPES}, got "
                          f"{x.dtype}/{w13.dtype}/{w2.dtype}")
