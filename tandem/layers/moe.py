@@ -28,6 +28,7 @@ the number of (token, expert) pairs ``T*k`` is at most :data:`TRITON_MAX_PAIRS` 
 ``torch._grouped_mm`` is unavailable), ``torch._grouped_mm`` above it (compute-bound);
 the choice is a host int from tensor shapes (no sync, stable under CUDA-graph capture for
 a fixed batch size). On the CPU ``auto`` never picks Triton (its interpreter is slow).
+``$TANDEM_MOE_IMPL`` (``auto`` by default) pins what ``auto`` means.
 
 :class:`FusedMoE` holds the stacked expert weights (``w13 [E, 2I, H]``: gate rows then up
 rows, as transformers' ``gate_up_proj``; ``w2 [E, H, I]``) and goes through the
@@ -36,6 +37,7 @@ all-to-all seam of :mod:`tandem.distributed.all2all` (dispatch -> local experts 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -197,9 +199,28 @@ def _triton_available() -> bool:
     return True
 
 
+IMPLS = ("auto", "grouped_mm", "padded_bmm", "triton", "loop")
+
+
+def _impl_from_env() -> str:
+    """``$TANDEM_MOE_IMPL`` (default ``auto``): pins what ``impl="auto"`` means, e.g. to
+    compare expert kernels end to end or to step around one on a new GPU."""
+    m = os.environ.get("TANDEM_MOE_IMPL", "auto").strip().lower() or "auto"
+    if m not in IMPLS:
+        raise ValueError(f"TANDEM_MOE_IMPL={m!r}: expected one of {IMPLS}")
+    return m
+
+
 def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0) -> str:
-    """The expert-compute implementation for ``impl`` (``"auto"`` resolved from the
-    device, dtype and ``num_pairs`` = ``T*k``, a host int from shapes)."""
+    """The expert-compute implementation for ``impl`` (``"auto"``: ``$TANDEM_MOE_IMPL`` if
+    set, else resolved from the device, dtype and ``num_pairs`` = ``T*k``, a host int from
+    shapes).
+
+    Raises:
+        ValueError: ``$TANDEM_MOE_IMPL`` names no implementation.
+    """
+    if impl == "auto":
+        impl = _impl_from_env()
     if impl != "auto":
         return impl
     if x.device.type == "cuda":

@@ -124,6 +124,16 @@ def test_auto_selection():
         assert _resolve_impl("auto", g.float(), 16) != "triton"
 
 
+def test_env_pins_auto(monkeypatch):
+    cpu = torch.zeros(1, 8)
+    monkeypatch.setenv("TANDEM_MOE_IMPL", "padded_bmm")
+    assert _resolve_impl("auto", cpu, 16) == "padded_bmm"
+    assert _resolve_impl("loop", cpu, 16) == "loop"  # an explicit impl wins
+    monkeypatch.setenv("TANDEM_MOE_IMPL", "fastest")
+    with pytest.raises(ValueError, match="TANDEM_MOE_IMPL"):
+        _resolve_impl("auto", cpu, 16)
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 
