@@ -22,7 +22,7 @@ class ThroughputResult:
     input_tokens_per_s: float
     output_tokens_per_s: float
     total_tokens_per_s: float
-    num_preemptions: int
+    num_preemptions: int | None  # None: not reported by a DP/TP front-end
     # CUDA only: fraction of the timed wall time the GPU had no step queued (gaps between
     # one step's last kernel and the next step's first), and decode-step statistics.
     gpu_idle_fraction: float | None = None
@@ -46,9 +46,10 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
     # Warm-up outside the timed region (first-call allocations, kernel selection).
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    pre = llm.engine.scheduler.num_preemptions
-    runner = llm.engine.runner
-    if runner.device.type == "cuda":
+    pre = _preemptions(llm)
+    # Step timing needs the in-process runner; the DP/TP front-ends run the steps in other processes.
+    runner = getattr(llm.engine, "runner", None)
+    if runner is not None and runner.device.type == "cuda":
         runner.step_events = []
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
@@ -56,8 +57,9 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     n_in = num_prompts * input_len
     res = ThroughputResult(num_prompts, input_len, output_len, elapsed, num_prompts / elapsed, n_in / elapsed,
-                           n_out / elapsed, (n_in + n_out) / elapsed, llm.engine.scheduler.num_preemptions - pre)
-    if runner.step_events:
+                           n_out / elapsed, (n_in + n_out) / elapsed,
+                           None if pre is None else _preemptions(llm) - pre)
+    if runner is not None and runner.step_events:
         torch.cuda.synchronize()
         _gpu_step_stats(runner.step_events, res)
         runner.step_events = None
@@ -90,7 +92,8 @@ def main(args: argparse.Namespace) -> None:
     res = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.ignore_eos, args.seed)
     print(f"Throughput: {res.requests_per_s:.2f} requests/s, {res.total_tokens_per_s:.1f} total tokens/s, "
           f"{res.input_tokens_per_s:.1f} input tokens/s, {res.output_tokens_per_s:.1f} output tokens/s "
-          f"({res.num_prompts} prompts, {res.elapsed_s:.2f} s, {res.num_preemptions} preemptions)")
+          f"({res.num_prompts} prompts, {res.elapsed_s:.2f} s"
+          + ("" if res.num_preemptions is None else f", {res.num_preemptions} preemptions") + ")")
     if res.gpu_idle_fraction is not None:
         print(f"GPU idle between steps: {100 * res.gpu_idle_fraction:.2f}% of wall time "
               f"({100 * res.gpu_idle_fraction_decode:.2f}% around decode steps); median decode step at batch "
@@ -99,3 +102,10 @@ def main(args: argparse.Namespace) -> None:
         with open(args.output_json, "w") as f:
             json.dump(asdict(res) | {"async_output_proc": cfg.async_output_proc, "model": cfg.model}, f, indent=2)
     llm.engine.shutdown()
+
+
+def _preemptions(llm) -> int | None:
+    """Preemptions so far of an in-process engine; None for the DP/TP front-ends, whose
+    schedulers live in the rank processes."""
+    sched = getattr(llm.engine, "scheduler", None)
+    return None if sched is None else sched.num_preemptions

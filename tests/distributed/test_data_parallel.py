@@ -66,3 +66,18 @@ def test_dbo_on_off_with_uneven_ranks(model_dir):
             llm.engine.shutdown()
         stats = llm.engine.final_stats
         assert (stats["num_dbo_steps"] > 0) == dbo
+
+
+def test_bench_throughput_through_the_dp_front_end(model_dir):
+    """``tandem bench throughput`` with DP=2 + EP=2: the front-end has no in-process runner
+    or scheduler, so step timing and preemptions are left out, and every token counts."""
+    from tandem.benchmarks.throughput import run_throughput
+
+    llm = make_llm(model_dir("deepseek_v2"), DPLLM, data_parallel_size=2, enable_expert_parallel=True,
+                   all2all_backend="all_to_all", **DP_ENGINE)
+    try:
+        res = run_throughput(llm, num_prompts=6, input_len=12, output_len=5)
+    finally:
+        llm.engine.shutdown()
+    assert res.output_tokens_per_s * res.elapsed_s == pytest.approx(6 * 5)
+    assert res.num_preemptions is None and res.gpu_idle_fraction is None
