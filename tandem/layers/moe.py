@@ -24,10 +24,13 @@ instead (vLLM-style: each expert's sorted rows padded to ``BLOCK_M`` tiles, one 
 in the second GEMM's epilogue). It is built for the memory-bound decode regime, where each
 expert has a handful of rows and the layer's time is the read of the expert weights.
 ``impl="auto"`` (:func:`_resolve_impl`) on CUDA with fp16/bf16 takes the Triton kernel when
-the number of (token, expert) pairs ``T*k`` is at most :data:`TRITON_MAX_PAIRS` (or when
-``torch._grouped_mm`` is unavailable), ``torch._grouped_mm`` above it (compute-bound);
-the choice is a host int from tensor shapes (no sync, stable under CUDA-graph capture for
-a fixed batch size). On the CPU ``auto`` never picks Triton (its interpreter is slow).
+the number of (token, expert) pairs ``T*k`` is at most :data:`TRITON_MAX_PAIRS`,
+``torch._grouped_mm`` (or padded bmm) otherwise; the choice is a host int from tensor
+shapes (no sync, stable under CUDA-graph capture for a fixed batch size).
+:data:`TRITON_MAX_PAIRS` is 0 for now: the kernel matched the reference on an H200 at small
+shapes but its speed against ``torch._grouped_mm`` has not been measured yet
+(``benchmarks/moe_grouped_gemm.py``), so ``auto`` keeps the measured path. On the CPU
+``auto`` never picks Triton (its interpreter is slow).
 ``$TANDEM_MOE_IMPL`` (``auto`` by default) pins what ``auto`` means.
 
 :class:`FusedMoE` holds the stacked expert weights (``w13 [E, 2I, H]``: gate rows then up
@@ -186,9 +189,10 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 # impl="auto" on CUDA: the fused-MoE Triton kernel up to this many (token, expert) pairs
-# (the decode regime, bound by reading the expert weights), torch._grouped_mm above (to be
-# re-tuned on the GPU with benchmarks/moe_grouped_gemm.py).
-TRITON_MAX_PAIRS = 4096
+# (the decode regime, bound by reading the expert weights). 0 until it is measured against
+# torch._grouped_mm on the GPU (benchmarks/moe_grouped_gemm.py); TANDEM_MOE_IMPL=triton
+# selects it meanwhile.
+TRITON_MAX_PAIRS = 0
 
 
 def _triton_available() -> bool:
@@ -225,8 +229,7 @@ def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0) -> str:
         return impl
     if x.device.type == "cuda":
         grouped = grouped_mm_available(x.device, x.dtype)
-        if x.dtype in (torch.float16, torch.bfloat16) and _triton_available() and (
-                num_pairs <= TRITON_MAX_PAIRS or not grouped):
+        if x.dtype in (torch.float16, torch.bfloat16) and _triton_available() and 0 < num_pairs <= TRITON_MAX_PAIRS:
             return "triton"
         return "grouped_mm" if grouped else "padded_bmm"
     # CPU: torch._grouped_mm loops over the groups in C++ — no host sync and no padding
