@@ -251,8 +251,8 @@ def _rank_main(config: EngineConfig, rank: int, world_size: int, master_addr: st
             _serve_nonzero(engine, info)
             return
         loop = DPRankLoop(engine)
-        outbox.put(("ready", {"max_model_len": config.max_model_len, "vocab_size": engine.vocab_size,
-                              "num_kv_blocks": engine.num_kv_blocks, "parallel": info,
+        outbox.put(("ready", {"config": engine.config, "max_model_len": config.max_model_len,
+                              "vocab_size": engine.vocab_size, "num_kv_blocks": engine.num_kv_blocks, "parallel": info,
                               "kv_cache_shape_per_block": engine.model.kv_cache_shape_per_block}))
         try:
             while not loop.stopped:
@@ -389,6 +389,9 @@ class SpawnedEngineClient(_ClientBase):
         if kind != "ready":
             self._kill()
             raise RuntimeError(f"unexpected message from rank 0 at startup: {kind!r}")
+        # Rank 0's resolved configuration (max_model_len, max_num_batched_tokens filled from
+        # the model), as LLMEngine.config: callers read the limits there.
+        self.config = info["config"]
         self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
         self.num_kv_blocks = info["num_kv_blocks"]
         self.rank0_info = info  # rank 0's ParallelInfo ("parallel") and cache shape, for tests and logs

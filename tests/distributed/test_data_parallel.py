@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.engine.dp_engine import DPLLM
-from tests.distributed.conftest import PROMPTS, generate_ids, make_llm, single_process_ids
+from tests.distributed.conftest import CONFIGS, ENGINE, PROMPTS, generate_ids, make_llm, single_process_ids
 
 # block_size 8: an idle rank's dummy batch beside a step of 9+ tokens spans several blocks.
 DP_ENGINE = dict(block_size=8, num_kv_blocks=256)
@@ -81,3 +81,23 @@ def test_bench_throughput_through_the_dp_front_end(model_dir):
         llm.engine.shutdown()
     assert res.output_tokens_per_s * res.elapsed_s == pytest.approx(6 * 5)
     assert res.num_preemptions is None and res.gpu_idle_fraction is None
+
+
+def test_eval_backend_through_the_dp_front_end(model_dir):
+    """``tandem eval --data-parallel-size 2`` without ``--max-model-len``: the front-end's
+    config carries rank 0's resolved limits (it held None, and the backend's prompt fitting
+    failed on ``None - max_tokens``)."""
+    from tandem.config import embedded_default_model
+    from tandem.eval.backends import OfflineBackend
+
+    backend = OfflineBackend.from_engine_args(model=model_dir("llama"), tokenizer=embedded_default_model(),
+                                              data_parallel_size=2, **{**ENGINE, "max_model_len": None})
+    try:
+        assert backend.max_model_len == CONFIGS["llama"]["max_position_embeddings"]
+        assert backend.describe()["engine_config"]["max_model_len"] == backend.max_model_len
+        gen = backend.generate(["1+1="], max_tokens=3, stop=[])
+        assert len(gen[0].token_ids) == 3 and gen[0].truncated_prompt_tokens == 0
+        scores = backend.choice_logprobs(["1+1="], ["1", "2"])
+        assert all(v is not None for v in scores[0].logprobs)
+    finally:
+        backend.close()
