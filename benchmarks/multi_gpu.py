@@ -58,6 +58,9 @@ def run(cmd: list[str], limit: float, env: dict | None = None) -> bool:
     except subprocess.TimeoutExpired:
         print(f"! timed out after {limit:.0f} s", flush=True)
         return False
+    except OSError as e:  # e.g. the command is not on PATH: this part fails, the others still run
+        print(f"! could not start: {e}", flush=True)
+        return False
     print(f"= rc {rc} in {time.perf_counter() - t0:.1f} s", flush=True)
     return rc == 0
 
@@ -90,6 +93,13 @@ def bench(out: str, name: str, model: str, limit: float, extra: list[str]) -> di
         return json.load(f)
 
 
+def ep_timing_cmd(out: str) -> list[str]:
+    """``torchrun`` of ep_all2all_timing.py with this interpreter (``torchrun`` itself may not
+    be on PATH when the virtual environment is not activated)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            os.path.join(HERE, "ep_all2all_timing.py"), "--out", out]
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         generate_ids(sys.argv[2], sys.argv[3], **json.loads(sys.argv[4]))
@@ -118,8 +128,7 @@ def main() -> None:
                              "dbo_on": bench(args.out, "ds_dbo_on", ds, args.limit, [*dp_ep, "--enable-dbo"])}
         elif part == "ep_timing":
             path = os.path.join(args.out, "ep_timing.json")
-            ok = run(["torchrun", "--standalone", "--nproc-per-node", "2", os.path.join(HERE, "ep_all2all_timing.py"),
-                      "--out", path], args.limit)
+            ok = run(ep_timing_cmd(path), args.limit)
             results[part] = json.load(open(path)) if ok and os.path.exists(path) else None
         elif part == "tp_parity":
             results[part] = parity(args.out, part, llama, args.limit, dict(tensor_parallel_size=2))
