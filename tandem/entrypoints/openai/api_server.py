@@ -262,6 +262,10 @@ def run_server(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = engine_config_from_args(args)
+    if cfg.world_size > 1:
+        # AsyncLLM drives one in-process LLMEngine; the DP/TP front-end serves offline runs only.
+        raise ValueError("--data-parallel-size / --tensor-parallel-size > 1 are not supported by tandem serve yet "
+                         "(one engine process); they work with tandem generate, bench throughput and eval")
     names = served_names(args)
     logger.info("loading %s", cfg.model)
     llm = AsyncLLM(cfg)
