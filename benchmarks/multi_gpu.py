@@ -107,7 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="ds_parity,ds_bench,ep_timing,tp_parity,tp_bench")
-    ap.add_argument("--limit", type=float, default=120.0, help="seconds per process")
+    ap.add_argument("--limit", type=float, default=400.0, help="seconds per process (the DBO seed workload takes minutes)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ds = write_config_dir(DEEPSEEK_V2_LITE, os.path.join(args.out, "deepseek_v2_lite"))
