@@ -38,18 +38,11 @@ import triton.language as tl
 
 from tandem.attention.backend import write_kv_cache
 from tandem.attention.metadata import AttentionMetadata
+from tandem.triton_utils import INTERPRET as _INTERPRET
+from tandem.triton_utils import dot as _dot
+from tandem.triton_utils import num_sms
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in fp32 (UPCAST works around the interpreter's bf16 dot)."""
-    if UPCAST:
-        res = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
-    else:
-        res = tl.dot(a, b, input_precision=PRECISION)
-    return res
 
 
 @triton.jit
@@ -267,19 +260,21 @@ def _decode_reduce_kernel(
     stride_oh,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    DIM: tl.constexpr,  # output width (head_dim; MLA: kv_lora_rank)
+    BLOCK_D: tl.constexpr,  # DIM rounded up to a power of two
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
-    # Same segmentation as _paged_decode_kernel: count the non-empty segments.
+    # Same segmentation as _paged_decode_kernel (and triton_mla._mla_decode_kernel): count the non-empty segments.
     seq_len = tl.load(seq_lens_ptr + req)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
     num_valid = tl.cdiv(num_tiles, tiles_per_split)
 
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     s_valid = offs_s < num_valid
+    d_valid = offs_d < DIM
     lse_base = req.to(tl.int64) * stride_lr + head.to(tl.int64) * stride_lh
     lse = tl.load(lse_ptr + lse_base + offs_s, mask=s_valid, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -288,23 +283,11 @@ def _decode_reduce_kernel(
     denom = tl.sum(w, 0)
     denom = tl.where(denom == 0.0, 1.0, denom)
     p_base = req.to(tl.int64) * stride_pr + head.to(tl.int64) * stride_ph
-    part = tl.load(
-        part_out_ptr + p_base + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_valid[:, None], other=0.0
-    )
+    part = tl.load(part_out_ptr + p_base + offs_s[:, None] * stride_ps + offs_d[None, :],
+                   mask=s_valid[:, None] & d_valid[None, :], other=0.0)
     o = tl.sum(part * w[:, None], 0) / denom
     o_off = req.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-    tl.store(out_ptr + o_off + offs_d, o.to(out_ptr.dtype.element_ty))
-
-
-def _interpreting() -> bool:
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(_paged_prefill_kernel, InterpretedFunction)
-
-
-_INTERPRET = _interpreting()
+    tl.store(out_ptr + o_off + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -366,17 +349,12 @@ class TritonAttentionBackend:
         self.prefill_num_stages: int | None = None
         self.decode_num_warps: int | None = None
         self.decode_num_stages: int | None = None
-        self._num_sms: dict[int, int] = {}
 
     # ------------------------------------------------------------------ helpers
 
-    def _target_programs(self, device: torch.device) -> int:
-        if device.type != "cuda":
-            return 256
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in self._num_sms:
-            self._num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        return 2 * self._num_sms[idx]
+    @staticmethod
+    def _target_programs(device: torch.device) -> int:
+        return 2 * num_sms(device) if device.type == "cuda" else 256
 
     def num_decode_splits(self, num_decode_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
         """KV splits per decode request for this step (host ints only, no sync)."""
@@ -449,7 +427,8 @@ class TritonAttentionBackend:
                 _decode_reduce_kernel[(nd, num_heads)](
                     part_out, lse, out, meta.seq_lens, splits,
                     *part_out.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-                    BLOCK_N=self.block_n, BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+                    BLOCK_N=self.block_n, BLOCK_S=triton.next_power_of_2(splits), DIM=head_dim,
+                    BLOCK_D=head_dim,
                     num_warps=4,
                 )
 

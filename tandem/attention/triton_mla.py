@@ -27,8 +27,9 @@ long-context inference", 2023):
   cdiv(num_heads, BLOCK_H), num_splits)`` depends only on host values fixed for a captured
   CUDA graph. Programs whose segment lies past the end of their sequence exit at once.
   With one split the kernel writes the normalised output directly.
-* ``_mla_decode_reduce_kernel``: combines the partial outputs of the non-empty segments by
-  their log-sum-exp, one program per (request, head).
+* the dense backend's ``_decode_reduce_kernel`` (:mod:`tandem.attention.triton_backend`)
+  combines the partial outputs of the non-empty segments by their log-sum-exp, one program
+  per (request, head); the segmentation is the same.
 
 Nothing syncs with the host: :func:`mla_decode_attention` uses only tensor shapes and the
 optional host bound ``max_seq_len``.
@@ -46,7 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.attention.triton_backend import _dot
+from tandem.attention.triton_backend import _decode_reduce_kernel
+from tandem.triton_utils import INTERPRET as _INTERPRET
+from tandem.triton_utils import dot as _dot
+from tandem.triton_utils import num_sms
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -176,71 +180,8 @@ def _mla_decode_kernel(
         tl.store(lse_ptr + lse_off, lse, mask=head_valid)
 
 
-@triton.jit
-def _mla_decode_reduce_kernel(
-    part_out_ptr,
-    lse_ptr,
-    out_ptr,
-    seq_lens_ptr,
-    num_splits,
-    stride_pr,
-    stride_ph,
-    stride_ps,
-    stride_lr,
-    stride_lh,
-    stride_or,
-    stride_oh,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    KV_RANK: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    # Same segmentation as _mla_decode_kernel: count the non-empty segments.
-    seq_len = tl.load(seq_lens_ptr + req)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
-    num_valid = tl.cdiv(num_tiles, tiles_per_split)
-
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_r = tl.arange(0, BLOCK_R)
-    s_valid = offs_s < num_valid
-    r_valid = offs_r < KV_RANK
-    lse_base = req.to(tl.int64) * stride_lr + head.to(tl.int64) * stride_lh
-    lse = tl.load(lse_ptr + lse_base + offs_s, mask=s_valid, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # no valid split (seq_len 0)
-    w = tl.where(s_valid, tl.exp2(lse - m), 0.0)
-    denom = tl.sum(w, 0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    p_base = req.to(tl.int64) * stride_pr + head.to(tl.int64) * stride_ph
-    part = tl.load(part_out_ptr + p_base + offs_s[:, None] * stride_ps + offs_r[None, :],
-                   mask=s_valid[:, None] & r_valid[None, :], other=0.0)
-    o = tl.sum(part * w[:, None], 0) / denom
-    o_off = req.to(tl.int64) * stride_or + head.to(tl.int64) * stride_oh
-    tl.store(out_ptr + o_off + offs_r, o.to(out_ptr.dtype.element_ty), mask=r_valid)
-
-
-def _interpreting() -> bool:
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(_mla_decode_kernel, InterpretedFunction)
-
-
-_INTERPRET = _interpreting()
-_NUM_SMS: dict[int, int] = {}
-
-
 def _target_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 256
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return 2 * _NUM_SMS[idx]
+    return 2 * num_sms(device) if device.type == "cuda" else 256
 
 
 def mla_num_splits(num_reqs: int, num_heads: int, max_len: int, device: torch.device, block_h: int = BLOCK_H,
@@ -357,10 +298,10 @@ def mla_decode_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
-        _mla_decode_reduce_kernel[(nd, num_heads)](
+        _decode_reduce_kernel[(nd, num_heads)](
             part_out, lse, out, seq_lens, num_splits,
             *part_out.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-            BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits), KV_RANK=rank, BLOCK_R=block_r,
+            BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits), DIM=rank, BLOCK_D=block_r,
             num_warps=4,
         )
     return out

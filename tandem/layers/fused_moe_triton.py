@@ -58,6 +58,8 @@ import triton
 import triton.language as tl
 
 from tandem.layers.fused_ops import silu_and_mul
+from tandem.triton_utils import INTERPRET as _INTERPRET
+from tandem.triton_utils import dot as _dot
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -88,16 +90,6 @@ def default_config(num_pairs: int, num_experts: int) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in fp32 (UPCAST works around the interpreter's bf16 dot)."""
-    if UPCAST:
-        res = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
-    else:
-        res = tl.dot(a, b, input_precision=PRECISION)
-    return res
 
 
 @triton.jit
@@ -259,17 +251,6 @@ def _align_scatter_kernel(
     valid = in_range & (e >= 0)
     row = tl.atomic_add(cursor_ptr + tl.where(valid, e, 0), tl.full((BLOCK,), 1, tl.int32), mask=valid)
     tl.store(sorted_ids_ptr + row, offs.to(tl.int32), mask=valid)
-
-
-def _interpreting() -> bool:
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(_fused_moe_gemm_kernel, InterpretedFunction)
-
-
-_INTERPRET = _interpreting()
 
 
 # -------------------------------------------------------------------------- alignment
