@@ -17,17 +17,13 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 
-from model_shapes import DEEPSEEK_V2_LITE, tokenizer_dir, write_config_dir
+from model_shapes import DEEPSEEK_V2_LITE, seed_workload_command, write_config_dir
 
 
 def run(cfg_dir: str, out: str, name: str, extra: list[str], args) -> dict:
     path = os.path.join(out, f"{name}.json")
-    cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "bench", "throughput", "--model", cfg_dir,
-           "--tokenizer", tokenizer_dir(), "--load-format", "dummy", "--dtype", "bfloat16",
-           "--num-prompts", str(args.num_prompts), "--input-len", "128", "--output-len", "256",
-           "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs), "--output-json", path, *extra]
+    cmd = seed_workload_command(cfg_dir, path, *extra, num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs)
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     with open(path) as f:

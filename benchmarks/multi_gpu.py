@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from model_shapes import DEEPSEEK_V2_LITE, LLAMA_31_8B, tokenizer_dir, write_config_dir
+from model_shapes import DEEPSEEK_V2_LITE, LLAMA_31_8B, seed_workload_command, tokenizer_dir, write_config_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PARITY_LENS = [5, 37, 128, 11, 64, 3, 90, 23]
@@ -83,11 +83,7 @@ def parity(out: str, name: str, model: str, limit: float, engine: dict, gpus_ref
 
 def bench(out: str, name: str, model: str, limit: float, extra: list[str]) -> dict | None:
     path = os.path.join(out, f"{name}.json")
-    cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "bench", "throughput", "--model", model,
-           "--tokenizer", tokenizer_dir(), "--load-format", "dummy", "--dtype", "bfloat16", "--num-prompts", "1000",
-           "--input-len", "128", "--output-len", "256", "--max-model-len", "2048", "--max-num-seqs", "256",
-           "--output-json", path, *extra]
-    if not run(cmd, limit):
+    if not run(seed_workload_command(model, path, *extra), limit):
         return None
     with open(path) as f:
         return json.load(f)
