@@ -11,7 +11,16 @@ ubatches with a free link: what splitting itself costs (each ubatch reads the ex
 again, which dominates while the expert GEMMs are bound by weight reads), so
 on / max(compute split, comm) is the overlap the interleaving achieves.
 
-    python benchmarks/dbo_sweep.py --out DIR [--batches 64,128,256,512] [--ratios 0.25,0.5,1,1.5,2]
+"policy" is what the engine runs by default with ``--enable-dbo``: the graph capture times
+both variants of the size (``DecodeCUDAGraphs(measure_dbo=True)``) and keeps the faster; its
+column is the kept graph's step time and which one it kept.
+
+``--rank-experts`` makes the simulated GPU compute like one rank of an EP=8 group
+(``SimulatedAll2All(rank_experts=True)``: 8 experts per layer, every routed pair on them)
+instead of holding all 64 experts: per expert, 8x the rows for the same weight read, as on a
+rank of a real DP+EP deployment.
+
+    python benchmarks/dbo_sweep.py --out DIR [--batches 64,128,256,512] [--ratios 0.25,0.5,1,1.5,2] [--rank-experts]
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import torch
 from model_shapes import DEEPSEEK_V2_LITE
 
 
-def build(cfg_dict: dict, device: torch.device, link):
+def build(cfg_dict: dict, device: torch.device, link, rank_experts: bool = False):
     from transformers import AutoConfig
 
     from tandem.attention.backend import get_attention_backend
@@ -39,7 +48,8 @@ def build(cfg_dict: dict, device: torch.device, link):
     hf = AutoConfig.for_model(d.pop("model_type"), **d)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(hf, "", "dummy", get_attention_backend(device, 4096), dtype, device, max_positions=4096,
-                        all2all=lambda e: SimulatedAll2All(e, link=link, record=False))
+                        all2all=lambda e: SimulatedAll2All(e, link=link, record=False,
+                                                                       rank_experts=rank_experts))
     return model, dtype
 
 
@@ -52,6 +62,7 @@ def main() -> None:
     ap.add_argument("--latency-us", type=float, default=10.0)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy shape (dry run)")
+    ap.add_argument("--rank-experts", action="store_true", help="compute one EP=8 rank's share of the experts")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -65,7 +76,7 @@ def main() -> None:
                    n_routed_experts=8, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
                    qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, vocab_size=1000)
     link = LinkModel(bandwidth_gbps=1e9, latency_us=0.0, ep_size=8)
-    model, dtype = build(cfg, device, link)
+    model, dtype = build(cfg, device, link, args.rank_experts)
     batches = [int(b) for b in args.batches.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
     bs = 16
@@ -80,8 +91,11 @@ def main() -> None:
     top_k, hidden = cfg["num_experts_per_tok"], cfg["hidden_size"]
     elem = torch.finfo(dtype).bits // 8
 
-    def step_time(b: int, split: bool) -> float:
-        g = DecodeCUDAGraphs(model, kv, b, blocks_per_seq, bs, device, dbo_min_size=2 if split else None, sizes=[b])
+    def step_time(b: int, split: bool, measure: bool = False) -> tuple[float, bool]:
+        """Median step time (ms) of the graph for ``b`` sequences, and whether it is split.
+        ``measure``: the engine's default policy picks split or plain by timing both."""
+        g = DecodeCUDAGraphs(model, kv, b, blocks_per_seq, bs, device, dbo_min_size=2 if split or measure else None,
+                             sizes=[b], measure_dbo=measure)
         g.capture()
         table = (1 + np.arange(b)[:, None] * blocks_per_seq + np.arange(blocks_per_seq)[None, :]).astype(np.int32)
         pos = np.full(b, args.context, dtype=np.int64)
@@ -96,20 +110,22 @@ def main() -> None:
             e.synchronize()
             if i >= 3:
                 times.append(s.elapsed_time(e))
+        kept_split = b in g.split_sizes
         del g
         torch.cuda.synchronize()
-        return float(np.median(times))
+        return float(np.median(times)), kept_split
 
     rows = []
 
     def report() -> None:
         with open(os.path.join(args.out, "dbo_sweep.json"), "w") as f:
-            json.dump(dict(config=cfg, context=args.context, latency_us=args.latency_us, rows=rows), f, indent=2)
+            json.dump(dict(config=cfg, context=args.context, latency_us=args.latency_us, rank_experts=args.rank_experts,
+                           rows=rows), f, indent=2)
         plot(rows, os.path.join(args.out, "dbo_sweep.png"))
 
     for b in batches:
         link.bandwidth_gbps, link.latency_us = 1e9, 0.0
-        compute, compute_split = step_time(b, False), step_time(b, True)
+        compute, compute_split = step_time(b, False)[0], step_time(b, True)[0]
         for r in ratios:
             exchange_bytes = link.bytes(b, top_k, hidden, elem)
             comm_target = r * compute * 1e-3
@@ -117,23 +133,28 @@ def main() -> None:
             link.latency_us = args.latency_us
             link.bandwidth_gbps = 2 * num_moe * exchange_bytes / max(comm_target - latency_total, 1e-9) / 1e9
             comm = 2 * num_moe * link.seconds(b, top_k, hidden, elem) * 1e3
-            off, on = step_time(b, False), step_time(b, True)
+            off, on = step_time(b, False)[0], step_time(b, True)[0]
+            policy, policy_split = step_time(b, False, measure=True)
             row = dict(batch=b, ratio=r, compute_ms=compute, compute_split_ms=compute_split, comm_ms=comm,
-                       link_gbps=link.bandwidth_gbps, dbo_off_ms=off, dbo_on_ms=on, bound_ms=max(compute, comm))
+                       link_gbps=link.bandwidth_gbps, dbo_off_ms=off, dbo_on_ms=on, bound_ms=max(compute, comm),
+                       policy_ms=policy, policy_split=policy_split)
             row["on_over_bound"] = on / row["bound_ms"]
             row["on_over_split_bound"] = on / max(compute_split, comm)
             row["on_over_off"] = on / off
+            row["policy_over_off"] = policy / off
             rows.append(row)
             print(json.dumps(row), flush=True)
         report()
     print("\n| batch | comm/compute | link GB/s | compute ms | compute split ms | comm ms | DBO off ms | DBO on ms "
-          "| max(compute, comm) ms | on / max | on / max(compute split, comm) | on / off |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| max(compute, comm) ms | on / max | on / max(compute split, comm) | on / off | policy ms (kept) "
+          "| policy / off |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['ratio']:.2f} | {r['link_gbps']:.2f} | {r['compute_ms']:.2f} | "
               f"{r['compute_split_ms']:.2f} | {r['comm_ms']:.2f} | {r['dbo_off_ms']:.2f} | {r['dbo_on_ms']:.2f} | "
               f"{r['bound_ms']:.2f} | {r['on_over_bound']:.2f} | {r['on_over_split_bound']:.2f} | "
-              f"{r['on_over_off']:.2f} |")
+              f"{r['on_over_off']:.2f} | {r['policy_ms']:.2f} ({'split' if r['policy_split'] else 'plain'}) | "
+              f"{r['policy_over_off']:.2f} |")
 
 
 def plot(rows: list[dict], path: str) -> None:

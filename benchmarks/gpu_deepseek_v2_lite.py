@@ -6,9 +6,15 @@ ignored, CUDA graphs on), each in its own process:
   1. ``local``: all experts on this GPU, no communication;
   2. ``simulated`` all-to-all (a modeled inter-node link on a communication stream, flags
      ``--link-gbps`` / ``--latency-us`` / ``--ep-size``), DBO off;
-  3. the same with ``--enable-dbo``.
+  3. ``sim_dbo``: the same with ``--enable-dbo`` (decode graph sizes split only where
+     the split replay was measured faster, the default);
+  4. ``sim_dbo_always``: ``--enable-dbo --no-dbo-measure-graphs`` (every decode size from
+     the threshold up split).
+With ``--rank-experts`` the simulated runs compute like one rank of the EP group
+(``--simulated-ep-rank-experts``: ``64 / ep-size`` experts per layer, every routed pair on
+them), the load a rank of a real DP+EP deployment gets.
 
-    python benchmarks/gpu_deepseek_v2_lite.py --out DIR [--num-prompts 1000] [--runs local,sim,sim_dbo]
+    python benchmarks/gpu_deepseek_v2_lite.py --out DIR [--num-prompts 1000] [--runs local,sim,sim_dbo] [--rank-experts]
 """
 
 from __future__ import annotations
@@ -39,18 +45,23 @@ def main() -> None:
     ap.add_argument("--link-gbps", type=float, default=40.0)
     ap.add_argument("--latency-us", type=float, default=20.0)
     ap.add_argument("--ep-size", type=int, default=8)
+    ap.add_argument("--rank-experts", action="store_true", help="simulated runs compute one EP rank's expert share")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     cfg_dir = write_config_dir(DEEPSEEK_V2_LITE, os.path.join(args.out, "deepseek_v2_lite"))
     sim = ["--all2all-backend", "simulated", "--simulated-link-gbps", str(args.link_gbps),
            "--simulated-link-latency-us", str(args.latency_us), "--simulated-ep-size", str(args.ep_size)]
-    variants = {"local": ["--all2all-backend", "local"], "sim": sim, "sim_dbo": [*sim, "--enable-dbo"]}
+    if args.rank_experts:
+        sim.append("--simulated-ep-rank-experts")
+    variants = {"local": ["--all2all-backend", "local"], "sim": sim, "sim_dbo": [*sim, "--enable-dbo"],
+                "sim_dbo_always": [*sim, "--enable-dbo", "--no-dbo-measure-graphs"]}
     res = {}
     for name in args.runs.split(","):
         res[name] = run(cfg_dir, args.out, name, variants[name], args)
     with open(os.path.join(args.out, "gpu_deepseek_v2_lite.json"), "w") as f:
         json.dump(res, f, indent=2)
-    print(f"\nsimulated link: {args.link_gbps} GB/s, {args.latency_us} us, EP {args.ep_size}")
+    print(f"\nsimulated link: {args.link_gbps} GB/s, {args.latency_us} us, EP {args.ep_size}"
+          f"{', one rank of experts' if args.rank_experts else ''}")
     print("| run | requests/s | output tok/s | GPU idle between steps | median decode step (batch) |")
     print("|---|---|---|---|---|")
     for name, r in res.items():
@@ -58,8 +69,9 @@ def main() -> None:
         print(f"| {name} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} | "
               f"{'' if idle is None else f'{100 * idle:.2f}%'} | "
               f"{r.get('decode_step_ms_at_max_batch') or 0:.2f} ms ({r.get('max_decode_batch')}) |")
-    if "sim" in res and "sim_dbo" in res:
-        print(f"\nDBO on / off (simulated link): {res['sim_dbo']['requests_per_s'] / res['sim']['requests_per_s']:.3f}x")
+    for on in ("sim_dbo", "sim_dbo_always"):
+        if "sim" in res and on in res:
+            print(f"\n{on} / sim (DBO on / off): {res[on]['requests_per_s'] / res['sim']['requests_per_s']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -59,11 +59,18 @@ class EngineConfig:
             and overlap one's all-to-all with the other's compute (DESIGN.md).
         dbo_decode_token_threshold: smallest decode-only step that is split.
         dbo_prefill_token_threshold: smallest step with prefill tokens that is split.
+        dbo_measure_graphs: with CUDA graphs, capture each decode size from the threshold
+            up both split and plain, time their replays, and split only the sizes where
+            that was faster (False: split every size from the threshold up).
         all2all_backend: MoE dispatch/combine: "local" (EP=1), "simulated" (EP=1 data plus a
             modeled link delay), "allgather_reducescatter" or "all_to_all" (EP > 1, over
             torch.distributed); "auto": local without EP, allgather_reducescatter with EP.
         simulated_link_gbps / simulated_link_latency_us / simulated_ep_size: the link model
             of the simulated backend (defaults: one inter-node RDMA NIC per GPU, EP=8).
+        simulated_ep_rank_experts: the simulated backend computes like one rank of that EP
+            group: each MoE layer holds only ``num_experts / simulated_ep_size`` experts and
+            every (token, expert) pair runs on local expert ``id % that``, the load a rank
+            gets when all ranks route alike. For timing only: outputs are not the model's.
         tensor_parallel_size: ranks sharding each layer's heads / MLP (Megatron-style).
         data_parallel_size: engine replicas, each with its own scheduler and KV cache
             (data-parallel attention); ``tensor_parallel_size * data_parallel_size``
@@ -93,10 +100,12 @@ class EngineConfig:
     enable_dbo: bool = False
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
+    dbo_measure_graphs: bool = True
     all2all_backend: str = "auto"
     simulated_link_gbps: float = 40.0
     simulated_link_latency_us: float = 20.0
     simulated_ep_size: int = 8
+    simulated_ep_rank_experts: bool = False
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -125,6 +134,10 @@ class EngineConfig:
         if self.all2all_backend != "auto" and self.all2all_backend not in ALL2ALL_BACKENDS:
             raise ValueError(f"all2all_backend must be auto or one of {', '.join(ALL2ALL_BACKENDS)}, "
                              f"got {self.all2all_backend!r}.")
+        if self.simulated_ep_rank_experts and self.all2all_backend != "simulated":
+            raise ValueError("simulated_ep_rank_experts needs all2all_backend='simulated'.")
+        if self.simulated_ep_size < 1:
+            raise ValueError(f"simulated_ep_size must be >= 1, got {self.simulated_ep_size}.")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}.")
 

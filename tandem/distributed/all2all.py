@@ -29,7 +29,8 @@ Handles are per call, so two micro-batches may have exchanges in flight at once;
 with preallocated buffers must keep one set per micro-batch.
 
 Backends: ``local`` (EP=1, no communication) and ``simulated`` (EP=1 data plus a modeled
-link delay, for studying overlap on one device). ``allgather_reducescatter`` and
+link delay, for studying overlap on one device; optionally with one EP rank's share of the
+expert compute). ``allgather_reducescatter`` and
 ``all_to_all`` (torch.distributed, :mod:`tandem.distributed.ep_all2all`) implement the same
 interface for EP>1; they pad every rank's tokens to the forward context's
 ``max_tokens_per_rank`` and keep their buffers in two slots (one per micro-batch).
@@ -184,22 +185,40 @@ class SimulatedAll2All(All2AllBackend):
     it would a real all-to-all. On the CPU there is no sleep: the modeled time is only
     recorded (``records``), so tests stay fast and exact.
 
+    With ``rank_experts`` the compute side is that of one rank of the simulated EP group
+    instead of a GPU holding every expert: :attr:`placement` becomes rank 0 of
+    ``link.ep_size`` (the layer holds ``E / ep_size`` experts) and ``dispatch_wait`` maps
+    every global expert id ``e`` to local expert ``e % (E / ep_size)``. That is the load a
+    rank receives when all ``ep_size`` ranks route like this one: ``T * k`` (token, expert)
+    pairs over its ``E / ep_size`` experts, so each expert's GEMM gets ``ep_size`` times the
+    rows for the same weight read. The results are not the model's (timing studies only).
+
     Args:
         placement: expert placement (``ep_size`` must be 1: the data stays local).
         link: the bandwidth + latency model; ``link.ep_size`` is the *simulated* EP size.
         record: keep a :class:`SimRecord` per exchange (``records``); with CUDA timing
             events outside graph capture, :meth:`measured` returns the measured times.
+        rank_experts: compute one EP rank's share of the experts (see above).
+
+    Raises:
+        ValueError: ``placement.ep_size != 1``; with ``rank_experts``, ``num_experts`` not
+            a multiple of ``link.ep_size``.
     """
 
     name = "simulated"
 
-    def __init__(self, placement: ExpertPlacement | int, link: LinkModel | None = None, record: bool = True) -> None:
+    def __init__(self, placement: ExpertPlacement | int, link: LinkModel | None = None, record: bool = True,
+                 rank_experts: bool = False) -> None:
         if isinstance(placement, int):
             placement = ExpertPlacement(placement)
         if placement.ep_size != 1:
             raise ValueError("the simulated all2all backend keeps data local: ep_size must be 1")
+        link = link or LinkModel()
+        if rank_experts:
+            placement = ExpertPlacement(placement.num_experts, link.ep_size, 0)
         super().__init__(placement)
-        self.link = link or LinkModel()
+        self.link = link
+        self.rank_experts = rank_experts
         self.record = record
         self.records: list[SimRecord] = []
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -283,6 +302,8 @@ class SimulatedAll2All(All2AllBackend):
     def dispatch_wait(self, handle):
         self._wait(handle)
         hidden, topk_ids, topk_weights = handle.tensors
+        if self.rank_experts:
+            topk_ids = topk_ids % self.placement.num_local_experts
         return hidden, topk_ids, topk_weights, topk_ids.shape[-1]
 
     def combine_launch(self, expert_out, metadata):
@@ -294,7 +315,8 @@ class SimulatedAll2All(All2AllBackend):
 
 
 def get_all2all_backend(name: str, placement: ExpertPlacement | int, **kwargs) -> All2AllBackend:
-    """Backend by name: ``local``, ``simulated`` (kwargs: ``link``, ``record``), or the
+    """Backend by name: ``local``, ``simulated`` (kwargs: ``link``, ``record``,
+    ``rank_experts``), or the
     torch.distributed backends ``allgather_reducescatter`` / ``all_to_all`` (kwargs:
     ``group`` the EP process group, ``pool`` a shared buffer pool; see
     :mod:`tandem.distributed.ep_all2all`).

@@ -82,7 +82,8 @@ class LLMEngine:
                                    config.max_model_len, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
                                   max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
-                                  dbo=DBOConfig(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
+                                  dbo=DBOConfig(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold,
+                                                config.dbo_measure_graphs)
                                   if config.enable_dbo else None)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
         if ps.get_ep_size() > 1:
@@ -116,7 +117,11 @@ class LLMEngine:
             from tandem.distributed.all2all import LinkModel, SimulatedAll2All
 
             link = LinkModel(cfg.simulated_link_gbps, cfg.simulated_link_latency_us, cfg.simulated_ep_size)
-            return {"all2all": lambda num_experts: SimulatedAll2All(num_experts, link=link, record=False)}
+            if cfg.simulated_ep_rank_experts:
+                logger.warning("--simulated-ep-rank-experts: MoE layers compute one EP rank's share of the experts; "
+                               "outputs are not the model's (timing only)")
+            return {"all2all": lambda num_experts: SimulatedAll2All(num_experts, link=link, record=False,
+                                                                    rank_experts=cfg.simulated_ep_rank_experts)}
         from tandem.distributed.all2all import get_all2all_backend
 
         return {"all2all": lambda num_experts: get_all2all_backend(name, num_experts)}

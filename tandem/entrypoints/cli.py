@@ -34,12 +34,17 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--enable-dbo", action="store_true", help="dual-batch overlap for MoE models")
     p.add_argument("--dbo-decode-token-threshold", type=int, default=32)
     p.add_argument("--dbo-prefill-token-threshold", type=int, default=512)
+    p.add_argument("--dbo-measure-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="split a decode CUDA graph size only where its replay was measured faster than the plain one")
     p.add_argument("--all2all-backend", default="auto",
                    choices=["auto", "local", "simulated", "allgather_reducescatter", "all_to_all"],
                    help="MoE dispatch/combine (auto: local without EP, allgather_reducescatter with EP)")
     p.add_argument("--simulated-link-gbps", type=float, default=40.0, help="simulated all2all bandwidth, GB/s")
     p.add_argument("--simulated-link-latency-us", type=float, default=20.0, help="simulated all2all latency, us")
     p.add_argument("--simulated-ep-size", type=int, default=8, help="EP size the simulated link models")
+    p.add_argument("--simulated-ep-rank-experts", action="store_true",
+                   help="simulated backend: hold and compute only one EP rank's share of the experts (timing only; "
+                        "outputs are not the model's)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks sharding each layer (TP)")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas with their own scheduler and KV cache (DP attention)")

@@ -40,11 +40,18 @@ class DecodeCUDAGraphs:
             ubatches of half the rows each, their forwards interleaved at the MoE
             dispatch/combine yield points (the model needs ``forward_steps``). None: off.
         sizes: capture sizes (default: ``capture_sizes(max_num_seqs)``).
+        measure_dbo: for each size from ``dbo_min_size`` up, capture the plain graph too,
+            time the replays of both (median of a few, CUDA events) and keep the split one
+            only where it is faster, so that DBO never slows a decode step down (splitting
+            re-reads every weight per ubatch, which costs more than it hides when the link
+            is fast against compute). The timed replays run on the capture buffers (context
+            of one token): attention, which both variants share, is under-weighted, which
+            favours the unsplit graph. ``timings`` keeps (plain ms, split ms) per size.
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device, dbo_min_size: int | None = None,
-                 sizes: list[int] | None = None) -> None:
+                 sizes: list[int] | None = None, measure_dbo: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes) if sizes else capture_sizes(max_num_seqs)
@@ -62,6 +69,8 @@ class DecodeCUDAGraphs:
         # The second ubatch's query_start_loc restarts at 0.
         self.dbo_min_size = dbo_min_size
         self.split_sizes = {s for s in self.sizes if dbo_min_size is not None and s >= dbo_min_size and s >= 2}
+        self.measure_dbo = measure_dbo
+        self.timings: dict[int, tuple[float, float]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -84,8 +93,8 @@ class DecodeCUDAGraphs:
             num_decode_reqs=size,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
-        if size not in self.split_sizes:
+    def _forward(self, size: int, split: bool) -> torch.Tensor:
+        if not split:
             return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(0, size))
         from tandem.distributed.forward_context import ForwardContext, forward_context
         from tandem.worker.ubatching import run_ubatches
@@ -97,20 +106,46 @@ class DecodeCUDAGraphs:
                                                              self._meta(a, b)) for a, b in halves))
         return torch.cat([h0, h1])
 
+    def _capture(self, size: int, split: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self._forward(size, split)  # compile / autotune kernels outside the capture
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self._forward(size, split)
+        if self.pool is None:
+            self.pool = g.pool()
+        return g, out
+
+    def _replay_ms(self, g: torch.cuda.CUDAGraph, warmup: int = 2, iters: int = 5) -> float:
+        times = []
+        for i in range(warmup + iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_time(end))
+        return float(np.median(times))
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first so that smaller graphs reuse its memory pool."""
         for size in reversed(self.sizes):
-            self._forward(size)  # compile / autotune kernels outside the capture
-            torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.outputs[size] = self._forward(size)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[size] = g
+            split = size in self.split_sizes
+            g, out = self._capture(size, split)
+            if split and self.measure_dbo:
+                plain_g, plain_out = self._capture(size, False)
+                self.timings[size] = (self._replay_ms(plain_g), self._replay_ms(g))
+                if self.timings[size][0] <= self.timings[size][1]:
+                    self.split_sizes.discard(size)
+                    g, out = plain_g, plain_out
+            self.graphs[size], self.outputs[size] = g, out
         torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        if self.timings:
+            logger.info("dual-batch overlap kept for decode sizes %s (replay ms plain/split: %s)",
+                        sorted(self.split_sizes), {s: f"{a:.2f}/{b:.2f}" for s, (a, b) in sorted(self.timings.items())})
 
     def padded_size(self, n: int) -> int | None:
         for s in self.sizes:

@@ -59,10 +59,13 @@ class ModelRunnerOutput:
 
 @dataclass(frozen=True)
 class DBOConfig:
-    """Smallest steps split into two ubatches (decode-only steps / steps with prefill)."""
+    """Smallest steps split into two ubatches (decode-only steps / steps with prefill);
+    ``measure_decode_graphs``: keep a split decode CUDA graph only where its replay was
+    measured faster than the plain one (:class:`DecodeCUDAGraphs` ``measure_dbo``)."""
 
     decode_token_threshold: int = 32
     prefill_token_threshold: int = 512
+    measure_decode_graphs: bool = True
 
 
 @dataclass
@@ -148,7 +151,8 @@ class ModelRunner:
         if self._is_cuda and not enforce_eager:
             dbo_min = dbo.decode_token_threshold if dbo is not None and hasattr(model, "forward_steps") else None
             self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, -(-max_model_len // block_size), block_size,
-                                                device, dbo_min_size=dbo_min)
+                                                device, dbo_min_size=dbo_min,
+                                                measure_dbo=dbo is not None and dbo.measure_decode_graphs)
             self.cuda_graphs.capture()
         # Data-parallel coordination group (gloo), set by the distributed launcher.
         self.dp_group: dist.ProcessGroup | None = None

@@ -182,6 +182,27 @@ def test_fused_moe_through_backend(backend):
         assert a2a.measured()[0][3] is None  # no CUDA timing on the CPU
 
 
+def test_simulated_rank_experts_compute_one_ranks_share():
+    """rank_experts: the layer holds E / ep_size experts and runs every routed pair on
+    expert ``id % (E / ep_size)``, the load of one rank when all ranks route alike."""
+    torch.manual_seed(0)
+    a2a = SimulatedAll2All(8, link=LinkModel(bandwidth_gbps=10, latency_us=5, ep_size=4), rank_experts=True)
+    assert (a2a.placement.num_local_experts, a2a.placement.ep_size) == (2, 4)
+    moe = FusedMoE(8, 3, 32, 16, all2all=a2a)
+    assert moe.w13.shape == (2, 32, 32) and moe.w2.shape == (2, 32, 16)
+    with torch.no_grad():
+        moe.w13.normal_(0, 0.2)
+        moe.w2.normal_(0, 0.2)
+    x = torch.randn(12, 32)
+    ids, w = softmax_topk(torch.randn(12, 8), 3, True)
+    want = reference_experts(x, ids % 2, w, moe.w13, moe.w2)
+    torch.testing.assert_close(moe(x, ids, w), want, atol=1e-5, rtol=1e-5)
+    # The link still carries this rank's tokens: 12 tokens * 3 experts * 32 * 4 B * 3/4 remote.
+    assert a2a.records[0].modeled_s == pytest.approx(5e-6 + 12 * 3 * 32 * 4 * 0.75 / 10e9)
+    with pytest.raises(ValueError, match="multiple"):
+        SimulatedAll2All(6, link=LinkModel(ep_size=4), rank_experts=True)
+
+
 def test_backends_reject_ep_size_above_one():
     with pytest.raises(ValueError):
         LocalAll2All(ExpertPlacement(8, 2, 0))
