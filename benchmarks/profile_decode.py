@@ -1,14 +1,28 @@
 """Where a decode step's GPU time goes: torch profiler over steady-state decode steps of a
 dummy-weight model (default: Llama-3.1-8B shape, bf16, batch 256, context ~128-192).
 
-    python benchmarks/profile_decode.py --config-dir DIR --tokenizer DIR [--batch 256]
+    python benchmarks/profile_decode.py --config-dir DIR --tokenizer DIR [--batch 256] [--engine-arg KEY=VALUE ...]
+
+``--engine-arg`` passes an engine option (value parsed as JSON when it parses, else a
+string), e.g. ``--engine-arg all2all_backend=simulated --engine-arg simulated_ep_rank_experts=true``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
+
+
+def engine_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--engine-arg wants KEY=VALUE, got {text!r}")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), value
 
 
 def main() -> None:
@@ -17,13 +31,14 @@ def main() -> None:
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--engine-arg", type=engine_arg, action="append", default=[])
     args = ap.parse_args()
 
     from tandem import LLM, SamplingParams
     from tandem.benchmarks.throughput import random_prompts
 
     llm = LLM(model=args.config_dir, tokenizer=args.tokenizer, load_format="dummy", dtype="bfloat16",
-              max_model_len=2048, max_num_seqs=args.batch)
+              max_model_len=2048, max_num_seqs=args.batch, **dict(args.engine_arg))
     eng = llm.engine
     for i, p in enumerate(random_prompts(args.batch, 128, eng.vocab_size, 0)):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))

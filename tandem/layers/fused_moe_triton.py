@@ -66,17 +66,20 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUM_BLOCK = 1024  # columns per program of the k-way reduction
 ALIGN_BLOCK = 1024  # pairs per program of the alignment kernels
 
-# Launch configurations by mean rows per expert (``T*k / E``), H200 guesses to be tuned on
-# the GPU (benchmarks/moe_grouped_gemm.py --sweep): (upper bound of the mean, block_m,
-# block_n, block_k, group_m, num_warps, num_stages). BLOCK_M >= 16 (tl.dot's minimum). In
-# the decode regime an expert holds about one tile of rows: BLOCK_M 16 wastes the least
-# padding and wide N/K tiles keep enough weight bytes in flight; as the groups grow, taller
-# tiles let one weight tile serve more rows per read.
+# Launch configurations by mean rows per expert (``T*k / E``): (upper bound of the mean,
+# block_m, block_n, block_k, group_m, num_warps, num_stages). BLOCK_M >= 16 (tl.dot's
+# minimum). Tuned on an H200 at the DeepSeek-V2-Lite expert shape (E=64, k=6, H=2048,
+# I=1408, bf16; `benchmarks/moe_grouped_gemm.py --preset v2-lite --graph --sweep`, 16 to
+# 8192 tokens): in the decode regime an expert holds about one tile of rows, so BLOCK_M 16-32
+# wastes the least padding and wide N/K tiles keep enough weight bytes in flight (3.6-3.9
+# TB/s); from ~100 rows per expert up, 128-row tiles let one weight tile serve more rows
+# (128x256 won from 384 rows per expert: 1.04 vs 1.22 ms for the previous 64x128 tile at
+# 4096 tokens).
 TILE_CONFIGS = (
     (8, 16, 128, 128, 8, 4, 3),
-    (16, 32, 128, 128, 8, 4, 3),
-    (48, 64, 64, 64, 8, 4, 3),
-    (float("inf"), 64, 128, 64, 8, 8, 4),
+    (48, 32, 128, 128, 8, 4, 3),
+    (192, 128, 128, 64, 8, 8, 3),
+    (float("inf"), 128, 256, 64, 8, 8, 3),
 )
 _CONFIG_KEYS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
 

@@ -147,7 +147,7 @@ def test_env_pins_auto(monkeypatch):
 
 
 @cuda
-@pytest.mark.parametrize("n", [1, 64, 1000])
+@pytest.mark.parametrize("n", [1, 64, 1000, 4096])  # every row of TILE_CONFIGS
 def test_v2_lite_shape_bf16(n):
     """DeepSeek-V2-Lite experts (E=64, top-6, H=2048, I=1408) in bf16."""
     x, ids, w, w13, w2 = _case(n, 64, 6, 2048, 1408, torch.bfloat16, seed=n)
