@@ -9,7 +9,8 @@ ignored, CUDA graphs on), each in its own process:
   3. ``sim_dbo``: the same with ``--enable-dbo`` (decode graph sizes split only where
      the split replay was measured faster, the default);
   4. ``sim_dbo_always``: ``--enable-dbo --no-dbo-measure-graphs`` (every decode size from
-     the threshold up split).
+     the threshold up split);
+  5. ``sim_dbo_decode``: DBO on decode steps only (no step with prefill tokens is split).
 With ``--rank-experts`` the simulated runs compute like one rank of the EP group
 (``--simulated-ep-rank-experts``: ``64 / ep-size`` experts per layer, every routed pair on
 them), the load a rank of a real DP+EP deployment gets.
@@ -54,7 +55,8 @@ def main() -> None:
     if args.rank_experts:
         sim.append("--simulated-ep-rank-experts")
     variants = {"local": ["--all2all-backend", "local"], "sim": sim, "sim_dbo": [*sim, "--enable-dbo"],
-                "sim_dbo_always": [*sim, "--enable-dbo", "--no-dbo-measure-graphs"]}
+                "sim_dbo_always": [*sim, "--enable-dbo", "--no-dbo-measure-graphs"],
+                "sim_dbo_decode": [*sim, "--enable-dbo", "--dbo-prefill-token-threshold", str(10**9)]}
     res = {}
     for name in args.runs.split(","):
         res[name] = run(cfg_dir, args.out, name, variants[name], args)
@@ -62,14 +64,17 @@ def main() -> None:
         json.dump(res, f, indent=2)
     print(f"\nsimulated link: {args.link_gbps} GB/s, {args.latency_us} us, EP {args.ep_size}"
           f"{', one rank of experts' if args.rank_experts else ''}")
-    print("| run | requests/s | output tok/s | GPU idle between steps | median decode step (batch) |")
-    print("|---|---|---|---|---|")
+    print("| run | requests/s | output tok/s | GPU idle between steps | median decode step (batch) "
+          "| decode-only steps: GPU s (count) | steps with prefill: GPU s (count) |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in res.items():
         idle = r.get("gpu_idle_fraction")
         print(f"| {name} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} | "
               f"{'' if idle is None else f'{100 * idle:.2f}%'} | "
-              f"{r.get('decode_step_ms_at_max_batch') or 0:.2f} ms ({r.get('max_decode_batch')}) |")
-    for on in ("sim_dbo", "sim_dbo_always"):
+              f"{r.get('decode_step_ms_at_max_batch') or 0:.2f} ms ({r.get('max_decode_batch')}) | "
+              f"{r.get('decode_steps_s') or 0:.2f} ({r.get('num_decode_steps')}) | "
+              f"{r.get('prefill_steps_s') or 0:.2f} ({r.get('num_prefill_steps')}) |")
+    for on in ("sim_dbo", "sim_dbo_always", "sim_dbo_decode"):
         if "sim" in res and on in res:
             print(f"\n{on} / sim (DBO on / off): {res[on]['requests_per_s'] / res['sim']['requests_per_s']:.3f}x")
 

@@ -30,6 +30,12 @@ class ThroughputResult:
     decode_step_ms_at_max_batch: float | None = None
     max_decode_batch: int | None = None
     max_batch_context_tokens: int | None = None
+    # CUDA only: GPU time (s, first kernel to last of each step) and count of decode-only
+    # steps and of steps with prefill tokens.
+    decode_steps_s: float | None = None
+    num_decode_steps: int | None = None
+    prefill_steps_s: float | None = None
+    num_prefill_steps: int | None = None
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -75,6 +81,9 @@ def _gpu_step_stats(events, res: ThroughputResult) -> None:
     decode_time = sum(e[0].elapsed_time(e[1]) for e in events[1:] if e[3]) + sum(decode_gaps)
     res.gpu_idle_fraction_decode = sum(decode_gaps) / decode_time if decode_time else None
     decodes = [e for e in events if e[3]]
+    res.num_decode_steps, res.num_prefill_steps = len(decodes), len(events) - len(decodes)
+    res.decode_steps_s = sum(e[0].elapsed_time(e[1]) for e in decodes) * 1e-3
+    res.prefill_steps_s = sum(e[0].elapsed_time(e[1]) for e in events if not e[3]) * 1e-3
     if decodes:
         res.max_decode_batch = max(e[2] for e in decodes)
         at_max = [e for e in decodes if e[2] == res.max_decode_batch]
@@ -98,6 +107,8 @@ def main(args: argparse.Namespace) -> None:
         print(f"GPU idle between steps: {100 * res.gpu_idle_fraction:.2f}% of wall time "
               f"({100 * res.gpu_idle_fraction_decode:.2f}% around decode steps); median decode step at batch "
               f"{res.max_decode_batch}: {res.decode_step_ms_at_max_batch:.2f} ms")
+        print(f"GPU time in steps: {res.decode_steps_s:.2f} s in {res.num_decode_steps} decode-only steps, "
+              f"{res.prefill_steps_s:.2f} s in {res.num_prefill_steps} steps with prefill tokens")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(asdict(res) | {"async_output_proc": cfg.async_output_proc, "model": cfg.model}, f, indent=2)

@@ -1,0 +1,30 @@
+"""Step statistics of ``tandem bench throughput`` from (start, end) event pairs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.benchmarks.throughput import ThroughputResult, _gpu_step_stats
+
+
+class _Event:
+    """Stands in for a CUDA timing event: a time stamp in ms."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def elapsed_time(self, other: "_Event") -> float:
+        return other.t - self.t
+
+
+def test_step_stats_split_decode_and_prefill_time():
+    # (start ms, end ms, sequences, decode-only?, context tokens)
+    steps = [(0, 10, 4, False, 40), (11, 14, 4, True, 44), (14, 17, 4, True, 48), (20, 30, 6, False, 60),
+             (30, 34, 6, True, 66), (34, 38, 6, True, 72)]
+    events = [(_Event(a), _Event(b), n, d, c) for a, b, n, d, c in steps]
+    res = ThroughputResult(1, 1, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 0)
+    _gpu_step_stats(events, res)
+    assert (res.num_decode_steps, res.num_prefill_steps) == (4, 2)
+    assert res.decode_steps_s == pytest.approx(14e-3) and res.prefill_steps_s == pytest.approx(20e-3)
+    assert res.gpu_idle_fraction == pytest.approx(4 / 38)  # gaps 1 + 3 over 38 ms
+    assert res.max_decode_batch == 6 and res.decode_step_ms_at_max_batch == 4
