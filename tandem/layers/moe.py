@@ -25,8 +25,8 @@ in the second GEMM's epilogue). It is built for the memory-bound decode regime, 
 expert has a handful of rows and the layer's time is the read of the expert weights.
 ``impl="auto"`` (:func:`_resolve_impl`) on CUDA (sm90+) with fp16/bf16 takes the Triton
 kernel when the number of (token, expert) pairs ``T*k`` is at most
-:data:`TRITON_MAX_PAIRS` (49,152: the largest size measured, where it was still 1.4x faster
-than ``torch._grouped_mm`` on an H200), ``torch._grouped_mm`` (or padded bmm) otherwise;
+:data:`TRITON_MAX_PAIRS` (49,152: the largest size measured, where it was 2.0x faster than
+``torch._grouped_mm`` on an H200), ``torch._grouped_mm`` (or padded bmm) otherwise;
 the choice is a host int from tensor shapes (no sync, stable under CUDA-graph capture for
 a fixed batch size). On the CPU ``auto`` never picks Triton (its interpreter is slow).
 ``$TANDEM_MOE_IMPL`` (``auto`` by default) pins what ``auto`` means.
@@ -189,8 +189,9 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
 # impl="auto" on CUDA (sm90+, fp16/bf16): the fused-MoE Triton kernel up to this many
 # (token, expert) pairs. On an H200 at the DeepSeek-V2-Lite expert shape it beat
 # torch._grouped_mm at every size measured, 96 to 49,152 pairs (16 to 8,192 tokens):
-# 1.78x at 16 tokens, 1.70x at 1,024, 1.40x at 8,192 (benchmarks/moe_grouped_gemm.py
-# --preset v2-lite --graph); above the largest size measured auto keeps grouped_mm.
+# 1.78x at 16 tokens, 1.97x at 1,024, 2.01x at 8,192 (benchmarks/moe_grouped_gemm.py
+# --preset v2-lite --graph, benchmarks/RESULTS.md); above the largest size measured auto
+# keeps grouped_mm.
 TRITON_MAX_PAIRS = 49152
 
 
