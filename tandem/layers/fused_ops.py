@@ -9,7 +9,9 @@ semantics) and a Triton kernel doing the same arithmetic in one launch:
   normalised, so the pair equals ``r = x + residual; (rms_norm(r), r)``.
 * :func:`silu_and_mul` ``(gate_up [..., 2I]) -> silu(gate) * up [..., I]`` (gate first).
 * :func:`apply_rotary` ``(q [T, Hq, D], k [T, Hk, D], cos, sin [P, D/2], positions [T])``:
-  NeoX RoPE (halves rotated) in fp32, out of place (contiguous outputs) or in place.
+  RoPE in fp32, out of place (contiguous outputs) or in place; NeoX style (the two halves
+  of the head rotated, Llama/Qwen) or ``interleaved`` (adjacent pairs ``(x[2i], x[2i+1])``,
+  the GPT-J / DeepSeek-V2 layout).
 
 Dispatch (:func:`use_triton`): the kernel runs when the tensor is on CUDA, the torch code
 otherwise (the CPU path is the reference). ``TANDEM_FUSED_OPS=torch`` (or
@@ -120,11 +122,19 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def rotate_interleaved_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of ``x [..., D]`` by ``cos/sin [..., D/2]`` (broadcast); fp32 math."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x1, x2 = xf[..., 0], xf[..., 1]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
 def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     positions: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     c = cos[positions].unsqueeze(1)  # [T, 1, D/2]
     s = sin[positions].unsqueeze(1)
-    return _rotate_ref(q, c, s), _rotate_ref(k, c, s)
+    rotate = rotate_interleaved_ref if interleaved else _rotate_ref
+    return rotate(q, c, s), rotate(k, c, s)
 
 
 # ---------------------------------------------------------------- Triton kernels
@@ -211,32 +221,40 @@ def _rope_kernel(
     HK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HALF
+    # Element offsets of the two members of each rotated pair.
+    if INTERLEAVED:
+        o1 = 2 * d
+        o2 = 2 * d + 1
+    else:
+        o1 = d
+        o2 = d + HALF
     cos = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * stride_sin + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     hs = tl.arange(0, BLOCK_H)
     for h0 in tl.static_range(0, HQ, BLOCK_H):
         h = h0 + hs
         m = (h < HQ)[:, None] & dmask[None, :]
-        src = q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]
-        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-        dst = q_out_ptr + t * stride_qot + h[:, None] * stride_qoh + d[None, :]
-        tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
-        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
+        src = q_ptr + t * stride_qt + h[:, None] * stride_qh
+        x1 = tl.load(src + o1[None, :], mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + o2[None, :], mask=m, other=0.0).to(tl.float32)
+        dst = q_out_ptr + t * stride_qot + h[:, None] * stride_qoh
+        tl.store(dst + o1[None, :], (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + o2[None, :], (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
     for h0 in tl.static_range(0, HK, BLOCK_H):
         h = h0 + hs
         m = (h < HK)[:, None] & dmask[None, :]
-        src = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
-        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-        dst = k_out_ptr + t * stride_kot + h[:, None] * stride_koh + d[None, :]
-        tl.store(dst, (x1 * cos - x2 * sin).to(k_out_ptr.dtype.element_ty), mask=m)
-        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(k_out_ptr.dtype.element_ty), mask=m)
+        src = k_ptr + t * stride_kt + h[:, None] * stride_kh
+        x1 = tl.load(src + o1[None, :], mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + o2[None, :], mask=m, other=0.0).to(tl.float32)
+        dst = k_out_ptr + t * stride_kot + h[:, None] * stride_koh
+        tl.store(dst + o1[None, :], (x1 * cos - x2 * sin).to(k_out_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + o2[None, :], (x2 * cos + x1 * sin).to(k_out_ptr.dtype.element_ty), mask=m)
 
 
 @functools.cache
@@ -351,16 +369,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                 inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """NeoX RoPE of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at ``positions [T]`` with the
-    tables ``cos``/``sin [P, D/2]`` (any float dtype; math in fp32, results in q/k's dtype).
+                 inplace: bool = False, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (Su et al. 2021, RoFormer) of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at
+    ``positions [T]`` with the tables ``cos``/``sin [P, D/2]`` (any float dtype; math in
+    fp32, results in q/k's dtype). NeoX layout (dims ``i`` and ``i + D/2`` form a pair) or,
+    with ``interleaved``, dims ``2i`` and ``2i + 1`` (DeepSeek-V2, as transformers).
 
     Out of place the results are new contiguous tensors; ``inplace=True`` writes into q and
     k (which may be strided views) and returns them. Positions must lie in ``[0, P)``: the
     kernel does not check (that would need a host sync).
     """
     if not use_triton(q):
-        rq, rk = apply_rotary_ref(q, k, cos, sin, positions)
+        rq, rk = apply_rotary_ref(q, k, cos, sin, positions, interleaved)
         if not inplace:
             return rq, rk
         return q.copy_(rq), k.copy_(rk)
@@ -390,6 +410,6 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos.stride(0), sin.stride(0), half,
-        HQ=hq, HK=hk, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        HQ=hq, HK=hk, BLOCK_H=block_h, BLOCK_D=block_d, INTERLEAVED=interleaved, num_warps=4,
     )
     return q_out, k_out

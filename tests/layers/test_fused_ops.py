@@ -141,6 +141,39 @@ def test_apply_rotary(t, shape, dtype):
     torch.testing.assert_close(qkv[:, (hq + hk) * d :], v_before, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [0, 1, 9])
+def test_apply_rotary_interleaved_deepseek_layout(t, dtype):
+    """DeepSeek-V2 MLA: q_pe [T, 16, 64] a strided view of the query projection, k_pe
+    [T, 1, 64] a strided view of the latent projection; adjacent pairs rotated."""
+    heads, nope, rope, lora = 16, 128, 64, 512
+    cos, sin = _rope_tables(rope)
+    q = _rand(t, heads, nope + rope, dtype=dtype)
+    q_pe = q[..., nope:]
+    kv = _rand(t, lora + rope, dtype=dtype, seed=1)
+    k_pe = kv[:, None, lora:]
+    pos = torch.randint(0, cos.shape[0], (t,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    # The reference is transformers' DeepSeek-V2 rotation of (x[2i], x[2i+1]) pairs.
+    c, s_ = cos[pos][:, None], sin[pos][:, None]
+    want_q = torch.view_as_real(torch.view_as_complex(q_pe.float().unflatten(-1, (-1, 2)).contiguous())
+                                * torch.complex(c, s_)).flatten(-2).to(dtype)
+    want_k = torch.view_as_real(torch.view_as_complex(k_pe.float().unflatten(-1, (-1, 2)).contiguous())
+                                * torch.complex(c, s_)).flatten(-2).to(dtype)
+    got_q, got_k = fused_ops.apply_rotary(q_pe, k_pe, cos, sin, pos, interleaved=True)
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    nope_before = q[..., :nope].clone()
+    fused_ops.apply_rotary(q_pe, k_pe, cos, sin, pos, inplace=True, interleaved=True)
+    _close(q_pe, want_q, dtype)
+    _close(k_pe, want_k, dtype)
+    torch.testing.assert_close(q[..., :nope], nope_before, atol=0, rtol=0)
+    # The NeoX layout rotates other pairs: the flag matters.
+    if t:
+        neox_q, _ = fused_ops.apply_rotary(q_pe.clone(), k_pe.clone(), cos, sin, pos)
+        assert not torch.allclose(neox_q.float(), fused_ops.apply_rotary(q_pe.clone(), k_pe.clone(), cos, sin, pos,
+                                                                         interleaved=True)[0].float())
+
+
 def test_rotary_module_matches_reference():
     cos, sin = _rope_tables(64)
     cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=512)
