@@ -17,11 +17,17 @@ separate value plane: the values are decompressed from the same latent.
 
 Attention, as vLLM and FlashMLA split it:
 
-* prefill / chunks (compute-bound, plain torch): the latents of the request are gathered
-  through its block table and *decompressed* with ``kv_b_proj`` into per-head keys
-  ``[k_nope, k_pe]`` (``qk_nope_head_dim + qk_rope_head_dim``) and values
-  (``v_head_dim``), then ``scaled_dot_product_attention`` with the causal mask of the
-  cached prefix;
+* prefill / chunks (compute-bound, plain torch, batched over requests): the latents of
+  every context token of a group of prefill requests (``K = sum(seq_len)`` tokens,
+  ``[K, kv_lora_rank + qk_rope_head_dim]``) are gathered in one indexing op through flat
+  slot indices built on the device from the block tables, *decompressed* by one
+  ``kv_b_proj`` GEMM into per-head keys ``[heads, K, qk_nope_head_dim + qk_rope_head_dim]``
+  (``[k_nope, k_pe]``) and values ``[heads, K, v_head_dim]``, and the group's packed
+  queries ``[heads, Q = sum(q_len), qk_head_dim]`` run one ``scaled_dot_product_attention``
+  with a ``[Q, K]`` boolean mask (same request, causal over the cached prefix). So the
+  kernel launches per layer do not grow with the number of requests and nothing syncs
+  with the host; groups (consecutive requests, see :func:`prefill_groups`) only keep ``Q
+  * K`` under :data:`MLA_PREFILL_MASK_ELEMENTS`;
 * decode (memory-bound): *absorbed* weights — ``kv_b_proj``'s key half is folded into the
   query (a bmm) and its value half applied after attention (a bmm), so attention runs
   directly over the cached latents (multi-query, keys ``[c_kv, k_pe]``, values ``c_kv``);
@@ -50,6 +56,11 @@ from tandem.attention.backend import get_attention_backend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_parameters
+
+#: Bound on ``sum(q_len) * sum(seq_len)`` of one batched prefill pass: its mask has that
+#: many elements and its attention scores that many per head (when SDPA materialises them),
+#: so larger steps are split into several passes.
+MLA_PREFILL_MASK_ELEMENTS = 1 << 26
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -150,22 +161,40 @@ class MLAAttention(nn.Module):
         nd = meta.num_decode_reqs
         if nd > 0:
             out[:nd] = self._decode_absorbed(q_nope[:nd], q_pe[:nd], kv_cache, meta)
-        block_size = kv_cache.shape[2]
         qsl = meta.query_start_loc_cpu
-        for r in range(nd, meta.num_reqs):
-            start, end = qsl[r], qsl[r + 1]
-            if end == start:
-                continue
-            seq_len = meta.seq_lens_cpu[r]
-            nb = -(-seq_len // block_size)
-            lat = gather_latent(kv_cache, meta.block_tables[r: r + 1], nb)[0, :seq_len]
-            k, v = self.expand_latent(lat)  # [h, L, *]
-            q = torch.cat((q_nope[start:end], q_pe[start:end]), dim=-1).transpose(0, 1)
-            qpos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            out[start:end] = o.transpose(0, 1)
+        for r0, r1 in prefill_groups(qsl, meta.seq_lens_cpu, nd, meta.num_reqs, MLA_PREFILL_MASK_ELEMENTS):
+            start, end = qsl[r0], qsl[r1]
+            out[start:end] = self._prefill_batched(q_nope[start:end], q_pe[start:end], kv_cache, meta, r0, r1)
         return out
+
+    def _prefill_batched(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: AttentionMetadata, r0: int, r1: int) -> torch.Tensor:
+        """Decompressed attention of requests ``r0 .. r1-1`` (their packed queries ``q_nope``
+        / ``q_pe``) in one pass over all their context latents. Returns ``[Q, heads,
+        v_head_dim]``."""
+        dev = q_nope.device
+        qsl = meta.query_start_loc_cpu
+        num_q, num_k = qsl[r1] - qsl[r0], sum(meta.seq_lens_cpu[r0:r1])
+        seq_lens = meta.seq_lens[r0:r1]
+        q_ends = meta.query_start_loc[r0 + 1: r1 + 1]
+        reqs = torch.arange(r1 - r0, device=dev)
+        # output_size: repeat_interleave would otherwise read the total back from the device.
+        k_req = torch.repeat_interleave(reqs, seq_lens, output_size=num_k)
+        k_pos = torch.arange(num_k, device=dev) - (torch.cumsum(seq_lens, 0) - seq_lens)[k_req]
+        block_size = kv_cache.shape[2]
+        blocks = meta.block_tables[r0:r1][k_req, k_pos // block_size]
+        slots = blocks.long() * block_size + k_pos % block_size
+        k, v = self.expand_latent(kv_cache[0].view(-1, kv_cache.shape[-1])[slots])  # [h, K, *]
+        q_req = torch.repeat_interleave(reqs, q_ends - meta.query_start_loc[r0:r1], output_size=num_q)
+        # The queries are the last q_len tokens of their sequence: token t of request r sits
+        # at position seq_len_r - (q_end_r - t).
+        q_pos = torch.arange(qsl[r0], qsl[r1], device=dev) + (seq_lens - q_ends)[q_req]
+        mask = (q_req[:, None] == k_req[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+        q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)  # [h, Q, qk]
+        # 4-D so that CUDA may pick a fused (memory-efficient) kernel, which takes only 4-D
+        # inputs, instead of materialising [h, Q, K] scores.
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scale)
+        return o[0].transpose(0, 1)
 
     def _decode_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                          meta: AttentionMetadata) -> torch.Tensor:
@@ -220,6 +249,28 @@ class MLAAttention(nn.Module):
 def _default_backend_name(device_type: str) -> str:
     """Name of the attention backend the dense models get on this kind of device."""
     return get_attention_backend(torch.device(device_type)).name
+
+
+def prefill_groups(query_start_loc: list[int], seq_lens: list[int], first: int, last: int,
+                   max_elements: int) -> list[tuple[int, int]]:
+    """Split requests ``first .. last-1`` into consecutive ranges ``(r0, r1)``, each one
+    batched prefill pass, whose ``sum(q_len) * sum(seq_len)`` stays within
+    ``max_elements``; a request over the bound on its own forms a group. Requests without
+    queries belong to no group: their keys would be gathered and expanded for nothing."""
+    groups: list[tuple[int, int]] = []
+    r0, num_q, num_k = first, 0, 0
+    for r in range(first, last):
+        q_len, seq_len = query_start_loc[r + 1] - query_start_loc[r], seq_lens[r]
+        if r > r0 and (q_len == 0 or (num_q + q_len) * (num_k + seq_len) > max_elements):
+            groups.append((r0, r))
+            r0, num_q, num_k = r, 0, 0
+        if q_len == 0:
+            r0 = r + 1
+            continue
+        num_q, num_k = num_q + q_len, num_k + seq_len
+    if last > r0:
+        groups.append((r0, last))
+    return groups
 
 
 def write_latent_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

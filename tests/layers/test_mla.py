@@ -1,7 +1,8 @@
 """MLA pieces: interleaved RoPE == transformers' DeepSeek-V2 rotary; absorbed-weight decode
 (torch reference and the Triton kernel) == decompressed attention, whatever the
-block-table width; the whole layer / model with the Triton decode == the torch path /
-transformers. Without CUDA the Triton kernel runs in the interpreter (tests/conftest.py sets
+block-table width; the batched prefill (however it is grouped) == per-request attention;
+the whole layer / model with the Triton decode == the torch path / transformers. Without
+CUDA the Triton kernel runs in the interpreter (tests/conftest.py sets
 ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 from transformers import DeepseekV2Config
 
 from tandem.attention.metadata import AttentionMetadata
-from tandem.layers.mla import MLAAttention, apply_rope_interleaved, gather_latent, write_latent_cache
+from tandem.layers import mla as mla_module
+from tandem.layers.mla import MLAAttention, apply_rope_interleaved, gather_latent, prefill_groups, write_latent_cache
 from tandem.layers.rotary import RotaryEmbedding
 from tests.models.paged_parity import assert_paged_parity, step_metadata
 
@@ -94,6 +96,70 @@ def test_absorbed_decode_equals_decompressed(decode_backend, request):
         q = torch.cat((q_nope[i], q_pe[i]), -1)[:, None]  # [h, 1, qk]
         want = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)[:, 0]
         torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_groups():
+    qsl = [0, 1, 2, 19, 20, 60, 63, 127]  # q_lens 1, 1 | 17, 1, 40, 3, 64
+    seqs = [14, 31, 17, 10, 61, 3, 69]
+    assert prefill_groups(qsl, seqs, 2, 7, 1 << 26) == [(2, 7)]
+    assert prefill_groups(qsl, seqs, 2, 7, 1) == [(2, 3), (3, 4), (4, 5), (5, 6), (6, 7)]
+    # 17*17 + the 1-token chunk fits; 40x61 and 3x3 fit together; 64x69 alone is over the bound.
+    assert prefill_groups(qsl, seqs, 2, 7, 3000) == [(2, 4), (4, 6), (6, 7)]
+    assert prefill_groups(qsl, seqs, 7, 7, 1 << 26) == []
+    # Requests without queries end a group and join none.
+    assert prefill_groups([0, 4, 4, 9, 9], [4, 6, 9, 2], 0, 4, 1 << 26) == [(0, 1), (2, 3)]
+    assert prefill_groups([0, 0, 3], [5, 3], 0, 2, 1 << 26) == [(1, 2)]
+
+
+@pytest.mark.parametrize("bound,num_groups", [(1 << 26, 1), (3000, 3), (1, 5)])
+def test_batched_prefill_equals_per_request(bound, num_groups, monkeypatch):
+    """Two decodes and five prefill rows (1-64 queries, some on a cached prefix, contexts
+    across 8-token blocks in shuffled order) through ``_attend``: every row equals
+    attention over that request's own decompressed latents with the causal-prefix mask,
+    whether the prefill rows run as one pass or split into groups."""
+    torch.manual_seed(2)
+    cfg = _cfg()
+    attn = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 128))
+    attn.decode_backend = "torch"
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, 0, 0.2)
+    bs, nblocks = 8, 40
+    computed, q_lens = [13, 30, 0, 9, 21, 0, 5], [1, 1, 17, 1, 40, 3, 64]
+    perm = (torch.randperm(nblocks - 1) + 1).tolist()
+    tables, i = [], 0
+    for c, q in zip(computed, q_lens):
+        nb = -(-(c + q) // bs)
+        tables.append(perm[i: i + nb])
+        i += nb
+    meta = step_metadata(q_lens, computed, tables, bs)
+    assert meta.num_decode_reqs == 2
+    assert prefill_groups(meta.query_start_loc_cpu, meta.seq_lens_cpu, 2, 7, bound) == prefill_groups(
+        [0, 1, 2, 19, 20, 60, 63, 127], [14, 31, 17, 10, 61, 3, 69], 2, 7, bound)
+    cache = torch.randn(1, nblocks, bs, 1, 48)
+    q_nope, q_pe = torch.randn(sum(q_lens), 4, 24), torch.randn(sum(q_lens), 4, 16)
+
+    sdpa, calls = F.scaled_dot_product_attention, []
+
+    def counting_sdpa(*args, **kwargs):
+        calls.append(args[0].shape)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(mla_module, "MLA_PREFILL_MASK_ELEMENTS", bound)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
+    got = attn._attend(q_nope, q_pe, cache, meta)
+    monkeypatch.undo()
+    assert len(calls) == 1 + num_groups  # the decode batch, then one pass per group
+
+    flat = cache[0].view(-1, 48)
+    qsl = meta.query_start_loc_cpu
+    for r, (c, q) in enumerate(zip(computed, q_lens)):
+        n = c + q
+        lat = flat[[tables[r][p // bs] * bs + p % bs for p in range(n)]]
+        k, v = attn.expand_latent(lat)  # [h, n, *]
+        qr = torch.cat((q_nope, q_pe), -1)[qsl[r]: qsl[r + 1]].transpose(0, 1)  # [h, q, qk]
+        mask = torch.arange(n)[None, :] <= torch.arange(c, n)[:, None]
+        want = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=attn.scale).transpose(0, 1)
+        torch.testing.assert_close(got[qsl[r]: qsl[r + 1]], want, atol=1e-5, rtol=1e-5)
 
 
 def test_default_decode_backend_follows_attention_backend():
