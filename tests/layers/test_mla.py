@@ -16,7 +16,8 @@ from transformers import DeepseekV2Config
 
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers import mla as mla_module
-from tandem.layers.mla import MLAAttention, apply_rope_interleaved, gather_latent, prefill_groups, write_latent_cache
+from tandem.layers.fused_ops import apply_rotary
+from tandem.layers.mla import MLAAttention, gather_latent, prefill_groups, write_latent_cache
 from tandem.layers.rotary import RotaryEmbedding
 from tests.models.paged_parity import assert_paged_parity, step_metadata
 
@@ -60,9 +61,10 @@ def test_interleaved_rope_matches_transformers():
     q, k = torch.randn(1, 4, 4, 16), torch.randn(1, 1, 4, 16)
     want_q, want_k = apply_rotary_emb(q, k, DeepseekV2RotaryEmbedding(cfg)(q, pos))
     rot = RotaryEmbedding(cfg, 16, 128)
-    cos, sin = rot.cos[pos[0]], rot.sin[pos[0]]
-    torch.testing.assert_close(apply_rope_interleaved(q, cos, sin), want_q)
-    torch.testing.assert_close(apply_rope_interleaved(k, cos, sin), want_k)
+    # [B, H, T, D] (transformers) -> [T, H, D] (Tandem)
+    got_q, got_k = apply_rotary(q[0].transpose(0, 1), k[0].transpose(0, 1), rot.cos, rot.sin, pos[0], interleaved=True)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1))
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1))
 
 
 @pytest.mark.parametrize("decode_backend", DECODE_BACKENDS)
