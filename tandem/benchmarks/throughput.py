@@ -50,8 +50,12 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     """Generate ``num_prompts`` random prompts of ``input_len`` tokens, greedy, ``output_len`` new tokens each."""
     prompts = random_prompts(num_prompts, input_len, llm.engine.vocab_size, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
-    # Warm-up outside the timed region (first-call allocations, kernel selection).
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    # Warm-up outside the timed region: one batch of other random prompts (no prefix-cache
+    # hits later) through chunked prefill, mixed and decode steps, so that first-call
+    # allocations and kernels compiled on first use (Triton specialises on tile configs
+    # that follow the token count, and on each size's divisibility) are not timed.
+    warm = random_prompts(min(num_prompts, llm.engine.config.max_num_seqs), input_len, llm.engine.vocab_size, seed + 1)
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     pre = _preemptions(llm)
     # Step timing needs the in-process runner; the DP/TP front-ends run the steps in other processes.
     runner = getattr(llm.engine, "runner", None)
