@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tandem.attention.metadata import AttentionMetadata
+from tandem.distributed import parallel_state as ps
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,11 @@ class DecodeCUDAGraphs:
             re-reads every weight per ubatch, which costs more than it hides when the link
             is fast against compute). The timed replays run on the capture buffers (context
             of one token): attention, which both variants share, is under-weighted, which
-            favours the unsplit graph. ``timings`` keeps (plain ms, split ms) per size.
+            favours the unsplit graph. ``timings`` keeps (plain ms, split ms) per size. The
+            TP ranks of a replica keep a split graph only where every one of them measured
+            it faster (:func:`tandem.distributed.parallel_state.tp_min`): they replay the
+            same graph in lockstep, and a split and a plain graph issue different TP
+            all-reduces.
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
@@ -137,7 +142,8 @@ class DecodeCUDAGraphs:
             if split and self.measure_dbo:
                 plain_g, plain_out = self._capture(size, False)
                 self.timings[size] = (self._replay_ms(plain_g), self._replay_ms(g))
-                if self.timings[size][0] <= self.timings[size][1]:
+                # Timings differ between ranks; the choice must not (collectives must match).
+                if not ps.tp_min(int(self.timings[size][1] < self.timings[size][0])):
                     self.split_sizes.discard(size)
                     g, out = plain_g, plain_out
             self.graphs[size], self.outputs[size] = g, out
