@@ -47,8 +47,9 @@ Entry point: :func:`fused_experts_triton` (same contract as
 it. Storage dtypes fp16 / bf16 / fp32 (fp32 dots in IEEE precision, for tests); any
 ``E``, ``H``, ``I`` (masked tails), top-k 1..8 (anything >= 1 works). Under
 ``TRITON_INTERPRET=1`` the kernels run on the CPU (bf16 dots upcast to fp32 there). The
-tile sizes are arguments; the defaults (:data:`TILE_CONFIGS`) are H200 guesses and must
-be tuned on the GPU (``benchmarks/moe_grouped_gemm.py --sweep``).
+tile sizes are arguments; the defaults (:data:`TILE_CONFIGS`) were tuned on an H200 at the
+DeepSeek-V2-Lite expert shape (other GPUs or shapes: re-run
+``benchmarks/moe_grouped_gemm.py --sweep``).
 """
 
 from __future__ import annotations

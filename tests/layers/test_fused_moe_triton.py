@@ -128,9 +128,21 @@ def test_auto_selection(monkeypatch):
     assert default_config(64 * 6, 64)["block_m"] == 16  # V2-Lite decode at batch 64
     if torch.cuda.is_available():
         g = torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)
-        assert _resolve_impl("auto", g, 4096) == "triton"
+        hopper = torch.cuda.get_device_capability() >= (9, 0)  # auto takes the kernel on sm90+ only
+        assert (_resolve_impl("auto", g, 4096) == "triton") == hopper
         assert _resolve_impl("auto", g, 4097) != "triton"
         assert _resolve_impl("auto", g.float(), 16) != "triton"
+
+
+V2_LITE_TOKENS = [1, 64, 256, 1000, 4096]
+
+
+def test_v2_lite_tokens_cover_every_tile_row():
+    """The CUDA test below runs each row of TILE_CONFIGS at the V2-Lite shape (E=64, k=6)."""
+    from tandem.layers.fused_moe_triton import TILE_CONFIGS
+
+    rows = {tuple(default_config(6 * n, 64).values()) for n in V2_LITE_TOKENS}
+    assert rows == {row[1:] for row in TILE_CONFIGS}
 
 
 def test_env_pins_auto(monkeypatch):
@@ -147,7 +159,7 @@ def test_env_pins_auto(monkeypatch):
 
 
 @cuda
-@pytest.mark.parametrize("n", [1, 64, 1000, 4096])  # every row of TILE_CONFIGS
+@pytest.mark.parametrize("n", V2_LITE_TOKENS)  # every row of TILE_CONFIGS
 def test_v2_lite_shape_bf16(n):
     """DeepSeek-V2-Lite experts (E=64, top-6, H=2048, I=1408) in bf16."""
     x, ids, w, w13, w2 = _case(n, 64, 6, 2048, 1408, torch.bfloat16, seed=n)
