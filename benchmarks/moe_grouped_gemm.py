@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# torch {torch.__version__}; median of {iters} calls{' (CUDA-graph replays)' if args.graph else ''}; "
           f"'x' columns: speed-up vs the per-expert loop; triton/grouped_mm: speed-up of triton over grouped_mm; "
           f"GB/s: expert weights read (all {e} experts = {e * expert_bytes / 1e9:.2f} GB) / time; "
-          f"auto picks triton up to {TRITON_MAX_PAIRS} pairs on CUDA")
+          f"auto picks triton up to {TRITON_MAX_PAIRS} pairs on sm90+ (fp16/bf16)")
     both = "triton" in impls and "grouped_mm" in impls
     gbs = [m for m in ("grouped_mm", "triton") if m in impls]
     head = ("| tokens | pairs | " + " | ".join(f"{m} ms" for m in impls) + " | "
