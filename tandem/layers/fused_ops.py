@@ -378,6 +378,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     Out of place the results are new contiguous tensors; ``inplace=True`` writes into q and
     k (which may be strided views) and returns them. Positions must lie in ``[0, P)``: the
     kernel does not check (that would need a host sync).
+
+    Raises:
+        ValueError: (Triton path) mismatched shapes or dtypes, an unsupported dtype, or a
+            last dim that is not contiguous.
     """
     if not use_triton(q):
         rq, rk = apply_rotary_ref(q, k, cos, sin, positions, interleaved)

@@ -2,6 +2,8 @@
 
 Inverse frequencies come from transformers' RoPE initialisers, so every scaling type a
 checkpoint declares (llama3, yarn, linear, dynamic, longrope) matches the reference.
+MLA (:mod:`tandem.layers.mla`) uses the same ``cos``/``sin`` tables with the interleaved
+pair layout (``apply_rotary(..., interleaved=True)``).
 """
 
 from __future__ import annotations
