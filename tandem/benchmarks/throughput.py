@@ -108,9 +108,13 @@ def main(args: argparse.Namespace) -> None:
           f"({res.num_prompts} prompts, {res.elapsed_s:.2f} s"
           + ("" if res.num_preemptions is None else f", {res.num_preemptions} preemptions") + ")")
     if res.gpu_idle_fraction is not None:
-        print(f"GPU idle between steps: {100 * res.gpu_idle_fraction:.2f}% of wall time "
-              f"({100 * res.gpu_idle_fraction_decode:.2f}% around decode steps); median decode step at batch "
-              f"{res.max_decode_batch}: {res.decode_step_ms_at_max_batch:.2f} ms")
+        # Without decode-only steps (e.g. --output-len 1) the decode statistics are None.
+        line = f"GPU idle between steps: {100 * res.gpu_idle_fraction:.2f}% of wall time"
+        if res.gpu_idle_fraction_decode is not None:
+            line += f" ({100 * res.gpu_idle_fraction_decode:.2f}% around decode steps)"
+        if res.max_decode_batch is not None:
+            line += f"; median decode step at batch {res.max_decode_batch}: {res.decode_step_ms_at_max_batch:.2f} ms"
+        print(line)
         print(f"GPU time in steps: {res.decode_steps_s:.2f} s in {res.num_decode_steps} decode-only steps, "
               f"{res.prefill_steps_s:.2f} s in {res.num_prefill_steps} steps with prefill tokens")
     if args.output_json:

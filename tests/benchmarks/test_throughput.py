@@ -28,3 +28,13 @@ def test_step_stats_split_decode_and_prefill_time():
     assert res.decode_steps_s == pytest.approx(14e-3) and res.prefill_steps_s == pytest.approx(20e-3)
     assert res.gpu_idle_fraction == pytest.approx(4 / 38)  # gaps 1 + 3 over 38 ms
     assert res.max_decode_batch == 6 and res.decode_step_ms_at_max_batch == 4
+
+
+def test_step_stats_without_decode_steps():
+    """``--output-len 1``: every step has prefill tokens; the decode statistics stay None."""
+    events = [(_Event(a), _Event(b), 4, False, 40) for a, b in ((0, 10), (12, 20))]
+    res = ThroughputResult(1, 1, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 0)
+    _gpu_step_stats(events, res)
+    assert (res.num_decode_steps, res.num_prefill_steps) == (0, 2) and res.decode_steps_s == 0
+    assert res.gpu_idle_fraction_decode is None and res.max_decode_batch is None
+    assert res.gpu_idle_fraction == pytest.approx(2 / 20)
