@@ -27,7 +27,7 @@ Attention, as vLLM and FlashMLA split it:
   with a ``[Q, K]`` boolean mask (same request, causal over the cached prefix). So the
   kernel launches per layer do not grow with the number of requests and nothing syncs
   with the host; groups (consecutive requests, see :func:`prefill_groups`) only keep ``Q
-  * K`` under :data:`MLA_PREFILL_MASK_ELEMENTS`;
+  * K`` under :data:`MLA_PREFILL_MASK_ELEMENTS` and ``K`` under :data:`MLA_PREFILL_MAX_KEYS`;
 * decode (memory-bound): *absorbed* weights — ``kv_b_proj``'s key half is folded into the
   query (a bmm) and its value half applied after attention (a bmm), so attention runs
   directly over the cached latents (multi-query, keys ``[c_kv, k_pe]``, values ``c_kv``);
@@ -62,6 +62,11 @@ from tandem.layers.rotary import RotaryEmbedding, rope_parameters
 #: many elements and its attention scores that many per head (when SDPA materialises them:
 #: 16 heads x 2^24 x bf16 = 512 MiB), so larger steps are split into several passes.
 MLA_PREFILL_MASK_ELEMENTS = 1 << 24
+#: Bound on ``sum(seq_len)`` of one pass: its decompressed keys and values take ``heads x
+#: K x (qk_head_dim + v_head_dim)`` elements (16 x 2^15 x 320 x bf16 = 320 MiB at the
+#: DeepSeek-V2-Lite shape), so a few chunk tails with long cached contexts do not all expand
+#: at once; one request longer than this still runs alone, as before batching.
+MLA_PREFILL_MAX_KEYS = 1 << 15
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -156,7 +161,8 @@ class MLAAttention(nn.Module):
         if nd > 0:
             out[:nd] = self._decode_absorbed(q_nope[:nd], q_pe[:nd], kv_cache, meta)
         qsl = meta.query_start_loc_cpu
-        for r0, r1 in prefill_groups(qsl, meta.seq_lens_cpu, nd, meta.num_reqs, MLA_PREFILL_MASK_ELEMENTS):
+        for r0, r1 in prefill_groups(qsl, meta.seq_lens_cpu, nd, meta.num_reqs, MLA_PREFILL_MASK_ELEMENTS,
+                                     MLA_PREFILL_MAX_KEYS):
             start, end = qsl[r0], qsl[r1]
             out[start:end] = self._prefill_batched(q_nope[start:end], q_pe[start:end], kv_cache, meta, r0, r1)
         return out
@@ -246,16 +252,19 @@ def _default_backend_name(device_type: str) -> str:
 
 
 def prefill_groups(query_start_loc: list[int], seq_lens: list[int], first: int, last: int,
-                   max_elements: int) -> list[tuple[int, int]]:
+                   max_elements: int, max_keys: int | None = None) -> list[tuple[int, int]]:
     """Split requests ``first .. last-1`` into consecutive ranges ``(r0, r1)``, each one
     batched prefill pass, whose ``sum(q_len) * sum(seq_len)`` stays within
-    ``max_elements``; a request over the bound on its own forms a group. Requests without
-    queries belong to no group: their keys would be gathered and expanded for nothing."""
+    ``max_elements`` and ``sum(seq_len)`` (the keys decompressed at once) within
+    ``max_keys`` (None: no bound); a request over a bound on its own forms a group.
+    Requests without queries belong to no group: their keys would be gathered and
+    expanded for nothing."""
     groups: list[tuple[int, int]] = []
     r0, num_q, num_k = first, 0, 0
     for r in range(first, last):
         q_len, seq_len = query_start_loc[r + 1] - query_start_loc[r], seq_lens[r]
-        if r > r0 and (q_len == 0 or (num_q + q_len) * (num_k + seq_len) > max_elements):
+        over = (num_q + q_len) * (num_k + seq_len) > max_elements or (max_keys is not None and num_k + seq_len > max_keys)
+        if r > r0 and (q_len == 0 or over):
             groups.append((r0, r))
             r0, num_q, num_k = r, 0, 0
         if q_len == 0:

@@ -111,6 +111,9 @@ def test_prefill_groups():
     # Requests without queries end a group and join none.
     assert prefill_groups([0, 4, 4, 9, 9], [4, 6, 9, 2], 0, 4, 1 << 26) == [(0, 1), (2, 3)]
     assert prefill_groups([0, 0, 3], [5, 3], 0, 2, 1 << 26) == [(1, 2)]
+    # The key bound: 17+10 keys fit under 30, +61 does not; 61 alone is over it and runs alone.
+    assert prefill_groups(qsl, seqs, 2, 7, 1 << 26, max_keys=30) == [(2, 4), (4, 5), (5, 6), (6, 7)]
+    assert prefill_groups(qsl, seqs, 2, 7, 1 << 26, max_keys=10**6) == [(2, 7)]
 
 
 @pytest.mark.parametrize("bound,num_groups", [(1 << 26, 1), (3000, 3), (1, 5)])
