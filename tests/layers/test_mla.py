@@ -19,7 +19,7 @@ from tandem.layers import mla as mla_module
 from tandem.layers.fused_ops import apply_rotary
 from tandem.layers.mla import MLAAttention, gather_latent, prefill_groups, write_latent_cache
 from tandem.layers.rotary import RotaryEmbedding
-from tests.models.paged_parity import assert_paged_parity, step_metadata
+from tests.models.paged_parity import assert_paged_parity, random_hf_reference, step_metadata
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
@@ -222,20 +222,13 @@ def test_layer_triton_decode_equals_torch(dtype, triton_decode):
 def test_model_with_triton_decode_matches_transformers(triton_decode_cpu):
     """Tiny random DeepSeek-V2 with the Triton decode in every layer: transformers' logits
     for a ragged prefill, decode steps and a chunked step (fp32, 1e-4)."""
-    from transformers import AutoModelForCausalLM
-
     from tandem.models.registry import get_model_class
 
     cfg = DeepseekV2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                            max_position_embeddings=256, rms_norm_eps=1e-6, intermediate_size=96, n_routed_experts=8,
                            num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                            kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=24)
-    torch.manual_seed(0)
-    cfg._attn_implementation = "eager"
-    ref = AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0, 0.1)
+    ref = random_hf_reference(cfg)
     model = get_model_class(cfg)(cfg).eval()
     model.load_weights(ref.state_dict().items())
     mla = [m for m in model.modules() if isinstance(m, MLAAttention)]

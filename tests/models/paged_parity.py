@@ -8,6 +8,20 @@ import torch
 from tandem.attention.metadata import AttentionMetadata
 
 
+def random_hf_reference(cfg):
+    """transformers' model of ``cfg`` in fp32, eager attention, every weight drawn from
+    N(0, 0.1) after ``torch.manual_seed(0)``: the reference the parity tests load into Tandem."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg._attn_implementation = "eager"
+    ref = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.1)
+    return ref
+
+
 def step_metadata(q_lens, computed, block_tables, block_size, device: torch.device | str = "cpu") -> AttentionMetadata:
     """Metadata of one step (decode requests first), as the model runner builds it."""
     qsl = [0]

@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV2Config, MixtralConfig, Qwen3MoeConfig
+from transformers import DeepseekV2Config, MixtralConfig, Qwen3MoeConfig
 
-from tests.models.paged_parity import assert_paged_parity
+from tests.models.paged_parity import assert_paged_parity, random_hf_reference
 from tandem.attention.torch_backend import TorchAttentionBackend
 from tandem.models.registry import get_model_class
 
@@ -41,16 +41,6 @@ def _configs():
     }
 
 
-def _ref_model(cfg):
-    torch.manual_seed(0)
-    cfg._attn_implementation = "eager"
-    ref = AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0, 0.1)
-    return ref
-
-
 def _cache(model, num_layers, nblocks, bs):
     heads, dim = model.kv_cache_shape_per_block
     planes = getattr(model, "kv_cache_num_planes", 2)
@@ -60,7 +50,7 @@ def _cache(model, num_layers, nblocks, bs):
 @pytest.mark.parametrize("name", list(_configs()))
 def test_logits_match_transformers(name):
     cfg = _configs()[name]
-    ref = _ref_model(cfg)
+    ref = random_hf_reference(cfg)
     model = get_model_class(cfg)(cfg, TorchAttentionBackend()).eval()
     model.load_weights(ref.state_dict().items())
 
@@ -72,7 +62,7 @@ def test_logits_match_transformers(name):
 def test_per_expert_checkpoint_names_load():
     """Hub checkpoints store experts one by one (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2)."""
     cfg = _configs()["mixtral"]
-    ref = _ref_model(cfg)
+    ref = random_hf_reference(cfg)
     sd = {}
     for k, v in ref.state_dict().items():
         if k.endswith("experts.gate_up_proj"):
