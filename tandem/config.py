@@ -62,6 +62,9 @@ class EngineConfig:
         dbo_measure_graphs: with CUDA graphs, capture each decode size from the threshold
             up both split and plain, time their replays, and split only the sizes where
             that was faster (False: split every size from the threshold up).
+        dbo_ubatch_streams: on CUDA, each ubatch computes on its own stream (False: both
+            on the compute stream, as vLLM does), so that the kernels of two small ubatches
+            can run side by side.
         all2all_backend: MoE dispatch/combine: "local" (EP=1), "simulated" (EP=1 data plus a
             modeled link delay), "allgather_reducescatter" or "all_to_all" (EP > 1, over
             torch.distributed); "auto": local without EP, allgather_reducescatter with EP.
@@ -101,6 +104,7 @@ class EngineConfig:
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     dbo_measure_graphs: bool = True
+    dbo_ubatch_streams: bool = False
     all2all_backend: str = "auto"
     simulated_link_gbps: float = 40.0
     simulated_link_latency_us: float = 20.0

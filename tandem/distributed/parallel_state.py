@@ -239,6 +239,20 @@ def tp_min(value: int) -> int:
     return int(t.item())
 
 
+def forward_min(value: int) -> int:
+    """Smallest ``value`` over every rank whose forwards exchange data with this one's: the
+    TP group, and with expert parallelism all DP replicas too (gloo; ``value`` itself on
+    one rank). For choices that change a forward's collectives (e.g. split or plain CUDA
+    graph of a size), which must then be the same everywhere."""
+    v = tp_min(value)
+    g = _STATE.dp_group
+    if g is None or _STATE.info.ep_size == 1:
+        return v
+    t = torch.tensor([v], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
+    return int(t.item())
+
+
 # ------------------------------------------------------------------------------ DP
 def get_dp_group() -> dist.ProcessGroup | None:
     """gloo group of the ranks with this ``tp_rank`` in every DP replica (None when
@@ -280,5 +294,5 @@ def get_ep_rank() -> int:
 
 __all__ = ["ParallelInfo", "destroy_distributed", "env_rendezvous", "get_dp_control_group", "get_dp_group",
            "get_dp_rank", "get_dp_ranks", "get_dp_size", "get_ep_group", "get_ep_rank", "get_ep_size",
-           "get_parallel_info", "get_rank", "get_tp_cpu_group", "get_tp_group", "get_tp_rank", "get_tp_size",
+           "forward_min", "get_parallel_info", "get_rank", "get_tp_cpu_group", "get_tp_group", "get_tp_rank", "get_tp_size",
            "get_tp_src_rank", "get_world_size", "init_distributed", "is_distributed", "tp_all_reduce", "tp_min"]

@@ -47,9 +47,6 @@ class LLMEngine:
             raise ValueError(f"tensor_parallel_size x data_parallel_size = {config.world_size} ranks, but this process "
                              f"is not one of them: build the engine through tandem.entrypoints.llm.LLM or "
                              f"tandem.engine.dp_engine (they launch the ranks)")
-        if ps.get_ep_size() > 1 and not config.enforce_eager:
-            # The EP exchanges need a forward context that decode CUDA graphs do not set yet.
-            config.enforce_eager = True
         device, dtype = config.torch_device, config.torch_dtype
         self.hf_config = load_hf_config(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
@@ -83,7 +80,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
                                   max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
                                   dbo=DBOConfig(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold,
-                                                config.dbo_measure_graphs)
+                                                config.dbo_measure_graphs, config.dbo_ubatch_streams)
                                   if config.enable_dbo else None)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
         if ps.get_ep_size() > 1:

@@ -36,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--dbo-prefill-token-threshold", type=int, default=512)
     p.add_argument("--dbo-measure-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="split a decode CUDA graph size only where its replay was measured faster than the plain one")
+    p.add_argument("--dbo-ubatch-streams", action=argparse.BooleanOptionalAction, default=False,
+                   help="compute each ubatch on its own CUDA stream so that their kernels can run side by side")
     p.add_argument("--all2all-backend", default="auto",
                    choices=["auto", "local", "simulated", "allgather_reducescatter", "all_to_all"],
                    help="MoE dispatch/combine (auto: local without EP, allgather_reducescatter with EP)")

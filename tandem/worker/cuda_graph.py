@@ -16,6 +16,8 @@ import torch
 
 from tandem.attention.metadata import AttentionMetadata
 from tandem.distributed import parallel_state as ps
+from tandem.distributed.forward_context import ForwardContext, forward_context
+from tandem.worker.ubatching import run_ubatches
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +50,18 @@ class DecodeCUDAGraphs:
             is fast against compute). The timed replays run on the capture buffers (context
             of one token): attention, which both variants share, is under-weighted, which
             favours the unsplit graph. ``timings`` keeps (plain ms, split ms) per size. The
-            TP ranks of a replica keep a split graph only where every one of them measured
-            it faster (:func:`tandem.distributed.parallel_state.tp_min`): they replay the
-            same graph in lockstep, and a split and a plain graph issue different TP
-            all-reduces.
+            ranks whose forwards exchange data (the TP group; with expert parallelism every
+            DP replica too) keep a split graph only where every one of them measured it
+            faster (:func:`tandem.distributed.parallel_state.forward_min`): they replay the
+            same size in lockstep, and a split and a plain graph issue different
+            collectives.
+        ubatch_streams: the split graphs compute each ubatch on its own stream (parallel
+            branches of the graph; see :func:`tandem.worker.ubatching.run_ubatches`).
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device, dbo_min_size: int | None = None,
-                 sizes: list[int] | None = None, measure_dbo: bool = False) -> None:
+                 sizes: list[int] | None = None, measure_dbo: bool = False, ubatch_streams: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes) if sizes else capture_sizes(max_num_seqs)
@@ -75,6 +80,7 @@ class DecodeCUDAGraphs:
         self.dbo_min_size = dbo_min_size
         self.split_sizes = {s for s in self.sizes if dbo_min_size is not None and s >= dbo_min_size and s >= 2}
         self.measure_dbo = measure_dbo
+        self.ubatch_streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if ubatch_streams else None
         self.timings: dict[int, tuple[float, float]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -99,16 +105,15 @@ class DecodeCUDAGraphs:
         )
 
     def _forward(self, size: int, split: bool) -> torch.Tensor:
-        if not split:
-            return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(0, size))
-        from tandem.distributed.forward_context import ForwardContext, forward_context
-        from tandem.worker.ubatching import run_ubatches
-
-        cut = size // 2
-        halves = [(0, cut), (cut, size)]
-        with forward_context(ForwardContext(max_tokens_per_rank=size - cut)):
+        # Expert-parallel exchanges pad to the forward's (or ubatch's) size, which every DP
+        # rank replays alike.
+        cut = size // 2 if split else size
+        with forward_context(ForwardContext(max_tokens_per_rank=size - cut if split else size, dp_size=ps.get_dp_size())):
+            if not split:
+                return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(0, size))
             h0, h1 = run_ubatches(*(self.model.forward_steps(self.input_ids[a:b], self.positions[a:b], self.kv_caches,
-                                                             self._meta(a, b)) for a, b in halves))
+                                                             self._meta(a, b)) for a, b in ((0, cut), (cut, size))),
+                                  streams=self.ubatch_streams)
         return torch.cat([h0, h1])
 
     def _capture(self, size: int, split: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -143,7 +148,7 @@ class DecodeCUDAGraphs:
                 plain_g, plain_out = self._capture(size, False)
                 self.timings[size] = (self._replay_ms(plain_g), self._replay_ms(g))
                 # Timings differ between ranks; the choice must not (collectives must match).
-                if not ps.tp_min(int(self.timings[size][1] < self.timings[size][0])):
+                if not ps.forward_min(int(self.timings[size][1] < self.timings[size][0])):
                     self.split_sizes.discard(size)
                     g, out = plain_g, plain_out
             self.graphs[size], self.outputs[size] = g, out
@@ -160,13 +165,17 @@ class DecodeCUDAGraphs:
         return None
 
     def run(self, n: int, input_ids: torch.Tensor, positions: np.ndarray, slot_mapping: np.ndarray,
-            seq_lens: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray) -> torch.Tensor:
+            seq_lens: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray,
+            size: int | None = None) -> torch.Tensor:
         """Replay for ``n`` decode sequences; returns hidden states ``[n, hidden]``.
 
         ``input_ids`` is a device tensor (it may hold the previous step's samples); the
         rest are host arrays copied into the persistent buffers without a host sync.
+        ``size``: the capture size to replay (default: the smallest that holds ``n``);
+        data-parallel ranks pass the one for the largest batch of any rank, so that
+        their graphs' expert-parallel exchanges match.
         """
-        size = self.padded_size(n)
+        size = self.padded_size(n) if size is None else size
         h2d = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(h2d(positions))
@@ -174,6 +183,14 @@ class DecodeCUDAGraphs:
         self.seq_lens[:n].copy_(h2d(seq_lens.astype(np.int32)))
         self.num_computed[:n].copy_(h2d(num_computed.astype(np.int32)))
         self.block_tables[:n, : block_table.shape[1]].copy_(h2d(block_table))
+        return self._replay(n, size)
+
+    def run_padding(self, size: int) -> None:
+        """Replay the graph of ``size`` with padding rows only: an idle data-parallel rank's
+        share of the expert-parallel exchanges."""
+        self._replay(0, size)
+
+    def _replay(self, n: int, size: int) -> torch.Tensor:
         if size > n:
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)

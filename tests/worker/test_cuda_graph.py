@@ -1,6 +1,7 @@
 """Decode CUDA graphs with dual-batch overlap on the device (skipped without CUDA): with
 ``measure_dbo`` the capture keeps a split graph only where its replay was faster, and every
-kept graph, split or plain, gives the eager forward's hidden states."""
+kept graph, split or plain (with the ubatches on one stream or on two), gives the eager
+forward's hidden states."""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ def _model(dev):
 
 
 @cuda
-@pytest.mark.parametrize("faked,other_tp_rank_says_plain", [(True, False), (True, True), (False, False)])
-def test_measured_dbo_graphs_equal_eager(monkeypatch, faked, other_tp_rank_says_plain):
+@pytest.mark.parametrize("faked,other_tp_rank_says_plain,streams",
+                         [(True, False, False), (True, True, False), (False, False, False), (True, False, True),
+                          (False, False, True)])
+def test_measured_dbo_graphs_equal_eager(monkeypatch, faked, other_tp_rank_says_plain, streams):
     from tandem.attention.metadata import AttentionMetadata
     from tandem.worker.cuda_graph import DecodeCUDAGraphs
 
@@ -49,11 +52,12 @@ def test_measured_dbo_graphs_equal_eager(monkeypatch, faked, other_tp_rank_says_
         times = iter([2.0, 1.0, 1.0, 2.0, 1.0, 1.0])
         monkeypatch.setattr(DecodeCUDAGraphs, "_replay_ms", lambda self, g: next(times))
     if other_tp_rank_says_plain:
-        # The TP ranks agree through tp_min: one rank that measured split slower wins.
+        # The ranks agree through forward_min: one rank that measured split slower wins.
         from tandem.worker import cuda_graph
 
-        monkeypatch.setattr(cuda_graph.ps, "tp_min", lambda v: 0)
-    g = DecodeCUDAGraphs(model, kv, 16, max_blocks, bs, dev, dbo_min_size=4, sizes=[2, 4, 8, 16], measure_dbo=True)
+        monkeypatch.setattr(cuda_graph.ps, "forward_min", lambda v: 0)
+    g = DecodeCUDAGraphs(model, kv, 16, max_blocks, bs, dev, dbo_min_size=4, sizes=[2, 4, 8, 16], measure_dbo=True,
+                         ubatch_streams=streams)
     g.capture()
     assert set(g.timings) == {4, 8, 16}
     if faked:
