@@ -8,7 +8,7 @@ ignored, CUDA graphs on), each in its own process:
      ``--link-gbps`` / ``--latency-us`` / ``--ep-size``), DBO off;
   3. ``sim_dbo``: the same with ``--enable-dbo`` (decode graph sizes split only where
      the split replay was measured faster, the default);
-  4. ``sim_dbo_always``: ``--enable-dbo --no-dbo-measure-graphs`` (every decode size from
+  4. ``sim_dbo_always``: ``--enable-dbo --no-dbo-measure-split`` (every decode size from
      the threshold up split);
   5. ``sim_dbo_decode``: DBO on decode steps only (no step with prefill tokens is split).
 With ``--rank-experts`` the simulated runs compute like one rank of the EP group
@@ -55,7 +55,7 @@ def main() -> None:
     if args.rank_experts:
         sim.append("--simulated-ep-rank-experts")
     variants = {"local": ["--all2all-backend", "local"], "sim": sim, "sim_dbo": [*sim, "--enable-dbo"],
-                "sim_dbo_always": [*sim, "--enable-dbo", "--no-dbo-measure-graphs"],
+                "sim_dbo_always": [*sim, "--enable-dbo", "--no-dbo-measure-split"],
                 "sim_dbo_decode": [*sim, "--enable-dbo", "--dbo-prefill-token-threshold", str(10**9)]}
     res = {}
     for name in args.runs.split(","):

@@ -59,9 +59,11 @@ class EngineConfig:
             and overlap one's all-to-all with the other's compute (DESIGN.md).
         dbo_decode_token_threshold: smallest decode-only step that is split.
         dbo_prefill_token_threshold: smallest step with prefill tokens that is split.
-        dbo_measure_graphs: with CUDA graphs, capture each decode size from the threshold
-            up both split and plain, time their replays, and split only the sizes where
-            that was faster (False: split every size from the threshold up).
+        dbo_measure_split: on CUDA, split only where a split step was measured faster
+            than a plain one: with CUDA graphs each decode size from the threshold up is
+            captured both ways and their replays timed; steps with prefill tokens split
+            only if an eager step of ``max_num_batched_tokens`` tokens did (False: split
+            every step from the thresholds up).
         dbo_ubatch_streams: on CUDA, each ubatch computes on its own stream (False: both
             on the compute stream, as vLLM does), so that the kernels of two small ubatches
             can run side by side.
@@ -103,7 +105,7 @@ class EngineConfig:
     enable_dbo: bool = False
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
-    dbo_measure_graphs: bool = True
+    dbo_measure_split: bool = True
     dbo_ubatch_streams: bool = False
     all2all_backend: str = "auto"
     simulated_link_gbps: float = 40.0

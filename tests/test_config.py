@@ -13,7 +13,7 @@ def test_simulated_ep_fields_are_checked():
     with pytest.raises(ValueError, match="simulated_ep_size"):
         EngineConfig(model="m", all2all_backend="simulated", simulated_ep_size=0)
     cfg = EngineConfig(model="m", all2all_backend="simulated", simulated_ep_rank_experts=True)
-    assert cfg.dbo_measure_graphs  # split decode graphs only where measured faster, by default
+    assert cfg.dbo_measure_split  # split decode graphs only where measured faster, by default
 
 
 def test_cli_flags_reach_the_config():
@@ -24,5 +24,5 @@ def test_cli_flags_reach_the_config():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     cfg = engine_config_from_args(p.parse_args(["--model", "m", "--all2all-backend", "simulated",
-                                                "--simulated-ep-rank-experts", "--no-dbo-measure-graphs"]))
-    assert cfg.simulated_ep_rank_experts and not cfg.dbo_measure_graphs
+                                                "--simulated-ep-rank-experts", "--no-dbo-measure-split"]))
+    assert cfg.simulated_ep_rank_experts and not cfg.dbo_measure_split

@@ -80,13 +80,15 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
                                   max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
                                   dbo=DBOConfig(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold,
-                                                config.dbo_measure_graphs, config.dbo_ubatch_streams)
+                                                config.dbo_measure_split, config.dbo_ubatch_streams)
                                   if config.enable_dbo else None)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
         if ps.get_ep_size() > 1:
             # Expert parallelism: every DP rank's forward takes part in the EP collectives, so
             # the runner agrees on each step (and runs dummy batches) over the DP group.
             self.runner.dp_group = ps.get_dp_group()
+        if config.enable_dbo and config.dbo_measure_split:
+            self.runner.measure_prefill_split(config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids()
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.async_output_proc = config.async_output_proc

@@ -34,8 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--enable-dbo", action="store_true", help="dual-batch overlap for MoE models")
     p.add_argument("--dbo-decode-token-threshold", type=int, default=32)
     p.add_argument("--dbo-prefill-token-threshold", type=int, default=512)
-    p.add_argument("--dbo-measure-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="split a decode CUDA graph size only where its replay was measured faster than the plain one")
+    p.add_argument("--dbo-measure-split", action=argparse.BooleanOptionalAction, default=True,
+                   help="split only where measured faster at startup: each decode CUDA graph size, and one step of "
+                        "max-num-batched-tokens prefill tokens for steps with prefill")
     p.add_argument("--dbo-ubatch-streams", action=argparse.BooleanOptionalAction, default=False,
                    help="compute each ubatch on its own CUDA stream so that their kernels can run side by side")
     p.add_argument("--all2all-backend", default="auto",

@@ -13,6 +13,7 @@ the model's compute, with the same pipeline structure as on a GPU.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -23,12 +24,14 @@ import torch.distributed as dist
 from tandem.core.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.sampling_params import SamplingParams
 from tandem.worker.cuda_graph import DecodeCUDAGraphs
+from tandem.distributed import parallel_state as ps
 from tandem.distributed.dp_coordination import StepPlan, coordinate_step
 from tandem.distributed.forward_context import ForwardContext, forward_context
 from tandem.worker.ubatching import (StepInputs, empty_step_inputs, pad_step_inputs, run_ubatches,
                                      split_point)
 from tandem.worker.sampler import SamplingBatch, SamplerOutput, sample, token_seed
 
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,14 +63,16 @@ class ModelRunnerOutput:
 @dataclass(frozen=True)
 class DBOConfig:
     """Smallest steps split into two ubatches (decode-only steps / steps with prefill);
-    ``measure_decode_graphs``: keep a split decode CUDA graph only where its replay was
-    measured faster than the plain one (:class:`DecodeCUDAGraphs` ``measure_dbo``);
+    ``measure_split``: keep a split decode CUDA graph only where its replay was
+    measured faster than the plain one (:class:`DecodeCUDAGraphs` ``measure_dbo``), and
+    split steps with prefill tokens only if a split step of the largest size was
+    (:meth:`ModelRunner.measure_prefill_split`);
     ``ubatch_streams``: each ubatch computes on its own CUDA stream
     (:func:`tandem.worker.ubatching.run_ubatches`)."""
 
     decode_token_threshold: int = 32
     prefill_token_threshold: int = 512
-    measure_decode_graphs: bool = True
+    measure_split: bool = True
     ubatch_streams: bool = False
 
 
@@ -155,13 +160,16 @@ class ModelRunner:
             dbo_min = dbo.decode_token_threshold if dbo is not None and hasattr(model, "forward_steps") else None
             self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, -(-max_model_len // block_size), block_size,
                                                 device, dbo_min_size=dbo_min,
-                                                measure_dbo=dbo is not None and dbo.measure_decode_graphs,
+                                                measure_dbo=dbo is not None and dbo.measure_split,
                                                 ubatch_streams=dbo is not None and dbo.ubatch_streams)
             self.cuda_graphs.capture()
         # Data-parallel coordination group (gloo), set by the distributed launcher.
         self.dp_group: dist.ProcessGroup | None = None
         self.dbo = dbo
         self.num_dbo_steps = 0
+        # Steps with prefill tokens may split (DBO on); measure_prefill_split may say no.
+        self.prefill_split = True
+        self.prefill_split_timings: tuple[float, float] | None = None
         self._ubatch_streams = ((torch.cuda.Stream(device), torch.cuda.Stream(device))
                                 if self._is_cuda and dbo is not None and dbo.ubatch_streams else None)
         # Per step, when timing is on: (start event, end event, sequences, all decode?,
@@ -323,8 +331,50 @@ class ModelRunner:
             return False
         n = inputs.num_tokens
         decode_only = inputs.num_decode_reqs() == inputs.num_reqs
+        if not decode_only and not self.prefill_split:
+            return False
         threshold = self.dbo.decode_token_threshold if decode_only else self.dbo.prefill_token_threshold
         return n >= threshold and split_point(n, n) is not None
+
+    @torch.inference_mode()
+    def measure_prefill_split(self, num_tokens: int, iters: int = 3) -> tuple[float, float] | None:
+        """Time an eager step of ``num_tokens`` prefill tokens (one dummy request of random
+        ids, K/V into the null block) plain and as two ubatches (CUDA events, median of
+        ``iters`` after a warm-up of each); steps with prefill tokens then split only if the
+        split one was faster on every rank whose forwards exchange data
+        (:func:`tandem.distributed.parallel_state.forward_min`). Every such rank must call
+        this at the same point with the same ``num_tokens`` (the MoE exchanges pair up).
+
+        Returns:
+            (plain ms, split ms), also kept in ``prefill_split_timings``; None when nothing
+            was measured (DBO off, not CUDA, a dense model, or ``num_tokens`` below the
+            prefill threshold).
+        """
+        if (self.dbo is None or not self._is_cuda or not hasattr(self.model, "forward_steps")
+                or num_tokens < self.dbo.prefill_token_threshold):
+            return None
+        dummy = pad_step_inputs(empty_step_inputs(), num_tokens, self.block_size)
+        # Random ids: routing spreads over the experts as in real prompts.
+        ids = torch.randint(0, self.vocab_size, (num_tokens,), device=self.device)
+        times = []
+        for split in (False, True):
+            plan = StepPlan(num_tokens, num_tokens, split, False)
+            ms = []
+            for i in range(iters + 1):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._forward(dummy, ids, plan)
+                end.record()
+                end.synchronize()
+                if i:
+                    ms.append(start.elapsed_time(end))
+            times.append(float(np.median(ms)))
+        self.num_dbo_steps = 0
+        self.prefill_split_timings = (times[0], times[1])
+        self.prefill_split = bool(ps.forward_min(int(times[1] < times[0])))
+        logger.info("dual-batch overlap for steps with prefill tokens: %s (a %d-token step took %.2f ms plain, "
+                    "%.2f ms split)", "on" if self.prefill_split else "off", num_tokens, times[0], times[1])
+        return self.prefill_split_timings
 
     def _forward(self, inputs: StepInputs, input_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Eager forward of a step, padded to the size every DP rank agreed on and, when

@@ -130,7 +130,7 @@ def test_dp2_ep2_decode_cuda_graphs_with_dbo(model_dir, ubatch_streams):
     finally:
         ref.engine.shutdown()
     llm = DPLLM(model=model, data_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all",
-                enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dbo_measure_graphs=False,
+                enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dbo_measure_split=False,
                 dbo_ubatch_streams=ubatch_streams, **gpu)
     try:
         assert generate_ids(llm, PROMPTS) == want

@@ -59,7 +59,7 @@ def test_dbo_on_equals_off(tmp_path, family, async_on):
     off.engine.shutdown()
     # On a GPU: every decode graph size from 4 up split (not only where measured faster).
     on = _llm(tmp_path, family, async_output_proc=async_on, enable_dbo=True, all2all_backend="simulated",
-              dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16, dbo_measure_graphs=False)
+              dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16, dbo_measure_split=False)
     got = [o.outputs[0].token_ids for o in on.generate(PROMPTS, p, use_tqdm=False)]
     assert on.engine.runner.num_dbo_steps > 0
     assert got == want
@@ -77,12 +77,35 @@ def test_ubatch_streams_equal_off(tmp_path, enforce_eager):
     want = [o.outputs[0].token_ids for o in off.generate(PROMPTS, p, use_tqdm=False)]
     off.engine.shutdown()
     on = _llm(tmp_path, "deepseek_v2", enforce_eager=enforce_eager, enable_dbo=True, all2all_backend="simulated",
-              dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16, dbo_measure_graphs=False,
+              dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16, dbo_measure_split=False,
               dbo_ubatch_streams=True)
     got = [o.outputs[0].token_ids for o in on.generate(PROMPTS, p, use_tqdm=False)]
     assert on.engine.runner.num_dbo_steps > 0
     assert got == want
     assert_all_blocks_free(on.engine)
+    on.engine.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA steps")
+@pytest.mark.parametrize("agreed", [0, 1])
+def test_measured_prefill_split(tmp_path, monkeypatch, agreed):
+    """At startup a step of max_num_batched_tokens prefill tokens is timed plain and split;
+    steps with prefill tokens split only if every rank found the split faster."""
+    from tandem.distributed import parallel_state as ps
+
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    off = _llm(tmp_path, "deepseek_v2", max_num_batched_tokens=64)
+    want = [o.outputs[0].token_ids for o in off.generate(PROMPTS, p, use_tqdm=False)]
+    off.engine.shutdown()
+    monkeypatch.setattr(ps, "forward_min", lambda v: agreed)  # what the ranks agreed on
+    on = _llm(tmp_path, "deepseek_v2", max_num_batched_tokens=64, enable_dbo=True, all2all_backend="simulated",
+              dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16)
+    runner = on.engine.runner
+    plain_ms, split_ms = runner.prefill_split_timings
+    assert plain_ms > 0 and split_ms > 0 and runner.prefill_split == bool(agreed)
+    got = [o.outputs[0].token_ids for o in on.generate(PROMPTS, p, use_tqdm=False)]
+    assert got == want
+    assert (runner.num_dbo_steps > 0) == bool(agreed)  # eager splits: the steps with prefill
     on.engine.shutdown()
 
 
