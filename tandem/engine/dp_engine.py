@@ -55,6 +55,7 @@ from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
 from tandem.distributed.launch import resolve_rendezvous, spawn_ranks
 from tandem.entrypoints.llm import LLM
+from tandem.logging_config import configure_logging
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -238,6 +239,7 @@ def _serve_nonzero(engine, info) -> None:
 def _rank_main(config: EngineConfig, rank: int, world_size: int, master_addr: str, master_port: int,
                inbox, outbox) -> None:
     """Entry of a spawned rank process."""
+    configure_logging()
     if os.environ.get("TANDEM_DUMP_STACKS_AFTER_S"):  # debugging a hang: every rank prints its stacks
         import faulthandler
 

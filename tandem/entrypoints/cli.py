@@ -7,6 +7,7 @@ import sys
 from dataclasses import fields
 
 from tandem.config import EngineConfig
+from tandem.logging_config import configure_logging
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     try:
+        configure_logging()
         args.func(args)
     except (ValueError, FileNotFoundError) as e:
         # Bad input (a flag value, a model path, a prompt over the context): the message,
