@@ -9,9 +9,7 @@ is timed with DBO off (one batch) and on (two interleaved ubatches), beside
 max(compute, comm), the best overlap can give. "compute split" is the step time of the two
 ubatches with a free link: what splitting itself costs (each ubatch reads the expert weights
 again, which dominates while the expert GEMMs are bound by weight reads), so
-on / max(compute split, comm) is the overlap the interleaving achieves. The "streams"
-columns repeat the split runs with each ubatch computing on its own CUDA stream
-(``--dbo-ubatch-streams``), so that the two ubatches' small kernels can run side by side.
+on / max(compute split, comm) is the overlap the interleaving achieves.
 
 "floor" is a lower bound for any schedule of two ubatches: each ubatch is a chain (compute,
 dispatch, expert compute, combine, next layer, ...) that runs in order, so the step takes
@@ -99,12 +97,11 @@ def main() -> None:
     top_k, hidden = cfg["num_experts_per_tok"], cfg["hidden_size"]
     elem = torch.finfo(dtype).bits // 8
 
-    def step_time(b: int, split: bool, measure: bool = False, streams: bool = False) -> tuple[float, bool]:
+    def step_time(b: int, split: bool, measure: bool = False) -> tuple[float, bool]:
         """Median step time (ms) of the graph for ``b`` sequences, and whether it is split.
-        ``measure``: the engine's default policy picks split or plain by timing both;
-        ``streams``: each ubatch computes on its own stream (``--dbo-ubatch-streams``)."""
+        ``measure``: the engine's default policy picks split or plain by timing both."""
         g = DecodeCUDAGraphs(model, kv, b, blocks_per_seq, bs, device, dbo_min_size=2 if split or measure else None,
-                             sizes=[b], measure_dbo=measure, ubatch_streams=streams)
+                             sizes=[b], measure_dbo=measure)
         g.capture()
         table = (1 + np.arange(b)[:, None] * blocks_per_seq + np.arange(blocks_per_seq)[None, :]).astype(np.int32)
         pos = np.full(b, args.context, dtype=np.int64)
@@ -135,7 +132,6 @@ def main() -> None:
     for b in batches:
         link.bandwidth_gbps, link.latency_us = 1e9, 0.0
         compute, compute_split = step_time(b, False)[0], step_time(b, True)[0]
-        compute_split_streams = step_time(b, True, streams=True)[0]
         compute_half = step_time(b // 2, False)[0]
         for r in ratios:
             exchange_bytes = link.bytes(b, top_k, hidden, elem)
@@ -147,22 +143,15 @@ def main() -> None:
             comm_half = 2 * num_moe * link.seconds(b // 2, top_k, hidden, elem) * 1e3
             off, on = step_time(b, False)[0], step_time(b, True)[0]
             policy, policy_split = step_time(b, False, measure=True)
-            on_streams = step_time(b, True, streams=True)[0]
-            policy_streams, policy_streams_split = step_time(b, False, measure=True, streams=True)
             row = dict(batch=b, ratio=r, compute_ms=compute, compute_split_ms=compute_split, comm_ms=comm,
                        link_gbps=link.bandwidth_gbps, dbo_off_ms=off, dbo_on_ms=on, bound_ms=max(compute, comm),
-                       policy_ms=policy, policy_split=policy_split, compute_split_streams_ms=compute_split_streams,
-                       dbo_on_streams_ms=on_streams, policy_streams_ms=policy_streams,
-                       policy_streams_split=policy_streams_split, compute_half_ms=compute_half,
+                       policy_ms=policy, policy_split=policy_split, compute_half_ms=compute_half,
                        two_ubatch_floor_ms=compute_half + comm_half)
             row["on_over_bound"] = on / row["bound_ms"]
             row["on_over_split_bound"] = on / max(compute_split, comm)
             row["on_over_off"] = on / off
             row["policy_over_off"] = policy / off
             row["floor_over_bound"] = row["two_ubatch_floor_ms"] / row["bound_ms"]
-            row["on_streams_over_bound"] = on_streams / row["bound_ms"]
-            row["on_streams_over_off"] = on_streams / off
-            row["policy_streams_over_off"] = policy_streams / off
             rows.append(row)
             print(json.dumps(row), flush=True)
         report()
@@ -179,22 +168,12 @@ def main() -> None:
     print("\nLower bound of any two-ubatch overlap: each ubatch's chain of compute and exchanges runs in "
           "order, so a step takes at least one ubatch's compute alone, T(b/2), plus its exchanges:\n")
     print("| batch | comm/compute | T(b) ms | T(b/2) ms | comm(b/2) ms | floor ms | floor / max(compute, comm) "
-          "| DBO on / floor | DBO on (streams) / floor |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| DBO on / floor |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         fl = r["two_ubatch_floor_ms"]
         print(f"| {r['batch']} | {r['ratio']:.2f} | {r['compute_ms']:.2f} | {r['compute_half_ms']:.2f} | "
-              f"{fl - r['compute_half_ms']:.2f} | {fl:.2f} | {r['floor_over_bound']:.2f} | {r['dbo_on_ms'] / fl:.2f} | "
-              f"{r['dbo_on_streams_ms'] / fl:.2f} |")
-    print("\nEach ubatch on its own stream (--dbo-ubatch-streams):\n")
-    print("| batch | comm/compute | compute ms | compute split ms (streams) | DBO on ms (streams) | on / max(compute, comm) "
-          "| on / off | policy ms (kept) | policy / off |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['batch']} | {r['ratio']:.2f} | {r['compute_ms']:.2f} | {r['compute_split_streams_ms']:.2f} | "
-              f"{r['dbo_on_streams_ms']:.2f} | {r['on_streams_over_bound']:.2f} | {r['on_streams_over_off']:.2f} | "
-              f"{r['policy_streams_ms']:.2f} ({'split' if r['policy_streams_split'] else 'plain'}) | "
-              f"{r['policy_streams_over_off']:.2f} |")
+              f"{fl - r['compute_half_ms']:.2f} | {fl:.2f} | {r['floor_over_bound']:.2f} | {r['dbo_on_ms'] / fl:.2f} |")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -213,7 +192,7 @@ def plot(rows: list[dict], path: str) -> None:
         x = [r["ratio"] for r in rs]
         ax.plot(x, [r["dbo_off_ms"] for r in rs], "o-", label="DBO off")
         ax.plot(x, [r["dbo_on_ms"] for r in rs], "s-", label="DBO on")
-        ax.plot(x, [r["dbo_on_streams_ms"] for r in rs], "^-", label="DBO on, ubatch streams")
+        ax.plot(x, [r["two_ubatch_floor_ms"] for r in rs], "r-.", label="two-ubatch floor")
         ax.plot(x, [r["bound_ms"] for r in rs], "k--", label="max(compute, comm)")
         ax.plot(x, [max(r["compute_split_ms"], r["comm_ms"]) for r in rs], "k:", label="max(compute split, comm)")
         ax.set_title(f"decode batch {b}")

@@ -6,8 +6,7 @@ shape, and TP on a Llama-3.1-8B shape, dummy weights. Each part runs in its own 
   ``--data-parallel-size 2 --enable-expert-parallel --all2all-backend all_to_all`` equal to
   the single-GPU run;
 * ``ds_bench``: the seed workload (``tandem bench throughput``: 1000 prompts, 128 in, 256
-  out, bf16, CUDA graphs) with DP=2 + EP=2 over NCCL ``all_to_all``, DBO off, on, and on
-  with ``--dbo-ubatch-streams``;
+  out, bf16, CUDA graphs) with DP=2 + EP=2 over NCCL ``all_to_all``, DBO off and on;
 * ``ep_timing``: per-MoE-layer time of dispatch, expert compute and combine of the NCCL
   ``all_to_all`` backend at decode sizes (torchrun, one process per GPU);
 * ``tp_parity`` / ``tp_bench``: ``--tensor-parallel-size 2`` against TP=1, and its seed
@@ -122,9 +121,7 @@ def main() -> None:
                 data_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all"))
         elif part == "ds_bench":
             results[part] = {"dbo_off": bench(args.out, "ds_dbo_off", ds, args.limit, dp_ep),
-                             "dbo_on": bench(args.out, "ds_dbo_on", ds, args.limit, [*dp_ep, "--enable-dbo"]),
-                             "dbo_on_streams": bench(args.out, "ds_dbo_on_streams", ds, args.limit,
-                                                     [*dp_ep, "--enable-dbo", "--dbo-ubatch-streams"])}
+                             "dbo_on": bench(args.out, "ds_dbo_on", ds, args.limit, [*dp_ep, "--enable-dbo"])}
         elif part == "ep_timing":
             path = os.path.join(args.out, "ep_timing.json")
             ok = run(ep_timing_cmd(path), args.limit)
@@ -140,8 +137,6 @@ def main() -> None:
     print("\n| run | requests/s | output tok/s |\n|---|---|---|")
     rows = [("DeepSeek-V2-Lite DP=2 EP=2 all_to_all, DBO off", (results.get("ds_bench") or {}).get("dbo_off")),
             ("DeepSeek-V2-Lite DP=2 EP=2 all_to_all, DBO on", (results.get("ds_bench") or {}).get("dbo_on")),
-            ("DeepSeek-V2-Lite DP=2 EP=2 all_to_all, DBO on, ubatch streams",
-             (results.get("ds_bench") or {}).get("dbo_on_streams")),
             ("Llama-3.1-8B TP=2", results.get("tp_bench"))]
     for name, r in rows:
         if r:

@@ -64,9 +64,6 @@ class EngineConfig:
             captured both ways and their replays timed; steps with prefill tokens split
             only if an eager step of ``max_num_batched_tokens`` tokens did (False: split
             every step from the thresholds up).
-        dbo_ubatch_streams: on CUDA, each ubatch computes on its own stream (False: both
-            on the compute stream, as vLLM does), so that the kernels of two small ubatches
-            can run side by side.
         all2all_backend: MoE dispatch/combine: "local" (EP=1), "simulated" (EP=1 data plus a
             modeled link delay), "allgather_reducescatter" or "all_to_all" (EP > 1, over
             torch.distributed); "auto": local without EP, allgather_reducescatter with EP.
@@ -106,7 +103,6 @@ class EngineConfig:
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     dbo_measure_split: bool = True
-    dbo_ubatch_streams: bool = False
     all2all_backend: str = "auto"
     simulated_link_gbps: float = 40.0
     simulated_link_latency_us: float = 20.0

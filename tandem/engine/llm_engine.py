@@ -80,7 +80,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
                                   max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
                                   dbo=DBOConfig(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold,
-                                                config.dbo_measure_split, config.dbo_ubatch_streams)
+                                                config.dbo_measure_split)
                                   if config.enable_dbo else None)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
         if ps.get_ep_size() > 1:

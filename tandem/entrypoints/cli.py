@@ -38,8 +38,6 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--dbo-measure-split", action=argparse.BooleanOptionalAction, default=True,
                    help="split only where measured faster at startup: each decode CUDA graph size, and one step of "
                         "max-num-batched-tokens prefill tokens for steps with prefill")
-    p.add_argument("--dbo-ubatch-streams", action=argparse.BooleanOptionalAction, default=False,
-                   help="compute each ubatch on its own CUDA stream so that their kernels can run side by side")
     p.add_argument("--all2all-backend", default="auto",
                    choices=["auto", "local", "simulated", "allgather_reducescatter", "all_to_all"],
                    help="MoE dispatch/combine (auto: local without EP, allgather_reducescatter with EP)")

@@ -55,13 +55,11 @@ class DecodeCUDAGraphs:
             faster (:func:`tandem.distributed.parallel_state.forward_min`): they replay the
             same size in lockstep, and a split and a plain graph issue different
             collectives.
-        ubatch_streams: the split graphs compute each ubatch on its own stream (parallel
-            branches of the graph; see :func:`tandem.worker.ubatching.run_ubatches`).
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device, dbo_min_size: int | None = None,
-                 sizes: list[int] | None = None, measure_dbo: bool = False, ubatch_streams: bool = False) -> None:
+                 sizes: list[int] | None = None, measure_dbo: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes) if sizes else capture_sizes(max_num_seqs)
@@ -80,7 +78,6 @@ class DecodeCUDAGraphs:
         self.dbo_min_size = dbo_min_size
         self.split_sizes = {s for s in self.sizes if dbo_min_size is not None and s >= dbo_min_size and s >= 2}
         self.measure_dbo = measure_dbo
-        self.ubatch_streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if ubatch_streams else None
         self.timings: dict[int, tuple[float, float]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -112,8 +109,7 @@ class DecodeCUDAGraphs:
             if not split:
                 return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(0, size))
             h0, h1 = run_ubatches(*(self.model.forward_steps(self.input_ids[a:b], self.positions[a:b], self.kv_caches,
-                                                             self._meta(a, b)) for a, b in ((0, cut), (cut, size))),
-                                  streams=self.ubatch_streams)
+                                                             self._meta(a, b)) for a, b in ((0, cut), (cut, size))))
         return torch.cat([h0, h1])
 
     def _capture(self, size: int, split: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -66,14 +66,11 @@ class DBOConfig:
     ``measure_split``: keep a split decode CUDA graph only where its replay was
     measured faster than the plain one (:class:`DecodeCUDAGraphs` ``measure_dbo``), and
     split steps with prefill tokens only if a split step of the largest size was
-    (:meth:`ModelRunner.measure_prefill_split`);
-    ``ubatch_streams``: each ubatch computes on its own CUDA stream
-    (:func:`tandem.worker.ubatching.run_ubatches`)."""
+    (:meth:`ModelRunner.measure_prefill_split`)."""
 
     decode_token_threshold: int = 32
     prefill_token_threshold: int = 512
     measure_split: bool = True
-    ubatch_streams: bool = False
 
 
 @dataclass
@@ -160,8 +157,7 @@ class ModelRunner:
             dbo_min = dbo.decode_token_threshold if dbo is not None and hasattr(model, "forward_steps") else None
             self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, -(-max_model_len // block_size), block_size,
                                                 device, dbo_min_size=dbo_min,
-                                                measure_dbo=dbo is not None and dbo.measure_split,
-                                                ubatch_streams=dbo is not None and dbo.ubatch_streams)
+                                                measure_dbo=dbo is not None and dbo.measure_split)
             self.cuda_graphs.capture()
         # Data-parallel coordination group (gloo), set by the distributed launcher.
         self.dp_group: dist.ProcessGroup | None = None
@@ -170,8 +166,6 @@ class ModelRunner:
         # Steps with prefill tokens may split (DBO on); measure_prefill_split may say no.
         self.prefill_split = True
         self.prefill_split_timings: tuple[float, float] | None = None
-        self._ubatch_streams = ((torch.cuda.Stream(device), torch.cuda.Stream(device))
-                                if self._is_cuda and dbo is not None and dbo.ubatch_streams else None)
         # Per step, when timing is on: (start event, end event, sequences, all decode?,
         # total context tokens read by attention).
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] | None = None
@@ -340,7 +334,9 @@ class ModelRunner:
     def measure_prefill_split(self, num_tokens: int, iters: int = 3) -> tuple[float, float] | None:
         """Time an eager step of ``num_tokens`` prefill tokens (one dummy request of random
         ids, K/V into the null block) plain and as two ubatches (CUDA events, median of
-        ``iters`` after a warm-up of each); steps with prefill tokens then split only if the
+        ``iters`` after a warm-up of each). One request is a long prompt's chunk, whose
+        second ubatch also attends to the first's keys: the costliest split, so the policy
+        errs towards not splitting a step of short prompts. Steps with prefill tokens then split only if the
         split one was faster on every rank whose forwards exchange data
         (:func:`tandem.distributed.parallel_state.forward_min`). Every such rank must call
         this at the same point with the same ``num_tokens`` (the MoE exchanges pair up).
@@ -395,7 +391,6 @@ class ModelRunner:
             h0, h1 = run_ubatches(
                 self.model.forward_steps(input_ids[:cut], positions[:cut], self.kv_caches, first.metadata(dev)),
                 self.model.forward_steps(input_ids[cut:], positions[cut:], self.kv_caches, second.metadata(dev)),
-                streams=self._ubatch_streams,
             )
         self.num_dbo_steps += 1
         return torch.cat([h0, h1])[:n]

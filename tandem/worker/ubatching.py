@@ -8,19 +8,11 @@ attention sees exactly the keys an unsplit step would (the first part's K/V are 
 the paged cache by the first ubatch before the second reads them in stream order).
 
 ``run_ubatches`` alternates two generator-based forwards (one thread): each yields at its
-communication points; both must yield the same number of times. By default both ubatches
-compute on the current (compute) stream, as in vLLM; given two ``streams``, each ubatch
-computes on its own, so that the two ubatches' latency-bound kernels (a decode ubatch of a
-few dozen tokens leaves most SMs idle) can also run side by side: the second ubatch's
-segment between two yield points starts after the first ubatch's same segment (so it still
-computes while the first communicates, and the second part of a request that straddles the
-cut reads K/V the first part wrote in the same layer), but the first ubatch's next segment
-no longer waits for the second's.
+communication points; both must yield the same number of times.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -157,21 +149,12 @@ def split_ubatches(inputs: StepInputs, num_padded_tokens: int) -> tuple[StepInpu
     return inputs.slice_tokens(0, cut), inputs.slice_tokens(cut, inputs.num_tokens)
 
 
-def run_ubatches(first: Generator, second: Generator,
-                 streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None) -> tuple[object, object]:
+def run_ubatches(first: Generator, second: Generator) -> tuple[object, object]:
     """Alternate two forward generators until both return; returns their results.
 
     Each ``next`` runs one ubatch up to its next yield point (e.g. right after launching an
     all-to-all), so the other ubatch's compute is issued while that communication is in
     flight. Both must pass the same number of yield points.
-
-    Args:
-        first / second: the ubatches' forwards (not yet started).
-        streams: one CUDA stream per ubatch (None: both on the current stream; see the
-            module docstring for how they are ordered). They
-            start after the current stream's work so far, and the current stream waits
-            for both before this returns (also when a ubatch raised), so results and
-            inputs are safe to use and free on it.
 
     Raises:
         AssertionError: the ubatches yielded a different number of times.
@@ -182,22 +165,13 @@ def run_ubatches(first: Generator, second: Generator,
     results: list[object] = [None, None]
     done = [False, False]
     yields = [0, 0]
-    main = torch.cuda.current_stream() if streams is not None else None
-    if streams is not None:
-        for s in streams:
-            s.wait_stream(main)
     try:
         while not all(done):
             for i, g in enumerate(gens):
                 if done[i]:
                     continue
                 try:
-                    if streams is not None and i == 1:
-                        # The second ubatch trails the first by a segment: it computes while
-                        # the first communicates, and the first's next segment may overlap it.
-                        streams[1].wait_stream(streams[0])
-                    with contextlib.nullcontext() if streams is None else torch.cuda.stream(streams[i]):
-                        next(g)
+                    next(g)
                     yields[i] += 1
                 except StopIteration as stop:
                     done[i] = True
@@ -206,9 +180,5 @@ def run_ubatches(first: Generator, second: Generator,
         for g in gens:
             g.close()
         raise
-    finally:
-        if streams is not None:
-            for s in streams:
-                main.wait_stream(s)
     assert yields[0] == yields[1], f"ubatches passed {yields[0]} and {yields[1]} yield points"
     return results[0], results[1]

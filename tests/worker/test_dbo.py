@@ -67,25 +67,6 @@ def test_dbo_on_equals_off(tmp_path, family, async_on):
     on.engine.shutdown()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="ubatch streams are CUDA streams")
-@pytest.mark.parametrize("enforce_eager", [True, False])
-def test_ubatch_streams_equal_off(tmp_path, enforce_eager):
-    """Each ubatch on its own stream, eager (incl. a prefill cut in two: the second part
-    reads the K/V the first wrote) and in decode graphs: tokens unchanged."""
-    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    off = _llm(tmp_path, "deepseek_v2", enforce_eager=enforce_eager)
-    want = [o.outputs[0].token_ids for o in off.generate(PROMPTS, p, use_tqdm=False)]
-    off.engine.shutdown()
-    on = _llm(tmp_path, "deepseek_v2", enforce_eager=enforce_eager, enable_dbo=True, all2all_backend="simulated",
-              dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16, dbo_measure_split=False,
-              dbo_ubatch_streams=True)
-    got = [o.outputs[0].token_ids for o in on.generate(PROMPTS, p, use_tqdm=False)]
-    assert on.engine.runner.num_dbo_steps > 0
-    assert got == want
-    assert_all_blocks_free(on.engine)
-    on.engine.shutdown()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA steps")
 @pytest.mark.parametrize("agreed", [0, 1])
 def test_measured_prefill_split(tmp_path, monkeypatch, agreed):
