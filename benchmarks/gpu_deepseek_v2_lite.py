@@ -6,10 +6,11 @@ ignored, CUDA graphs on), each in its own process:
   1. ``local``: all experts on this GPU, no communication;
   2. ``simulated`` all-to-all (a modeled inter-node link on a communication stream, flags
      ``--link-gbps`` / ``--latency-us`` / ``--ep-size``), DBO off;
-  3. ``sim_dbo``: the same with ``--enable-dbo`` (decode graph sizes split only where
-     the split replay was measured faster, the default);
-  4. ``sim_dbo_always``: ``--enable-dbo --no-dbo-measure-split`` (every decode size from
-     the threshold up split);
+  3. ``sim_dbo``: the same with ``--enable-dbo`` (the default measured policy: decode graph
+     sizes split only where the split replay was faster, steps with prefill tokens only if
+     a split step of 2048 tokens was);
+  4. ``sim_dbo_always``: ``--enable-dbo --no-dbo-measure-split`` (every step from the
+     thresholds up split);
   5. ``sim_dbo_decode``: DBO on decode steps only (no step with prefill tokens is split).
 With ``--rank-experts`` the simulated runs compute like one rank of the EP group
 (``--simulated-ep-rank-experts``: ``64 / ep-size`` experts per layer, every routed pair on

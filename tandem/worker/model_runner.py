@@ -336,8 +336,8 @@ class ModelRunner:
         ids, K/V into the null block) plain and as two ubatches (CUDA events, median of
         ``iters`` after a warm-up of each). One request is a long prompt's chunk, whose
         second ubatch also attends to the first's keys: the costliest split, so the policy
-        errs towards not splitting a step of short prompts. Steps with prefill tokens then split only if the
-        split one was faster on every rank whose forwards exchange data
+        errs towards not splitting a step of short prompts. Steps with prefill tokens then
+        split only if the split one was faster on every rank whose forwards exchange data
         (:func:`tandem.distributed.parallel_state.forward_min`). Every such rank must call
         this at the same point with the same ``num_tokens`` (the MoE exchanges pair up).
 
