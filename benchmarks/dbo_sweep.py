@@ -84,6 +84,8 @@ def main() -> None:
     link = LinkModel(bandwidth_gbps=1e9, latency_us=0.0, ep_size=8)
     model, dtype = build(cfg, device, link, args.rank_experts)
     batches = [int(b) for b in args.batches.split(",")]
+    if min(batches) < 2:
+        raise SystemExit("--batches: a split needs at least 2 sequences")
     ratios = [float(r) for r in args.ratios.split(",")]
     bs = 16
     blocks_per_seq = math.ceil((args.context + 1) / bs)
@@ -132,7 +134,7 @@ def main() -> None:
     for b in batches:
         link.bandwidth_gbps, link.latency_us = 1e9, 0.0
         compute, compute_split = step_time(b, False)[0], step_time(b, True)[0]
-        compute_half = step_time(b // 2, False)[0]
+        compute_half = step_time(-(-b // 2), False)[0]  # the larger ubatch
         for r in ratios:
             exchange_bytes = link.bytes(b, top_k, hidden, elem)
             comm_target = r * compute * 1e-3
@@ -140,7 +142,7 @@ def main() -> None:
             link.latency_us = args.latency_us
             link.bandwidth_gbps = 2 * num_moe * exchange_bytes / max(comm_target - latency_total, 1e-9) / 1e9
             comm = 2 * num_moe * link.seconds(b, top_k, hidden, elem) * 1e3
-            comm_half = 2 * num_moe * link.seconds(b // 2, top_k, hidden, elem) * 1e3
+            comm_half = 2 * num_moe * link.seconds(-(-b // 2), top_k, hidden, elem) * 1e3
             off, on = step_time(b, False)[0], step_time(b, True)[0]
             policy, policy_split = step_time(b, False, measure=True)
             row = dict(batch=b, ratio=r, compute_ms=compute, compute_split_ms=compute_split, comm_ms=comm,

@@ -62,8 +62,9 @@ class EngineConfig:
         dbo_measure_split: on CUDA, split only where a split step was measured faster
             than a plain one: with CUDA graphs each decode size from the threshold up is
             captured both ways and their replays timed; steps with prefill tokens split
-            only if an eager step of ``max_num_batched_tokens`` tokens did (False: split
-            every step from the thresholds up).
+            only if an eager step of ``min(max_num_batched_tokens, max_model_len)`` tokens
+            did; eager decode-only steps follow the thresholds alone (False: split every
+            step from the thresholds up).
         all2all_backend: MoE dispatch/combine: "local" (EP=1), "simulated" (EP=1 data plus a
             modeled link delay), "allgather_reducescatter" or "all_to_all" (EP > 1, over
             torch.distributed); "auto": local without EP, allgather_reducescatter with EP.

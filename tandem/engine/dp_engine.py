@@ -239,13 +239,13 @@ def _serve_nonzero(engine, info) -> None:
 def _rank_main(config: EngineConfig, rank: int, world_size: int, master_addr: str, master_port: int,
                inbox, outbox) -> None:
     """Entry of a spawned rank process."""
-    configure_logging()
     if os.environ.get("TANDEM_DUMP_STACKS_AFTER_S"):  # debugging a hang: every rank prints its stacks
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["TANDEM_DUMP_STACKS_AFTER_S"]), exit=False)
     engine = None
     try:
+        configure_logging()
         engine, info = _build_rank_engine(config, rank, world_size, rank, master_addr, master_port)
         if info.is_driver and info.tp_size > 1:
             engine.step_broadcast = make_tp_broadcaster()

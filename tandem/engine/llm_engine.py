@@ -88,7 +88,8 @@ class LLMEngine:
             # the runner agrees on each step (and runs dummy batches) over the DP group.
             self.runner.dp_group = ps.get_dp_group()
         if config.enable_dbo and config.dbo_measure_split:
-            self.runner.measure_prefill_split(config.max_num_batched_tokens)
+            # The largest step, as profiled for memory above.
+            self.runner.measure_prefill_split(min(config.max_num_batched_tokens, config.max_model_len))
         self.eos_token_ids = self._eos_token_ids()
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.async_output_proc = config.async_output_proc

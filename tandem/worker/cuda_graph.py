@@ -2,8 +2,10 @@
 
 A decode step (every sequence adds one token) of ``n`` sequences replays the graph captured
 for the smallest capture size ``>= n`` (1, 2, 4, 8, then multiples of 8 up to
-``max_num_seqs``, as vLLM does), with the real sequences in its first ``n`` rows and padding
-rows that write their K/V into the null block. Inputs travel through persistent device
+``max_num_seqs``, as vLLM does; under data + expert parallelism the size for the largest
+batch of any rank, and an idle rank replays padding only), with the real sequences in its
+first ``n`` rows and padding rows (token 0 at position 0) that write their K/V into the null
+block. Inputs travel through persistent device
 buffers; the graph's output is the final hidden states ``[size, hidden]``.
 """
 
@@ -188,8 +190,12 @@ class DecodeCUDAGraphs:
 
     def _replay(self, n: int, size: int) -> torch.Tensor:
         if size > n:
+            # Fixed padding inputs: the rows route the same way whatever ran before.
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
+            self.num_computed[n:size].zero_()
             self.block_tables[n:size, 0].fill_(0)
         self.graphs[size].replay()
         return self.outputs[size][:n]

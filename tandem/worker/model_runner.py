@@ -240,7 +240,8 @@ class ModelRunner:
         graph_ok = graphs is not None and (inputs is None or (num_decode == inputs.num_reqs
                                                                and inputs.num_reqs <= graphs.max_size))
         if graph_ok and inputs is not None:
-            # A graph's padded size decides the split, so that replay matches the capture.
+            # Used only if some rank cannot replay a graph (eager step): the capture-time
+            # choice for this rank's size. In graph mode the replayed size decides.
             wants_split = graphs.padded_size(num_tokens) in graphs.split_sizes
         else:
             wants_split = self._wants_split(inputs)
@@ -248,8 +249,11 @@ class ModelRunner:
         if plan.max_tokens == 0:
             return _Done(ModelRunnerOutput([], []))
         # Every DP rank replays the size of the largest batch of any rank; a size is split
-        # on all ranks or on none (agreed at capture), so the exchanges match.
+        # on all ranks or on none (agreed at capture), so the exchanges match. An idle rank
+        # can split too (padding rows), so plan.split, the eager steps' vote, is not used.
         graph_size = graphs.padded_size(plan.max_tokens) if plan.graph_mode else None
+        if graph_size is not None and graph_size in graphs.split_sizes:
+            self.num_dbo_steps += 1
         if inputs is None:
             # Idle data-parallel rank: a dummy batch keeps the MoE collectives matched.
             if graph_size is not None:
@@ -350,8 +354,11 @@ class ModelRunner:
                 or num_tokens < self.dbo.prefill_token_threshold):
             return None
         dummy = pad_step_inputs(empty_step_inputs(), num_tokens, self.block_size)
-        # Random ids: routing spreads over the experts as in real prompts.
-        ids = torch.randint(0, self.vocab_size, (num_tokens,), device=self.device)
+        # Random ids: routing spreads over the experts as in real prompts. A generator of its
+        # own leaves the engine's seeded global one untouched.
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        ids = torch.randint(0, self.vocab_size, (num_tokens,), device=self.device, generator=gen)
+        num_dbo_steps = self.num_dbo_steps
         times = []
         for split in (False, True):
             plan = StepPlan(num_tokens, num_tokens, split, False)
@@ -365,7 +372,7 @@ class ModelRunner:
                 if i:
                     ms.append(start.elapsed_time(end))
             times.append(float(np.median(ms)))
-        self.num_dbo_steps = 0
+        self.num_dbo_steps = num_dbo_steps
         self.prefill_split_timings = (times[0], times[1])
         self.prefill_split = bool(ps.forward_min(int(times[1] < times[0])))
         logger.info("dual-batch overlap for steps with prefill tokens: %s (a %d-token step took %.2f ms plain, "

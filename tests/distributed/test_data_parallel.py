@@ -116,23 +116,31 @@ def _gpu_tokenizer() -> str:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_dp2_ep2_decode_cuda_graphs_with_dbo(model_dir):
-    """DP=2 + EP=2 over NCCL with decode CUDA graphs (their all-to-alls captured) and DBO
-    splitting every graph size from 2 up: greedy tokens equal one GPU's; with one prompt the
-    idle replica replays padding-only graphs in lockstep (a hang fails through the timeout)."""
+    """DP=2 + EP=2 over NCCL with decode CUDA graphs (their all-to-alls captured), every graph
+    size from 2 up split (steps with prefill tokens are not: every split counted is a graph
+    replay): greedy tokens equal one GPU's, also when one replica decodes two sequences while
+    the other, its request done, replays the split graph with padding only (a hang fails
+    through the timeout)."""
+    from tandem.entrypoints.llm import LLM
+    from tandem.sampling_params import SamplingParams
+
     model = model_dir("deepseek_v2")
     gpu = dict(ENGINE, device="cuda", tokenizer=_gpu_tokenizer(), enforce_eager=False, max_num_seqs=16, **DP_ENGINE)
-    from tandem.entrypoints.llm import LLM
-
+    # Least-outstanding balancing: prompts 0 and 2 on replica 0, prompt 1 (2 tokens) on replica 1.
+    uneven = PROMPTS[1:4]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 2, 10)]
     ref = LLM(model=model, **gpu)
     try:
         want = generate_ids(ref, PROMPTS)
+        want_uneven = generate_ids(ref, uneven, params)
     finally:
         ref.engine.shutdown()
     llm = DPLLM(model=model, data_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all",
-                enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dbo_measure_split=False, **gpu)
+                enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=10**6,
+                dbo_measure_split=False, **gpu)
     try:
         assert generate_ids(llm, PROMPTS) == want
-        assert generate_ids(llm, PROMPTS[4:5]) == want[4:5]
+        assert generate_ids(llm, uneven, params) == want_uneven
     finally:
         llm.engine.shutdown()
     assert llm.engine.final_stats["num_dbo_steps"] > 0
