@@ -4,9 +4,9 @@ A decode step (every sequence adds one token) of ``n`` sequences replays the gra
 for the smallest capture size ``>= n`` (1, 2, 4, 8, then multiples of 8 up to
 ``max_num_seqs``, as vLLM does; under data + expert parallelism the size for the largest
 batch of any rank, and an idle rank replays padding only), with the real sequences in its
-first ``n`` rows and padding rows (token 0 at position 0) that write their K/V into the null
-block. Inputs travel through persistent device
-buffers; the graph's output is the final hidden states ``[size, hidden]``.
+first ``n`` rows and padding rows that write their K/V into the null block. Inputs travel
+through persistent device buffers; the graph's output is the final hidden states
+``[size, hidden]``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,21 @@ from tandem.distributed.forward_context import ForwardContext, forward_context
 from tandem.worker.ubatching import run_ubatches
 
 logger = logging.getLogger(__name__)
+
+
+def cuda_median_ms(fn, warmup: int, iters: int) -> float:
+    """Median wall time (ms, CUDA events on the current stream) of ``iters`` calls of
+    ``fn()`` after ``warmup`` untimed ones; synchronizes after each call."""
+    times = []
+    for i in range(warmup + iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return float(np.median(times))
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -106,7 +121,7 @@ class DecodeCUDAGraphs:
     def _forward(self, size: int, split: bool) -> torch.Tensor:
         # Expert-parallel exchanges pad to the forward's (or ubatch's) size, which every DP
         # rank replays alike.
-        cut = size // 2 if split else size
+        cut = size // 2
         with forward_context(ForwardContext(max_tokens_per_rank=size - cut if split else size, dp_size=ps.get_dp_size())):
             if not split:
                 return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(0, size))
@@ -124,17 +139,8 @@ class DecodeCUDAGraphs:
             self.pool = g.pool()
         return g, out
 
-    def _replay_ms(self, g: torch.cuda.CUDAGraph, warmup: int = 2, iters: int = 5) -> float:
-        times = []
-        for i in range(warmup + iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            if i >= warmup:
-                times.append(start.elapsed_time(end))
-        return float(np.median(times))
+    def _replay_ms(self, g: torch.cuda.CUDAGraph) -> float:
+        return cuda_median_ms(g.replay, warmup=2, iters=5)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -190,12 +196,8 @@ class DecodeCUDAGraphs:
 
     def _replay(self, n: int, size: int) -> torch.Tensor:
         if size > n:
-            # Fixed padding inputs: the rows route the same way whatever ran before.
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
-            self.num_computed[n:size].zero_()
             self.block_tables[n:size, 0].fill_(0)
         self.graphs[size].replay()
         return self.outputs[size][:n]

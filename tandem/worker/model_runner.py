@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from tandem.core.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.sampling_params import SamplingParams
-from tandem.worker.cuda_graph import DecodeCUDAGraphs
+from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
 from tandem.distributed import parallel_state as ps
 from tandem.distributed.dp_coordination import StepPlan, coordinate_step
 from tandem.distributed.forward_context import ForwardContext, forward_context
@@ -362,16 +362,7 @@ class ModelRunner:
         times = []
         for split in (False, True):
             plan = StepPlan(num_tokens, num_tokens, split, False)
-            ms = []
-            for i in range(iters + 1):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                self._forward(dummy, ids, plan)
-                end.record()
-                end.synchronize()
-                if i:
-                    ms.append(start.elapsed_time(end))
-            times.append(float(np.median(ms)))
+            times.append(cuda_median_ms(lambda: self._forward(dummy, ids, plan), warmup=1, iters=iters))
         self.num_dbo_steps = num_dbo_steps
         self.prefill_split_timings = (times[0], times[1])
         self.prefill_split = bool(ps.forward_min(int(times[1] < times[0])))
