@@ -8,6 +8,10 @@ exact sample of ``p`` (the exponential race / Gumbel-max trick). Seeded rows dra
 from a generator seeded by ``(seed, index of the token)``, so their tokens depend on
 nothing else in the batch, nor on preemption.
 Logprobs are of the raw model distribution (before any processing), as vLLM V1 returns.
+
+Ties: rows whose parameters leave no choice but "the most likely token" take
+:func:`greedy_select` (lowest token id among equal maximal logits), whatever the dtype,
+batch or mode; :func:`deterministic_rows` says which rows those are.
 """
 
 from __future__ import annotations
@@ -91,6 +95,33 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
 
 
+def greedy_select(logits: torch.Tensor) -> torch.Tensor:
+    """The tie rule, in one place: per row of ``logits [N, V]`` the token of the maximal
+    logit, the lowest token id among exactly equal maxima (``torch.argmax`` returns the
+    first maximal index on every device). Returns ``[N]`` int64."""
+    return logits.argmax(dim=-1)
+
+
+def deterministic_rows(tempered: torch.Tensor, filtered: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Rows of a random-sampling batch whose choice is in fact "the most likely token".
+
+    ``tempered [N, V]``: logits after temperature; ``filtered [N, V]``: the same after
+    min-p, top-k and top-p (-inf = dropped); ``min_p [N]`` or None when no row uses it.
+    A row is deterministic when the filters keep a single token (top_k = 1, a top_p at
+    most the top token's probability), when min_p = 1 (only maximal tokens pass), or when
+    the temperature is so small that every token below the maximum has probability 0 in
+    fp32. Such rows must not draw among exact ties: they take :func:`greedy_select`, as
+    temperature 0 does. A row whose top_k (say 2) or min_p < 1 keeps several tied tokens
+    still samples among them. Returns ``[N]`` bool.
+    """
+    top = tempered.amax(dim=-1, keepdim=True)
+    below_top_alive = (tempered < top) & (tempered.softmax(dim=-1) > 0)
+    det = ~below_top_alive.any(dim=-1) | ((filtered > float("-inf")).sum(dim=-1) == 1)
+    if min_p is not None:
+        det |= min_p >= 1.0
+    return det
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> SamplerOutput:
     """Sample one token per row of ``logits [N, V]`` (fp32)."""
     raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs >= 0 else None
@@ -101,12 +132,12 @@ def sample(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor |
         logits = logits.clone() if b.bias is None else logits
         apply_penalties(logits, b, output_counts, prompt_mask)
 
-    greedy = logits.argmax(dim=-1)
+    greedy = greedy_select(logits)
     if b.all_greedy:
         sampled = greedy
     else:
         temp = torch.where(b.temperature < 1e-5, 1.0, b.temperature)
-        x = logits / temp[:, None]
+        tempered = x = logits / temp[:, None]
         if b.need_min_p:
             probs = x.softmax(dim=-1)
             thresh = probs.amax(dim=-1, keepdim=True) * b.min_p[:, None]
@@ -120,8 +151,12 @@ def sample(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor |
             for row, seed in b.seeded:
                 gen.manual_seed(seed)
                 q[row].exponential_(generator=gen)
-        random = (probs / q).argmax(dim=-1)
-        sampled = random if b.all_random else torch.where(b.greedy_mask, greedy, random)
+        # q = 0 would turn a dropped token's 0 / q into NaN, which argmax picks.
+        random = (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        pick_greedy = deterministic_rows(tempered, x, b.min_p if b.need_min_p else None)
+        if not b.all_random:
+            pick_greedy |= b.greedy_mask
+        sampled = torch.where(pick_greedy, greedy, random)
 
     out = SamplerOutput(sampled=sampled)
     if raw_logprobs is not None:

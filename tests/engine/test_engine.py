@@ -118,6 +118,29 @@ def test_degenerate_sampling_is_greedy(llm, solo_greedy, params):
         assert all(not math.isnan(lp.logprob) for pos in c.logprobs for lp in pos.values())
 
 
+def test_deterministic_modes_agree_on_bf16_ties():
+    """Issue 22 kind 1: in bf16, greedy and top_k=1 parted at token 15 on two equal logits.
+    Every deterministic mode picks greedy's token on exact ties, batched (n=4 rows each,
+    several random draws) and alone, with async output processing on and off."""
+    m = make_llm(dtype="bfloat16", max_model_len=256, num_kv_blocks=64)
+    base = dict(max_tokens=24, ignore_eos=True)
+    modes = [dict(temperature=1.0, top_k=1), dict(temperature=1.0, top_p=1e-9), dict(temperature=1.0, min_p=1.0),
+             dict(temperature=1e-4), dict(temperature=0.5, top_k=1, top_p=0.5)]
+    prompt = "The capital of France is"
+    greedy = SamplingParams(temperature=0, **base)
+    for async_output_proc in (True, False):
+        m.engine.async_output_proc = async_output_proc  # read per step; the engine is idle here
+        outs = m.generate([prompt] * (len(modes) + 1), [greedy] + [SamplingParams(n=4, **base, **p) for p in modes],
+                          use_tqdm=False)
+        want = outs[0].outputs[0].token_ids
+        for p, o in zip(modes, outs[1:]):
+            assert [c.token_ids for c in o.outputs] == [want] * 4, (async_output_proc, p)
+    alone = m.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for p in modes[:3]:
+        assert m.generate([prompt], SamplingParams(**base, **p), use_tqdm=False)[0].outputs[0].token_ids == alone, p
+    m.engine.shutdown()
+
+
 def test_prefix_caching_with_prompt_logprobs():
     prompt_ids = list(range(1000, 1033))  # 33 tokens, block size 32
     p = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1, logprobs=2)

@@ -1,0 +1,96 @@
+"""The sampler's tie rule: every deterministic selection picks the same token on exact ties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.worker.sampler import SamplingBatch, sample
+
+V = 64
+TIED = (7, 40, 41)  # token ids sharing the maximal logit; 7 must win
+
+
+def make_batch(rows: list[dict]) -> SamplingBatch:
+    """A SamplingBatch for rows of SamplingParams-like dicts (temperature, top_k, top_p, min_p)."""
+    temp = [r.get("temperature", 1.0) for r in rows]
+    greedy = [t < 1e-5 for t in temp]
+    top_k = [r.get("top_k", 0) or V for r in rows]
+    top_p = [r.get("top_p", 1.0) for r in rows]
+    min_p = [r.get("min_p", 0.0) for r in rows]
+    f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
+    return SamplingBatch(
+        temperature=f32(temp), top_k=torch.tensor(top_k), top_p=f32(top_p), min_p=f32(min_p),
+        all_greedy=all(greedy), all_random=not any(greedy),
+        greedy_mask=None if all(greedy) or not any(greedy) else torch.tensor(greedy),
+        need_top_k=any(k < V for k in top_k), need_top_p=any(p < 1 for p in top_p), need_min_p=any(p > 0 for p in min_p),
+        penalty_rows=None, penalty_slots=None, presence=None, frequency=None, repetition=None, bias=None,
+        seeded=[], max_num_logprobs=-1)
+
+
+def tied_logits(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """One row ``[V]`` of logits in ``dtype`` (as the model emits them, then fp32) whose
+    maximum is shared exactly by the tokens ``TIED``; the runner-up is one step of the
+    bf16 grid below (a near miss, not a tie)."""
+    x = (torch.randn(V, generator=gen) * 2).to(dtype)
+    top = torch.tensor(12.0, dtype=dtype)
+    x = x.clamp(max=8.0)
+    x[list(TIED)] = top
+    x[3] = 12.0 - 0.0625
+    return x.float()
+
+
+DETERMINISTIC = [
+    dict(temperature=0.0),
+    dict(temperature=1e-7),  # below the greedy epsilon
+    dict(temperature=1e-4),  # every other probability underflows: the tied tokens alone are left
+    dict(temperature=1.0, top_k=1),
+    dict(temperature=0.7, top_k=1),
+    dict(temperature=1.0, top_p=1e-9),
+    dict(temperature=1.5, top_p=1e-6, top_k=5),
+    dict(temperature=1.0, min_p=1.0),
+    dict(temperature=2.0, min_p=1.0, top_k=50),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", DETERMINISTIC, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_deterministic_modes_break_ties_to_the_lowest_id(dtype, mode):
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(4):
+        torch.manual_seed(trial)
+        logits = tied_logits(dtype, gen)
+        alone = sample(logits[None].clone(), make_batch([mode]), None, None).sampled
+        assert alone.tolist() == [TIED[0]]
+        # Batched with every other deterministic mode and with random rows.
+        others = [dict(temperature=1.0), dict(temperature=0.8, top_k=3), *DETERMINISTIC]
+        rows = [mode, *others]
+        noise = torch.randn(len(others), V, generator=gen)
+        batch = torch.cat([logits[None], noise]).contiguous()
+        got = sample(batch, make_batch(rows), None, None).sampled
+        assert got[0].item() == TIED[0]
+        assert got[3:].tolist() == greedy_of(noise[2:])
+
+
+def greedy_of(logits: torch.Tensor) -> list[int]:
+    return sample(logits.clone(), make_batch([dict(temperature=0.0)] * len(logits)), None, None).sampled.tolist()
+
+
+@pytest.mark.parametrize("mode", [dict(temperature=1.0), dict(temperature=1.0, top_k=2), dict(temperature=1.0, top_k=3),
+                                  dict(temperature=1.0, min_p=0.9)])
+def test_random_modes_still_sample_among_ties(mode):
+    """Only deterministic selections are tie-broken: top_k=2 over two tied tokens is a coin flip."""
+    logits = torch.full((1, V), -30.0)
+    logits[0, [5, 9]] = 4.0
+    logits[0, 2] = 3.0 if mode.get("top_k") == 3 else -30.0
+    seen = {sample(logits.clone(), make_batch([mode]), None, None).sampled.item() for _ in range(64)}
+    assert {5, 9} <= seen
+
+
+def test_masked_tokens_are_never_sampled_when_the_noise_is_zero(monkeypatch):
+    """An Exp(1) draw of exactly 0 must not turn a dropped token's 0/0 into a NaN that argmax picks."""
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.zero_())
+    logits = torch.zeros(1, V)
+    logits[0, 11] = 5.0
+    got = sample(logits, make_batch([dict(temperature=1.0, top_k=1, top_p=0.5)]), None, None).sampled
+    assert got.item() == 11
