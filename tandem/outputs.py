@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 class Logprob:
     """Log-probability of one token: natural log, fp32 from the raw model logits.
 
-    ``rank`` is 1 for the most likely token; ``decoded_token`` is its text.
+    ``rank`` is 1 for the most likely token; ``decoded_token`` is its text, or
+    ``bytes:\\xNN...`` (OpenAI's spelling) when the token is not valid UTF-8 on its own
+    (part of a character).
     """
 
     logprob: float

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -29,7 +31,10 @@ class SamplingParams:
     tokens; ``logit_bias`` maps token id -> bias added to the logit; ``max_tokens`` None
     means up to the context length; ``stop`` strings are matched on the detokenized text;
     ``logprobs`` = number of top logprobs per generated token (the sampled token is always
-    included), ``prompt_logprobs`` likewise per prompt token.
+    included), ``prompt_logprobs`` likewise per prompt token; ``seed`` is a signed 64-bit
+    integer. vLLM extensions: ``allowed_token_ids`` restricts sampling to those ids;
+    ``bad_words`` are never generated (each word with and without a leading space: its
+    last token is masked when the tokens before it were just generated).
 
     Raises:
         ValueError: on an invalid value; the message names the field.
@@ -55,9 +60,13 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: EOS ids of the model, unless ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine (update_from_tokenizer): token ids of each bad word variant.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +76,10 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -79,6 +92,10 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}.")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
+                  "must be a finite number")
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         check(self.temperature >= 0.0, "temperature", "must be non-negative")
         check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
@@ -93,7 +110,13 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs", "must be a non-negative integer")
         check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0), "prompt_logprobs", "must be a non-negative integer")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        check(self.seed is None or (isinstance(self.seed, int) and _INT64_MIN <= self.seed <= _INT64_MAX), "seed",
+              "must be a signed 64-bit integer")
+        check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
+            isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
+              "must be a non-empty list of non-negative integers")
+        check(self.bad_words is None or all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+              "must contain non-empty strings")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must contain non-empty strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must contain non-negative integers")
         if self.logit_bias:
@@ -109,9 +132,22 @@ class SamplingParams:
             bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"logit_bias contains token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}.")
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids contains token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}.")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(self, name) or [] if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}.")
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenize ``bad_words`` into ``bad_words_token_ids`` (vLLM's rule): each word
+        alone and, when that tokenizes differently, after a space (a word inside a text),
+        without special tokens."""
+        self.bad_words_token_ids = []
+        for word in self.bad_words or []:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            self.bad_words_token_ids.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                self.bad_words_token_ids.append(spaced)
 
     @property
     def greedy(self) -> bool:

@@ -205,6 +205,7 @@ class LLMEngine:
         """
         params = (params or SamplingParams()).clone()
         params.verify_vocab(self.vocab_size)
+        params.update_from_tokenizer(self.tokenizer)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:

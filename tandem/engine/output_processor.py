@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tandem.core.scheduler import Scheduler
 from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.token_bytes import TokenBytes
 from tandem.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import RequestOutputKind
@@ -58,6 +59,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer, scheduler: Scheduler, max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.parents: dict[str, ParentState] = {}
@@ -152,10 +154,11 @@ class OutputProcessor:
         return None
 
     def _position_logprobs(self, ids: list[int], lps: list[float], rank: int, k: int) -> PositionLogprobs:
-        out = {ids[0]: Logprob(lps[0], rank, self.tokenizer.decode([ids[0]]))}
+        token_string = self.token_bytes.token_string
+        out = {ids[0]: Logprob(lps[0], rank, token_string(ids[0]))}
         for r, (t, lp) in enumerate(zip(ids[1 : 1 + k], lps[1 : 1 + k]), start=1):
             if t not in out:
-                out[t] = Logprob(lp, r, self.tokenizer.decode([t]))
+                out[t] = Logprob(lp, r, token_string(t))
         return out
 
     def _add_prompt_logprobs(self, parent: ParentState, pl: PromptLogprobs) -> None:

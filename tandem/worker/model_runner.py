@@ -85,6 +85,47 @@ class SeqState:
     # Prompt logprobs are shared by a request's n sequences: only its first computes them.
     wants_prompt_logprobs: bool = False
     block_ids: list[int] = field(default_factory=list)
+    allowed: torch.Tensor | None = None  # [V] bool: allowed_token_ids
+    bad_words: BadWords | None = None
+
+
+@dataclass
+class BadWords:
+    """A sequence's bad words on the device. ``single``: ``[S]`` ids always masked (one-token
+    words). Longer words: ``prefix [W, L]`` (right-aligned, ``valid [W, L]`` marks the
+    real ids) and ``last [W]``; ``last`` is masked when ``recent [L]``, the last L output
+    ids (-1 before the first), ends with the word's prefix (vLLM's rule)."""
+
+    single: torch.Tensor
+    prefix: torch.Tensor
+    valid: torch.Tensor
+    last: torch.Tensor
+    recent: torch.Tensor
+
+    @classmethod
+    def build(cls, words: list[list[int]], output_ids: list[int], device: torch.device) -> "BadWords":
+        single = [w[0] for w in words if len(w) == 1]
+        longer = [w for w in words if len(w) > 1]
+        width = max((len(w) - 1 for w in longer), default=0)
+        prefix = [[-1] * (width - len(w) + 1) + w[:-1] for w in longer]
+        valid = [[False] * (width - len(w) + 1) + [True] * (len(w) - 1) for w in longer]
+        recent = ([-1] * width + list(output_ids))[len(output_ids):] if width else []
+        t = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
+        return cls(t(single, torch.long), t(prefix, torch.long).view(len(longer), width),
+                   t(valid, torch.bool).view(len(longer), width), t([w[-1] for w in longer], torch.long),
+                   t(recent, torch.long))
+
+    def record(self, token: torch.Tensor) -> None:
+        """Append this step's sampled id (``[1]`` int64 on the device)."""
+        if self.recent.numel():
+            self.recent = torch.cat([self.recent[1:], token])
+
+    def bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, additive bias: -inf where banned now, else 0)."""
+        match = ((self.prefix == self.recent[None, :]) | ~self.valid).all(dim=-1)
+        vals = torch.where(match, float("-inf"), 0.0)
+        single = torch.full(self.single.shape, float("-inf"), device=self.single.device)
+        return torch.cat([self.single, self.last]), torch.cat([single, vals])
 
 
 class PendingOutput:
@@ -190,8 +231,14 @@ class ModelRunner:
         bias = None
         if p.logit_bias:
             bias = (self._h2d(list(p.logit_bias.keys()), torch.long), self._h2d(list(p.logit_bias.values()), torch.float32))
-        self.states[req.seq_id] = SeqState(req.seq_id, p, req.num_prompt_tokens, req.num_output_tokens, slot, bias,
-                                           req.prompt_token_ids, p.prompt_logprobs is not None and req.index == 0)
+        st = SeqState(req.seq_id, p, req.num_prompt_tokens, req.num_output_tokens, slot, bias,
+                      req.prompt_token_ids, p.prompt_logprobs is not None and req.index == 0)
+        if p.allowed_token_ids is not None:
+            st.allowed = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            st.allowed[self._h2d(p.allowed_token_ids, torch.long)] = True
+        if p.bad_words_token_ids:
+            st.bad_words = BadWords.build(p.bad_words_token_ids, req.output_token_ids, self.device)
+        self.states[req.seq_id] = st
 
     def _drop_seq(self, seq_id: int) -> None:
         st = self.states.pop(seq_id, None)
@@ -426,14 +473,16 @@ class ModelRunner:
             slots = self._h2d([states[i].penalty_slot for i in pen_rows], torch.long)
             toks = sampled[self._h2d(pen_rows, torch.long)]
             self._output_counts.index_put_((slots, toks), torch.ones_like(toks, dtype=torch.int32), accumulate=True)
-        for st in states:
+        for i, st in enumerate(states):
             st.num_sampled += 1
+            if st.bad_words is not None:
+                st.bad_words.record(sampled[i : i + 1])
 
     def _sampling_batch(self, states: list[SeqState]) -> SamplingBatch:
         dev = self.device
         temps = [st.params.temperature for st in states]
         greedy = [st.params.greedy for st in states]
-        top_k = [st.params.top_k if st.params.top_k > 0 else self.vocab_size for st in states]
+        top_k = [min(st.params.top_k, self.vocab_size) if st.params.top_k > 0 else self.vocab_size for st in states]
         top_p = [st.params.top_p for st in states]
         min_p = [st.params.min_p for st in states]
         all_greedy, all_random = all(greedy), not any(greedy)
@@ -447,6 +496,11 @@ class ModelRunner:
                 b_rows.append(torch.full_like(ids, i))
                 b_toks.append(ids)
                 b_vals.append(vals)
+            if st.bad_words is not None:
+                ids, vals = st.bad_words.bias()
+                b_rows.append(torch.full_like(ids, i))
+                b_toks.append(ids)
+                b_vals.append(vals)
             if st.num_sampled < st.params.min_tokens:
                 stop_ids = sorted(st.params.all_stop_token_ids | set(st.params.stop_token_ids))
                 if stop_ids:
@@ -454,6 +508,7 @@ class ModelRunner:
                     b_rows.append(torch.full_like(ids, i))
                     b_toks.append(ids)
                     b_vals.append(torch.full(ids.shape, float("-inf"), device=dev))
+        allowed = [i for i, st in enumerate(states) if st.allowed is not None]
         lp = [st.params.logprobs for st in states if st.params.logprobs is not None]
         f32 = lambda xs: self._h2d(xs, torch.float32)  # noqa: E731
         return SamplingBatch(
@@ -473,6 +528,7 @@ class ModelRunner:
             frequency=f32([states[i].params.frequency_penalty for i in pen]) if pen else None,
             repetition=f32([states[i].params.repetition_penalty for i in pen]) if pen else None,
             bias=(torch.cat(b_rows), torch.cat(b_toks), torch.cat(b_vals)) if b_rows else None,
+            allowed=(self._h2d(allowed, torch.long), torch.stack([states[i].allowed for i in allowed])) if allowed else None,
             seeded=seeded,
             max_num_logprobs=max(lp) if lp else -1,
         )

@@ -1,7 +1,7 @@
 """Token sampling on the device, batched over requests with different parameters.
 
-Order of logit processing follows vLLM V1's sampler: logit bias, min_tokens (stop ids
-masked), penalties (repetition: CTRL, Keskar et al. 2019; presence/frequency: OpenAI API),
+Order of logit processing follows vLLM V1's sampler: allowed token ids, logit bias,
+min_tokens (stop ids masked), bad words, penalties (repetition: CTRL, Keskar et al. 2019; presence/frequency: OpenAI API),
 then for random rows temperature, min-p (Nguyen et al. 2024), top-k, top-p (nucleus,
 Holtzman et al. 2020). Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)``, which is an
 exact sample of ``p`` (the exponential race / Gumbel-max trick). Seeded rows draw ``q``
@@ -47,11 +47,14 @@ class SamplingBatch:
     presence: torch.Tensor | None  # [P]
     frequency: torch.Tensor | None  # [P]
     repetition: torch.Tensor | None  # [P]
-    # Sparse additive bias: (row indices, token ids, values); -inf masks for min_tokens.
+    # Sparse additive bias: (row indices, token ids, values); -inf masks for min_tokens
+    # and bad words.
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     # Seeded rows: (row index, seed for this token).
     seeded: list[tuple[int, int]]
     max_num_logprobs: int  # -1: no row wants logprobs
+    # allowed_token_ids: (rows [A] int64, mask [A, V] bool); other tokens are masked.
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -125,11 +128,14 @@ def deterministic_rows(tempered: torch.Tensor, filtered: torch.Tensor, min_p: to
 def sample(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> SamplerOutput:
     """Sample one token per row of ``logits [N, V]`` (fp32)."""
     raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs >= 0 else None
+    if b.allowed is not None:
+        rows, mask = b.allowed
+        logits = logits.index_put((rows,), logits[rows].masked_fill(~mask, float("-inf")))
     if b.bias is not None:
         rows, toks, vals = b.bias
         logits = logits.index_put((rows, toks), vals, accumulate=True)
     if b.penalty_rows is not None:
-        logits = logits.clone() if b.bias is None else logits
+        logits = logits.clone() if b.bias is None and b.allowed is None else logits
         apply_penalties(logits, b, output_counts, prompt_mask)
 
     greedy = greedy_select(logits)

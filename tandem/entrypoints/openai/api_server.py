@@ -59,6 +59,9 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         if param is None and loc:
             param = loc[0]
         where = ".".join(loc)
+        if e.get("type") == "extra_forbidden":
+            parts.append(f"Unrecognized request argument supplied: {where}")
+            continue
         parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
     return "; ".join(parts) or "invalid request", param
 

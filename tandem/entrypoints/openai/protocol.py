@@ -2,9 +2,11 @@
 
 Field names, defaults and shapes follow the OpenAI API reference for ``/v1/completions``
 and ``/v1/chat/completions``; the extra sampling fields (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) are vLLM's.
-Unknown request fields are ignored. Range checks that depend on the model (context length,
-vocabulary) happen in the engine; the others here or in ``SamplingParams``.
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids``, ``prompt_logprobs``,
+...) are vLLM's. A request field that is not declared here is rejected (400 naming it, as
+OpenAI does), never silently dropped. Range checks that depend on the model (context
+length, vocabulary) happen in the engine; the others here or in ``SamplingParams``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def random_uuid() -> str:
@@ -24,6 +27,12 @@ def random_uuid() -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """A request body (or part of one): fields it does not declare are rejected."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 # ------------------------------------------------------------------- errors
@@ -39,7 +48,7 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # ------------------------------------------------------------------- common
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequestModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
@@ -55,7 +64,7 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(OpenAIRequestModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -66,22 +75,28 @@ class _SamplingFields(OpenAIBaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     request_id: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Tokens in logprobs spelled ``token_id:N`` (for tokens that are not valid UTF-8 alone).
+    return_tokens_as_token_ids: bool | None = None
+    # Not with ``stream``.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(_SamplingFields):
@@ -89,12 +104,11 @@ class CompletionRequest(_SamplingFields):
     ids, or a list of token-id lists (one choice group per prompt)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, le=INT64_MAX)
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     # vLLM extensions
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True
 
 
@@ -115,8 +129,8 @@ class ChatCompletionRequest(_SamplingFields):
     ``messages``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(default=None, le=INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
@@ -217,6 +231,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    # vLLM extension (with ``prompt_logprobs`` in the request), as in completions choices.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -263,7 +279,7 @@ class ModelList(OpenAIBaseModel):
 
 
 # ----------------------------------------------------------------- tokenize
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequestModel):
     """``POST /tokenize``: either ``prompt`` or ``messages`` (chat template applied)."""
 
     model: str | None = None
@@ -282,7 +298,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -10,6 +10,7 @@ for deltas (``DELTA``), each turned into one SSE chunk per choice.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ from dataclasses import fields
 from typing import Any
 
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from tandem.engine.token_bytes import TokenBytes, token_id_string
 from tandem.entrypoints.openai import protocol as P
 from tandem.outputs import PositionLogprobs, RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
@@ -124,6 +126,31 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
+class TextOffsets:
+    """``text_offset`` of successive tokens: the number of characters of the text before
+    each token's own characters (a character split over tokens counts at the token that
+    completes it). Tokens whose text is not in the response text add nothing: special
+    tokens left out by ``skip_special_tokens``, an automatically added BOS in an echoed
+    prompt, the stop token that ended a sequence.
+
+    Args:
+        token_bytes: the tokenizer's token bytes.
+        start: offset of the first token (characters already sent).
+    """
+
+    def __init__(self, token_bytes: TokenBytes, start: int = 0) -> None:
+        self._tb = token_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pos = start
+
+    def next(self, token_id: int, in_text: bool = True) -> int:
+        """Offset of ``token_id``; then advance past its characters if ``in_text``."""
+        offset = self.pos
+        if in_text:
+            self.pos += len(self._decoder.decode(self._tb.token_bytes(token_id)))
+        return offset
+
+
 class OpenAIServing:
     """Completions, chat completions, tokenize/detokenize on top of an ``AsyncLLM``.
 
@@ -138,6 +165,7 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
+        self.token_bytes = TokenBytes(self.tokenizer)
 
     # ----------------------------------------------------------------- helpers
     def shutdown(self) -> None:
@@ -192,6 +220,8 @@ class OpenAIServing:
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words,
                 output_kind=kind,
             )
             params.verify_vocab(self.llm.vocab_size)
@@ -199,10 +229,31 @@ class OpenAIServing:
             raise bad_request(str(e), _param_of(str(e))) from None
         return params
 
-    def _stream_options(self, req: P._SamplingFields) -> bool:
+    @staticmethod
+    def _stream_options(req: P._SamplingFields) -> tuple[bool, bool]:
+        """(final usage chunk, usage in every content chunk) of a streamed request.
+
+        Raises:
+            OpenAIError: ``stream_options`` without ``stream``; ``prompt_logprobs`` with it.
+        """
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
-        return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        if req.stream and req.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is not available when stream is true.", "prompt_logprobs")
+        opts = req.stream_options
+        return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+
+    def _token_str(self, token_id: int, as_ids: bool) -> str:
+        return token_id_string(token_id) if as_ids else self.token_bytes.token_string(token_id)
+
+    def _in_output_text(self, token_id: int, skip_special: bool) -> bool:
+        return not (skip_special and self.token_bytes.is_special(token_id))
+
+    @staticmethod
+    def _stop_token_hidden(c, params: SamplingParams) -> bool:
+        """The last token of ``c`` is a stop token whose text the output leaves out."""
+        return (c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
+                and not params.include_stop_str_in_output)
 
     async def _add(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
         """Add one engine request per prompt, all at once; on any rejection abort the others."""
@@ -258,42 +309,49 @@ class OpenAIServing:
                 out.append((None, list(x)))
         return out
 
-    def _prompt_texts(self, prompts: list[tuple[str | None, list[int]]], want_tokens: bool) -> list[tuple[str, str]]:
-        """Prompt text (decoded when given as ids) and the first token's string, for echo."""
-        res = []
-        for text, ids in prompts:
-            if text is None:
-                text = self.tokenizer.decode(ids)
-            res.append((text, self.tokenizer.decode(ids[:1]) if want_tokens else ""))
-        return res
+    def _prompt_texts(self, prompts: list[tuple[str | None, list[int]]]) -> list[str]:
+        """Prompt texts, for echo (decoded when given as ids)."""
+        return [self.tokenizer.decode(ids) if text is None else text for text, ids in prompts]
 
-    @staticmethod
-    def _completion_logprobs(token_ids: list[int], lps: list[PositionLogprobs | None], offset: int,
-                             first_token_str: str | None = None) -> P.CompletionLogProbs:
+    def _completion_logprobs(self, token_ids: list[int], lps: list[PositionLogprobs | None], offsets: TextOffsets,
+                             in_text: list[bool], as_ids: bool) -> P.CompletionLogProbs:
+        """Completions ``logprobs`` of ``token_ids``; ``in_text[i]``: token i's text is in
+        the response text (see :class:`TextOffsets`)."""
         res = P.CompletionLogProbs()
-        for tok, pos in zip(token_ids, lps):
+        for tok, pos, shown in zip(token_ids, lps, in_text):
+            res.tokens.append(self._token_str(tok, as_ids))
+            res.text_offset.append(offsets.next(tok, shown))
             if pos is None:  # the first prompt token has no logprob
-                s = first_token_str or ""
-                res.tokens.append(s)
                 res.token_logprobs.append(None)
                 res.top_logprobs.append(None)
             else:
-                lp = pos.get(tok) or next(iter(pos.values()))
-                s = lp.decoded_token or ""
-                res.tokens.append(s)
-                res.token_logprobs.append(_clamp(lp.logprob))
-                res.top_logprobs.append({(v.decoded_token or ""): _clamp(v.logprob) for v in pos.values()})
-            res.text_offset.append(offset)
-            offset += len(s)
+                res.token_logprobs.append(_clamp(pos[tok].logprob))
+                res.top_logprobs.append({self._token_str(t, as_ids): _clamp(v.logprob) for t, v in pos.items()})
         return res
 
-    @staticmethod
-    def _prompt_logprobs(out: RequestOutput) -> list[dict[str, P.PromptLogprob] | None] | None:
+    def _echo_in_text(self, text: str, ids: list[int]) -> list[bool]:
+        """Which echoed prompt tokens are in the prompt text: all but special tokens that
+        the text does not spell (a BOS the tokenizer added)."""
+        tb, offsets, res = self.token_bytes, TextOffsets(self.token_bytes), []
+        for t in ids:
+            shown = not tb.is_special(t) or text.startswith(tb.token_string(t), offsets.pos)
+            offsets.next(t, shown)
+            res.append(shown)
+        return res
+
+    def _gen_in_text(self, c, params: SamplingParams) -> list[bool]:
+        """Which generated tokens of completion ``c`` are in its text."""
+        shown = [self._in_output_text(t, params.skip_special_tokens) for t in c.token_ids]
+        if shown and self._stop_token_hidden(c, params):
+            shown[-1] = False
+        return shown
+
+    def _prompt_logprobs(self, out: RequestOutput, as_ids: bool) -> list[dict[str, P.PromptLogprob] | None] | None:
         """vLLM's ``prompt_logprobs``: per prompt position, token id -> logprob, rank, text."""
         if out.prompt_logprobs is None:
             return None
         return [None if pos is None else
-                {str(t): P.PromptLogprob(logprob=_clamp(v.logprob), rank=v.rank, decoded_token=v.decoded_token)
+                {str(t): P.PromptLogprob(logprob=_clamp(v.logprob), rank=v.rank, decoded_token=self._token_str(t, as_ids))
                  for t, v in pos.items()} for pos in out.prompt_logprobs]
 
     async def create_completion(self, req: P.CompletionRequest, request_id: str):
@@ -305,7 +363,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported.", "suffix")
-        include_usage = self._stream_options(req)
+        include_usage, continuous_usage = self._stream_options(req)
         echo = bool(req.echo)
         max_tokens = req.max_tokens
         echo_only = echo and max_tokens == 0  # score the prompt only (OpenAI's echo + max_tokens 0)
@@ -321,80 +379,93 @@ class OpenAIServing:
         prompt_lp = lp if echo and lp is not None else req.prompt_logprobs
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         params = self._sampling_params(req, max_tokens, lp, prompt_lp, kind)
-        echo_texts = await self._in_tokenizer(self._prompt_texts, prompts, lp is not None) if echo else None
+        echo_texts = await self._in_tokenizer(self._prompt_texts, prompts) if echo else None
         streams = await self._add(request_id, [ids for _, ids in prompts], params)
         rid = f"cmpl-{request_id}"
-        n = params.n
         if req.stream:
-            return SSEStream(self._completion_stream(streams, prompts, echo_texts, echo_only, lp, n, rid,
-                                                     include_usage), streams)
+            return SSEStream(self._completion_stream(streams, prompts, echo_texts, echo_only, params, rid,
+                                                     include_usage, continuous_usage,
+                                                     bool(req.return_tokens_as_token_ids)), streams)
         outs = await self._collect(streams)
-        choices = []
-        num_prompt = num_gen = num_cached = 0
-        for i, out in enumerate(outs):
+        return self._completion_response(req, outs, prompts, echo_texts, echo_only, params, rid)
+
+    def _completion_choice_logprobs(self, i: int, out: RequestOutput, c, prompts, echo_texts, echo_only: bool,
+                                    params: SamplingParams, offsets: TextOffsets, with_prompt: bool,
+                                    as_ids: bool) -> P.CompletionLogProbs:
+        """Logprobs of one choice's new tokens (and of the echoed prompt when ``with_prompt``)."""
+        toks = [] if echo_only else c.token_ids
+        lps = [] if echo_only else (c.logprobs or [])
+        shown = [] if echo_only else self._gen_in_text(c, params)
+        if with_prompt:
             ids = prompts[i][1]
-            num_prompt += len(ids)
-            num_cached += out.num_cached_tokens
+            toks, shown = ids + toks, self._echo_in_text(echo_texts[i], ids) + shown
+            lps = (out.prompt_logprobs or [None] * len(ids)) + lps
+        return self._completion_logprobs(toks, lps, offsets, shown, as_ids)
+
+    def _completion_response(self, req: P.CompletionRequest, outs: list[RequestOutput], prompts, echo_texts,
+                             echo_only: bool, params: SamplingParams, rid: str) -> P.CompletionResponse:
+        choices = []
+        num_prompt = num_gen = 0
+        as_ids = bool(req.return_tokens_as_token_ids)
+        for i, out in enumerate(outs):
+            num_prompt += len(prompts[i][1])
             for c in sorted(out.outputs, key=lambda c: c.index):
-                toks = [] if echo_only else c.token_ids
-                text = "" if echo_only else c.text
-                clps = [] if echo_only else (c.logprobs or [])
-                num_gen += len(toks)
+                num_gen += 0 if echo_only else len(c.token_ids)
+                text = ("" if echo_only else c.text)
+                if echo_texts is not None:
+                    text = echo_texts[i] + text
                 logprobs = None
-                if echo:
-                    ptext, first_str = echo_texts[i]
-                    text = ptext + text
-                    if lp is not None:
-                        logprobs = self._completion_logprobs(ids + toks, (out.prompt_logprobs or [None] * len(ids)) + clps,
-                                                             0, first_str)
-                elif lp is not None:
-                    logprobs = self._completion_logprobs(toks, clps, 0)
+                if params.logprobs is not None:
+                    logprobs = self._completion_choice_logprobs(i, out, c, prompts, echo_texts, echo_only, params,
+                                                                TextOffsets(self.token_bytes), echo_texts is not None,
+                                                                as_ids)
                 choices.append(P.CompletionResponseChoice(
-                    index=i * n + c.index, text=text, logprobs=logprobs,
+                    index=i * params.n + c.index, text=text, logprobs=logprobs,
                     finish_reason="length" if echo_only else c.finish_reason, stop_reason=c.stop_reason,
-                    prompt_logprobs=self._prompt_logprobs(out) if req.prompt_logprobs is not None else None))
+                    prompt_logprobs=self._prompt_logprobs(out, as_ids) if req.prompt_logprobs is not None else None))
         usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen)
         return P.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
 
-    async def _completion_stream(self, streams, prompts, echo_texts, echo_only: bool, lp: int | None, n: int,
-                                 rid: str, include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_stream(self, streams, prompts, echo_texts, echo_only: bool, params: SamplingParams,
+                                 rid: str, include_usage: bool, continuous_usage: bool,
+                                 as_ids: bool) -> AsyncIterator[str]:
         created = int(time.time())
-        sent_chars: dict[int, int] = {}
-        num_gen = 0
-        prompt_lps: dict[int, list] = {}
+        n = params.n
+        offsets: dict[int, TextOffsets] = {}  # per choice: characters sent so far
+        num_gen: dict[int, int] = {}  # per choice: tokens sent so far
         try:
             async for i, out in merge_streams(streams):
-                ids = prompts[i][1]
-                if out.prompt_logprobs is not None:
-                    prompt_lps[i] = out.prompt_logprobs
                 for c in out.outputs:
                     idx = i * n + c.index
+                    first = idx not in offsets
+                    offs = offsets.setdefault(idx, TextOffsets(self.token_bytes))
                     toks = [] if echo_only else c.token_ids
                     text = "" if echo_only else c.text
-                    clps = [] if echo_only else (c.logprobs or [])
-                    num_gen += len(toks)
-                    offset = sent_chars.get(idx, 0)
+                    num_gen[idx] = num_gen.get(idx, 0) + len(toks)
+                    with_prompt = echo_texts is not None and first
+                    if with_prompt:
+                        text = echo_texts[i] + text
                     logprobs = None
-                    if echo_texts is not None and idx not in sent_chars:
-                        ptext, first_str = echo_texts[i]
-                        text = ptext + text
-                        if lp is not None:
-                            plps = prompt_lps.get(i) or [None] * len(ids)
-                            logprobs = self._completion_logprobs(ids + toks, plps + clps, offset, first_str)
-                    elif lp is not None:
-                        logprobs = self._completion_logprobs(toks, clps, offset)
-                    sent_chars[idx] = offset + len(text)
+                    if params.logprobs is not None:
+                        logprobs = self._completion_choice_logprobs(i, out, c, prompts, echo_texts, echo_only, params,
+                                                                    offs, with_prompt, as_ids)
                     finish = ("length" if echo_only else c.finish_reason) if c.finish_reason else None
                     if not text and not toks and finish is None:
                         continue
-                    chunk = P.CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[
-                        P.CompletionResponseStreamChoice(index=idx, text=text, logprobs=logprobs, finish_reason=finish,
-                                                         stop_reason=c.stop_reason if finish else None)])
+                    usage = None
+                    if continuous_usage:
+                        usage = P.UsageInfo(prompt_tokens=len(prompts[i][1]), completion_tokens=num_gen[idx],
+                                            total_tokens=len(prompts[i][1]) + num_gen[idx])
+                    chunk = P.CompletionStreamResponse(id=rid, created=created, model=self.model_name, usage=usage,
+                                                       choices=[P.CompletionResponseStreamChoice(
+                                                           index=idx, text=text, logprobs=logprobs, finish_reason=finish,
+                                                           stop_reason=c.stop_reason if finish else None)])
                     yield sse(chunk)
             if include_usage:
                 num_prompt = sum(len(ids) for _, ids in prompts)
-                usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
-                                    total_tokens=num_prompt + num_gen)
+                total_gen = sum(num_gen.values())
+                usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=total_gen,
+                                    total_tokens=num_prompt + total_gen)
                 yield sse(P.CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                      usage=usage))
         except EngineDeadError as e:
@@ -447,18 +518,19 @@ class OpenAIServing:
         # The template already holds the BOS token where the model wants it.
         return text, self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
-    @staticmethod
-    def _chat_logprobs(token_ids: list[int], lps: list[PositionLogprobs], top: int) -> P.ChatCompletionLogProbs:
+    def _chat_logprobs(self, c, params: SamplingParams, top: int, as_ids: bool) -> P.ChatCompletionLogProbs:
+        """Chat ``logprobs`` of completion ``c``'s new tokens. ``bytes`` are each token's
+        exact bytes, null for a token whose text the content leaves out (a skipped special
+        token, the stop token), so the non-null ``bytes`` join to the content."""
+        tb = self.token_bytes
         content = []
-        for tok, pos in zip(token_ids, lps):
-            lp = pos.get(tok) or next(iter(pos.values()))
-            s = lp.decoded_token or ""
-            tops = sorted(pos.values(), key=lambda v: v.rank)[:top] if top else []
+        for tok, pos, shown in zip(c.token_ids, c.logprobs or [], self._gen_in_text(c, params)):
+            tops = sorted(pos.items(), key=lambda kv: kv[1].rank)[:top] if top else []
             content.append(P.ChatCompletionLogProbsContent(
-                token=s, logprob=_clamp(lp.logprob), bytes=list(s.encode("utf-8")),
-                top_logprobs=[P.ChatCompletionLogProb(token=(v.decoded_token or ""), logprob=_clamp(v.logprob),
-                                                      bytes=list((v.decoded_token or "").encode("utf-8")))
-                              for v in tops]))
+                token=self._token_str(tok, as_ids), logprob=_clamp(pos[tok].logprob),
+                bytes=list(tb.token_bytes(tok)) if shown else None,
+                top_logprobs=[P.ChatCompletionLogProb(token=self._token_str(t, as_ids), logprob=_clamp(v.logprob),
+                                                      bytes=list(tb.token_bytes(t))) for t, v in tops]))
         return P.ChatCompletionLogProbs(content=content)
 
     async def create_chat_completion(self, req: P.ChatCompletionRequest, request_id: str):
@@ -474,52 +546,62 @@ class OpenAIServing:
             raise bad_request(f"response_format {req.response_format.type!r} is not supported.", "response_format")
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-        include_usage = self._stream_options(req)
+        include_usage, continuous_usage = self._stream_options(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         _, ids = await self._in_tokenizer(self._chat_prompt, req)
         top = req.top_logprobs or 0
         lp = top if req.logprobs else None
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        params = self._sampling_params(req, max_tokens, lp, None, kind)
+        params = self._sampling_params(req, max_tokens, lp, req.prompt_logprobs, kind)
         streams = await self._add(request_id, [ids], params)
         rid = f"chatcmpl-{request_id}"
+        as_ids = bool(req.return_tokens_as_token_ids)
         if req.stream:
-            return SSEStream(self._chat_stream(streams[0], len(ids), params.n, lp, rid, include_usage), streams)
+            return SSEStream(self._chat_stream(streams[0], len(ids), params, rid, include_usage, continuous_usage,
+                                               as_ids), streams)
         (out,) = await self._collect(streams)
         choices = []
         num_gen = 0
         for c in sorted(out.outputs, key=lambda c: c.index):
             num_gen += len(c.token_ids)
-            logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], top) if lp is not None else None
+            logprobs = self._chat_logprobs(c, params, top, as_ids) if lp is not None else None
             choices.append(P.ChatCompletionResponseChoice(
                 index=c.index, message=P.ChatResponseMessage(role="assistant", content=c.text), logprobs=logprobs,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=num_gen, total_tokens=len(ids) + num_gen)
-        return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
+        return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage,
+                                        prompt_logprobs=self._prompt_logprobs(out, as_ids))
 
-    async def _chat_stream(self, stream: RequestStream, num_prompt: int, n: int, lp: int | None, rid: str,
-                           include_usage: bool) -> AsyncIterator[str]:
+    async def _chat_stream(self, stream: RequestStream, num_prompt: int, params: SamplingParams, rid: str,
+                           include_usage: bool, continuous_usage: bool, as_ids: bool) -> AsyncIterator[str]:
         created = int(time.time())
-        num_gen = 0
+        num_gen = [0] * params.n  # per choice: tokens sent so far
 
-        def chunk(choices) -> str:
-            return sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=choices))
+        def chunk(choices, i: int | None = None) -> str:
+            usage = None
+            if continuous_usage and i is not None:
+                usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen[i],
+                                    total_tokens=num_prompt + num_gen[i])
+            return sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=choices,
+                                                      usage=usage))
 
         try:
-            for i in range(n):
+            for i in range(params.n):
                 yield chunk([P.ChatCompletionResponseStreamChoice(
-                    index=i, delta=P.DeltaMessage(role="assistant", content=""))])
+                    index=i, delta=P.DeltaMessage(role="assistant", content=""))], i)
             async for out in stream:
                 for c in out.outputs:
-                    num_gen += len(c.token_ids)
+                    num_gen[c.index] += len(c.token_ids)
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue
-                    logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], lp) if lp is not None else None
+                    logprobs = (self._chat_logprobs(c, params, params.logprobs, as_ids)
+                                if params.logprobs is not None else None)
                     yield chunk([P.ChatCompletionResponseStreamChoice(
                         index=c.index, delta=P.DeltaMessage(content=c.text), logprobs=logprobs,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason if c.finish_reason else None)])
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason if c.finish_reason else None)], c.index)
             if include_usage:
-                usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen)
+                total = sum(num_gen)
+                usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=total, total_tokens=num_prompt + total)
                 yield sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                          usage=usage))
         except EngineDeadError as e:
