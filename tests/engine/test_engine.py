@@ -197,7 +197,9 @@ def test_n_completions(llm):
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 3.0),
     ("frequency_penalty", -3.0), ("repetition_penalty", 0.0), ("max_tokens", 0), ("min_tokens", -1), ("n", 0),
-    ("logprobs", -1), ("prompt_logprobs", -1), ("stop", [""]),
+    ("logprobs", -1), ("prompt_logprobs", -1), ("stop", [""]), ("seed", 2**63), ("seed", -(2**63) - 1),
+    ("temperature", float("inf")), ("repetition_penalty", float("inf")), ("top_p", float("nan")),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("bad_words", [""]), ("bad_words", [3]),
 ])
 def test_invalid_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -215,6 +217,20 @@ def test_bad_requests_leave_engine_clean(llm):
         llm.generate([[]], SamplingParams(), use_tqdm=False)
     assert_all_blocks_free(llm.engine)
     assert llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_allowed_token_ids_and_bad_words(llm):
+    allowed = [7042, 38634, 30, 28, 216]
+    p = SamplingParams(temperature=1.0, seed=0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(llm.generate([PROMPTS[0]], p, use_tqdm=False)[0].outputs[0].token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate(["hi"], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    base = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].outputs[0]
+    assert "Paris" in base.text
+    banned = llm.generate([PROMPTS[0]], greedy.clone(bad_words=["Paris"]), use_tqdm=False)[0].outputs[0]
+    assert "Paris" not in banned.text
+    assert_all_blocks_free(llm.engine)
 
 
 def test_chat_uses_template(llm):
