@@ -55,14 +55,17 @@ def test_completion_logprobs_of_split_characters(client, stream):
 
 
 def test_chat_logprob_bytes_join_to_the_content(client):
-    kw = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Repeat exactly: " + MULTIBYTE}],
-              max_tokens=40, temperature=0.0, logprobs=True, top_logprobs=5)
+    # The model goes on repeating: 首都です。😀🎉 (split characters) then English.
+    messages = [{"role": "user", "content": "Repeat exactly: " + MULTIBYTE}, {"role": "assistant", "content": "東京は日本の"}]
+    kw = dict(model=MODEL_NAME, messages=messages, max_tokens=40, temperature=0.0, logprobs=True, top_logprobs=5,
+              extra_body={"continue_final_message": True, "add_generation_prompt": False})
     r = client.chat.completions.create(**kw)
     choice = r.choices[0]
     content = choice.logprobs.content
     assert len(content) == r.usage.completion_tokens
     text = choice.message.content
-    assert any(ord(ch) > 0x2000 for ch in text), text  # the model repeats some CJK / emoji
+    assert any(ord(ch) > 0x2000 for ch in text), text
+    assert sum(e.token.startswith("bytes:") for e in content) >= 4
     assert bytes(b for e in content if e.bytes is not None for b in e.bytes) == text.encode("utf-8")
     for e in content:
         assert len({t.token for t in e.top_logprobs}) == 5
@@ -82,7 +85,7 @@ def test_chat_logprob_bytes_join_to_the_content(client):
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_completion_continuous_usage_stats(client, include_usage):
     kw = dict(model=MODEL_NAME, prompt=["The capital of France is", "One, two,"], max_tokens=6, n=2,
-              temperature=0.0, ignore_eos=True)
+              temperature=0.0, extra_body={"ignore_eos": True})
     ref = client.completions.create(**kw)
     opts = {"include_usage": include_usage, "continuous_usage_stats": True}
     seen: dict[int, int] = {}
