@@ -11,6 +11,12 @@ SAMPLING_EPS = 1e-5
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
+def child_seed(seed: int, index: int) -> int:
+    """Seed of completion ``index`` of a request seeded ``seed``: ``seed + index``, wrapped
+    into the signed 64-bit range."""
+    return (seed + index - _INT64_MIN) % 2**64 + _INT64_MIN
+
+
 class RequestOutputKind(enum.Enum):
     """What each ``RequestOutput`` of a request carries."""
 

@@ -21,7 +21,7 @@ from tandem.engine.output_processor import OutputProcessor
 from tandem.model_loader.loader import build_model, load_hf_config, load_tokenizer
 from tandem.outputs import RequestOutput
 from tandem.request import Request
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, child_seed
 from tandem.attention.backend import get_attention_backend
 from tandem.worker.model_runner import DBOConfig, ModelRunner
 
@@ -238,7 +238,7 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         reqs = []
         for i in range(params.n):
-            child = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            child = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else child_seed(params.seed, i))
             reqs.append(Request(request_id, ids, child, arrival, index=i, max_tokens=max_tokens))
         self.output_processor.add_request(request_id, text, reqs)
         for r in reqs:

@@ -161,19 +161,20 @@ def test_allowed_token_ids(client, endpoint):
 
 def test_bad_words(client, smol_tokenizer):
     kw = dict(model=MODEL_NAME, prompt="The capital of France is", max_tokens=12, temperature=0.0, logprobs=0)
-    base = _ids_of(client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True})
-                   .choices[0].logprobs.tokens)
-    assert 7042 in base  # " Paris"
-    word = "Paris is"  # two tokens: " Paris" after "the capital ..." is fine alone, "Paris is" is not
-    r = client.completions.create(**kw, extra_body={"bad_words": ["Paris"], "return_tokens_as_token_ids": True})
+    as_ids = {"return_tokens_as_token_ids": True}
+    base = _ids_of(client.completions.create(**kw, extra_body=as_ids).choices[0].logprobs.tokens)
+    at = base.index(7042)  # " Paris"
+    r = client.completions.create(**kw, extra_body={"bad_words": ["Paris"], **as_ids})
     ids = _ids_of(r.choices[0].logprobs.tokens)
     assert 7042 not in ids and 38634 not in ids and "Paris" not in r.choices[0].text
-    variants = [smol_tokenizer.encode(" " + word, add_special_tokens=False), smol_tokenizer.encode(word, add_special_tokens=False)]
-    r = client.completions.create(**kw, extra_body={"bad_words": [word], "return_tokens_as_token_ids": True})
+    # A two-token word from the greedy text (" Paris" and what follows it): only its last
+    # token is banned, right after its first.
+    word = smol_tokenizer.decode(base[at:at + 2]).strip()
+    assert smol_tokenizer.encode(" " + word, add_special_tokens=False) == base[at:at + 2]
+    r = client.completions.create(**kw, extra_body={"bad_words": [word], **as_ids})
     ids = _ids_of(r.choices[0].logprobs.tokens)
-    for v in variants:
-        assert len(v) == 2 and not any(ids[i:i + 2] == v for i in range(len(ids) - 1)), (ids, v)
-    assert ids[:ids.index(7042) + 1] == base[:base.index(7042) + 1]  # only the word's last token is banned
+    assert ids[:at + 1] == base[:at + 1] and ids[at + 1] != base[at + 1]
+    assert not any(ids[i:i + 2] == base[at:at + 2] for i in range(len(ids) - 1))
 
 
 def test_chat_prompt_logprobs(client):
@@ -219,8 +220,8 @@ def test_fields_out_of_range_or_unknown_are_rejected(server, endpoint, param, fi
 
 def test_largest_seed_is_accepted(client):
     for seed in (2**63 - 1, -(2**63)):
-        r = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, temperature=1.0, seed=seed)
-        assert r.usage.completion_tokens == 2
+        r = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, temperature=1.0, seed=seed, n=2)
+        assert r.usage.completion_tokens == 4  # the second completion's seed wraps around
     r = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, temperature=1.0, extra_body={"top_k": 10**9})
     assert r.usage.completion_tokens == 2  # larger than the vocabulary: no top-k
 
