@@ -16,11 +16,15 @@ batch or mode; :func:`deterministic_rows` says which rows those are.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 _SEED_MULT = 1_000_003
+# A token this far (in nats) below the maximum has a probability under fp32's smallest
+# normal number: a row whose other tokens are all that far below is deterministic.
+_NEGLIGIBLE_NATS = -math.log(torch.finfo(torch.float32).smallest_normal)
 
 
 @dataclass
@@ -112,13 +116,15 @@ def deterministic_rows(tempered: torch.Tensor, filtered: torch.Tensor, min_p: to
     min-p, top-k and top-p (-inf = dropped); ``min_p [N]`` or None when no row uses it.
     A row is deterministic when the filters keep a single token (top_k = 1, a top_p at
     most the top token's probability), when min_p = 1 (only maximal tokens pass), or when
-    the temperature is so small that every token below the maximum has probability 0 in
-    fp32. Such rows must not draw among exact ties: they take :func:`greedy_select`, as
+    the temperature is so small that every token below the maximum is more than
+    ``_NEGLIGIBLE_NATS`` (87.3) below it, a probability under fp32's smallest normal
+    number (a fixed threshold, not the softmax's underflow, which differs between devices
+    that flush denormals and those that do not). Such rows must not draw among exact ties: they take :func:`greedy_select`, as
     temperature 0 does. A row whose top_k (say 2) or min_p < 1 keeps several tied tokens
     still samples among them. Returns ``[N]`` bool.
     """
     top = tempered.amax(dim=-1, keepdim=True)
-    below_top_alive = (tempered < top) & (tempered.softmax(dim=-1) > 0)
+    below_top_alive = (tempered < top) & (tempered > top - _NEGLIGIBLE_NATS)
     det = ~below_top_alive.any(dim=-1) | ((filtered > float("-inf")).sum(dim=-1) == 1)
     if min_p is not None:
         det |= min_p >= 1.0
