@@ -74,8 +74,9 @@ class ExpertPlacement:
         return base + (rank < extra)
 
     def rank_first_expert(self, rank: int) -> int:
-        """Global id of the first expert of EP rank ``rank``."""
-        return int(self.first_experts(torch.tensor(rank)))
+        """Global id of the first expert of EP rank ``rank`` (:meth:`first_experts` on ints)."""
+        base, extra = divmod(self.num_experts, self.ep_size)
+        return rank * base + min(rank, extra)
 
     def first_experts(self, ranks: torch.Tensor) -> torch.Tensor:
         """Global id of the first expert of each EP rank in ``ranks`` (int64, same shape and
@@ -97,6 +98,8 @@ class ExpertPlacement:
     def owner(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """EP rank owning each global expert id (same shape)."""
         base, extra = divmod(self.num_experts, self.ep_size)
+        if extra == 0:
+            return torch.div(topk_ids, base, rounding_mode="floor")
         big = extra * (base + 1)  # the first `extra` ranks hold base + 1 experts each
         return torch.where(topk_ids < big, torch.div(topk_ids, base + 1, rounding_mode="floor"),
                            extra + torch.div(topk_ids - big, base, rounding_mode="floor"))
