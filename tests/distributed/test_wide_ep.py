@@ -8,16 +8,20 @@ process for
 
 each through workloads that leave one, two or three replicas idle for some steps (fewer
 live requests than replicas), while the busy ones prefill or decode batches large enough to
-split into two ubatches.
+split into two ubatches. With 4 or 8 GPUs the same workloads run over NCCL with decode CUDA
+graphs and DBO against one GPU.
 """
 
 from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from tandem.engine.dp_engine import DPLLM
 from tandem.sampling_params import SamplingParams
-from tests.distributed.conftest import CONFIGS, GREEDY, PROMPTS, generate_ids, make_llm
+from tests.distributed.conftest import CONFIGS, ENGINE, GREEDY, PROMPTS, generate_ids, make_llm
 
 DP4 = dict(data_parallel_size=4, enable_expert_parallel=True, block_size=8, num_kv_blocks=256)
 DBO = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8)
@@ -76,3 +80,29 @@ def test_dp4_ep4_qwen3_moe_uneven_experts_allgather_dbo(tmp_path, word_tokenizer
     got, stats = _dp4(model, word_tokenizer, all2all_backend="allgather_reducescatter", **DBO)
     assert got == want
     assert stats["num_dbo_steps"] > 0
+
+
+@pytest.mark.parametrize("dp", [4, 8])
+def test_dp_ep_decode_cuda_graphs_with_dbo_on_gpus(model_dir, dp):
+    """DP=EP=4 or 8 over NCCL, decode CUDA graphs (all-to-alls captured), every step of 2+
+    decode or 8+ prefill tokens split: the workloads above give one GPU's greedy tokens."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < dp:
+        pytest.skip(f"needs {dp} GPUs")
+    from tandem.entrypoints.llm import LLM
+    from tests.distributed.test_data_parallel import _gpu_tokenizer
+
+    model = model_dir("deepseek_v2")
+    gpu = dict(ENGINE, device="cuda", tokenizer=_gpu_tokenizer(), enforce_eager=False, max_num_seqs=16, block_size=8,
+               num_kv_blocks=256)
+    ref = LLM(model=model, **gpu)
+    try:
+        want = _run(ref)
+    finally:
+        ref.engine.shutdown()
+    llm = DPLLM(model=model, data_parallel_size=dp, enable_expert_parallel=True, all2all_backend="all_to_all",
+                dbo_measure_split=False, **DBO, **gpu)
+    try:
+        assert _run(llm) == want
+    finally:
+        llm.engine.shutdown()
+    assert llm.engine.final_stats["num_dbo_steps"] > 0
