@@ -18,6 +18,9 @@ parts:
   workload throughput.
 
     python benchmarks/multi_gpu.py --out DIR [--data-parallel-size 8] [--parts ds_parity,ds_parity_dbo,ds_bench,ep_timing,tp_parity,tp_bench]
+
+Results: ``DIR/multi_gpu_dp{N}.json`` (merged over calls with the same N, so the parts can
+run in several calls) and one JSON file per run.
 """
 
 from __future__ import annotations
@@ -161,13 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.out, exist_ok=True)
     ds = write_config_dir(DEEPSEEK_V2_LITE, os.path.join(args.out, "deepseek_v2_lite"))
     llama = write_config_dir(LLAMA_31_8B, os.path.join(args.out, "llama31_8b"))
-    results: dict = {"data_parallel_size": dp}
+    # One summary per DP size, merged over calls (a call may run only some parts).
+    summary = os.path.join(args.out, f"multi_gpu_dp{dp}.json")
+    results: dict = json.load(open(summary)) if os.path.exists(summary) else {}
+    results["data_parallel_size"] = dp
     # DBO parity: split every step that can be (no measured policy), so splits happen.
     dbo_all = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8,
                    dbo_measure_split=False)
 
     def save() -> None:
-        with open(os.path.join(args.out, "multi_gpu.json"), "w") as f:
+        with open(summary, "w") as f:
             json.dump(results, f, indent=2)
 
     for part in args.parts:

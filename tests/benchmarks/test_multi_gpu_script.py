@@ -54,8 +54,11 @@ def test_data_parallel_size_reaches_every_deepseek_part(multi_gpu, tmp_path, mon
     flags = ["--data-parallel-size", "8", "--enable-expert-parallel", "--all2all-backend", "all_to_all"]
     assert off[2:] == flags and on[2:] == [*flags, "--enable-dbo"]
     assert timing[timing.index("--nproc-per-node") + 1] == "8" and timing[-2:] == ["--tokens", "1,8"]
-    saved = json.load(open(tmp_path / "multi_gpu.json"))
+    saved = json.load(open(tmp_path / "multi_gpu_dp8.json"))
     assert saved["data_parallel_size"] == 8 and saved["ds_parity"]["ran"] is False
+    # A later call with other parts keeps the earlier parts' results.
+    multi_gpu.main(["--out", str(tmp_path), "--data-parallel-size", "8", "--parts", "ep_timing"])
+    assert set(json.load(open(tmp_path / "multi_gpu_dp8.json"))) >= {"ds_parity", "ds_bench", "ep_timing"}
 
 
 @pytest.mark.parametrize("argv,match", [
