@@ -1,18 +1,26 @@
-"""Multi-GPU runs of one host (issue 8): DP + EP with NCCL all-to-all on a DeepSeek-V2-Lite
-shape, and TP on a Llama-3.1-8B shape, dummy weights. Each part runs in its own process
-(``--part``) under a time limit, so one failure does not hide the others:
+"""Multi-GPU runs of one host (issues 8 and 19): DP + EP with NCCL all-to-all on a
+DeepSeek-V2-Lite shape, and TP on a Llama-3.1-8B shape, dummy weights. Each part runs in
+its own process (``--part``) under a time limit, so one failure does not hide the others.
+``--data-parallel-size N`` (2, 4 or 8; default 2) sets the DP = EP size of the DeepSeek
+parts:
 
-* ``ds_parity``: greedy tokens (fp32, eager, mixed-length prompts) of
-  ``--data-parallel-size 2 --enable-expert-parallel --all2all-backend all_to_all`` equal to
-  the single-GPU run;
+* ``ds_parity``: greedy tokens (fp32, eager, mixed-length prompts, then three of them alone,
+  leaving replicas idle when N > 3) of ``--data-parallel-size N --enable-expert-parallel
+  --all2all-backend all_to_all`` equal to the single-GPU run;
+* ``ds_parity_dbo``: the same with ``--enable-dbo``, every step of 2+ decode or 8+ prefill
+  tokens split (no measured policy), so DBO on gives DBO off's tokens;
 * ``ds_bench``: the seed workload (``tandem bench throughput``: 1000 prompts, 128 in, 256
-  out, bf16, CUDA graphs) with DP=2 + EP=2 over NCCL ``all_to_all``, DBO off and on;
+  out, bf16, CUDA graphs) with DP=N + EP=N over NCCL ``all_to_all``, DBO off and on;
 * ``ep_timing``: per-MoE-layer time of dispatch, expert compute and combine of the NCCL
-  ``all_to_all`` backend at decode sizes (torchrun, one process per GPU);
+  ``all_to_all`` backend at decode sizes (``--ep-tokens`` per rank), per rank (torchrun,
+  N processes, one per GPU);
 * ``tp_parity`` / ``tp_bench``: ``--tensor-parallel-size 2`` against TP=1, and its seed
   workload throughput.
 
-    python benchmarks/multi_gpu.py --out DIR [--parts ds_parity,ds_bench,ep_timing,tp_parity,tp_bench]
+    python benchmarks/multi_gpu.py --out DIR [--data-parallel-size 8] [--parts ds_parity,ds_parity_dbo,ds_bench,ep_timing,tp_parity,tp_bench]
+
+Results: ``DIR/multi_gpu_dp{N}.json`` (merged over calls with the same N, so the parts can
+run in several calls) and one JSON file per run.
 """
 
 from __future__ import annotations
@@ -30,12 +38,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PARITY_LENS = [5, 37, 128, 11, 64, 3, 90, 23]
 
 
+PARTS = ("ds_parity", "ds_parity_dbo", "ds_bench", "ep_timing", "tp_parity", "tp_bench")
+DS_PARTS = ("ds_parity", "ds_parity_dbo", "ds_bench", "ep_timing")  # use --data-parallel-size GPUs
+DP_SIZES = (2, 4, 8)
+
+
 def parity_prompts(vocab: int) -> list[list[int]]:
     return [[(1009 * i + 7 * j) % (vocab // 2) + vocab // 4 for j in range(n)] for i, n in enumerate(PARITY_LENS)]
 
 
 def generate_ids(model: str, out: str, **engine) -> None:
-    """Worker: greedy ids of the parity prompts (fp32, eager) written to ``out``."""
+    """Worker: greedy ids (fp32, eager) of the parity prompts, then of the first three alone
+    (fewer requests than replicas: the others idle), written to ``out``."""
     from transformers import AutoConfig
 
     from tandem import LLM, SamplingParams
@@ -43,11 +57,26 @@ def generate_ids(model: str, out: str, **engine) -> None:
     vocab = AutoConfig.from_pretrained(model).vocab_size
     llm = LLM(model=model, tokenizer=tokenizer_dir(), load_format="dummy", dtype="float32", enforce_eager=True,
               max_model_len=512, max_num_seqs=16, **engine)
-    outs = llm.generate(parity_prompts(vocab), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                        use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = parity_prompts(vocab)
+    ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    ids += [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params, use_tqdm=False)]
     with open(out, "w") as f:
-        json.dump([o.outputs[0].token_ids for o in outs], f)
+        json.dump(ids, f)
     llm.engine.shutdown()
+
+
+def ds_engine(dp: int, **extra) -> dict:
+    """Engine arguments of the DeepSeek DP + EP parts."""
+    return dict(data_parallel_size=dp, enable_expert_parallel=True, all2all_backend="all_to_all", **extra)
+
+
+def cli_flags(engine: dict) -> list[str]:
+    """Engine arguments as ``tandem`` command-line flags (True: a bare switch)."""
+    flags = []
+    for k, v in engine.items():
+        flags += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return flags
 
 
 def run(cmd: list[str], limit: float, env: dict | None = None) -> bool:
@@ -89,58 +118,94 @@ def bench(out: str, name: str, model: str, limit: float, extra: list[str]) -> di
         return json.load(f)
 
 
-def ep_timing_cmd(out: str) -> list[str]:
-    """``torchrun`` of ep_all2all_timing.py with this interpreter (``torchrun`` itself may not
-    be on PATH when the virtual environment is not activated)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            os.path.join(HERE, "ep_all2all_timing.py"), "--out", out]
+def ep_timing_cmd(out: str, nproc: int = 2, tokens: str | None = None) -> list[str]:
+    """``torchrun`` of ep_all2all_timing.py on ``nproc`` ranks with this interpreter
+    (``torchrun`` itself may not be on PATH when the virtual environment is not activated);
+    ``tokens``: its ``--tokens`` (per rank, comma-separated), default its own."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            os.path.join(HERE, "ep_all2all_timing.py"), "--out", out, *(["--tokens", tokens] if tokens else [])]
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        generate_ids(sys.argv[2], sys.argv[3], **json.loads(sys.argv[4]))
-        return
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line; every check runs before any part starts.
+
+    Raises:
+        SystemExit: an unknown part, a DP size not in ``DP_SIZES``, or (with CUDA) fewer
+            GPUs than the DeepSeek parts need.
+    """
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="ds_parity,ds_bench,ep_timing,tp_parity,tp_bench")
+    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=2, choices=DP_SIZES,
+                    help="DP = EP size of the DeepSeek parts (GPUs they use)")
+    ap.add_argument("--ep-tokens", default=None, help="ep_timing: tokens per rank, comma-separated "
+                                                      "(default: ep_all2all_timing.py's)")
     ap.add_argument("--limit", type=float, default=400.0, help="seconds per process (the DBO seed workload takes minutes)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.parts = args.parts.split(",")
+    unknown = [p for p in args.parts if p not in PARTS]
+    if unknown:
+        ap.error(f"unknown part(s) {', '.join(unknown)}; available: {', '.join(PARTS)}")
+    import torch
+
+    need = max([args.dp if p in DS_PARTS else 2 for p in args.parts])
+    if torch.cuda.is_available() and torch.cuda.device_count() < need:
+        ap.error(f"parts {','.join(args.parts)} need {need} GPUs; {torch.cuda.device_count()} visible")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        generate_ids(argv[1], argv[2], **json.loads(argv[3]))
+        return
+    args = parse_args(argv)
+    dp = args.dp
     os.makedirs(args.out, exist_ok=True)
     ds = write_config_dir(DEEPSEEK_V2_LITE, os.path.join(args.out, "deepseek_v2_lite"))
     llama = write_config_dir(LLAMA_31_8B, os.path.join(args.out, "llama31_8b"))
-    dp_ep = ["--data-parallel-size", "2", "--enable-expert-parallel", "--all2all-backend", "all_to_all"]
-    results: dict = {}
+    # One summary per DP size, merged over calls (a call may run only some parts).
+    summary = os.path.join(args.out, f"multi_gpu_dp{dp}.json")
+    results: dict = json.load(open(summary)) if os.path.exists(summary) else {}
+    results["data_parallel_size"] = dp
+    # DBO parity: split every step that can be (no measured policy), so splits happen.
+    dbo_all = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8,
+                   dbo_measure_split=False)
 
     def save() -> None:
-        with open(os.path.join(args.out, "multi_gpu.json"), "w") as f:
+        with open(summary, "w") as f:
             json.dump(results, f, indent=2)
 
-    for part in args.parts.split(","):
+    for part in args.parts:
         if part == "ds_parity":
-            results[part] = parity(args.out, part, ds, args.limit, dict(
-                data_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all"))
+            results[part] = parity(args.out, part, ds, args.limit, ds_engine(dp))
+        elif part == "ds_parity_dbo":
+            results[part] = parity(args.out, part, ds, args.limit, ds_engine(dp, **dbo_all))
         elif part == "ds_bench":
-            results[part] = {"dbo_off": bench(args.out, "ds_dbo_off", ds, args.limit, dp_ep),
-                             "dbo_on": bench(args.out, "ds_dbo_on", ds, args.limit, [*dp_ep, "--enable-dbo"])}
+            results[part] = {"dbo_off": bench(args.out, f"ds_dp{dp}_dbo_off", ds, args.limit, cli_flags(ds_engine(dp))),
+                             "dbo_on": bench(args.out, f"ds_dp{dp}_dbo_on", ds, args.limit,
+                                             cli_flags(ds_engine(dp, enable_dbo=True)))}
         elif part == "ep_timing":
-            path = os.path.join(args.out, "ep_timing.json")
-            ok = run(ep_timing_cmd(path), args.limit)
+            path = os.path.join(args.out, f"ep_timing_ep{dp}.json")
+            ok = run(ep_timing_cmd(path, dp, args.ep_tokens), args.limit)
             results[part] = json.load(open(path)) if ok and os.path.exists(path) else None
         elif part == "tp_parity":
             results[part] = parity(args.out, part, llama, args.limit, dict(tensor_parallel_size=2))
         elif part == "tp_bench":
             results[part] = bench(args.out, "tp2", llama, args.limit, ["--tensor-parallel-size", "2"])
-        else:
-            raise SystemExit(f"unknown part {part!r}")
         save()
 
     print("\n| run | requests/s | output tok/s |\n|---|---|---|")
-    rows = [("DeepSeek-V2-Lite DP=2 EP=2 all_to_all, DBO off", (results.get("ds_bench") or {}).get("dbo_off")),
-            ("DeepSeek-V2-Lite DP=2 EP=2 all_to_all, DBO on", (results.get("ds_bench") or {}).get("dbo_on")),
+    ds_bench = results.get("ds_bench") or {}
+    rows = [(f"DeepSeek-V2-Lite DP={dp} EP={dp} all_to_all, DBO off", ds_bench.get("dbo_off")),
+            (f"DeepSeek-V2-Lite DP={dp} EP={dp} all_to_all, DBO on", ds_bench.get("dbo_on")),
             ("Llama-3.1-8B TP=2", results.get("tp_bench"))]
     for name, r in rows:
         if r:
             print(f"| {name} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} |")
+    for r in (results.get("ep_timing") or {}).get("rows", []):
+        print(f"ep_timing {r['tokens_per_rank']} tokens/rank: dispatch {r['dispatch_ms']} ms, "
+              f"experts {r['expert_ms']} ms, combine {r['combine_ms']} ms (per rank)")
 
 
 if __name__ == "__main__":

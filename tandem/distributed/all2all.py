@@ -47,10 +47,14 @@ import torch
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """Which rank owns which expert: contiguous blocks of ``num_experts // ep_size``.
+    """Which rank owns which expert: contiguous blocks, as even as possible.
+
+    Every rank holds ``num_experts // ep_size`` experts and the first ``num_experts %
+    ep_size`` ranks one more (vLLM's linear expert map, ``determine_expert_map``): 10
+    experts over 4 ranks are ``[0, 3) [3, 6) [6, 8) [8, 10)``.
 
     Raises:
-        ValueError: ``num_experts`` is not a multiple of ``ep_size``, or a bad rank.
+        ValueError: a bad rank or size, or fewer experts than ranks (a rank without experts).
     """
 
     num_experts: int
@@ -60,23 +64,45 @@ class ExpertPlacement:
     def __post_init__(self) -> None:
         if self.ep_size < 1 or not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"bad expert-parallel rank {self.ep_rank} of size {self.ep_size}")
-        if self.num_experts % self.ep_size:
-            raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of the EP size ({self.ep_size})")
+        if self.num_experts < self.ep_size:
+            raise ValueError(f"num_experts ({self.num_experts}) must be at least the EP size ({self.ep_size}): "
+                             "every rank holds at least one expert")
+
+    def rank_num_experts(self, rank: int) -> int:
+        """Experts held by EP rank ``rank``."""
+        base, extra = divmod(self.num_experts, self.ep_size)
+        return base + (rank < extra)
+
+    def rank_first_expert(self, rank: int) -> int:
+        """Global id of the first expert of EP rank ``rank`` (:meth:`first_experts` on ints)."""
+        base, extra = divmod(self.num_experts, self.ep_size)
+        return rank * base + min(rank, extra)
+
+    def first_experts(self, ranks: torch.Tensor) -> torch.Tensor:
+        """Global id of the first expert of each EP rank in ``ranks`` (int64, same shape and
+        device; no host sync, so it can run inside a CUDA graph capture)."""
+        base, extra = divmod(self.num_experts, self.ep_size)
+        return ranks * base + ranks.clamp(max=extra)
 
     @property
     def num_local_experts(self) -> int:
-        return self.num_experts // self.ep_size
+        return self.rank_num_experts(self.ep_rank)
 
     @property
     def first_local_expert(self) -> int:
-        return self.ep_rank * self.num_local_experts
+        return self.rank_first_expert(self.ep_rank)
 
     def is_local(self, expert: int) -> bool:
         return self.first_local_expert <= expert < self.first_local_expert + self.num_local_experts
 
     def owner(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """EP rank owning each global expert id (same shape)."""
-        return torch.div(topk_ids, self.num_local_experts, rounding_mode="floor")
+        base, extra = divmod(self.num_experts, self.ep_size)
+        if extra == 0:
+            return torch.div(topk_ids, base, rounding_mode="floor")
+        big = extra * (base + 1)  # the first `extra` ranks hold base + 1 experts each
+        return torch.where(topk_ids < big, torch.div(topk_ids, base + 1, rounding_mode="floor"),
+                           extra + torch.div(topk_ids - big, base, rounding_mode="floor"))
 
     def to_local(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> local ids, ``-1`` where another rank owns the expert."""
@@ -215,6 +241,10 @@ class SimulatedAll2All(All2AllBackend):
             raise ValueError("the simulated all2all backend keeps data local: ep_size must be 1")
         link = link or LinkModel()
         if rank_experts:
+            if placement.num_experts % link.ep_size:
+                # `id % (E / ep_size)` models a rank of an even split only.
+                raise ValueError(f"rank_experts: num_experts ({placement.num_experts}) must be a multiple of the "
+                                 f"simulated EP size ({link.ep_size})")
             placement = ExpertPlacement(placement.num_experts, link.ep_size, 0)
         super().__init__(placement)
         self.link = link

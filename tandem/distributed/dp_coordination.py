@@ -6,7 +6,8 @@ CUDA graph). One all-reduce (MAX) over ``[1 - wants_split, num_tokens, padded_to
 1 - graph_mode]`` yields the common decision (DESIGN.md, "Cross-rank agreement"):
 split only when *every* rank wants to, graph mode only when every rank can, and pad every
 rank to the largest token count. A rank with nothing scheduled still takes part and runs a
-dummy batch when another rank has work, so that the MoE collectives match. In graph mode
+dummy batch when another rank has work, so that the MoE collectives match; it votes to split
+(its dummy batch is padding only), so it never vetoes the busy ranks' split. In graph mode
 the split vote is not used: every rank replays the capture size for ``max_tokens``, whose
 split or plain form all ranks agreed on at capture (an idle rank replays it with padding).
 """

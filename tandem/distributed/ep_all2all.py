@@ -240,14 +240,14 @@ class AllToAllAll2All(_DistributedAll2All):
         k = topk_ids.shape[-1]
         c = forward_capacity(t)
         ep, dev = self.ep_size, hidden.device
-        e_loc = self.placement.num_local_experts
         slot = self.pool.next_slot()
         ca = max(c, self.pool.reserved_tokens)  # allocation size
         if c == 0:
             return _Handle([], (hidden.new_empty(0, h), topk_ids.new_empty(0, k), topk_weights.new_empty(0, k)),
                            (t, 0, None, slot))
-        owner = torch.div(topk_ids, e_loc, rounding_mode="floor")  # [T, k]
+        owner = self.placement.owner(topk_ids)  # [T, k]
         dests = torch.arange(ep, device=dev)
+        first = self.placement.first_experts(dests)  # [ep]
         hit = owner[:, None, :] == dests[None, :, None]  # [T, ep, k]
         mask = hit.any(-1)  # [T, ep]: token t goes to rank d
         pos = mask.long().cumsum(0) - 1  # its row in d's block
@@ -260,7 +260,7 @@ class AllToAllAll2All(_DistributedAll2All):
         send_m[:, k:].zero_()
         for d in range(ep):  # ep index_copy's of T rows (no [T, ep, H] temporary)
             send_h.index_copy_(0, dest_row[:, d], hidden)
-        local_ids = torch.where(hit, topk_ids[:, None, :] - dests[None, :, None] * e_loc, -1)  # [T, ep, k]
+        local_ids = torch.where(hit, topk_ids[:, None, :] - first[None, :, None], -1)  # [T, ep, k]
         local_w = torch.where(hit, topk_weights[:, None, :].float(), 0.0)
         send_m.index_copy_(0, dest_row.reshape(-1), torch.cat([local_ids.float(), local_w], -1).reshape(t * ep, 2 * k))
         recv_h = self.pool.get(slot, "a2a_recv_h", (ep * c, h), hidden.dtype, dev, (ep * ca, h))

@@ -371,9 +371,13 @@ class ModelRunner:
         return 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
 
     def _wants_split(self, inputs: StepInputs | None) -> bool:
-        """This rank's view: DBO on, an MoE model, and a step above the threshold."""
-        if self.dbo is None or inputs is None or not hasattr(self.model, "forward_steps"):
+        """This rank's view: DBO on, an MoE model, and a step above the threshold. An idle
+        data-parallel rank (``inputs`` None) runs padding only and follows the busy ranks:
+        its vote must not veto their split."""
+        if self.dbo is None or not hasattr(self.model, "forward_steps"):
             return False
+        if inputs is None:
+            return True
         n = inputs.num_tokens
         decode_only = inputs.num_decode_reqs() == inputs.num_reqs
         if not decode_only and not self.prefill_split:

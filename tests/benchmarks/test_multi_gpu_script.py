@@ -33,3 +33,47 @@ def test_ep_timing_command_runs_without_torchrun_on_path(multi_gpu, tmp_path):
     subprocess.run([*cmd, "--tokens", "4", "--iters", "1"], check=True, timeout=300, env=env)
     rows = json.load(open(out))["rows"]
     assert [r["tokens_per_rank"] for r in rows] == [4] and rows[0]["ep_size"] == 2
+
+
+def test_data_parallel_size_reaches_every_deepseek_part(multi_gpu, tmp_path, monkeypatch):
+    """``--data-parallel-size 8``: both parity runs, the DBO off / on seed workload pair and
+    the EP timing get 8 ranks (nothing is run: ``run`` records the commands)."""
+    cmds = []
+    monkeypatch.setattr(multi_gpu, "run", lambda cmd, limit, env=None: cmds.append(cmd) or False)
+    # The seed workload's tokenizer package is a GPU-machine dependency.
+    monkeypatch.setattr(multi_gpu, "seed_workload_command", lambda model, out, *extra: ["tandem", "bench", *extra])
+    multi_gpu.main(["--out", str(tmp_path), "--data-parallel-size", "8", "--ep-tokens", "1,8",
+                    "--parts", "ds_parity,ds_parity_dbo,ds_bench,ep_timing"])
+    ref, par, ref_dbo, par_dbo, off, on, timing = cmds
+    assert json.loads(ref[-1]) == {} and json.loads(ref_dbo[-1]) == {}
+    engine = json.loads(par[-1])
+    assert (engine["data_parallel_size"], engine["enable_expert_parallel"], engine["all2all_backend"]) == \
+        (8, True, "all_to_all")
+    assert json.loads(par_dbo[-1]) == {**engine, "enable_dbo": True, "dbo_decode_token_threshold": 2,
+                                       "dbo_prefill_token_threshold": 8, "dbo_measure_split": False}
+    flags = ["--data-parallel-size", "8", "--enable-expert-parallel", "--all2all-backend", "all_to_all"]
+    assert off[2:] == flags and on[2:] == [*flags, "--enable-dbo"]
+    assert timing[timing.index("--nproc-per-node") + 1] == "8" and timing[-2:] == ["--tokens", "1,8"]
+    saved = json.load(open(tmp_path / "multi_gpu_dp8.json"))
+    assert saved["data_parallel_size"] == 8 and saved["ds_parity"]["ran"] is False
+    # A later call with other parts keeps the earlier parts' results.
+    multi_gpu.main(["--out", str(tmp_path), "--data-parallel-size", "8", "--parts", "ep_timing"])
+    assert set(json.load(open(tmp_path / "multi_gpu_dp8.json"))) >= {"ds_parity", "ds_bench", "ep_timing"}
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--data-parallel-size", "3"], "invalid choice"),
+    (["--parts", "ds_bench,nope"], "unknown part"),
+    (["--data-parallel-size", "4", "--parts", "tp_bench,ep_timing"], "need 4 GPUs; 2 visible"),
+])
+def test_bad_arguments_stop_before_any_part(multi_gpu, tmp_path, monkeypatch, capsys, argv, match):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(multi_gpu, "run", lambda *a, **k: pytest.fail("a part ran"))
+    with pytest.raises(SystemExit):
+        multi_gpu.main(["--out", str(tmp_path), *argv])
+    assert match in capsys.readouterr().err
+    # Two GPUs are enough for the TP parts and DP=2.
+    multi_gpu.parse_args(["--out", str(tmp_path), "--parts", "tp_parity,ds_parity"])

@@ -46,10 +46,28 @@ def model_dir(tmp_path_factory):
 
 
 def make_llm(model: str, llm_class=None, **kwargs):
+    """``llm_class`` (default ``LLM``) on the test engine settings; the tokenizer is the
+    embedded model's unless ``tokenizer`` is given."""
     from tandem.config import embedded_default_model
     from tandem.entrypoints.llm import LLM
 
-    return (llm_class or LLM)(model=model, tokenizer=embedded_default_model(), **{**ENGINE, **kwargs})
+    kwargs.setdefault("tokenizer", embedded_default_model())
+    return (llm_class or LLM)(model=model, **{**ENGINE, **kwargs})
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer(tmp_path_factory) -> str:
+    """A word-level tokenizer of the test models' 512 ids (``t0`` .. ``t511``, eos ``t1``)
+    for token-id prompts: it loads in milliseconds, where the embedded GGUF's takes seconds
+    of CPU in every spawned rank."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(COMMON["vocab_size"])}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    d = tmp_path_factory.mktemp("word_tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", unk_token="t0").save_pretrained(d)
+    return str(d)
 
 
 def generate_ids(llm, prompts, params=GREEDY, timeout: float = 180.0) -> list[list[int]]:

@@ -1,6 +1,7 @@
-"""The torch.distributed EP backends against ``local`` on 2 gloo ranks: random routing,
-uneven token counts (one rank with 0 tokens), two exchanges in flight (DBO), and the
-FusedMoE layer end to end; plus the single-process checks (missing forward context)."""
+"""The torch.distributed EP backends against ``local`` on 2 and 4 gloo ranks: random
+routing, uneven token counts (ranks with 0 tokens), uneven expert counts per rank (10
+experts over 4 ranks), two exchanges in flight (DBO), and the FusedMoE layer end to end;
+plus the single-process checks (missing forward context)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import torch
 
 from tests.distributed._harness import run_ranks
 
-E, K, H, I = 8, 2, 16, 24
+K, H, I = 2, 16, 24
 BACKENDS = ("allgather_reducescatter", "all_to_all")
+# Per world size: experts, and (tokens per rank, seed) cases: uneven, ranks empty, equal, single token.
+LAYOUTS = {
+    2: (8, [((5, 3), 1), ((0, 7), 2), ((6, 0), 3), ((4, 4), 4), ((1, 1), 5)]),
+    4: (10, [((5, 3, 0, 7), 1), ((0, 0, 6, 0), 2), ((4, 4, 4, 4), 4), ((1, 1, 1, 1), 5)]),
+}
 
 
-def _weights():
+def _weights(E: int):
     g = torch.Generator().manual_seed(0)
     return torch.randn(E, 2 * I, H, generator=g) * 0.2, torch.randn(E, H, I, generator=g) * 0.2
 
 
-def _tokens(rank: int, t: int, seed: int):
+def _tokens(rank: int, t: int, seed: int, E: int):
     g = torch.Generator().manual_seed(1000 * seed + rank)
     hidden = torch.randn(t, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]) if t else torch.zeros(0, K, dtype=torch.long)
@@ -35,17 +41,16 @@ def _ranks_body(rank, world, port):
     from tandem.layers.moe import FusedMoE, grouped_experts
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    w13, w2 = _weights()
+    E, cases = LAYOUTS[world]
+    w13, w2 = _weights(E)
     pl = ExpertPlacement(E, world, rank)
     lo, hi = pl.first_local_expert, pl.first_local_expert + pl.num_local_experts
     report = []
-    # (tokens per rank, seed): uneven, one rank empty, both equal, single token.
-    cases = [((5, 3), 1), ((0, 7), 2), ((6, 0), 3), ((4, 4), 4), ((1, 1), 5)]
     for name in BACKENDS:
         factory = make_all2all_factory(name, group=dist.group.WORLD, ep_size=world, ep_rank=rank)
         be = factory(E)
         for counts, seed in cases:
-            hidden, ids, w = _tokens(rank, counts[rank], seed)
+            hidden, ids, w = _tokens(rank, counts[rank], seed, E)
             want = grouped_experts(hidden, ids, w, w13, w2, impl="loop")
             with forward_context(ForwardContext(max_tokens_per_rank=max(counts), dp_size=world)):
                 x, lid, lw, meta = be.dispatch_wait(be.dispatch_launch(hidden, ids, w))
@@ -54,8 +59,8 @@ def _ranks_body(rank, world, port):
             assert out.shape == (counts[rank], H)
             report.append((name, counts, float((out - want).abs().max()) if out.numel() else 0.0))
         # Two ubatches in flight at once (DBO order: D0 D1 | C0 C1), different sizes.
-        a, b = _tokens(rank, 3 + rank, 7), _tokens(rank, 2, 8)
-        with forward_context(ForwardContext(max_tokens_per_rank=4, dp_size=world)):
+        a, b = _tokens(rank, 3 + rank, 7, E), _tokens(rank, 2, 8, E)
+        with forward_context(ForwardContext(max_tokens_per_rank=2 + world, dp_size=world)):
             ha, hb = be.dispatch_launch(*a), be.dispatch_launch(*b)
             xa, ia, wa, ma = be.dispatch_wait(ha)
             xb, ib, wb, mb = be.dispatch_wait(hb)
@@ -68,8 +73,8 @@ def _ranks_body(rank, world, port):
         moe = FusedMoE(E, K, H, I, factory(E))
         moe.load_fused("w13", w13)
         moe.load_fused("w2", w2)
-        hidden, ids, w = _tokens(rank, 2 + 3 * rank, 9)
-        with forward_context(ForwardContext(max_tokens_per_rank=5, dp_size=world)), torch.no_grad():
+        hidden, ids, w = _tokens(rank, 2 + 3 * rank, 9, E)
+        with forward_context(ForwardContext(max_tokens_per_rank=2 + 3 * (world - 1), dp_size=world)), torch.no_grad():
             got = moe(hidden, ids, w)
         report.append((name, "fused_moe", float((got - grouped_experts(hidden, ids, w, w13, w2, "loop")).abs().max())))
         assert isinstance(factory.pool, EPBufferPool)
@@ -77,12 +82,13 @@ def _ranks_body(rank, world, port):
     return report
 
 
-def test_ep_backends_match_local_on_two_gloo_ranks():
-    results = run_ranks(_ranks_body, 2, timeout=120)
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_ep_backends_match_local_on_gloo_ranks(world):
+    results = run_ranks(_ranks_body, world, timeout=180)
     for rank, report in enumerate(results):
         for name, case, err in report:
             assert err < 1e-5, (rank, name, case, err)
-    assert len(results[0]) == len(BACKENDS) * 8
+    assert len(results[0]) == len(BACKENDS) * (len(LAYOUTS[world][1]) + 3)
 
 
 def test_ep_backend_needs_forward_context():

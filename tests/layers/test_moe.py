@@ -151,8 +151,25 @@ def test_placement():
     ids = torch.tensor([[0, 4], [5, 7]])
     assert pl.to_local(ids).tolist() == [[-1, 0], [1, -1]]
     assert pl.owner(ids).tolist() == [[0, 2], [2, 3]]
-    with pytest.raises(ValueError):
-        ExpertPlacement(6, ep_size=4)
+    with pytest.raises(ValueError, match="at least the EP size"):
+        ExpertPlacement(3, ep_size=4)
+
+
+@pytest.mark.parametrize("num_experts,ep_size", [(10, 4), (6, 4), (9, 2), (5, 5), (64, 8)])
+def test_uneven_placement_covers_every_expert_once(num_experts, ep_size):
+    """vLLM's linear map: the first ``E % ep`` ranks hold one expert more; ``owner``,
+    ``is_local``, ``to_local`` and ``first_experts`` agree on every expert."""
+    pls = [ExpertPlacement(num_experts, ep_size, r) for r in range(ep_size)]
+    base, extra = divmod(num_experts, ep_size)
+    assert [p.num_local_experts for p in pls] == [base + (r < extra) for r in range(ep_size)]
+    ids = torch.arange(num_experts)
+    owners = pls[0].owner(ids).tolist()
+    assert pls[0].first_experts(torch.arange(ep_size)).tolist() == [p.first_local_expert for p in pls]
+    for e in range(num_experts):
+        assert [p.is_local(e) for p in pls].count(True) == 1 and pls[owners[e]].is_local(e)
+        assert pls[owners[e]].to_local(ids[e:e + 1]).item() == e - pls[owners[e]].first_local_expert
+    assert sorted(sum((list(range(p.first_local_expert, p.first_local_expert + p.num_local_experts)) for p in pls),
+                      [])) == list(range(num_experts))
 
 
 @pytest.mark.parametrize("backend", ["local", "simulated"])
