@@ -40,6 +40,10 @@ class EngineConfig:
             config.json holding only the config. None = embedded default.
         tokenizer: folder/file of the tokenizer if different from ``model``.
         load_format: "auto" (safetensors folder or GGUF file) or "dummy" (random weights).
+        generation_config: "auto": the model folder's ``generation_config.json`` gives EOS
+            ids and the defaults of sampling fields a request leaves unset (as vLLM);
+            "vllm": EOS ids only, vLLM's sampling defaults; or a folder holding a
+            ``generation_config.json`` (:mod:`tandem.model_loader.generation_config`).
         dtype: "auto" (fp32 on the CPU, bf16 on CUDA), or a dtype name.
         device: "auto" (CUDA when available), "cpu" or "cuda[:i]".
         block_size: tokens per KV cache block.
@@ -86,6 +90,7 @@ class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
     load_format: str = "auto"
+    generation_config: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16

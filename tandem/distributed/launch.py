@@ -16,9 +16,12 @@ Two ways, both ending in :func:`tandem.distributed.parallel_state.init_distribut
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable, Sequence
+import sys
+import types
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch.multiprocessing as mp
@@ -54,15 +57,39 @@ def spawn_ranks(target: Callable[..., None], world_size: int, args_of_rank: Call
                 daemon: bool = True) -> list[mp.Process]:
     """Start ``world_size`` processes ``target(*args_of_rank(rank))`` (spawn start method).
 
+    ``target`` and its arguments must come from importable modules, never from the
+    caller's ``__main__``: the ranks do not re-run the caller's script (see
+    :func:`_without_main_module`), so ``LLM(data_parallel_size=2)`` works from ``python -``,
+    a notebook or a script without an ``if __name__ == "__main__"`` guard.
+
     Returns the started processes (the caller joins them, or kills them by their handles).
     """
     ctx = mp.get_context("spawn")
     procs = []
-    for rank in range(world_size):
-        p = ctx.Process(target=target, args=tuple(args_of_rank(rank)), daemon=daemon, name=f"tandem-rank{rank}")
-        p.start()
-        procs.append(p)
+    with _without_main_module():
+        for rank in range(world_size):
+            p = ctx.Process(target=target, args=tuple(args_of_rank(rank)), daemon=daemon, name=f"tandem-rank{rank}")
+            p.start()
+            procs.append(p)
     return procs
+
+
+@contextlib.contextmanager
+def _without_main_module() -> Iterator[None]:
+    """Hide the caller's ``__main__`` while processes are spawned.
+
+    The spawn start method re-runs the parent's main script in every child before the
+    target runs (``multiprocessing.spawn.get_preparation_data``). From ``python -`` that
+    script is ``<stdin>`` and cannot be re-run; from a script without a ``__main__`` guard
+    it would start the deployment again in every rank, and multiprocessing aborts it. The
+    ranks need none of the caller's code, so they are spawned as if ``__main__`` were empty.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 __all__ = ["Rendezvous", "env_rendezvous", "free_port", "resolve_rendezvous", "spawn_ranks"]

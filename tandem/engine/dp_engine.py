@@ -285,10 +285,12 @@ class _ClientBase:
     """Request bookkeeping and validation shared by the front-ends."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from tandem.model_loader.generation_config import load_generation_defaults
         from tandem.model_loader.loader import load_tokenizer
 
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.generation_defaults = load_generation_defaults(config.model, config.generation_config)
         self._live: set[str] = set()
         self.max_model_len = 0
         self.vocab_size = 0
@@ -318,6 +320,10 @@ class _ClientBase:
                              f"{params.max_tokens} in the completion). Please reduce the length of the messages or completion.")
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """As ``LLMEngine.get_default_sampling_params``."""
+        return SamplingParams().with_defaults(self.generation_defaults.sampling)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
