@@ -6,7 +6,9 @@ Two ways, both ending in :func:`tandem.distributed.parallel_state.init_distribut
   --tensor-parallel-size M`` spawns ``N * M`` processes with ``torch.multiprocessing``
   (spawn start method: CUDA-safe); rank ``r`` uses ``cuda:r`` on GPUs. They meet at
   ``tcp://master_addr:master_port`` (``--master-addr`` / ``--master-port``; defaults:
-  ``MASTER_ADDR``/``MASTER_PORT`` from the environment, else 127.0.0.1 and a free port).
+  ``MASTER_ADDR``/``MASTER_PORT`` from the environment, else 127.0.0.1 and a free port),
+  whose store the launching process serves (:func:`host_store`). The ranks run only
+  Tandem's code: the caller's script is not re-run in them (:func:`spawn_ranks`).
 * **Standard rendezvous** (``torchrun``, SLURM wrappers, any env:// launcher, one or many
   machines): when ``RANK`` and ``WORLD_SIZE`` are in the environment, the process *is* a
   rank; ``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_RANK`` come from the environment too. E.g.
@@ -24,6 +26,9 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import datetime
+
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tandem.distributed.parallel_state import env_rendezvous
@@ -51,6 +56,23 @@ def resolve_rendezvous(master_addr: str | None = None, master_port: int | None =
     if port is None:
         port = free_port(addr if addr in ("127.0.0.1", "localhost") else "")
     return Rendezvous(addr, port)
+
+
+def host_store(rdv: Rendezvous, world_size: int,
+               timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> dist.TCPStore:
+    """Serve the ranks' rendezvous store from the launching process (the ranks join with
+    ``init_distributed(..., store_hosted=True)``).
+
+    The store then outlives every rank: rank 0 may exit first without cutting the others'
+    connection to it (NCCL's watchdog threads poll the store until their group is
+    destroyed, and print TCPStore errors when its server went away). Keep the returned
+    object until every rank has exited.
+
+    Raises:
+        RuntimeError: the port is taken.
+    """
+    return dist.TCPStore(rdv.master_addr, rdv.master_port, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=False)
 
 
 def spawn_ranks(target: Callable[..., None], world_size: int, args_of_rank: Callable[[int], Sequence],
@@ -92,4 +114,4 @@ def _without_main_module() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-__all__ = ["Rendezvous", "env_rendezvous", "free_port", "resolve_rendezvous", "spawn_ranks"]
+__all__ = ["Rendezvous", "env_rendezvous", "free_port", "host_store", "resolve_rendezvous", "spawn_ranks"]
