@@ -150,6 +150,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}.")
         self._check_limits()
         self._check_device()
+        from tandem.model_loader.generation_config import load_generation_defaults
+
+        load_generation_defaults(self.model, self.generation_config)  # a bad file or folder fails here, not after loading
 
     def _check_limits(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens"):

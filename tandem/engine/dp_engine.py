@@ -42,6 +42,7 @@ import atexit
 import logging
 import os
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -239,6 +240,9 @@ def _serve_nonzero(engine, info) -> None:
 def _rank_main(config: EngineConfig, rank: int, world_size: int, master_addr: str, master_port: int,
                inbox, outbox) -> None:
     """Entry of a spawned rank process."""
+    # Ctrl-C in a terminal reaches every process of the group: the front-end alone handles
+    # it (it stops the ranks); a rank interrupted mid-collective would print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.environ.get("TANDEM_DUMP_STACKS_AFTER_S"):  # debugging a hang: every rank prints its stacks
         import faulthandler
 

@@ -220,9 +220,11 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-            if bad:
-                raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+        # Text too: a tokenizer larger than the model's vocabulary (e.g. --tokenizer beside a
+        # dummy config) must not crash the engine.
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
         if not ids:
             raise ValueError("prompt must contain at least one token.")
         max_len = self.config.max_model_len

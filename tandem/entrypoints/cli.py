@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 from dataclasses import fields
 
-from tandem.config import EngineConfig
 from tandem.entrypoints.arg_types import positive_int
 from tandem.logging_config import configure_logging
 from tandem.version import tandem_version
+
+if TYPE_CHECKING:
+    from tandem.config import EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -62,7 +65,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port of the ranks (default: a free one)")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
+    """The EngineConfig of the flags (validated: ValueError naming the field)."""
+    from tandem.config import EngineConfig
+
     kw = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     if getattr(args, "model_pos", None):
         kw["model"] = args.model_pos
@@ -127,7 +133,7 @@ def _serve(args: argparse.Namespace) -> None:
     run_server(args)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference and serving engine")
     parser.add_argument("--version", action="version", version=f"%(prog)s {tandem_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,21 +159,33 @@ def main(argv: list[str] | None = None) -> None:
     from tandem.eval.cli import add_eval_parser
 
     add_eval_parser(sub)
+    return parser
 
-    args = parser.parse_args(argv)
-    prog = f"tandem {args.command}" + (f" {args.bench_command}" if args.command == "bench" else "")
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the ``tandem`` command. Ordinary mistakes end in one line, no traceback: a bad
+    flag value or model path (exit 2), no server or a busy port (exit 1), Ctrl-C (130)."""
+    prog = "tandem"
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        prog = f"tandem {args.command}" + (f" {args.bench_command}" if args.command == "bench" else "")
         # The server says when it listens and logs each request; offline commands print results only.
         configure_logging(default_level="INFO" if args.command == "serve" else "WARNING")
         args.func(args)
     except (ValueError, FileNotFoundError) as e:
         # Bad input (a flag value, a model path, a prompt over the context): the message,
         # not a traceback.
-        parser.exit(2, f"{prog}: error: {e}\n")
+        _exit(2, f"{prog}: error: {e}")
     except ConnectionError as e:  # no server at --base-url, a port in use
-        parser.exit(1, f"{prog}: error: {e}\n")
+        _exit(1, f"{prog}: error: {e}")
     except KeyboardInterrupt:
-        parser.exit(130, f"{prog}: interrupted\n")
+        _exit(130, f"{prog}: interrupted")
+
+
+def _exit(code: int, message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
