@@ -14,6 +14,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def port_number(text: str) -> int:
     """A TCP port, 0..65535 (0: any free port)."""
     value = int(text)

@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 from dataclasses import fields
 
-from tandem.entrypoints.arg_types import positive_int
+from tandem.entrypoints.arg_types import non_negative_int, positive_int
 from tandem.logging_config import configure_logging
 from tandem.version import tandem_version
 
@@ -29,12 +29,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                         "vllm: EOS ids only, vLLM's sampling defaults; or a folder holding a generation_config.json")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="CPU KV cache size")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -57,8 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--simulated-ep-rank-experts", action="store_true",
                    help="simulated backend: hold and compute only one EP rank's share of the experts (timing only; "
                         "outputs are not the model's)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks sharding each layer (TP)")
-    p.add_argument("--data-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="ranks sharding each layer (TP)")
+    p.add_argument("--data-parallel-size", type=positive_int, default=1,
                    help="engine replicas with their own scheduler and KV cache (DP attention)")
     p.add_argument("--enable-expert-parallel", action="store_true", help="shard MoE experts over all DP x TP ranks")
     p.add_argument("--master-addr", default=None, help="rendezvous address of the ranks (default 127.0.0.1)")
@@ -83,7 +83,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     generation_config.json values (else vLLM's), and temperature takes the model's, else 0."""
     p.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
                    help=f"most tokens per completion (default {DEFAULT_MAX_TOKENS}; a note says when it cut one)")
-    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--min-tokens", type=non_negative_int, default=0)
     p.add_argument("--temperature", type=float, default=None,
                    help="default: the model's generation_config.json, else 0 (greedy)")
     p.add_argument("--top-p", type=float, default=None)
@@ -95,7 +95,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("-n", "--n", dest="n", type=int, default=1, help="completions per prompt")
+    p.add_argument("-n", "--n", dest="n", type=positive_int, default=1, help="completions per prompt")
 
 
 def _generate(args: argparse.Namespace) -> None:
