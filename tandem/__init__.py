@@ -1,7 +1,32 @@
-"""Tandem: an LLM inference and serving engine built around overlap."""
+"""Tandem: an LLM inference and serving engine built around overlap.
 
-from tandem.entrypoints.llm import LLM
-from tandem.outputs import CompletionOutput, Logprob, RequestOutput
-from tandem.sampling_params import RequestOutputKind, SamplingParams
+The public names are imported on first use, so that ``tandem --help`` and argument errors
+answer before PyTorch loads.
+"""
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from tandem.version import tandem_version
+
+__version__ = tandem_version()
+
+_EXPORTS = {"LLM": "tandem.entrypoints.llm", "SamplingParams": "tandem.sampling_params",
+            "RequestOutputKind": "tandem.sampling_params", "RequestOutput": "tandem.outputs",
+            "CompletionOutput": "tandem.outputs", "Logprob": "tandem.outputs"}
+
+if TYPE_CHECKING:
+    from tandem.entrypoints.llm import LLM
+    from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+    from tandem.sampling_params import RequestOutputKind, SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

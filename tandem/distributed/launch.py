@@ -6,7 +6,9 @@ Two ways, both ending in :func:`tandem.distributed.parallel_state.init_distribut
   --tensor-parallel-size M`` spawns ``N * M`` processes with ``torch.multiprocessing``
   (spawn start method: CUDA-safe); rank ``r`` uses ``cuda:r`` on GPUs. They meet at
   ``tcp://master_addr:master_port`` (``--master-addr`` / ``--master-port``; defaults:
-  ``MASTER_ADDR``/``MASTER_PORT`` from the environment, else 127.0.0.1 and a free port).
+  ``MASTER_ADDR``/``MASTER_PORT`` from the environment, else 127.0.0.1 and a free port),
+  whose store the launching process serves (:func:`host_store`). The ranks run only
+  Tandem's code: the caller's script is not re-run in them (:func:`spawn_ranks`).
 * **Standard rendezvous** (``torchrun``, SLURM wrappers, any env:// launcher, one or many
   machines): when ``RANK`` and ``WORLD_SIZE`` are in the environment, the process *is* a
   rank; ``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_RANK`` come from the environment too. E.g.
@@ -16,11 +18,17 @@ Two ways, both ending in :func:`tandem.distributed.parallel_state.init_distribut
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable, Sequence
+import sys
+import types
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import datetime
+
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tandem.distributed.parallel_state import env_rendezvous
@@ -50,19 +58,60 @@ def resolve_rendezvous(master_addr: str | None = None, master_port: int | None =
     return Rendezvous(addr, port)
 
 
+def host_store(rdv: Rendezvous, world_size: int,
+               timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> dist.TCPStore:
+    """Serve the ranks' rendezvous store from the launching process (the ranks join with
+    ``init_distributed(..., store_hosted=True)``).
+
+    The store then outlives every rank: rank 0 may exit first without cutting the others'
+    connection to it (NCCL's watchdog threads poll the store until their group is
+    destroyed, and print TCPStore errors when its server went away). Keep the returned
+    object until every rank has exited.
+
+    Raises:
+        RuntimeError: the port is taken.
+    """
+    return dist.TCPStore(rdv.master_addr, rdv.master_port, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=False)
+
+
 def spawn_ranks(target: Callable[..., None], world_size: int, args_of_rank: Callable[[int], Sequence],
                 daemon: bool = True) -> list[mp.Process]:
     """Start ``world_size`` processes ``target(*args_of_rank(rank))`` (spawn start method).
+
+    ``target`` and its arguments must come from importable modules, never from the
+    caller's ``__main__``: the ranks do not re-run the caller's script (see
+    :func:`_without_main_module`), so ``LLM(data_parallel_size=2)`` works from ``python -``,
+    a notebook or a script without an ``if __name__ == "__main__"`` guard.
 
     Returns the started processes (the caller joins them, or kills them by their handles).
     """
     ctx = mp.get_context("spawn")
     procs = []
-    for rank in range(world_size):
-        p = ctx.Process(target=target, args=tuple(args_of_rank(rank)), daemon=daemon, name=f"tandem-rank{rank}")
-        p.start()
-        procs.append(p)
+    with _without_main_module():
+        for rank in range(world_size):
+            p = ctx.Process(target=target, args=tuple(args_of_rank(rank)), daemon=daemon, name=f"tandem-rank{rank}")
+            p.start()
+            procs.append(p)
     return procs
 
 
-__all__ = ["Rendezvous", "env_rendezvous", "free_port", "resolve_rendezvous", "spawn_ranks"]
+@contextlib.contextmanager
+def _without_main_module() -> Iterator[None]:
+    """Hide the caller's ``__main__`` while processes are spawned.
+
+    The spawn start method re-runs the parent's main script in every child before the
+    target runs (``multiprocessing.spawn.get_preparation_data``). From ``python -`` that
+    script is ``<stdin>`` and cannot be re-run; from a script without a ``__main__`` guard
+    it would start the deployment again in every rank, and multiprocessing aborts it. The
+    ranks need none of the caller's code, so they are spawned as if ``__main__`` were empty.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+__all__ = ["Rendezvous", "env_rendezvous", "free_port", "host_store", "resolve_rendezvous", "spawn_ranks"]

@@ -84,7 +84,8 @@ def init_distributed(tp_size: int = 1, dp_size: int = 1, enable_expert_parallel:
                      rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
                      master_addr: str | None = None, master_port: int | None = None, backend: str = "auto",
                      device: torch.device | str | None = None,
-                     timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> ParallelInfo:
+                     timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+                     store_hosted: bool = False) -> ParallelInfo:
     """Join (or create) the default process group and build the TP, DP and EP groups.
 
     Args:
@@ -97,6 +98,9 @@ def init_distributed(tp_size: int = 1, dp_size: int = 1, enable_expert_parallel:
         backend: "auto" (NCCL when ``device`` is CUDA, else gloo), "nccl" or "gloo".
         device: the rank's device (CUDA: ``cuda:local_rank`` is selected).
         timeout: collective timeout of the default group.
+        store_hosted: explicit ranks only: the rendezvous store at ``master_addr:master_port``
+            is served by the launching process (:func:`tandem.distributed.launch.host_store`),
+            every rank, rank 0 included, connects to it as a client.
 
     Returns:
         This rank's :class:`ParallelInfo` (also kept for the getters below).
@@ -135,9 +139,13 @@ def init_distributed(tp_size: int = 1, dp_size: int = 1, enable_expert_parallel:
         torch.cuda.set_device(dev if dev is not None and dev.index is not None else torch.device("cuda", local_rank))
     owns = False
     if not dist.is_initialized():
-        kwargs = dict(backend=backend, init_method=init_method, timeout=timeout)
+        kwargs = dict(backend=backend, timeout=timeout)
         if init_method != "env://":
             kwargs.update(rank=rank, world_size=world_size)
+        if store_hosted and init_method != "env://":
+            kwargs["store"] = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+        else:
+            kwargs["init_method"] = init_method
         dist.init_process_group(**kwargs)
         owns = True
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:

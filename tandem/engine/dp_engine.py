@@ -42,6 +42,7 @@ import atexit
 import logging
 import os
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -53,7 +54,7 @@ import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
-from tandem.distributed.launch import resolve_rendezvous, spawn_ranks
+from tandem.distributed.launch import host_store, resolve_rendezvous, spawn_ranks
 from tandem.entrypoints.llm import LLM
 from tandem.logging_config import configure_logging
 from tandem.outputs import RequestOutput
@@ -208,7 +209,7 @@ class DPRankLoop:
 
 # ----------------------------------------------------------------------------- ranks
 def _build_rank_engine(config: EngineConfig, rank: int | None, world_size: int | None, local_rank: int | None,
-                       master_addr: str | None, master_port: int | None):
+                       master_addr: str | None, master_port: int | None, store_hosted: bool = False):
     from tandem.engine.llm_engine import LLMEngine
 
     if torch.cuda.is_available() and config.device in ("auto", "cuda"):
@@ -218,7 +219,7 @@ def _build_rank_engine(config: EngineConfig, rank: int | None, world_size: int |
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
     info = ps.init_distributed(config.tensor_parallel_size, config.data_parallel_size, config.enable_expert_parallel,
                                rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr,
-                               master_port=master_port, device=config.torch_device)
+                               master_port=master_port, device=config.torch_device, store_hosted=store_hosted)
     engine = LLMEngine(config)
     dist.barrier()  # every rank built its engine
     return engine, info
@@ -239,6 +240,9 @@ def _serve_nonzero(engine, info) -> None:
 def _rank_main(config: EngineConfig, rank: int, world_size: int, master_addr: str, master_port: int,
                inbox, outbox) -> None:
     """Entry of a spawned rank process."""
+    # Ctrl-C in a terminal reaches every process of the group: the front-end alone handles
+    # it (it stops the ranks); a rank interrupted mid-collective would print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.environ.get("TANDEM_DUMP_STACKS_AFTER_S"):  # debugging a hang: every rank prints its stacks
         import faulthandler
 
@@ -246,7 +250,7 @@ def _rank_main(config: EngineConfig, rank: int, world_size: int, master_addr: st
     engine = None
     try:
         configure_logging()
-        engine, info = _build_rank_engine(config, rank, world_size, rank, master_addr, master_port)
+        engine, info = _build_rank_engine(config, rank, world_size, rank, master_addr, master_port, store_hosted=True)
         if info.is_driver and info.tp_size > 1:
             engine.step_broadcast = make_tp_broadcaster()
         if rank != 0:
@@ -285,10 +289,12 @@ class _ClientBase:
     """Request bookkeeping and validation shared by the front-ends."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from tandem.model_loader.generation_config import load_generation_defaults
         from tandem.model_loader.loader import load_tokenizer
 
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.generation_defaults = load_generation_defaults(config.model, config.generation_config)
         self._live: set[str] = set()
         self.max_model_len = 0
         self.vocab_size = 0
@@ -318,6 +324,10 @@ class _ClientBase:
                              f"{params.max_tokens} in the completion). Please reduce the length of the messages or completion.")
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """As ``LLMEngine.get_default_sampling_params``."""
+        return SamplingParams().with_defaults(self.generation_defaults.sampling)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
@@ -375,6 +385,7 @@ class SpawnedEngineClient(_ClientBase):
         if startup_timeout is None:
             startup_timeout = float(os.environ.get("TANDEM_STARTUP_TIMEOUT_S", "1800"))
         rdv = resolve_rendezvous(config.master_addr, config.master_port)
+        self._store = host_store(rdv, config.world_size)  # kept until every rank has exited
         ctx = mp.get_context("spawn")
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         self._procs = spawn_ranks(
@@ -461,6 +472,7 @@ class SpawnedEngineClient(_ClientBase):
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        self._store = None  # every rank is gone: the rendezvous store may close
 
 
 class InProcessEngineClient(_ClientBase):

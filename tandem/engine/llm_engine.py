@@ -18,6 +18,7 @@ from tandem.core.block_manager import KVCacheManager
 from tandem.core.scheduler import Scheduler, SchedulerOutput
 from tandem.distributed import parallel_state as ps
 from tandem.engine.output_processor import OutputProcessor
+from tandem.model_loader.generation_config import load_generation_defaults
 from tandem.model_loader.loader import build_model, load_hf_config, load_tokenizer
 from tandem.outputs import RequestOutput
 from tandem.request import Request
@@ -50,6 +51,7 @@ class LLMEngine:
         device, dtype = config.torch_device, config.torch_dtype
         self.hf_config = load_hf_config(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.generation_defaults = load_generation_defaults(config.model, config.generation_config)
         model_max = getattr(self.hf_config, "max_position_embeddings", 2048)
         config.resolve_limits(model_max)
         if config.max_model_len > model_max:
@@ -127,16 +129,20 @@ class LLMEngine:
         return {"all2all": lambda num_experts: get_all2all_backend(name, num_experts)}
 
     def _eos_token_ids(self) -> set[int]:
-        ids = set()
-        for src in (self.hf_config, getattr(self.model, "generation_config", None)):
-            eos = getattr(src, "eos_token_id", None) if src is not None else None
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif eos:
-                ids.update(eos)
+        """The tokenizer's EOS token, the config's and generation_config.json's EOS ids
+        (transformers' ``generate`` stops on any of the generation config's)."""
+        ids = set(self.generation_defaults.eos_token_ids)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else eos or [])
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling values a request gets for the fields it leaves unset (vLLM's
+        ``LLM.get_default_sampling_params``): the model's generation_config.json, else
+        vLLM's defaults."""
+        return SamplingParams().with_defaults(self.generation_defaults.sampling)
 
     def _num_kv_blocks(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                        planes: int = 2) -> int:
@@ -203,7 +209,8 @@ class LLMEngine:
             ValueError: empty prompt, prompt + max_tokens over the context, token ids
                 outside the vocabulary, request_id already live, bad sampling values.
         """
-        params = (params or SamplingParams()).clone()
+        defaults = self.generation_defaults.sampling
+        params = (params or SamplingParams()).with_defaults(defaults)
         params.verify_vocab(self.vocab_size)
         params.update_from_tokenizer(self.tokenizer)
         for name in ("logprobs", "prompt_logprobs"):
@@ -214,17 +221,19 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-            if bad:
-                raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+        # Text too: a tokenizer larger than the model's vocabulary (e.g. --tokenizer beside a
+        # dummy config) must not crash the engine.
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
         if not ids:
             raise ValueError("prompt must contain at least one token.")
         max_len = self.config.max_model_len
         if len(ids) >= max_len:
             raise ValueError(f"This model's maximum context length is {max_len} tokens. However, your prompt has "
                              f"{len(ids)} tokens, which leaves no room for completion tokens.")
-        if params.max_tokens is None:
-            max_tokens = max_len - len(ids)
+        if params.max_tokens is None:  # up to the context, or the model's max_new_tokens
+            max_tokens = min(max_len - len(ids), defaults.get("max_tokens", max_len))
         elif len(ids) + params.max_tokens > max_len:
             raise ValueError(f"This model's maximum context length is {max_len} tokens. However, you requested "
                              f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, "

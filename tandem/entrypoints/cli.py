@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 from dataclasses import fields
 
-from tandem.config import EngineConfig
+from tandem.entrypoints.arg_types import non_negative_int, positive_int
 from tandem.logging_config import configure_logging
+from tandem.version import tandem_version
+
+if TYPE_CHECKING:
+    from tandem.config import EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -15,16 +20,21 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     if model_positional:
         p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model (HF folder, GGUF file); default: embedded SmolLM2")
     p.add_argument("--model", default=None, help="HF folder, .gguf file, or config.json with --load-format dummy; default: embedded SmolLM2-135M-Instruct")
-    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder or .gguf if not the model's (needed with a bare config.json; the embedded "
+                        "default's: python -c 'from tandem.config import embedded_default_model as m; print(m())')")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy", "gguf", "safetensors"])
+    p.add_argument("--generation-config", default="auto",
+                   help="auto: EOS ids and default sampling values from the model's generation_config.json (as vLLM); "
+                        "vllm: EOS ids only, vLLM's sampling defaults; or a folder holding a generation_config.json")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="CPU KV cache size")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -47,35 +57,45 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--simulated-ep-rank-experts", action="store_true",
                    help="simulated backend: hold and compute only one EP rank's share of the experts (timing only; "
                         "outputs are not the model's)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks sharding each layer (TP)")
-    p.add_argument("--data-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="ranks sharding each layer (TP)")
+    p.add_argument("--data-parallel-size", type=positive_int, default=1,
                    help="engine replicas with their own scheduler and KV cache (DP attention)")
     p.add_argument("--enable-expert-parallel", action="store_true", help="shard MoE experts over all DP x TP ranks")
     p.add_argument("--master-addr", default=None, help="rendezvous address of the ranks (default 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port of the ranks (default: a free one)")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
+    """The EngineConfig of the flags (validated: ValueError naming the field)."""
+    from tandem.config import EngineConfig
+
     kw = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     if getattr(args, "model_pos", None):
         kw["model"] = args.model_pos
     return EngineConfig(**kw)
 
 
+DEFAULT_MAX_TOKENS = 256
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--min-tokens", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    """Sampling flags; left out, top-p/top-k/min-p/repetition-penalty take the model's
+    generation_config.json values (else vLLM's), and temperature takes the model's, else 0."""
+    p.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
+                   help=f"most tokens per completion (default {DEFAULT_MAX_TOKENS}; a note says when it cut one)")
+    p.add_argument("--min-tokens", type=non_negative_int, default=0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the model's generation_config.json, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("-n", "--n", dest="n", type=int, default=1, help="completions per prompt")
+    p.add_argument("-n", "--n", dest="n", type=positive_int, default=1, help="completions per prompt")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -89,16 +109,22 @@ def _generate(args: argparse.Namespace) -> None:
                             frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos)
     cfg = engine_config_from_args(args)
     llm = LLM(**vars(cfg))
-    if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
-    else:
-        outs = llm.generate(args.prompt, params, use_tqdm=False)
-    for out in outs:
-        for c in out.outputs:
-            if len(outs) > 1 or len(out.outputs) > 1:
-                print(f"--- prompt {outs.index(out)} completion {c.index} ({c.finish_reason})")
-            print(c.text)
-    llm.engine.shutdown()
+    try:
+        if params.temperature is None and "temperature" not in llm.engine.generation_defaults.sampling:
+            params = params.clone(temperature=0.0)  # the command's default: greedy
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+        else:
+            outs = llm.generate(args.prompt, params, use_tqdm=False)
+        for out in outs:
+            for c in out.outputs:
+                if len(outs) > 1 or len(out.outputs) > 1:
+                    print(f"--- prompt {outs.index(out)} completion {c.index} ({c.finish_reason})")
+                print(c.text)
+                if c.finish_reason == "length":
+                    print(f"[cut at {len(c.token_ids)} tokens: --max-tokens {args.max_tokens}]", file=sys.stderr)
+    finally:
+        llm.engine.shutdown()
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -107,8 +133,9 @@ def _serve(args: argparse.Namespace) -> None:
     run_server(args)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference and serving engine")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {tandem_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate completions offline and print them")
@@ -132,15 +159,33 @@ def main(argv: list[str] | None = None) -> None:
     from tandem.eval.cli import add_eval_parser
 
     add_eval_parser(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the ``tandem`` command. Ordinary mistakes end in one line, no traceback: a bad
+    flag value or model path (exit 2), no server or a busy port (exit 1), Ctrl-C (130)."""
+    prog = "tandem"
     try:
-        configure_logging()
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        prog = f"tandem {args.command}" + (f" {args.bench_command}" if args.command == "bench" else "")
+        # The server says when it listens and logs each request; offline commands print results only.
+        configure_logging(default_level="INFO" if args.command == "serve" else "WARNING")
         args.func(args)
     except (ValueError, FileNotFoundError) as e:
         # Bad input (a flag value, a model path, a prompt over the context): the message,
         # not a traceback.
-        parser.exit(2, f"tandem {args.command}: error: {e}\n")
+        _exit(2, f"{prog}: error: {e}")
+    except ConnectionError as e:  # no server at --base-url, a port in use
+        _exit(1, f"{prog}: error: {e}")
+    except KeyboardInterrupt:
+        _exit(130, f"{prog}: interrupted")
+
+
+def _exit(code: int, message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

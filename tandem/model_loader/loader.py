@@ -55,15 +55,28 @@ def load_hf_config(model: str):
     raise ValueError(f"model must be a Hugging Face folder, a config.json or a .gguf file; {model!r} is none of them.")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(path: str):
     """HF tokenizer (with chat template) of a folder or a GGUF file (cached per path,
-    read-only)."""
+    read-only).
+
+    Raises:
+        ValueError: ``path`` holds no tokenizer (a bare config.json, a folder without
+            tokenizer files): the message says to pass ``--tokenizer``.
+    """
     from transformers import AutoTokenizer
 
     if is_gguf(path):
         folder, name = _split_gguf_path(path)
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if os.path.isfile(path) or (os.path.isdir(path)
+                                and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)):
+        raise ValueError(f"{path!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)}): pass --tokenizer "
+                         f"(LLM(tokenizer=...)) with a tokenizer folder or .gguf, e.g. the embedded model's: "
+                         f"python -c 'from tandem.config import embedded_default_model as m; print(m())'")
     return AutoTokenizer.from_pretrained(path)
 
 

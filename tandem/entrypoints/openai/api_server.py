@@ -17,7 +17,9 @@ import argparse
 import asyncio
 import json
 import logging
+import errno
 import os
+import socket
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -32,20 +34,12 @@ from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.cli_args import served_names
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.serving import OpenAIError, OpenAIServing, SSEStream, bad_request, error_body
+from tandem.version import tandem_version
 
 logger = logging.getLogger("tandem.serve")
 
 _HTTP_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
                413: "RequestTooLarge", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("tandem")
-    except Exception:  # noqa: BLE001 - not installed as a distribution
-        return "0.0.0"
 
 
 def _error(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
@@ -161,7 +155,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
         yield
         serving.shutdown()
 
-    app = FastAPI(title="Tandem OpenAI-compatible server", version=_version(),
+    app = FastAPI(title="Tandem OpenAI-compatible server", version=tandem_version(),
                   lifespan=lifespan)
     app.state.llm = llm
     app.state.serving = serving
@@ -229,7 +223,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
 
     @app.get("/version")
     async def version():
-        return {"version": _version()}
+        return {"version": tandem_version()}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -257,27 +251,57 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
     return app
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the server's socket before the model loads (as vLLM does), so that a busy
+    port is reported at once, not after loading.
+
+    Raises:
+        ConnectionError: the address cannot be bound (port in use, address not local).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = "; choose another with --port" if e.errno == errno.EADDRINUSE else ""
+        raise ConnectionError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> None:
-    """Load the engine, start its thread, and serve until interrupted."""
+    """Bind the address, load the engine, start its thread, and serve until interrupted.
+
+    Raises:
+        ValueError: a bad engine flag (before anything loads).
+        ConnectionError: the address cannot be bound (before anything loads).
+    """
     import uvicorn
 
     from tandem.entrypoints.cli import engine_config_from_args
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = engine_config_from_args(args)
     if cfg.world_size > 1:
         # AsyncLLM drives one in-process LLMEngine; the DP/TP front-end serves offline runs only.
         raise ValueError("--data-parallel-size / --tensor-parallel-size > 1 are not supported by tandem serve yet "
                          "(one engine process); they work with tandem generate, bench throughput and eval")
     names = served_names(args)
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
     logger.info("loading %s", cfg.model)
     llm = AsyncLLM(cfg)
-    app = build_app(llm, names, model_root=cfg.model)
-    logger.info("serving %s on http://%s:%d (max_model_len %d, %d KV blocks, pid %d)", names, args.host, args.port,
-                llm.max_model_len, llm.engine.num_kv_blocks, os.getpid())
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_keep_alive=args.timeout_keep_alive)
     try:
-        uvicorn.Server(config).run()
+        app = build_app(llm, names, model_root=cfg.model)
+        engine = llm.engine
+        kv_tokens = (engine.num_kv_blocks - 1) * cfg.block_size
+        logger.info("listening on http://%s:%d: model %s (served as %s), max_model_len %d, KV cache %d tokens "
+                    "(%d blocks of %d), pid %d", host, port, cfg.model, ", ".join(names), llm.max_model_len, kv_tokens,
+                    engine.num_kv_blocks - 1, cfg.block_size, os.getpid())
+        config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+                                timeout_keep_alive=args.timeout_keep_alive)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         llm.shutdown()
+        sock.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tandem.entrypoints.arg_types import port_number
+
 
 def served_names(args: argparse.Namespace) -> list[str]:
     if args.served_model_name:
@@ -15,9 +17,10 @@ def served_names(args: argparse.Namespace) -> list[str]:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """``tandem serve`` flags (engine flags are added by the caller)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free port)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) accepted in requests (default: the MODEL argument, or SmolLM2-135M-Instruct)")
-    p.add_argument("--uvicorn-log-level", default="warning",
+    p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log each request")
     p.add_argument("--timeout-keep-alive", type=int, default=5)

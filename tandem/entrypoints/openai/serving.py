@@ -201,14 +201,15 @@ class OpenAIServing:
         try:
             params = SamplingParams(
                 n=req.n or 1,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p,
+                # Left unset (None): the engine applies the model's generation_config.json.
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_p=req.min_p,
                 seed=req.seed,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=req.repetition_penalty,
                 logit_bias=bias,
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,

@@ -1,0 +1,126 @@
+"""First use of the ``tandem`` command: ordinary mistakes end in one line naming the
+problem (no traceback), checked before anything loads; ``--version``; the server says where
+it listens and logs requests; client commands show progress."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+MISSING_MODEL = "/nonexistent/model-folder"  # loading it would fail with another message
+
+
+def tandem(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def assert_one_line_error(res: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    assert res.returncode == code, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("tandem ") and "error" in last, res.stderr
+    for n in needles:
+        assert n in last, last
+
+
+def test_version():
+    import tandem as pkg
+
+    res = tandem("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"tandem {pkg.__version__}"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["serve", "--port", "99999"], "--port"),
+    (["eval", "--task", "mmlu", "--limit", "0"], "--limit"),
+    (["eval", "--task", "mmlu", "--limit", "-1"], "--limit"),
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens"),
+    (["bench", "serve", "--num-prompts", "0"], "--num-prompts"),
+])
+def test_bad_flag_values_are_rejected_while_parsing(args, needle):
+    assert_one_line_error(tandem(*args), 2, needle)
+
+
+@pytest.mark.parametrize("cmd", [["generate", "hi"], ["serve"], ["bench", "throughput"]])
+@pytest.mark.parametrize("flags, field", [
+    (["--max-model-len", "0"], "max_model_len"),
+    (["--num-kv-blocks", "1"], "num_kv_blocks"),
+    (["--device", "tpu"], "device"),
+    (["--generation-config", "/nonexistent"], "generation_config"),
+])
+def test_engine_values_are_checked_before_loading(cmd, flags, field):
+    """The model path does not exist: an error about the flag proves nothing was loaded."""
+    if field == "generation_config" and cmd != ["generate", "hi"]:
+        pytest.skip("one command suffices")
+    assert_one_line_error(tandem(*cmd, "--model", MISSING_MODEL, *flags), 2, field)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda():
+    assert_one_line_error(tandem("generate", "hi", "--model", MISSING_MODEL, "--device", "cuda"), 2, "cuda", "--device cpu")
+
+
+def test_busy_port_is_reported_before_loading():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = tandem("serve", MISSING_MODEL, "--port", str(port))
+    assert_one_line_error(res, 1, f"127.0.0.1:{port}", "in use")
+
+
+def test_no_server_is_one_line():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert_one_line_error(tandem("bench", "serve", "--port", str(port), "--num-prompts", "2"), 1, "no server answers")
+    assert_one_line_error(tandem("eval", "--task", "mmlu", "--limit", "2", "--base-url",
+                                 f"http://127.0.0.1:{port}/v1"), 1, "no server answers")
+
+
+def test_ctrl_c_during_generate_is_one_line(tmp_path, smol_tokenizer):
+    import json
+
+    from tests.distributed.conftest import CONFIGS
+
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIGS["llama"], "vocab_size": len(smol_tokenizer)}))
+    smol_tokenizer.save_pretrained(tmp_path / "tok")
+    cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "generate", "Once upon a time", "--model", str(tmp_path),
+           "--load-format", "dummy", "--tokenizer", str(tmp_path / "tok"), "--ignore-eos", "--max-model-len", "256",
+           "--max-tokens", "250", "-n", "64", "--num-kv-blocks", "1100", "--no-enable-prefix-caching"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    time.sleep(4)  # while loading or generating: either way one line
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "tandem generate: interrupted" and "Traceback" not in err, err
+
+
+def test_server_logs_where_it_listens_and_each_request(server):
+    import httpx
+
+    httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=120)
+    log = server.log()
+    m = re.search(r"listening on (http://\S+): model .*max_model_len (\d+), KV cache (\d+) tokens", log)
+    assert m and m.group(1) == server.url, log
+    assert '"POST /v1/completions HTTP/1.1" 200' in log, log
+
+
+def test_bench_serve_and_eval_show_progress(server):
+    res = tandem("bench", "serve", "--base-url", server.url, "--num-prompts", "3", "--random-input-len", "8",
+                 "--random-output-len", "2", "--disable-warmup")
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"Requests: 100%\|.*\| 3/3", res.stderr), res.stderr
+    res = tandem("eval", "--task", "mmlu", "--limit", "2", "--num-fewshot", "0", "--base-url", f"{server.url}/v1")
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"Requests: 100%\|.*\| 2/2", res.stderr), res.stderr
