@@ -31,6 +31,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass
 class EngineConfig:
     """Every knob of the engine.
@@ -85,6 +88,14 @@ class EngineConfig:
         enable_expert_parallel: shard MoE experts over all DP x TP ranks.
         master_addr / master_port: rendezvous of the ranks (None: MASTER_ADDR/MASTER_PORT
             from the environment, else 127.0.0.1 and a free port).
+        quantization: None (the checkpoint's own ``quantization_config``, if any),
+            ``"fp8"`` (an FP8 checkpoint, or online FP8 quantization of a bf16/fp16/fp32 or
+            dummy one: per-channel weight scales, dynamic per-token activations) or
+            ``"compressed-tensors"`` (:mod:`tandem.layers.quantization.config`). FP8 runs
+            on CUDA compute capability >= 8.9 or on the CPU (reference speed).
+        kv_cache_dtype: ``"auto"`` (the model dtype) or ``"fp8"`` / ``"fp8_e4m3"``
+            (float8_e4m3fn paged KV cache, per-layer scales 1.0, as vLLM without
+            checkpoint scales).
     """
 
     model: str | None = None
@@ -119,6 +130,8 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     master_addr: str | None = None
     master_port: int | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -146,6 +159,13 @@ class EngineConfig:
             raise ValueError("simulated_ep_rank_experts needs all2all_backend='simulated'.")
         if self.simulated_ep_size < 1:
             raise ValueError(f"simulated_ep_size must be >= 1, got {self.simulated_ep_size}.")
+        from tandem.layers.quantization.config import QUANTIZATION_METHODS
+
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, got "
+                             f"{self.quantization!r}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}.")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}.")
         self._check_limits()
@@ -192,6 +212,11 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """dtype of the paged KV cache: the model dtype, or float8_e4m3fn."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     @property
     def world_size(self) -> int:

@@ -9,15 +9,18 @@ from tandem.attention.backend import write_kv_cache
 from tandem.attention.metadata import AttentionMetadata
 
 
-def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather the first ``num_blocks`` blocks of each request.
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather the first ``num_blocks`` blocks of each request (converted to ``dtype``,
+    e.g. from an FP8 cache; unscaled).
 
     Returns keys and values of shape ``[num_reqs, num_blocks * block_size, num_kv_heads,
     head_dim]``.
     """
     blocks = block_tables[:, :num_blocks].long()
-    k = kv_cache[0][blocks]  # [R, nb, bs, H, D]
-    v = kv_cache[1][blocks]
+    dtype = dtype or kv_cache.dtype
+    k = kv_cache[0][blocks].to(dtype)  # [R, nb, bs, H, D]
+    v = kv_cache[1][blocks].to(dtype)
     r, nb, bs = k.shape[:3]
     return k.reshape(r, nb * bs, *k.shape[3:]), v.reshape(r, nb * bs, *v.shape[3:])
 
@@ -39,8 +42,15 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        # FP8 cache: gathered blocks are read in q's dtype; the scales fold into the
+        # softmax scale and the output (exact: attention is linear in V).
+        out_scale = 1.0
+        if kv_cache.dtype != q.dtype:
+            scale, out_scale = scale * k_scale, v_scale
         out = torch.empty_like(q)
         block_size = kv_cache.shape[2]
         gqa = q.shape[1] != kv_cache.shape[3]
@@ -48,7 +58,7 @@ class TorchAttentionBackend:
         if nd > 0:
             max_len = max(meta.seq_lens_cpu[:nd])
             nb = -(-max_len // block_size)
-            kc, vc = gather_kv(kv_cache, meta.block_tables[:nd], nb)
+            kc, vc = gather_kv(kv_cache, meta.block_tables[:nd], nb, q.dtype)
             pos = torch.arange(nb * block_size, device=q.device)
             mask = pos[None, :] < meta.seq_lens[:nd, None]  # [nd, L]
             qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
@@ -65,7 +75,7 @@ class TorchAttentionBackend:
             seq_len = meta.seq_lens_cpu[r]
             q_len = end - start
             nb = -(-seq_len // block_size)
-            kc, vc = gather_kv(kv_cache, meta.block_tables[r : r + 1], nb)
+            kc, vc = gather_kv(kv_cache, meta.block_tables[r : r + 1], nb, q.dtype)
             kc, vc = kc[0, :seq_len], vc[0, :seq_len]
             ctx = seq_len - q_len
             qpos = torch.arange(ctx, seq_len, device=q.device)
@@ -76,4 +86,4 @@ class TorchAttentionBackend:
                 attn_mask=mask, scale=scale, enable_gqa=gqa,
             )
             out[start:end] = o.transpose(0, 1)
-        return out
+        return out if out_scale == 1.0 else out * out_scale

@@ -26,6 +26,10 @@ Two kernels read K/V straight out of the paged cache through the block tables (l
   early and the reduce kernel ignores them.
 
 ``forward`` makes no host sync: it uses only the host ints already in the metadata.
+
+An FP8 cache (``--kv-cache-dtype fp8``) is read as float8 tiles converted to q's dtype in
+registers (half the KV bytes of bf16); ``k_scale`` folds into the softmax scale and
+``v_scale`` into the output normalisation.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ def _paged_prefill_kernel(
     num_computed_ptr,
     block_tables_ptr,
     req_offset,
-    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    qk_scale,  # softmax scale * log2(e) (* k_scale of an FP8 cache): the kernel works in base 2
+    v_scale,  # FP8 cache: the values' scale, applied to the output (1.0 otherwise)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -119,8 +124,8 @@ def _paged_prefill_kernel(
         k_pos = start_n + offs_n
         phys = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_btb).to(tl.int64)
         kv_off = phys * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + head_off
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :]).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :]).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -135,8 +140,8 @@ def _paged_prefill_kernel(
         k_valid = k_pos < kv_end
         phys = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_btb, mask=k_valid, other=0).to(tl.int64)
         kv_off = phys * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + head_off
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -150,7 +155,7 @@ def _paged_prefill_kernel(
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
+    o = acc / l_safe[:, None] * v_scale
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
@@ -166,6 +171,7 @@ def _paged_decode_kernel(
     block_tables_ptr,
     num_splits,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_or,
@@ -220,8 +226,8 @@ def _paged_decode_kernel(
         k_valid = k_pos < seq_len
         phys = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_btb, mask=k_valid, other=0).to(tl.int64)
         kv_off = phys * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + head_off
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         s = tl.where(k_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: each tile holds >= 1 valid key
@@ -232,7 +238,7 @@ def _paged_decode_kernel(
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty sequence (padding request): output 0
-    o = acc / l_safe[:, None]
+    o = acc / l_safe[:, None] * v_scale
     o_rows = req.to(tl.int64) * stride_or + head.to(tl.int64) * stride_oh
     if DIRECT:
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
@@ -377,6 +383,8 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -386,16 +394,18 @@ class TritonAttentionBackend:
             raise ValueError(f"q head_dim {head_dim} != kv cache head_dim {cache_head_dim}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        if q.dtype not in _SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
+        if q.dtype not in _SUPPORTED_DTYPES or kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
             raise ValueError(f"unsupported dtypes q={q.dtype} kv_cache={kv_cache.dtype}")
 
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        if kv_cache.dtype == q.dtype:
+            k_scale = v_scale = 1.0  # scales only apply to FP8 contents
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         gqa = num_heads // num_kv_heads
-        qk_scale = scale * math.log2(math.e)
+        qk_scale = scale * k_scale * math.log2(math.e)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         upcast = _INTERPRET and q.dtype == torch.bfloat16
         bt = meta.block_tables
@@ -415,7 +425,7 @@ class TritonAttentionBackend:
                 lse_strides = lse.stride()[:2]
             _paged_decode_kernel[(nd, num_kv_heads, splits)](
                 q, key_cache, value_cache, part_out, lse, meta.seq_lens, bt,
-                splits, qk_scale,
+                splits, qk_scale, v_scale,
                 q.stride(0), q.stride(1), *po_strides, *lse_strides,
                 key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                 bt.stride(0), bt.stride(1),
@@ -447,7 +457,7 @@ class TritonAttentionBackend:
             _paged_prefill_kernel[grid](
                 q, key_cache, value_cache, out,
                 meta.query_start_loc, meta.seq_lens, meta.num_computed_tokens, bt,
-                nd, qk_scale,
+                nd, qk_scale, v_scale,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                 bt.stride(0), bt.stride(1),

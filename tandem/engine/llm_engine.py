@@ -24,6 +24,8 @@ from tandem.outputs import RequestOutput
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams, child_seed
 from tandem.attention.backend import get_attention_backend
+from tandem.layers.quantization.config import get_quantization_config
+from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.worker.model_runner import DBOConfig, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -57,21 +59,32 @@ class LLMEngine:
         if config.max_model_len > model_max:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context length ({model_max}).")
         backend = get_attention_backend(device, config.max_model_len)
+        quant_config = get_quantization_config(self.hf_config, config.quantization, config.load_format)
+        if quant_config is not None:
+            check_fp8_supported(device, f"quantization={quant_config.method!r}")
+        kv_dtype = config.kv_cache_torch_dtype
+        if kv_dtype != dtype:
+            check_fp8_supported(device, f"kv_cache_dtype={config.kv_cache_dtype!r}")
         self.model = build_model(self.hf_config, config.model, config.load_format, backend, dtype, device,
-                                 max_positions=config.max_model_len, seed=config.seed, **self._moe_kwargs())
+                                 max_positions=config.max_model_len, seed=config.seed, quant_config=quant_config,
+                                 **self._moe_kwargs())
         torch.manual_seed(config.seed)
         self.vocab_size = self.hf_config.vocab_size
         num_kv_heads, head_dim = self.model.kv_cache_shape_per_block
         # Planes per layer cache: 2 (keys, values); 1 for models caching one compressed
         # latent per token (MLA: [1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]).
         planes = getattr(self.model, "kv_cache_num_planes", 2)
+        if planes != 2 and kv_dtype != dtype:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported for the latent (MLA) cache "
+                             f"of {self.hf_config.model_type}; use kv_cache_dtype='auto'")
         num_layers = len(self.model.layers)
-        num_blocks = config.num_kv_blocks or self._num_kv_blocks(num_layers, num_kv_heads, head_dim, dtype, device, planes)
+        num_blocks = config.num_kv_blocks or self._num_kv_blocks(num_layers, num_kv_heads, head_dim, kv_dtype, device,
+                                                                 planes)
         # The TP ranks of one replica share the driver's block ids: agree on the smallest cache.
         num_blocks = ps.tp_min(num_blocks)
         self.num_kv_blocks = num_blocks
-        kv_caches = [torch.zeros(planes, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-                     for _ in range(num_layers)]
+        kv_caches = [torch.zeros(planes, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=kv_dtype,
+                                 device=device) for _ in range(num_layers)]
         capacity = (num_blocks - 1) * config.block_size
         if capacity < config.max_model_len:
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, config.max_model_len)

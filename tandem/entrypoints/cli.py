@@ -63,6 +63,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--enable-expert-parallel", action="store_true", help="shard MoE experts over all DP x TP ranks")
     p.add_argument("--master-addr", default=None, help="rendezvous address of the ranks (default 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port of the ranks (default: a free one)")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8", "compressed-tensors"],
+                   help="fp8: FP8 checkpoint, or online FP8 (W8A8) quantization of a bf16/fp16 model; default: "
+                        "the checkpoint's quantization_config (needs CUDA compute capability >= 8.9, or the CPU)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="paged KV cache dtype: auto (model dtype) or fp8 (e4m3, per-layer scale 1.0)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":

@@ -114,6 +114,10 @@ def _fused_moe_gemm_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
+    s_ptr,  # FP8 weight scales: [E, N] (SCALE_MODE 1) or [E, N/SCALE_BN, K/SCALE_BK] (2)
+    stride_se,
+    stride_sn,
+    stride_sk,
     N: tl.constexpr,  # output columns (a model constant: specialised, as are K and the tiles)
     K: tl.constexpr,  # reduction depth
     A_ROW_DIV: tl.constexpr,
@@ -125,6 +129,9 @@ def _fused_moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCALE_MODE: tl.constexpr = 0,  # 0: b in a's dtype; 1: FP8 b, per-channel; 2: FP8 b, block scales
+    SCALE_BN: tl.constexpr = 128,
+    SCALE_BK: tl.constexpr = 128,  # a multiple of BLOCK_K: each K tile has one scale per column
 ):
     pid = tl.program_id(0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
@@ -159,10 +166,20 @@ def _fused_moe_gemm_kernel(
             k_valid = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=n_valid[None, :] & k_valid[:, None], other=0.0)
-        acc += _dot(a, b, PRECISION, UPCAST)
+        if SCALE_MODE == 0:
+            acc += _dot(a, b, PRECISION, UPCAST)
+        elif SCALE_MODE == 1:
+            acc += _dot(a, b.to(a.dtype), PRECISION, UPCAST)
+        else:
+            s = tl.load(s_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk,
+                        mask=n_valid, other=0.0)
+            acc += _dot(a, b.to(a.dtype), PRECISION, UPCAST) * s[None, :]
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    if SCALE_MODE == 1:
+        s = tl.load(s_ptr + expert * stride_se + offs_n * stride_sn, mask=n_valid, other=0.0)
+        acc = acc * s[None, :]
     if MUL_WEIGHT:
         w = tl.load(topk_w_ptr + pair, mask=row_valid, other=0.0)
         acc = acc * w[:, None]
@@ -333,14 +350,20 @@ def moe_align_block_size_torch(topk_ids: torch.Tensor, num_experts: int,
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_w: torch.Tensor | None, sorted_ids: torch.Tensor,
           tile_experts: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_div: int, block_m: int,
-          block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int) -> None:
+          block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int,
+          scale: torch.Tensor | None = None, scale_block: tuple[int, int] | None = None) -> None:
     n, k = b.shape[1], b.shape[2]
     num_m_tiles = tile_experts.shape[0]
     grid = (num_m_tiles * triton.cdiv(n, block_n),)
+    mode = 0 if scale is None else (1 if scale_block is None else 2)
+    s_strides = (0, 0, 0) if scale is None else (*scale.stride(), 0)[:3]
+    sbn, sbk = scale_block or (128, 128)
     _fused_moe_gemm_kernel[grid](
         a, b, c, topk_w if topk_w is not None else c, sorted_ids, tile_experts, num_padded,
         num_pairs, num_m_tiles,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        scale if scale is not None else c, *s_strides,
+        SCALE_MODE=mode, SCALE_BN=sbn, SCALE_BK=sbk,
         N=n, K=k, A_ROW_DIV=a_row_div, MUL_WEIGHT=topk_w is not None, EVEN_K=k % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -352,7 +375,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_w: torch.Tenso
 def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                          w2: torch.Tensor, *, block_m: int | None = None, block_n: int | None = None,
                          block_k: int | None = None, group_m: int | None = None, num_warps: int | None = None,
-                         num_stages: int | None = None) -> torch.Tensor:
+                         num_stages: int | None = None, scales=None) -> torch.Tensor:
     """SwiGLU experts with the fused-MoE Triton kernel (contract of
     :func:`tandem.layers.moe.grouped_experts`).
 
@@ -367,6 +390,10 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
             >= 16), shared by both GEMMs.
         group_m: M tiles per swizzle group; num_warps, num_stages: launch settings.
             Each launch setting left ``None`` comes from :func:`default_config`.
+        scales: :class:`tandem.layers.moe.ExpertScales` of float8_e4m3fn ``w13``/``w2``
+            (W8A16: weight tiles are converted to ``x.dtype`` in the kernel; per-channel
+            scales multiply the accumulator in the epilogue, block scales each K tile's
+            product, so ``block_k`` is capped at the scale block's ``bk``).
 
     Returns:
         ``[T, H]`` in ``x.dtype``: ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over the
@@ -379,7 +406,8 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     if not x.is_cuda and not _INTERPRET:
         raise ValueError("fused_experts_triton: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 "
                          "set before tandem.layers.fused_moe_triton is imported)")
-    if x.dtype not in _SUPPORTED_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+    wdtype = x.dtype if scales is None else torch.float8_e4m3fn
+    if x.dtype not in _SUPPORTED_DTYPES or w13.dtype != wdtype or w2.dtype != wdtype:
         raise ValueError(f"fused_experts_triton: x/w13/w2 must share one of {_SUPPORTED_DTYPES}, got "
                          f"{x.dtype}/{w13.dtype}/{w2.dtype}")
     num_tokens, hidden = x.shape
@@ -394,6 +422,11 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m, num_warps=num_warps,
                  num_stages=num_stages)
     cfg = {key: v if v is not None else default_config(num_pairs, num_experts)[key] for key, v in given.items()}
+    sblock = None if scales is None else scales.block
+    if sblock is not None:
+        cfg["block_k"] = min(cfg["block_k"], sblock[1])
+        if sblock[1] % cfg["block_k"]:
+            raise ValueError(f"fused_experts_triton: block_k={cfg['block_k']} must divide the FP8 scale block {sblock}")
     for name in ("block_m", "block_n", "block_k"):
         v = cfg[name]
         if v < 16 or v & (v - 1):
@@ -408,11 +441,13 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     # Rows of invalid pairs stay unwritten (torch.empty): never read as GEMM inputs of a
     # valid pair, and masked by the reduction.
     gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, gate_up, None, sorted_ids, tile_experts, num_padded, num_pairs, top_k, **cfg)
+    s13, s2 = (None, None) if scales is None else (scales.w13, scales.w2)
+    _gemm(x, w13, gate_up, None, sorted_ids, tile_experts, num_padded, num_pairs, top_k, **cfg, scale=s13,
+          scale_block=sblock)
     h = silu_and_mul(gate_up)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     w_flat = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _gemm(h, w2, y, w_flat, sorted_ids, tile_experts, num_padded, num_pairs, 1, **cfg)
+    _gemm(h, w2, y, w_flat, sorted_ids, tile_experts, num_padded, num_pairs, 1, **cfg, scale=s2, scale_block=sblock)
     ids_flat = topk_ids.reshape(-1).contiguous()
     block = min(SUM_BLOCK, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](

@@ -16,6 +16,13 @@ Every sharded parameter carries
 * ``full_shape`` and ``shard(full) -> local``: the unsharded shape and the slicing, so
   that dummy weights are drawn at the full shape and sliced, identical on every TP size
   (:func:`tandem.model_loader.loader.init_dummy_weights`).
+
+FP8 (:mod:`tandem.layers.quantization`): ``create_fp8_weights`` turns ``weight`` into a
+``float8_e4m3fn`` parameter of the same shape and adds ``weight_scale`` (``[out]`` fp32
+per output channel; a checkpoint's per-tensor scale is expanded to its shard's rows, or
+``[out/bn, ceil(in/bk)]`` block scales) and, for static activation scales, ``input_scale``
+(one per logical shard; the largest is used, as vLLM). The forward then runs
+:func:`~tandem.layers.quantization.fp8.fp8_linear` / ``block_fp8_linear``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed import parallel_state as ps
+from tandem.layers.quantization.fp8 import FP8_DTYPE, block_fp8_linear, fp8_linear
 
 
 def set_weight_attrs(param: nn.Parameter, full_shape: Sequence[int], shard: Callable[[torch.Tensor], torch.Tensor],
@@ -43,13 +51,44 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         dst.copy_(src)
 
 
+def _scale_vector(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint weight scale as one fp32 value per output row: per-channel ``[rows, 1]``
+    / ``[rows]`` as is, per-tensor ``[]`` / ``[1]`` repeated (exact: the rows share it)."""
+    t = tensor.float().reshape(-1)
+    if t.numel() == 1:
+        return t.expand(rows)
+    if t.numel() != rows:
+        raise ValueError(f"weight scale of {tuple(tensor.shape)} for {rows} output rows (per-tensor or per-channel)")
+    return t
+
+
+def _fp8_param(shape: Sequence[int], dtype: torch.dtype, fill: float = float("nan")) -> nn.Parameter:
+    # NaN marks scales no checkpoint tensor has written (checked after loading).
+    return nn.Parameter(torch.full(tuple(shape), fill, dtype=dtype) if dtype != FP8_DTYPE
+                        else torch.empty(tuple(shape), dtype=dtype), requires_grad=False)
+
+
+class _FP8Forward:
+    """The matmul of a linear layer, FP8 when its weight is (see the module docstring)."""
+
+    weight_block: tuple[int, int] | None = None
+    input_scale: torch.Tensor | None = None
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight.dtype != FP8_DTYPE:
+            return F.linear(x, self.weight, bias)
+        if self.weight_block is not None:
+            return block_fp8_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
+
+
 def _tp(tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:
     size = ps.get_tp_size() if tp_size is None else tp_size
     rank = ps.get_tp_rank() if tp_rank is None else tp_rank
     return size, rank
 
 
-class ColumnShardedLinear(nn.Module):
+class ColumnShardedLinear(_FP8Forward, nn.Module):
     """Column-parallel linear over one or more logical outputs fused in one matrix.
 
     ``segments``: per logical output (e.g. q, k, v), ``(full_rows, start, rows)``: its size
@@ -75,30 +114,71 @@ class ColumnShardedLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def _shard_rows(self, full: torch.Tensor) -> torch.Tensor:
+    def _shard_rows(self, full: torch.Tensor, unit: int = 1) -> torch.Tensor:
+        """This rank's rows of a full tensor; ``unit``: layer rows per tensor row."""
         parts, off = [], 0
         for f, start, rows in self.segments:
-            parts.append(full[off + start: off + start + rows])
-            off += f
+            parts.append(full[off + start // unit: off + (start + rows) // unit])
+            off += f // unit
         return torch.cat(parts)
 
-    def _loader(self, param: nn.Parameter) -> Callable[..., None]:
+    def _loader(self, param: nn.Parameter, unit: int = 1) -> Callable[..., None]:
+        """Loader of a row-sharded parameter; ``unit``: rows of the layer per parameter row
+        (block scales: one row per ``bn`` weight rows)."""
+        segments = [(f // unit, s // unit, r // unit) for f, s, r in self.segments]
+        full_out = sum(f for f, _, _ in segments)
+
         def load(tensor: torch.Tensor, shard_id: int | None = None) -> None:
             if shard_id is None:
-                if tensor.shape[0] != self.full_out:
-                    raise ValueError(f"checkpoint tensor of {tuple(tensor.shape)} for a layer of {self.full_out} rows")
-                _copy(param, self._shard_rows(tensor), "fused linear")
+                if tensor.shape[0] != full_out:
+                    raise ValueError(f"checkpoint tensor of {tuple(tensor.shape)} for a layer of {full_out} rows")
+                _copy(param, self._shard_rows(tensor, unit), "fused linear")
                 return
-            full, start, rows = self.segments[shard_id]
+            full, start, rows = segments[shard_id]
             if tensor.shape[0] != full:
                 raise ValueError(f"shard {shard_id}: checkpoint {tuple(tensor.shape)} vs {full} rows")
-            off = sum(r for _, _, r in self.segments[:shard_id])
+            off = sum(r for _, _, r in segments[:shard_id])
             _copy(param.narrow(0, off, rows), tensor[start: start + rows], f"shard {shard_id}")
 
         return load
 
+    def create_fp8_weights(self, block: tuple[int, int] | None, static_input: bool) -> None:
+        """Replace ``weight`` by an FP8 parameter and add its scales (module docstring).
+
+        Raises:
+            ValueError: with ``block``, a shard's rows are not a multiple of ``bn``.
+        """
+        self.weight = _fp8_param(self.weight.shape, FP8_DTYPE)
+        set_weight_attrs(self.weight, (self.full_out, self.in_features), self._shard_rows, self._loader(self.weight))
+        self.weight_block = tuple(block) if block else None
+        if block:
+            bn, bk = block
+            if any(x % bn for seg in self.segments for x in seg):
+                raise ValueError(f"block-wise FP8 ({bn}x{bk}) needs every shard of this layer to span whole blocks of "
+                                 f"{bn} rows; shards (rows, first, kept) = {self.segments}")
+            self.weight_scale = _fp8_param((self.out_features // bn, -(-self.in_features // bk)), torch.float32)
+            set_weight_attrs(self.weight_scale, (self.full_out // bn, -(-self.in_features // bk)),
+                             lambda full: self._shard_rows(full, bn), self._loader(self.weight_scale, bn))
+        else:
+            self.weight_scale = _fp8_param((self.out_features,), torch.float32)
+            base = self._loader(self.weight_scale)
+
+            def load_scale(tensor: torch.Tensor, shard_id: int | None = None) -> None:
+                rows = self.full_out if shard_id is None else self.segments[shard_id][0]
+                base(_scale_vector(tensor, rows), shard_id)
+
+            set_weight_attrs(self.weight_scale, (self.full_out,), self._shard_rows, load_scale)
+        if static_input:
+            self.input_scale = _fp8_param((len(self.segments),), torch.float32)
+
+            def load_input_scale(tensor: torch.Tensor, shard_id: int | None = None) -> None:
+                with torch.no_grad():
+                    self.input_scale[slice(None) if shard_id is None else shard_id] = tensor.float().reshape(())
+
+            set_weight_attrs(self.input_scale, (len(self.segments),), lambda full: full, load_input_scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ColumnParallelLinear(ColumnShardedLinear):
@@ -167,7 +247,7 @@ class QKVParallelLinear(ColumnShardedLinear):
         super().__init__(hidden_size, [q, kv, kv], bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_FP8Forward, nn.Module):
     """``in_features`` split over the TP ranks; the partial products are all-reduced over
     the TP group (unless ``reduce_results=False``: the caller reduces), then the bias
     (replicated) is added once.
@@ -207,8 +287,42 @@ class RowParallelLinear(nn.Module):
     def _load_bias(self, tensor: torch.Tensor, shard_id: int | None = None) -> None:
         _copy(self.bias, tensor, "row-parallel bias")
 
+    def create_fp8_weights(self, block: tuple[int, int] | None, static_input: bool) -> None:
+        """Replace ``weight`` by an FP8 parameter and add its scales (module docstring).
+
+        Raises:
+            ValueError: with ``block`` and TP > 1, this rank's columns are not a multiple of ``bk``.
+        """
+        self.weight = _fp8_param(self.weight.shape, FP8_DTYPE)
+        set_weight_attrs(self.weight, (self.out_features, self.full_in), self._shard_cols, self._load_weight)
+        self.weight_block = tuple(block) if block else None
+        if block:
+            bn, bk = block
+            if self.tp_size > 1 and self.in_features % bk:
+                raise ValueError(f"block-wise FP8 ({bn}x{bk}) needs each TP rank's {self.in_features} input "
+                                 f"columns to be a multiple of {bk}")
+            local_cols = -(-self.in_features // bk)
+            self.weight_scale = _fp8_param((-(-self.out_features // bn), local_cols), torch.float32)
+
+            def load_block_scale(tensor: torch.Tensor, shard_id: int | None = None) -> None:
+                _copy(self.weight_scale, tensor[:, self.tp_rank * local_cols: (self.tp_rank + 1) * local_cols],
+                      "row-parallel block scale")
+
+            set_weight_attrs(self.weight_scale, (self.weight_scale.shape[0], -(-self.full_in // bk)),
+                             lambda full: full[:, self.tp_rank * local_cols: (self.tp_rank + 1) * local_cols],
+                             load_block_scale)
+        else:
+            self.weight_scale = _fp8_param((self.out_features,), torch.float32)
+            set_weight_attrs(self.weight_scale, (self.out_features,), lambda full: full,
+                             lambda t, shard_id=None: _copy(self.weight_scale, _scale_vector(t, self.out_features),
+                                                            "row-parallel weight scale"))
+        if static_input:
+            self.input_scale = _fp8_param((1,), torch.float32)
+            set_weight_attrs(self.input_scale, (1,), lambda full: full,
+                             lambda t, shard_id=None: _copy(self.input_scale, t.float().reshape(1), "input scale"))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self._matmul(x, None)
         if self.tp_size > 1 and self.reduce_results:
             y = ps.tp_all_reduce(y)
         if self.bias is None or (self.tp_size > 1 and not self.reduce_results and self.tp_rank != 0):

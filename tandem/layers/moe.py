@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed.all2all import All2AllBackend, LocalAll2All
+from tandem.layers.quantization.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight_per_channel
 
 # ----------------------------------------------------------------------------- routing
 
@@ -215,10 +216,11 @@ def _impl_from_env() -> str:
     return m
 
 
-def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0) -> str:
+def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0, fp8: bool = False) -> str:
     """The expert-compute implementation for ``impl`` (``"auto"``: ``$TANDEM_MOE_IMPL`` if
     set, else resolved from the device, dtype and ``num_pairs`` = ``T*k``, a host int from
-    shapes).
+    shapes). FP8 experts (``fp8``) take the Triton kernel on every CUDA size (the others
+    would dequantize all local experts per call).
 
     Raises:
         ValueError: ``$TANDEM_MOE_IMPL`` names no implementation.
@@ -231,6 +233,8 @@ def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0) -> str:
         grouped = grouped_mm_available(x.device, x.dtype)
         if (x.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(x.device) >= (9, 0)
                 and _triton_available() and 0 < num_pairs <= TRITON_MAX_PAIRS):
+            return "triton"
+        if fp8 and _triton_available():
             return "triton"
         return "grouped_mm" if grouped else "padded_bmm"
     # CPU: torch._grouped_mm loops over the groups in C++ — no host sync and no padding
@@ -261,8 +265,19 @@ def _padded_bmm_rows(xs: torch.Tensor, s: ExpertSort, w13: torch.Tensor, w2: tor
     return y[s.sorted_ids.clamp(max=num_experts - 1), pos]
 
 
+@dataclass
+class ExpertScales:
+    """Scales of FP8 expert weights (``w = q * scale``): per output channel ``w13 [E, 2I]``,
+    ``w2 [E, H]`` fp32, or with ``block = (bn, bk)`` block-wise ``w13 [E, 2I/bn, H/bk]``,
+    ``w2 [E, H/bn, I/bk]``."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block: tuple[int, int] | None = None
+
+
 def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+                    w2: torch.Tensor, impl: str = "auto", scales: ExpertScales | None = None) -> torch.Tensor:
     """SwiGLU experts over sorted (token, expert) pairs with grouped GEMMs.
 
     Args:
@@ -274,6 +289,10 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         impl: ``"grouped_mm"`` (``torch._grouped_mm``), ``"padded_bmm"``, ``"triton"``
             (:func:`tandem.layers.fused_moe_triton.fused_experts_triton`, default tiles),
             ``"loop"`` (:func:`reference_experts`) or ``"auto"`` (see the module docstring).
+        scales: with float8_e4m3fn ``w13``/``w2``, their scales (W8A16: the activations stay
+            in ``x.dtype``). ``triton`` converts the FP8 weight tiles in the kernel and
+            applies the scales there (per-channel in the epilogue, block-wise per K tile);
+            the other implementations dequantize the local experts' weights per call.
 
     Returns:
         ``[N, H]`` in ``x.dtype``: ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over
@@ -283,13 +302,16 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     Raises:
         ValueError: unknown ``impl``.
     """
-    impl = _resolve_impl(impl, x, topk_ids.numel())
+    impl = _resolve_impl(impl, x, topk_ids.numel(), fp8=scales is not None)
+    if scales is not None and impl != "triton":
+        w13, w2 = (dequantize_weight(w13, scales.w13, scales.block, x.dtype),
+                   dequantize_weight(w2, scales.w2, scales.block, x.dtype))
     if impl == "loop":
         return reference_experts(x, topk_ids, topk_weights, w13, w2)
     if impl == "triton":
         from tandem.layers.fused_moe_triton import fused_experts_triton  # lazy: Triton is optional
 
-        return fused_experts_triton(x, topk_ids, topk_weights, w13, w2)
+        return fused_experts_triton(x, topk_ids, topk_weights, w13, w2, scales=scales)
     n, k = topk_ids.shape
     s = sort_by_expert(topk_ids, w13.shape[0])
     xs = x[s.token_idx]  # [N*k, H]
@@ -346,7 +368,107 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e_local, hidden_size, intermediate_size))
 
     def expert_compute(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return grouped_experts(x, local_ids, weights, self.w13, self.w2, self.impl)
+        scales = None
+        if self.w13.dtype == FP8_DTYPE:
+            scales = ExpertScales(self.w13_weight_scale, self.w2_weight_scale, self.weight_block)
+        return grouped_experts(x, local_ids, weights, self.w13, self.w2, self.impl, scales)
+
+    # ------------------------------------------------------------------- FP8
+    weight_block: tuple[int, int] | None = None
+
+    def create_fp8_weights(self, block: tuple[int, int] | None) -> None:
+        """FP8 ``w13``/``w2`` and NaN-filled scales ``w13_weight_scale`` /
+        ``w2_weight_scale`` in the layout of :class:`ExpertScales`, for an FP8 checkpoint.
+
+        Raises:
+            ValueError: block-wise scales with this rank's intermediate size not a
+                multiple of the block.
+        """
+        e, two_i, h = self.w13.shape
+        i = two_i // 2
+        for name in ("w13", "w2"):
+            old = getattr(self, name)
+            new = nn.Parameter(torch.empty(old.shape, dtype=FP8_DTYPE), requires_grad=False)
+            for attr in ("full_shape", "shard"):
+                if hasattr(old, attr):
+                    setattr(new, attr, getattr(old, attr))
+            setattr(self, name, new)
+        self.weight_block = tuple(block) if block else None
+        if block:
+            bn, bk = block
+            if i % bn or i % bk:
+                raise ValueError(f"block-wise FP8 experts ({bn}x{bk}) need the intermediate size per rank ({i}) to "
+                                 f"be a multiple of the block")
+            s13, s2 = (e, two_i // bn, -(-h // bk)), (e, -(-h // bn), i // bk)
+        else:
+            s13, s2 = (e, two_i), (e, h)
+        nan = float("nan")  # marks scales no checkpoint tensor wrote (checked after loading)
+        self.w13_weight_scale = nn.Parameter(torch.full(s13, nan, dtype=torch.float32), requires_grad=False)
+        self.w2_weight_scale = nn.Parameter(torch.full(s2, nan, dtype=torch.float32), requires_grad=False)
+
+    def _tp_slice(self, t: torch.Tensor, dim: int, unit: int = 1) -> torch.Tensor:
+        """This rank's part of an intermediate-dim axis given whole (``unit``: elements of
+        the axis per tensor entry); no TP sharding here, see ParallelFusedMoE."""
+        return t
+
+    def load_expert_scale(self, which: str, expert: int, tensor: torch.Tensor, shard: int | None = None) -> bool:
+        """Copy one expert's checkpoint weight scale (``which``/``shard`` as
+        :meth:`load_expert`): per tensor ``[1]``, per channel ``[rows, 1]`` or block-wise
+        ``[rows/bn, cols/bk]``, of the whole (unsharded) matrix. Returns False when another
+        rank owns the expert.
+
+        Raises:
+            ValueError: no FP8 weights here, expert id or shape out of range.
+        """
+        if self.w13.dtype != FP8_DTYPE:
+            raise ValueError("an FP8 weight scale for experts that are not FP8 (checkpoint without an FP8 "
+                             "quantization_config?)")
+        pl = self.all2all.placement
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert id {expert} out of range [0, {self.num_experts})")
+        if not pl.is_local(expert):
+            return False
+        local = expert - pl.first_local_expert
+        t = tensor.float()
+        if self.weight_block is not None:
+            bn, bk = self.weight_block
+            t = self._tp_slice(t, 0, bn) if which == "w13" else self._tp_slice(t, 1, bk)
+        elif t.numel() == 1:
+            t = t.reshape(1).expand(self.intermediate_size if which == "w13" else self.hidden_size)
+        else:
+            t = t.reshape(-1)
+            t = self._tp_slice(t, 0) if which == "w13" else t
+        dst = (self.w13_weight_scale if which == "w13" else self.w2_weight_scale)[local]
+        if shard is not None:
+            rows = dst.shape[0] // 2
+            dst = dst.narrow(0, shard * rows, rows)
+        if dst.shape != t.shape:
+            raise ValueError(f"expert {expert} {which} scale: checkpoint {tuple(tensor.shape)} vs model "
+                             f"{tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(t)
+        return True
+
+    def finish_fp8_weights(self, name: str) -> None:
+        """After loading: quantize high-precision experts per output channel (online), or
+        check that an FP8 checkpoint provided every local expert's scales.
+
+        Raises:
+            ValueError: a scale is missing.
+        """
+        if self.w13.dtype == FP8_DTYPE:
+            for pname in ("w13_weight_scale", "w2_weight_scale"):
+                if torch.isnan(getattr(self, pname)).any():
+                    raise ValueError(f"checkpoint lacks {pname} of some experts of {name}")
+            return
+        for pname in ("w13", "w2"):
+            w = getattr(self, pname).data
+            q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(w.shape[0]):  # one expert at a time: bounded fp32 temporaries
+                q[e], scale[e] = quantize_weight_per_channel(w[e])
+            setattr(self, pname, nn.Parameter(q, requires_grad=False))
+            setattr(self, f"{pname}_weight_scale", nn.Parameter(scale, requires_grad=False))
 
     def forward_steps(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                       topk_weights: torch.Tensor) -> Generator[str, None, torch.Tensor]:

@@ -55,6 +55,10 @@ class ParallelFusedMoE(FusedMoE):
         n = self.intermediate_size
         return t.narrow(dim, self.tp_rank * n, n) if self.tp_size > 1 else t
 
+    def _tp_slice(self, t: torch.Tensor, dim: int, unit: int = 1) -> torch.Tensor:
+        n = self.intermediate_size // unit
+        return t.narrow(dim, self.tp_rank * n, n) if self.tp_size > 1 else t
+
     def _slice_w13_tp(self, full: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return full

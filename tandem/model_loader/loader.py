@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from tandem.attention.backend import AttentionBackend
+from tandem.layers.quantization.apply import finish_fp8_model, prepare_fp8_model
+from tandem.layers.quantization.config import Fp8Config
 from tandem.models.registry import get_model_class
 
 
@@ -174,12 +176,16 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def build_model(hf_config, model_path: str, load_format: str, backend: AttentionBackend, dtype: torch.dtype,
-                device: torch.device, max_positions: int, seed: int = 0, **model_kwargs) -> nn.Module:
+                device: torch.device, max_positions: int, seed: int = 0, quant_config: Fp8Config | None = None,
+                **model_kwargs) -> nn.Module:
     """Instantiate the model class of the config and load its weights; ``model_kwargs``
-    go to the model's constructor (e.g. ``all2all`` for MoE models).
+    go to the model's constructor (e.g. ``all2all`` for MoE models). With
+    ``quant_config`` the linear and expert layers get FP8 weights
+    (:mod:`tandem.layers.quantization.apply`).
 
     Raises:
-        ValueError: unknown architecture, unknown load format, or weights not matching.
+        ValueError: unknown architecture, unknown load format, weights not matching, or
+            an FP8 checkpoint lacking scales.
     """
     cls = get_model_class(hf_config)
     prev = torch.get_default_dtype()
@@ -187,6 +193,8 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
     try:
         with torch.device(device):
             model = cls(hf_config, backend, max_positions=max_positions, **model_kwargs)
+            if quant_config is not None:
+                prepare_fp8_model(model, quant_config)
     finally:
         torch.set_default_dtype(prev)
     # RoPE tables and other buffers stay fp32.
@@ -202,4 +210,6 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
         model.load_weights(iterate_safetensors_weights(model_path))
     else:
         raise ValueError(f"cannot load weights from {model_path!r} with load_format={load_format!r}")
+    if quant_config is not None:
+        finish_fp8_model(model, quant_config, dtype)
     return model.eval()

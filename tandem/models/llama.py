@@ -215,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(f"{target}#{'' if shard is None else shard}")
         expected = set()
         for pname in params:
-            if ".qkv_proj.weight" in pname or ".qkv_proj.bias" in pname:
+            if ".qkv_proj." in pname:  # weight, bias, FP8 scales: one per shard
                 expected |= {f"{pname}#{i}" for i in range(3)}
             elif ".gate_up_proj." in pname:
                 expected |= {f"{pname}#{i}" for i in range(2)}

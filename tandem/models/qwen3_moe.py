@@ -12,7 +12,10 @@ through the ``all2all`` backend's placement, or TP-sharded intermediate dim with
 Weights use the HF names. Routed experts load from either the stacked tensors of
 transformers 5 (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H,
 I]``) or the per-expert tensors of Hub checkpoints (``mlp.experts.{e}.gate_proj.weight``
-..., Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``).
+..., Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``). FP8 checkpoints add
+per-expert ``weight_scale`` / ``weight_scale_inv`` (loaded, completeness checked by
+:func:`tandem.layers.quantization.apply.finish_fp8_model`) and ``input_scale`` (skipped:
+the experts run W8A16).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from tandem.models.llama import MLP, Attention, DecoderSpec
 
 All2AllFactory = Callable[[int], All2AllBackend]  # num_experts -> backend of one MoE layer
 
-_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
+                        r"(weight|weight_scale|weight_scale_inv|input_scale)$")
 _PER_EXPERT = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
                "down_proj": ("w2", None), "w2": ("w2", None)}
 _FUSED_EXPERT = {"gate_up_proj": "w13", "down_proj": "w2"}
@@ -70,6 +74,11 @@ def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
                 raise ValueError(f"checkpoint tensor {name!r} has no matching expert layer")
             which, shard = _PER_EXPERT[m.group(3)]
             e = int(m.group(2))
+            if m.group(4) == "input_scale":
+                continue  # FP8 experts run W8A16: activations are not quantized
+            if m.group(4) != "weight":
+                mod.load_expert_scale(which, e, tensor, shard)
+                continue
             if mod.load_expert(which, e, tensor, shard):
                 loaded.add(f"{m.group(1)}.{which}#{e}.{'' if shard is None else shard}")
             continue

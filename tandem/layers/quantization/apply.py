@@ -1,0 +1,105 @@
+"""Apply an :class:`~tandem.layers.quantization.config.Fp8Config` to a built model.
+
+Two passes around weight loading (vLLM's ``create_weights`` /
+``process_weights_after_loading``):
+
+* :func:`prepare_fp8_model` (before loading, FP8 checkpoints only): every tensor-parallel
+  linear layer and every routed-expert layer gets float8 weights and scale parameters in
+  the checkpoint's layout, so the checkpoint's FP8 bytes are copied as they are;
+* :func:`finish_fp8_model` (after loading): bf16/fp16/fp32 weights (online quantization,
+  dummy weights) are quantized per output channel; static input scales of fused layers
+  are reduced to their maximum; scales a checkpoint did not provide raise an error.
+
+Left in the model dtype: embeddings, norms, the LM head, routers (``nn.Linear`` /
+plain parameters), layers matched by the config's ``ignore``, and MLA's ``kv_b_proj``
+(its weight is re-read per head by the absorbed decode: an FP8 checkpoint's is
+dequantized).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.layers.linear import ColumnShardedLinear, RowParallelLinear
+from tandem.layers.moe import FusedMoE
+from tandem.layers.quantization.config import Fp8Config
+from tandem.layers.quantization.fp8 import FP8_DTYPE, dequantize_block, quantize_weight_per_channel
+
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_HIGH_PRECISION = ("kv_b_proj",)
+
+
+def _checkpoint_names(module_name: str) -> list[str]:
+    prefix, _, last = module_name.rpartition(".")
+    parts = _FUSED_PARTS.get(last, (last,))
+    return [f"{prefix}.{p}" if prefix else p for p in parts]
+
+
+def _linear_layers(model: nn.Module, cfg: Fp8Config):
+    for name, mod in model.named_modules():
+        if isinstance(mod, (ColumnShardedLinear, RowParallelLinear)) and not cfg.is_ignored(_checkpoint_names(name)):
+            yield name, mod
+
+
+def prepare_fp8_model(model: nn.Module, cfg: Fp8Config) -> None:
+    """Give the quantized layers FP8 weight and scale parameters (FP8 checkpoints only).
+
+    Raises:
+        ValueError: a layer's sharding does not fit the checkpoint's scale blocks.
+    """
+    if not cfg.checkpoint_is_fp8:
+        return
+    for _, mod in _linear_layers(model, cfg):
+        mod.create_fp8_weights(cfg.weight_block, cfg.static_input_scale)
+    for mod in model.modules():
+        if isinstance(mod, FusedMoE):
+            mod.create_fp8_weights(cfg.weight_block)
+
+
+def _set(mod: nn.Module, name: str, value: torch.Tensor | None) -> None:
+    if value is None:
+        setattr(mod, name, None)
+    else:
+        setattr(mod, name, nn.Parameter(value, requires_grad=False))
+
+
+def _check_scales(name: str, mod: nn.Module) -> None:
+    for pname in ("weight_scale", "input_scale"):
+        p = getattr(mod, pname, None)
+        if p is not None and torch.isnan(p).any():
+            raise ValueError(f"checkpoint lacks {pname} for {name} (FP8 weights need their scales)")
+
+
+def _finish_linear(name: str, mod: nn.Module, dtype: torch.dtype) -> None:
+    if mod.weight.dtype != FP8_DTYPE:  # online: quantize what was loaded
+        q, scale = quantize_weight_per_channel(mod.weight.data)
+        _set(mod, "weight", q)
+        _set(mod, "weight_scale", scale)
+        return
+    _check_scales(name, mod)
+    if isinstance(mod.input_scale, torch.Tensor):
+        _set(mod, "input_scale", mod.input_scale.data.max().reshape(1))
+    if name.rpartition(".")[2] in _HIGH_PRECISION:
+        w = (dequantize_block(mod.weight.data, mod.weight_scale.data, mod.weight_block, dtype) if mod.weight_block
+             else (mod.weight.data.float() * mod.weight_scale.data[:, None]).to(dtype))
+        _set(mod, "weight", w)
+        mod.weight_block = None
+
+
+def finish_fp8_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype) -> None:
+    """Quantize loaded high-precision weights and finalize the scales (module docstring).
+
+    Raises:
+        ValueError: an FP8 checkpoint lacks a scale tensor.
+    """
+    for name, mod in _linear_layers(model, cfg):
+        if name.rpartition(".")[2] in _HIGH_PRECISION and mod.weight.dtype != FP8_DTYPE:
+            continue
+        _finish_linear(name, mod, dtype)
+    for name, mod in model.named_modules():
+        if isinstance(mod, FusedMoE):
+            mod.finish_fp8_weights(name)
+
+
+__all__ = ["finish_fp8_model", "prepare_fp8_model"]

@@ -1,0 +1,225 @@
+"""FP8 (e4m3) quantization math and the FP8 GEMMs of the linear layers.
+
+Formats follow vLLM's FP8 W8A8 path (``vllm/model_executor/layers/quantization/fp8.py``
+and ``utils/w8a8_utils.py``):
+
+* weights: ``float8_e4m3fn [N, K]`` with a per-output-channel scale ``weight_scale [N]``
+  fp32 (a per-tensor checkpoint scale is expanded to its rows, which is exact), or a
+  block-wise scale ``[ceil(N/bn), ceil(K/bk)]`` (DeepSeek-V3 / transformers'
+  fine-grained FP8, 128x128 blocks): ``w ~= q * scale``;
+* activations: dynamic per-token scales (``amax(|x_row|) / 448``) or one static
+  per-tensor scale from the checkpoint; block-wise weights pair with dynamic
+  per-token-group (1 x ``bk``) activation scales, as DeepSeek-V3.
+
+``fp8_linear`` runs ``torch._scaled_mm`` (cuBLASLt FP8 with row-wise scales) on CUDA
+devices of compute capability >= 8.9, and the same call on the CPU (torch's CPU
+``_scaled_mm`` supports row-wise scales: slow, for tests and reference). Block-wise
+weights go through ``torch.nn.functional.scaled_mm`` with the BlockWise1x128 /
+BlockWise128x128 recipes on CUDA and through :func:`block_fp8_matmul_reference`
+(dequantize, fp32 matmul: the same math) on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+# Smallest dynamic scale (vLLM's MIN_SCALING_FACTOR): an all-zero row quantizes to zeros.
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# torch._scaled_mm needs both GEMM dims of the weight to be multiples of 16 on CUDA.
+_CUDA_ALIGN = 16
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether FP8 GEMMs run on ``device``: CUDA compute capability >= 8.9 (Ada, Hopper,
+    Blackwell) or the CPU (reference speed)."""
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def check_fp8_supported(device: torch.device, what: str = "FP8 quantization") -> None:
+    """Raises ValueError naming the requirement when ``device`` cannot run FP8 GEMMs."""
+    if fp8_supported(device):
+        return
+    if device.type == "cuda":
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"{what} needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper or newer) for "
+                         f"FP8 tensor cores; {name} has {cap}")
+    raise ValueError(f"{what} runs on CUDA GPUs of compute capability >= 8.9 or on the CPU, not on {device.type}")
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token (per-row) FP8 quantization.
+
+    Args:
+        x: ``[M, K]`` float.
+
+    Returns:
+        ``(q [M, K] float8_e4m3fn, scale [M, 1] fp32)`` with ``x ~= q * scale`` and
+        ``scale = max(amax(|x_row|) / 448, MIN_SCALE)``.
+    """
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 of ``x / scale`` (static per-tensor ``scale``, 0-d or ``[1]`` fp32), saturated."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel FP8 of a weight ``[..., N, K]`` (the last dim is reduced).
+
+    Returns ``(q [..., N, K] float8_e4m3fn, scale [..., N] fp32)``.
+    """
+    q, scale = quantize_per_token(w)
+    return q, scale.squeeze(-1)
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 quantization in groups of ``group`` columns per row (DeepSeek-V3's 1x128
+    activation tiles).
+
+    Args:
+        x: ``[M, K]`` float, ``K`` a multiple of ``group``.
+
+    Returns:
+        ``(q [M, K] float8_e4m3fn, scale [M, K // group] fp32)``.
+
+    Raises:
+        ValueError: ``K`` is not a multiple of ``group``.
+    """
+    m, k = x.shape
+    if k % group:
+        raise ValueError(f"per-token-group FP8 needs K ({k}) to be a multiple of the group ({group})")
+    q, scale = quantize_per_token(x.reshape(m, k // group, group))
+    return q.reshape(m, k), scale.squeeze(-1)
+
+
+def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """Block scales ``[ceil(N/bn), ceil(K/bk)]`` repeated to one per element ``[N, K]``."""
+    n, k = shape
+    bn, bk = block
+    return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q [N, K]`` FP8 times its block scales ``[ceil(N/bn), ceil(K/bk)]``, in ``dtype``."""
+    return (q.float() * expand_block_scale(scale.float(), tuple(q.shape), block)).to(dtype)
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """FP8 weights ``q [..., N, K]`` times their scales, in ``dtype``: per-channel ``scale
+    [..., N]``, or block-wise ``scale [..., ceil(N/bn), ceil(K/bk)]`` with ``block``."""
+    if block is None:
+        return (q.float() * scale.float()[..., None]).to(dtype)
+    if q.dim() == 2:
+        return dequantize_block(q, scale, block, dtype)
+    return torch.stack([dequantize_block(qe, se, block, dtype) for qe, se in zip(q, scale)])
+
+
+def _rowwise_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    # cuBLASLt row-wise scaling writes bf16 only; the CPU kernel writes any float dtype.
+    mm_dtype = torch.bfloat16 if xq.is_cuda else out_dtype
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=mm_dtype)
+    return y.to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` with FP8 activations and weights (W8A8).
+
+    Args:
+        x: ``[..., K]`` fp32/fp16/bf16 activations.
+        weight: ``[N, K]`` float8_e4m3fn (row-major, as ``nn.Linear``).
+        weight_scale: ``[N]`` fp32 per-output-channel scales.
+        input_scale: static per-tensor activation scale (0-d/``[1]`` fp32), or None for
+            dynamic per-token scales.
+        bias: ``[N]`` in ``x.dtype`` or None.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``. ``torch._scaled_mm`` accumulates in fp32. On CUDA a
+        weight whose ``N`` or ``K`` is not a multiple of 16 (cuBLASLt's FP8 alignment) is
+        dequantized for an ordinary matmul instead.
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    n, k = weight.shape
+    if x.is_cuda and (n % _CUDA_ALIGN or k % _CUDA_ALIGN):
+        y = torch.nn.functional.linear(x2, (weight.to(x.dtype) * weight_scale[:, None].to(x.dtype)))
+    elif x2.shape[0] == 0:
+        y = x2.new_empty(0, n)
+    else:
+        if input_scale is None:
+            xq, x_scale = quantize_per_token(x2)
+        else:
+            xq = quantize_static(x2, input_scale)
+            x_scale = input_scale.float().reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+        y = _rowwise_mm(xq, x_scale, weight, weight_scale, x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*shape[:-1], n)
+
+
+def block_fp8_matmul_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                               weight_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """The block-wise W8A8 product by dequantization: ``(xq * x_scale) @ (weight * ws).T``
+    in fp32. ``xq [M, K]`` FP8 with ``x_scale [M, K/bk]``; ``weight [N, K]`` FP8 with
+    ``weight_scale [ceil(N/bn), ceil(K/bk)]``. Returns ``[M, N]`` in ``out_dtype``."""
+    xd = xq.float() * x_scale.repeat_interleave(block[1], 1)[:, : xq.shape[1]]
+    return (xd @ dequantize_block(weight, weight_scale, block).t()).to(out_dtype)
+
+
+def _block_mm_cuda(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    # cuBLASLt wants the 1x128 activation scales outer-dim major ([M, K/128], stride (1, M)).
+    xs = x_scale.t().contiguous().t()
+    y = scaled_mm(xq, weight.t(), xs, ScalingType.BlockWise1x128, weight_scale, ScalingType.BlockWise128x128,
+                  output_dtype=torch.bfloat16)
+    return y.to(out_dtype)
+
+
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` with block-wise FP8 weights and dynamic 1 x ``bk``
+    activation scales (DeepSeek-V3's recipe).
+
+    Args:
+        x: ``[..., K]`` float, ``K`` a multiple of ``block[1]``.
+        weight: ``[N, K]`` float8_e4m3fn.
+        weight_scale: ``[ceil(N/bn), ceil(K/bk)]`` fp32.
+        block: ``(bn, bk)``.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``: cuBLASLt block-scaled FP8 GEMM on CUDA with 128x128
+        blocks and ``N`` a multiple of 128, :func:`block_fp8_matmul_reference` otherwise.
+
+    Raises:
+        ValueError: ``K`` is not a multiple of ``block[1]``.
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    n = weight.shape[0]
+    xq, x_scale = quantize_per_token_group(x2, block[1])
+    if x.is_cuda and tuple(block) == (128, 128) and n % 128 == 0 and x2.shape[0] > 0:
+        y = _block_mm_cuda(xq, x_scale, weight, weight_scale, x.dtype)
+    else:
+        y = block_fp8_matmul_reference(xq, x_scale, weight, weight_scale, block, x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*shape[:-1], n)
+
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "block_fp8_linear", "block_fp8_matmul_reference",
+           "check_fp8_supported", "dequantize_block", "dequantize_weight", "expand_block_scale", "fp8_linear", "fp8_supported",
+           "quantize_per_token", "quantize_per_token_group", "quantize_static", "quantize_weight_per_channel"]
