@@ -72,14 +72,13 @@ class _FP8Forward:
     """The matmul of a linear layer, FP8 when its weight is (see the module docstring)."""
 
     weight_block: tuple[int, int] | None = None
-    input_scale: torch.Tensor | None = None
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight.dtype != FP8_DTYPE:
             return F.linear(x, self.weight, bias)
         if self.weight_block is not None:
             return block_fp8_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
-        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, getattr(self, "input_scale", None), bias)
 
 
 def _tp(tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:

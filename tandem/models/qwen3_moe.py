@@ -13,7 +13,7 @@ Weights use the HF names. Routed experts load from either the stacked tensors of
 transformers 5 (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H,
 I]``) or the per-expert tensors of Hub checkpoints (``mlp.experts.{e}.gate_proj.weight``
 ..., Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``). FP8 checkpoints add
-per-expert ``weight_scale`` / ``weight_scale_inv`` (loaded, completeness checked by
+per-expert ``weight_scale`` (``weight_scale_inv`` renamed by the loader; loaded, completeness checked by
 :func:`tandem.layers.quantization.apply.finish_fp8_model`) and ``input_scale`` (skipped:
 the experts run W8A16).
 """
@@ -40,7 +40,7 @@ from tandem.models.llama import MLP, Attention, DecoderSpec
 All2AllFactory = Callable[[int], All2AllBackend]  # num_experts -> backend of one MoE layer
 
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
-                        r"(weight|weight_scale|weight_scale_inv|input_scale)$")
+                        r"(weight|weight_scale|input_scale)$")
 _PER_EXPERT = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
                "down_proj": ("w2", None), "w2": ("w2", None)}
 _FUSED_EXPERT = {"gate_up_proj": "w13", "down_proj": "w2"}
@@ -119,7 +119,9 @@ def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
         if isinstance(mod, FusedMoE):
             expected |= _expert_keys(mname, mod, "w13") | _expert_keys(mname, mod, "w2")
     for pname in params:
-        if pname.endswith((".w13", ".w2")) and isinstance(modules.get(pname.rpartition(".")[0]), FusedMoE):
+        # Expert weights are counted per expert above; their FP8 scales are checked by finish_fp8_model.
+        if (pname.endswith((".w13", ".w2", ".w13_weight_scale", ".w2_weight_scale"))
+                and isinstance(modules.get(pname.rpartition(".")[0]), FusedMoE)):
             continue
         fused = next((f for f in fused_parts if f".{f}." in pname), None)
         if fused is None:

@@ -18,6 +18,8 @@ dequantized).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
@@ -57,6 +59,17 @@ def prepare_fp8_model(model: nn.Module, cfg: Fp8Config) -> None:
             mod.create_fp8_weights(cfg.weight_block)
 
 
+def rename_checkpoint_scales(weights: Iterable[tuple[str, torch.Tensor]],
+                             cfg: Fp8Config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors with block scales named ``*.weight_scale_inv`` (DeepSeek-V3 /
+    transformers' fine-grained FP8; multiplied, despite the name) renamed to the layers'
+    ``*.weight_scale``."""
+    for name, tensor in weights:
+        if cfg.weight_scale_name != "weight_scale" and name.endswith("." + cfg.weight_scale_name):
+            name = name.removesuffix(cfg.weight_scale_name) + "weight_scale"
+        yield name, tensor
+
+
 def _set(mod: nn.Module, name: str, value: torch.Tensor | None) -> None:
     if value is None:
         setattr(mod, name, None)
@@ -78,7 +91,7 @@ def _finish_linear(name: str, mod: nn.Module, dtype: torch.dtype) -> None:
         _set(mod, "weight_scale", scale)
         return
     _check_scales(name, mod)
-    if isinstance(mod.input_scale, torch.Tensor):
+    if isinstance(getattr(mod, "input_scale", None), torch.Tensor):
         _set(mod, "input_scale", mod.input_scale.data.max().reshape(1))
     if name.rpartition(".")[2] in _HIGH_PRECISION:
         w = (dequantize_block(mod.weight.data, mod.weight_scale.data, mod.weight_block, dtype) if mod.weight_block
@@ -102,4 +115,4 @@ def finish_fp8_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype) -> No
             mod.finish_fp8_weights(name)
 
 
-__all__ = ["finish_fp8_model", "prepare_fp8_model"]
+__all__ = ["finish_fp8_model", "prepare_fp8_model", "rename_checkpoint_scales"]
