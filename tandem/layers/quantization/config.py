@@ -123,6 +123,10 @@ def _from_fp8(qc: dict) -> Fp8Config:
     return Fp8Config(True, None, "weight_scale", scheme == "static", ignore, "fp8")
 
 
+def _value(field) -> str:
+    return str(getattr(field, "value", field))  # compressed-tensors enums may be stored as plain strings
+
+
 def _from_compressed_tensors(qc: dict) -> Fp8Config:
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStrategy, QuantizationType
 
@@ -155,13 +159,13 @@ def _from_compressed_tensors(qc: dict) -> Fp8Config:
     elif w.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.TENSOR):
         weight_block = None
     else:
-        raise ValueError(f"unsupported compressed-tensors weight strategy {w.strategy.value!r} "
+        raise ValueError(f"unsupported compressed-tensors weight strategy {_value(w.strategy)!r} "
                          f"(channel, tensor, block)")
     if a.dynamic is True and a.strategy not in (QuantizationStrategy.TOKEN, QuantizationStrategy.TENSOR,
                                                 QuantizationStrategy.GROUP):
-        raise ValueError(f"unsupported compressed-tensors activation strategy {a.strategy.value!r}")
+        raise ValueError(f"unsupported compressed-tensors activation strategy {_value(a.strategy)!r}")
     if a.dynamic is not True and a.strategy != QuantizationStrategy.TENSOR:
-        raise ValueError(f"unsupported compressed-tensors static activation strategy {a.strategy.value!r} (tensor)")
+        raise ValueError(f"unsupported compressed-tensors static activation strategy {_value(a.strategy)!r} (tensor)")
     if cfg.kv_cache_scheme is not None:
         raise ValueError("unsupported compressed-tensors kv_cache_scheme: FP8 KV cache scales from the checkpoint "
                          "are not loaded; drop it and use --kv-cache-dtype fp8 (scale 1.0)")

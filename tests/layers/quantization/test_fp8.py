@@ -1,0 +1,124 @@
+"""FP8 math: scales, round-trip error bounds, and the GEMMs (torch's CPU ``_scaled_mm``
+against a float reference); the device requirement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.layers.quantization import fp8
+from tandem.layers.quantization.fp8 import (FP8_DTYPE, FP8_MAX, MIN_SCALE, block_fp8_linear,
+                                            block_fp8_matmul_reference, check_fp8_supported, dequantize_block,
+                                            dequantize_weight, fp8_linear, quantize_per_token,
+                                            quantize_per_token_group, quantize_static, quantize_weight_per_channel)
+
+# e4m3: 3 mantissa bits, so rounding to nearest is within 2^-4 of a normal value; values
+# below the smallest normal (2^-6) round on the subnormal grid of 2^-9 (half: 2^-10).
+REL, SUBNORMAL_HALF_STEP = 2.0**-4, 2.0**-10
+
+
+def _within_fp8_rounding(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> bool:
+    err = (q.float() * scale - x).abs()
+    return bool((err <= x.abs() * REL + scale * SUBNORMAL_HALF_STEP).all())
+
+
+def test_per_token_scales_and_round_trip():
+    x = torch.randn(17, 96) * torch.logspace(-3, 3, 17)[:, None]
+    x[3] = 0.0
+    q, s = quantize_per_token(x)
+    assert q.dtype == FP8_DTYPE and s.shape == (17, 1) and s.dtype == torch.float32
+    assert torch.allclose(s[:, 0], (x.abs().amax(1) / FP8_MAX).clamp(min=MIN_SCALE))
+    assert _within_fp8_rounding(x, q, s)
+    # The largest magnitude of each row maps to +-448 exactly; a zero row to zeros.
+    assert torch.equal(q.float().abs().amax(1)[torch.arange(17) != 3], torch.full((16,), FP8_MAX))
+    assert torch.equal(q[3].float(), torch.zeros(96))
+
+
+def test_per_channel_weight_quantization():
+    w = torch.randn(3, 40, 64) * 0.02
+    q, s = quantize_weight_per_channel(w)
+    assert q.shape == w.shape and s.shape == (3, 40)
+    assert _within_fp8_rounding(w, q, s[..., None])
+    assert torch.equal(dequantize_weight(q, s, None, torch.float32), q.float() * s[..., None])
+
+
+def test_static_quantization_saturates():
+    x = torch.tensor([[-1000.0, -1.0, 0.0, 0.5, 1000.0]])
+    q = quantize_static(x, torch.tensor(0.5))
+    assert q.float().tolist() == [[-FP8_MAX, -2.0, 0.0, 1.0, FP8_MAX]]
+
+
+def test_per_token_group_quantization():
+    x = torch.randn(5, 256)
+    x[:, 128:] *= 100
+    q, s = quantize_per_token_group(x, 128)
+    assert s.shape == (5, 2)
+    assert _within_fp8_rounding(x, q, s.repeat_interleave(128, 1))
+    with pytest.raises(ValueError, match="multiple of the group"):
+        quantize_per_token_group(torch.randn(2, 100), 128)
+
+
+def test_block_dequantization_uses_each_blocks_scale():
+    q = torch.ones(200, 300).to(FP8_DTYPE)
+    scale = torch.arange(6, dtype=torch.float32).reshape(2, 3)  # ceil(200/128) x ceil(300/128)
+    d = dequantize_block(q, scale, (128, 128))
+    assert d[0, 0] == 0 and d[127, 255] == 1 and d[128, 0] == 3 and d[199, 299] == 5 and d[130, 130] == 4
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_linear_equals_the_dequantized_product(out_dtype, static):
+    """torch's CPU _scaled_mm gives (q_x * s_x) @ (q_w * s_w).T; and that is within the
+    FP8 error of the float product."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 9, 64).to(out_dtype), torch.randn(48, 64) * 0.05
+    bias = torch.randn(48).to(out_dtype)
+    qw, sw = quantize_weight_per_channel(w)
+    in_scale = torch.tensor([x.float().abs().max().item() / FP8_MAX]) if static else None
+    y = fp8_linear(x, qw, sw, in_scale, bias)
+    assert y.shape == (2, 9, 48) and y.dtype == out_dtype
+    x2 = x.reshape(-1, 64)
+    if static:
+        qx, sx = quantize_static(x2, in_scale), in_scale
+    else:
+        qx, sx = quantize_per_token(x2)
+    ref = (qx.float() * sx) @ (qw.float() * sw[:, None]).t() + bias.float()
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.reshape(-1, 48).float(), ref, atol=tol, rtol=tol)
+    exact = x2.float() @ w.t() + bias.float()
+    assert ((y.reshape(-1, 48).float() - exact).norm() / exact.norm()) < 0.05
+
+
+def test_fp8_linear_empty_batch():
+    qw, sw = quantize_weight_per_channel(torch.randn(32, 16))
+    assert fp8_linear(torch.empty(0, 16), qw, sw).shape == (0, 32)
+
+
+def test_block_fp8_linear_matches_reference():
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 256), torch.randn(384, 256) * 0.05
+    q = torch.empty(384, 256, dtype=FP8_DTYPE)
+    scale = torch.empty(3, 2)
+    for i in range(3):
+        for j in range(2):
+            blk = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            scale[i, j] = blk.abs().max() / FP8_MAX
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (blk / scale[i, j]).to(FP8_DTYPE)
+    y = block_fp8_linear(x, q, scale, (128, 128))
+    qx, sx = quantize_per_token_group(x, 128)
+    torch.testing.assert_close(y, block_fp8_matmul_reference(qx, sx, q, scale, (128, 128), torch.float32))
+    exact = x @ w.t()
+    assert ((y - exact).norm() / exact.norm()) < 0.05
+
+
+def test_device_requirement(monkeypatch):
+    check_fp8_supported(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    assert not fp8.fp8_supported(torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"compute capability >= 8\.9.*A100 has 8\.0"):
+        check_fp8_supported(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8.fp8_supported(torch.device("cuda"))
+    with pytest.raises(ValueError, match="not on mps"):
+        check_fp8_supported(torch.device("mps"))
