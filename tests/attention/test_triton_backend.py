@@ -304,3 +304,34 @@ def test_cuda_graph_decode_replay():
             dst.copy_(src)
         graph.replay()
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+# --------------------------------------------------------------------------- FP8 KV cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("max_splits", [1, 4])
+def test_fp8_kv_cache_matches_torch_backend(dtype, max_splits):
+    """A float8_e4m3fn cache with per-layer scales: decode (direct and split-KV) and prefill
+    chunks over cached prefixes == the torch backend over the same FP8 cache; the new
+    tokens' K/V are written identically."""
+    reqs = [(40, 1), (7, 1), (0, 19), (23, 6)]
+    q, k, v, kv_cache, meta = make_case(reqs, 2, 8, 2, 64, 16, dtype, num_pad_tokens=2)
+    k_scale, v_scale = 0.25, 0.5
+    fp8_cache = (kv_cache.float() / torch.tensor([k_scale, v_scale], device=DEVICE).view(2, 1, 1, 1, 1)).to(
+        torch.float8_e4m3fn)
+    cache_ref = fp8_cache.clone()
+    scale = 64**-0.5
+    ref = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, scale, k_scale, v_scale)
+    backend = TritonAttentionBackend(max_num_splits=max_splits, min_tokens_per_split=16)
+    out = backend.forward(q, k, v, fp8_cache, meta, scale, k_scale, v_scale)
+    n = meta.query_start_loc_cpu[-1]
+    assert torch.equal(fp8_cache[:, 1:].view(torch.uint8), cache_ref[:, 1:].view(torch.uint8))
+    tol = TOL[dtype]
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=tol, rtol=tol)
+
+
+def test_fp8_kv_cache_rejects_other_cache_dtypes():
+    q, k, v, kv_cache, meta = make_case([(3, 1)], 1, 4, 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="unsupported dtypes"):
+        TritonAttentionBackend().forward(q, k, v, kv_cache.to(torch.float16), meta, 1.0)

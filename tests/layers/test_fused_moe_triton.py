@@ -194,3 +194,70 @@ def test_cuda_graph_capture_and_replay_with_new_routing():
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), reference_experts(x, ids, w, w13, w2).float(), atol=3e-2, rtol=3e-2)
+
+
+# ----------------------------------------------------------------------------- FP8 experts
+
+
+def _fp8_experts(w13, w2, block):
+    """FP8 expert weights with per-channel scales, or block scales over ``block`` tiles."""
+    from tandem.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, quantize_weight_per_channel
+
+    if block is None:
+        (q13, s13), (q2, s2) = quantize_weight_per_channel(w13), quantize_weight_per_channel(w2)
+        return q13, q2, s13, s2
+    out = []
+    for w in (w13, w2):
+        e, n, k = w.shape
+        bn, bk = block
+        tiles = w.float().reshape(e, n // bn, bn, k // bk, bk)
+        s = tiles.abs().amax(dim=(2, 4)) / FP8_MAX
+        q = (tiles / s[:, :, None, :, None]).reshape(e, n, k).to(FP8_DTYPE)
+        out.append((q, s))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+@pytest.mark.parametrize("impl", ["triton", "loop", "grouped_mm", "padded_bmm"])
+@pytest.mark.parametrize("block", [None, (128, 128), (64, 32)], ids=["channel", "block128", "block64x32"])
+def test_fp8_experts_match_the_dequantized_reference(impl, block):
+    """FP8 weights (W8A16): each implementation == the loop over the dequantized weights."""
+    from tandem.layers.moe import ExpertScales
+    from tandem.layers.quantization.fp8 import dequantize_weight
+
+    if impl == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm missing")
+    x, ids, w, w13, w2 = _case(9, 4, 2, 256, 128, torch.float32, seed=11)
+    q13, q2, s13, s2 = _fp8_experts(w13, w2, block)
+    scales = ExpertScales(s13, s2, block)
+    got = grouped_experts(x, ids, w, q13, q2, impl=impl, scales=scales)
+    d13, d2 = (dequantize_weight(q, s, block, torch.float32) for q, s in ((q13, s13), (q2, s2)))
+    _check(got, x, ids, w, d13, d2, tight=True)
+    # and within the FP8 weight error of the unquantized experts
+    want = reference_experts(x, ids, w, w13, w2)
+    assert ((got - want).norm() / want.norm()) < 0.05
+
+
+def test_fp8_experts_auto_takes_triton_on_cuda_at_any_size(monkeypatch):
+    monkeypatch.delenv("TANDEM_MOE_IMPL", raising=False)
+    x = torch.empty(1, 8)
+    assert _resolve_impl("auto", x, 10**6, fp8=True) in ("grouped_mm", "padded_bmm")  # CPU: dequantize
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        assert _resolve_impl("auto", x.cuda().bfloat16(), 10**6, fp8=True) == "triton"
+
+
+@cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 needs sm89+")
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block128"])
+@pytest.mark.parametrize("n", [16, 256, 2048])
+def test_cuda_fp8_experts_v2_lite_shape(block, n):
+    """DeepSeek-V2-Lite experts (E=64, k=6, H=2048, I=1408) in FP8, bf16 activations."""
+    from tandem.layers.moe import ExpertScales
+    from tandem.layers.quantization.fp8 import dequantize_weight
+
+    i = 1408 if block is None else 1536  # block scales: I a multiple of 128
+    x, ids, w, w13, w2 = _case(n, 64, 6, 2048, i, torch.bfloat16, seed=n)
+    q13, q2, s13, s2 = _fp8_experts(w13, w2, block)
+    got = fused_experts_triton(x, ids, w, q13, q2, scales=ExpertScales(s13, s2, block))
+    d13, d2 = (dequantize_weight(q, s, block, torch.bfloat16) for q, s in ((q13, s13), (q2, s2)))
+    _check(got, x, ids, w, d13, d2, tight=False)
