@@ -50,3 +50,21 @@ def test_device_cuda_without_cuda_says_what_to_do(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="--device cpu"):
         EngineConfig(model="m", device="cuda")
+
+
+def test_fp8_fields_are_checked_and_reach_the_config():
+    import argparse
+
+    import torch
+
+    from tandem.entrypoints.cli import add_engine_args, engine_config_from_args
+
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(model="m", quantization="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(model="m", kv_cache_dtype="fp16")
+    assert EngineConfig(model="m", device="cpu").kv_cache_torch_dtype == torch.float32
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config_from_args(p.parse_args(["--model", "m", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]))
+    assert cfg.quantization == "fp8" and cfg.kv_cache_torch_dtype == torch.float8_e4m3fn
