@@ -125,6 +125,15 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return torch.stack([dequantize_block(qe, se, block, dtype) for qe, se in zip(q, scale)])
 
 
+def _quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 of ``x [M, K]``: one Triton kernel on CUDA, torch ops elsewhere."""
+    if x.is_cuda and x.stride(-1) == 1 and x.shape[-1] <= 65536:
+        from tandem.layers.quantization.fp8_triton import quantize_per_token_triton  # lazy: Triton is optional
+
+        return quantize_per_token_triton(x)
+    return quantize_per_token(x)
+
+
 def _rowwise_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 out_dtype: torch.dtype) -> torch.Tensor:
     # cuBLASLt row-wise scaling writes bf16 only; the CPU kernel writes any float dtype.
@@ -159,7 +168,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         y = x2.new_empty(0, n)
     else:
         if input_scale is None:
-            xq, x_scale = quantize_per_token(x2)
+            xq, x_scale = _quantize_activations(x2)
         else:
             xq = quantize_static(x2, input_scale)
             x_scale = input_scale.float().reshape(1, 1).expand(x2.shape[0], 1).contiguous()
