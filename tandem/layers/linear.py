@@ -62,10 +62,10 @@ def _scale_vector(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return t
 
 
-def _fp8_param(shape: Sequence[int], dtype: torch.dtype, fill: float = float("nan")) -> nn.Parameter:
-    # NaN marks scales no checkpoint tensor has written (checked after loading).
-    return nn.Parameter(torch.full(tuple(shape), fill, dtype=dtype) if dtype != FP8_DTYPE
-                        else torch.empty(tuple(shape), dtype=dtype), requires_grad=False)
+def _fp8_param(shape: Sequence[int], dtype: torch.dtype) -> nn.Parameter:
+    # Scales start as NaN: one that no checkpoint tensor wrote is caught after loading.
+    data = torch.empty(tuple(shape), dtype=dtype) if dtype == FP8_DTYPE else torch.full(tuple(shape), float("nan"))
+    return nn.Parameter(data, requires_grad=False)
 
 
 class _FP8Forward:

@@ -349,6 +349,11 @@ class FusedMoE(nn.Module):
     Parameters: ``w13 [E_local, 2I, H]`` and ``w2 [E_local, H, I]``, ``E_local`` =
     ``all2all.placement.num_local_experts`` (all experts for the ``local`` backend).
 
+    FP8 (:mod:`tandem.layers.quantization.apply`): ``w13``/``w2`` in float8_e4m3fn with
+    ``w13_weight_scale`` / ``w2_weight_scale`` (:class:`ExpertScales` layout), from an FP8
+    checkpoint (:meth:`create_fp8_weights`, :meth:`load_expert_scale`) or quantized per
+    output channel after loading (:meth:`finish_fp8_weights`).
+
     ``forward(hidden [T, H], topk_ids [T, k] global ids int64, topk_weights [T, k] fp32)
     -> [T, H]``. :meth:`forward_steps` is the same computation as a generator that yields
     right after each launch half (``"dispatch"``, ``"combine"``), for dual-batch overlap.
