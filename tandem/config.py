@@ -94,8 +94,8 @@ class EngineConfig:
             ``"compressed-tensors"`` (:mod:`tandem.layers.quantization.config`). FP8 runs
             on CUDA compute capability >= 8.9 or on the CPU (reference speed).
         kv_cache_dtype: ``"auto"`` (the model dtype) or ``"fp8"`` / ``"fp8_e4m3"``
-            (float8_e4m3fn paged KV cache, per-layer scales 1.0, as vLLM without
-            checkpoint scales).
+            (float8_e4m3fn paged KV cache; per-layer scales from the checkpoint, else
+            1.0, as vLLM).
     """
 
     model: str | None = None

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from tandem.attention.backend import AttentionBackend
-from tandem.layers.quantization.apply import finish_fp8_model, prepare_fp8_model, rename_checkpoint_scales
+from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_scales, prepare_fp8_model,
+                                              rename_checkpoint_scales)
 from tandem.layers.quantization.config import Fp8Config
 from tandem.models.registry import get_model_class
 
@@ -207,7 +208,7 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
     elif is_gguf(model_path):
         model.load_weights(iterate_gguf_weights(model_path, hf_config))
     elif os.path.isdir(model_path):
-        weights = iterate_safetensors_weights(model_path)
+        weights = load_kv_cache_scales(model, iterate_safetensors_weights(model_path))
         model.load_weights(rename_checkpoint_scales(weights, quant_config) if quant_config else weights)
     else:
         raise ValueError(f"cannot load weights from {model_path!r} with load_format={load_format!r}")

@@ -84,6 +84,9 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = spec.head_dim**-0.5
+        # FP8 KV cache scales (vLLM's k_scale / v_scale): 1.0 unless the checkpoint has them
+        # (tandem.layers.quantization.apply.load_kv_cache_scales).
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -94,7 +97,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

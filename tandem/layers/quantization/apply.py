@@ -70,6 +70,37 @@ def rename_checkpoint_scales(weights: Iterable[tuple[str, torch.Tensor]],
         yield name, tensor
 
 
+# Checkpoint names of per-layer KV cache scales -> which of (k_scale, v_scale) they set:
+# vLLM / compressed-tensors (``self_attn.k_scale``), older compressed-tensors
+# (``k_proj.output_scale``) and AutoFP8 (one ``kv_scale`` for both).
+_KV_SCALE_NAMES = {"self_attn.k_scale": ("k_scale",), "self_attn.v_scale": ("v_scale",),
+                   "self_attn.k_proj.output_scale": ("k_scale",), "self_attn.v_proj.output_scale": ("v_scale",),
+                   "self_attn.kv_scale": ("k_scale", "v_scale")}
+
+
+def load_kv_cache_scales(model: nn.Module,
+                         weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Take the per-layer KV cache scales out of a checkpoint's tensors: each sets the
+    ``k_scale`` / ``v_scale`` float of its attention module (used with
+    ``--kv-cache-dtype fp8``); every other tensor is passed on.
+
+    Raises:
+        ValueError: a scale names no attention module with KV scales.
+    """
+    modules = dict(model.named_modules())
+    for name, tensor in weights:
+        key = next((k for k in _KV_SCALE_NAMES if name.endswith("." + k)), None)
+        if key is None:
+            yield name, tensor
+            continue
+        owner = name.removeprefix("model.").removesuffix(key) + "self_attn"
+        attn = modules.get(owner)
+        if attn is None or not hasattr(attn, "k_scale"):
+            raise ValueError(f"checkpoint tensor {name!r}: no attention layer {owner!r} with KV cache scales")
+        for attr in _KV_SCALE_NAMES[key]:
+            setattr(attn, attr, float(tensor.float().reshape(-1).max()))
+
+
 def _set(mod: nn.Module, name: str, value: torch.Tensor | None) -> None:
     if value is None:
         setattr(mod, name, None)
@@ -115,4 +146,4 @@ def finish_fp8_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype) -> No
             mod.finish_fp8_weights(name)
 
 
-__all__ = ["finish_fp8_model", "prepare_fp8_model", "rename_checkpoint_scales"]
+__all__ = ["finish_fp8_model", "load_kv_cache_scales", "prepare_fp8_model", "rename_checkpoint_scales"]

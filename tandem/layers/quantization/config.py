@@ -7,7 +7,10 @@ Formats read (tensor names as published):
   ``naive-quantized``), as RedHatAI / neuralmagic ``*-FP8-dynamic`` and ``*-FP8``
   checkpoints: ``weight`` float8_e4m3fn, ``weight_scale`` per channel ``[N, 1]`` or per
   tensor ``[1]``, or block ``[N/128, K/128]`` (``FP8_BLOCK``); ``input_scale`` ``[1]`` when
-  the activations are static. Parsed with the ``compressed-tensors`` library.
+  the activations are static; a static FP8 ``kv_cache_scheme`` comes with per-layer
+  ``self_attn.k_scale`` / ``v_scale`` (loaded by
+  :func:`tandem.layers.quantization.apply.load_kv_cache_scales`, used with
+  ``--kv-cache-dtype fp8``). Parsed with the ``compressed-tensors`` library.
 * ``quant_method: "fp8"`` (transformers' ``FineGrainedFP8Config``, DeepSeek-V3 and Qwen3
   ``*-FP8``): ``weight_block_size: [128, 128]`` with ``weight_scale_inv [N/128, K/128]``
   and dynamic activations; without ``weight_block_size`` (AutoFP8 / vLLM ``fp8``
@@ -166,9 +169,11 @@ def _from_compressed_tensors(qc: dict) -> Fp8Config:
         raise ValueError(f"unsupported compressed-tensors activation strategy {_value(a.strategy)!r}")
     if a.dynamic is not True and a.strategy != QuantizationStrategy.TENSOR:
         raise ValueError(f"unsupported compressed-tensors static activation strategy {_value(a.strategy)!r} (tensor)")
-    if cfg.kv_cache_scheme is not None:
-        raise ValueError("unsupported compressed-tensors kv_cache_scheme: FP8 KV cache scales from the checkpoint "
-                         "are not loaded; drop it and use --kv-cache-dtype fp8 (scale 1.0)")
+    kv = cfg.kv_cache_scheme
+    if kv is not None and (kv.type != QuantizationType.FLOAT or kv.num_bits != 8 or kv.dynamic is True
+                           or kv.strategy != QuantizationStrategy.TENSOR):
+        raise ValueError(f"unsupported compressed-tensors kv_cache_scheme {kv!r}: Tandem reads static per-tensor "
+                         f"FP8 KV cache scales (used with --kv-cache-dtype fp8)")
     return Fp8Config(True, weight_block, "weight_scale", a.dynamic is not True, tuple(cfg.ignore or ()),
                      "compressed-tensors")
 

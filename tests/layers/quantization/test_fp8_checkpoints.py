@@ -231,3 +231,32 @@ def test_ignored_layers_stay_in_model_dtype(fmt, tmp_path):
     assert mlp.gate_up_proj.weight.dtype == torch.float32 and mlp.down_proj.weight.dtype == torch.float32
     assert torch.equal(mlp.down_proj.weight, deq["model.layers.0.mlp.down_proj.weight"])
     assert model.layers[1].mlp.down_proj.weight.dtype == FP8_DTYPE
+
+
+def test_kv_cache_scales_from_the_checkpoint(tmp_path):
+    """Per-layer k_scale / v_scale tensors (compressed-tensors kv_cache_scheme, and the older
+    k_proj.output_scale names) set the attention layers' FP8 KV cache scales; layers
+    without them keep 1.0."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    write_fp8_checkpoint(_reference("llama"), str(tmp_path), "ct-channel-dynamic")
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(f)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.25)
+    tensors["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor([2.0])
+    save_file(tensors, f)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                     "dynamic": False, "symmetric": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    load_hf_config.cache_clear()
+    model = _tandem(str(tmp_path))
+    a0, a1 = model.layers[0].self_attn, model.layers[1].self_attn
+    assert (a0.k_scale, a0.v_scale, a1.k_scale, a1.v_scale) == (0.5, 0.25, 2.0, 1.0)
+    # An FP8 cache run with these scales stays close to the full-precision cache.
+    prompts = _prompts(300)
+    _assert_close_logits(_prefill_logits(model, prompts, torch.float8_e4m3fn), _prefill_logits(model, prompts),
+                         DEQUANT_TOL)

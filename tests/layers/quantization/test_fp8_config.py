@@ -60,7 +60,7 @@ def _ct(**changes):
     (_ct(input_activations=None), "weight-only"),
     (_ct(weights__strategy="group", weights__group_size=128), "weight strategy 'group'"),
     (_ct(targets=["Attention"]), "targets"),
-    (_ct(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+    (_ct(kv_cache_scheme={"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False,
                           "symmetric": True}), "kv_cache_scheme"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "dynamic"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
@@ -86,3 +86,9 @@ def test_ignore_patterns():
     partial = Fp8Config(ignore=("model.layers.0.self_attn.q_proj",))
     with pytest.raises(ValueError, match="part of the fused layer"):
         partial.is_ignored(["layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj"])
+
+
+def test_static_fp8_kv_cache_scheme_is_accepted():
+    qc = _ct(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                              "symmetric": True})
+    assert get_quantization_config(_cfg(qc), None).method == "compressed-tensors"
