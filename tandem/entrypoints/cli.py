@@ -67,7 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="fp8: FP8 checkpoint, or online FP8 (W8A8) quantization of a bf16/fp16 model; default: "
                         "the checkpoint's quantization_config (needs CUDA compute capability >= 8.9, or the CPU)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                   help="paged KV cache dtype: auto (model dtype) or fp8 (e4m3, per-layer scales from the checkpoint or 1.0)")
+                   help="paged KV cache dtype: auto (model dtype) or fp8 (e4m3; per-layer scales from the "
+                        "checkpoint, else 1.0)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":

@@ -179,7 +179,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def block_fp8_matmul_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-                               weight_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+                               weight_scale: torch.Tensor, block: tuple[int, int],
+                               out_dtype: torch.dtype) -> torch.Tensor:
     """The block-wise W8A8 product by dequantization: ``(xq * x_scale) @ (weight * ws).T``
     in fp32. ``xq [M, K]`` FP8 with ``x_scale [M, K/bk]``; ``weight [N, K]`` FP8 with
     ``weight_scale [ceil(N/bn), ceil(K/bk)]``. Returns ``[M, N]`` in ``out_dtype``."""
@@ -230,5 +231,5 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "block_fp8_linear", "block_fp8_matmul_reference",
-           "check_fp8_supported", "dequantize_block", "dequantize_weight", "expand_block_scale", "fp8_linear", "fp8_supported",
-           "quantize_per_token", "quantize_per_token_group", "quantize_static", "quantize_weight_per_channel"]
+           "check_fp8_supported", "dequantize_block", "dequantize_weight", "expand_block_scale", "fp8_linear",
+           "fp8_supported", "quantize_per_token", "quantize_per_token_group", "quantize_static", "quantize_weight_per_channel"]
