@@ -15,7 +15,7 @@ and ``utils/w8a8_utils.py``):
 devices of compute capability >= 8.9, and the same call on the CPU (torch's CPU
 ``_scaled_mm`` supports row-wise scales: slow, for tests and reference). Block-wise
 weights go through ``torch.nn.functional.scaled_mm`` with the BlockWise1x128 /
-BlockWise128x128 recipes on CUDA and through :func:`block_fp8_matmul_reference`
+BlockWise128x128 recipes on Hopper (sm90) and through :func:`block_fp8_matmul_reference`
 (dequantize, fp32 matmul: the same math) on the CPU.
 """
 
@@ -192,11 +192,18 @@ def _block_mm_cuda(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
                    out_dtype: torch.dtype) -> torch.Tensor:
     from torch.nn.functional import ScalingType, scaled_mm
 
-    # cuBLASLt wants the 1x128 activation scales outer-dim major ([M, K/128], stride (1, M)).
-    xs = x_scale.t().contiguous().t()
-    y = scaled_mm(xq, weight.t(), xs, ScalingType.BlockWise1x128, weight_scale, ScalingType.BlockWise128x128,
-                  output_dtype=torch.bfloat16)
-    return y.to(out_dtype)
+    # Layouts as torch's test_scaled_mm_block_wise_numerics: rows padded to a multiple of 4,
+    # the 1x128 activation scales outer-dim major ([M, K/128], stride (1, M)), the 128x128
+    # weight scales with K/128 padded to a multiple of 4 and given as [K/128, N/128].
+    m = xq.shape[0]
+    if m % 4:
+        xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, -m % 4)).view(xq.dtype)
+        x_scale = torch.nn.functional.pad(x_scale, (0, 0, 0, -m % 4), value=1.0)
+    kb = weight_scale.shape[1]
+    ws = torch.nn.functional.pad(weight_scale, (0, -kb % 4), value=1.0) if kb % 4 else weight_scale
+    y = scaled_mm(xq, weight.t(), x_scale.t().contiguous().t(), ScalingType.BlockWise1x128, ws.t(),
+                  ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    return y[:m].to(out_dtype)
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
@@ -211,8 +218,9 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         block: ``(bn, bk)``.
 
     Returns:
-        ``[..., N]`` in ``x.dtype``: cuBLASLt block-scaled FP8 GEMM on CUDA with 128x128
-        blocks and ``N`` a multiple of 128, :func:`block_fp8_matmul_reference` otherwise.
+        ``[..., N]`` in ``x.dtype``: cuBLASLt block-scaled FP8 GEMM on Hopper (sm90, the
+        only target of torch's BlockWise recipes) with 128x128 blocks and ``N`` a multiple
+        of 128; :func:`block_fp8_matmul_reference` (dequantized weights, slow) otherwise.
 
     Raises:
         ValueError: ``K`` is not a multiple of ``block[1]``.
@@ -221,7 +229,8 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     x2 = x.reshape(-1, shape[-1])
     n = weight.shape[0]
     xq, x_scale = quantize_per_token_group(x2, block[1])
-    if x.is_cuda and tuple(block) == (128, 128) and n % 128 == 0 and x2.shape[0] > 0:
+    if (x.is_cuda and tuple(block) == (128, 128) and n % 128 == 0 and x2.shape[0] > 0
+            and torch.cuda.get_device_capability(x.device) == (9, 0)):
         y = _block_mm_cuda(xq, x_scale, weight, weight_scale, x.dtype)
     else:
         y = block_fp8_matmul_reference(xq, x_scale, weight, weight_scale, block, x.dtype)

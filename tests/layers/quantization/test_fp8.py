@@ -161,7 +161,7 @@ def test_cuda_fp8_linear_matches_reference(m, dtype):
 
 
 @_sm89
-@pytest.mark.parametrize("m", [1, 100, 1024])
+@pytest.mark.parametrize("m", [1, 7, 100, 1024])
 def test_cuda_block_fp8_linear_matches_reference(m):
     """cuBLASLt block-scaled GEMM (1x128 activations, 128x128 weights) == the reference."""
     torch.manual_seed(0)
