@@ -156,8 +156,9 @@ def _mla_decode_kernel(
             p_mask = k_valid[:, None]
         else:
             p_mask = k_valid[:, None] & (offs_p[None, :] < ROPE_DIM)
-        c_kv = tl.load(slot[:, None] + offs_r[None, :], mask=c_mask, other=0.0)  # [BLOCK_N, BLOCK_R]
-        k_pe = tl.load(slot[:, None] + KV_RANK + offs_p[None, :], mask=p_mask, other=0.0)  # [BLOCK_N, BLOCK_P]
+        # An FP8 cache (scale 1.0) is converted to q's dtype in registers.
+        c_kv = tl.load(slot[:, None] + offs_r[None, :], mask=c_mask, other=0.0).to(q_lat.dtype)  # [BLOCK_N, BLOCK_R]
+        k_pe = tl.load(slot[:, None] + KV_RANK + offs_p[None, :], mask=p_mask, other=0.0).to(q_pe.dtype)
         s = _dot(q_lat, tl.trans(c_kv), PRECISION, UPCAST)
         s += _dot(q_pe, tl.trans(k_pe), PRECISION, UPCAST)
         s = tl.where(k_valid[None, :], s * qk_scale, float("-inf"))
@@ -249,7 +250,8 @@ def mla_decode_attention(
         # The kernels index rows 0..nd-1 of both without bounds checks.
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "
                          f"need >= {nd} rows")
-    if q_lat.dtype not in _SUPPORTED_DTYPES or q_pe.dtype != q_lat.dtype or kv_cache.dtype != q_lat.dtype:
+    if (q_lat.dtype not in _SUPPORTED_DTYPES or q_pe.dtype != q_lat.dtype
+            or kv_cache.dtype not in (q_lat.dtype, torch.float8_e4m3fn)):
         raise ValueError(f"unsupported dtypes q_lat={q_lat.dtype} q_pe={q_pe.dtype} kv_cache={kv_cache.dtype}")
     for name, val in (("block_n", block_n), ("block_h", block_h)):
         if val < 16 or val & (val - 1):

@@ -74,9 +74,6 @@ class LLMEngine:
         # Planes per layer cache: 2 (keys, values); 1 for models caching one compressed
         # latent per token (MLA: [1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]).
         planes = getattr(self.model, "kv_cache_num_planes", 2)
-        if planes != 2 and kv_dtype != dtype:
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported for the latent (MLA) cache "
-                             f"of {self.hf_config.model_type}; use kv_cache_dtype='auto'")
         num_layers = len(self.model.layers)
         num_blocks = config.num_kv_blocks or self._num_kv_blocks(num_layers, num_kv_heads, head_dim, kv_dtype, device,
                                                                  planes)

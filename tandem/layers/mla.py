@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.attention.backend import get_attention_backend
+from tandem.attention.backend import get_attention_backend, quantize_kv
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.fused_ops import apply_rotary
 from tandem.layers.norm import RMSNorm
@@ -184,7 +184,7 @@ class MLAAttention(nn.Module):
         block_size = kv_cache.shape[2]
         blocks = meta.block_tables[r0:r1][k_req, k_pos // block_size]
         slots = blocks.long() * block_size + k_pos % block_size
-        k, v = self.expand_latent(kv_cache[0].view(-1, kv_cache.shape[-1])[slots])  # [h, K, *]
+        k, v = self.expand_latent(kv_cache[0].view(-1, kv_cache.shape[-1])[slots].to(q_nope.dtype))  # [h, K, *]
         q_req = torch.repeat_interleave(reqs, q_ends - meta.query_start_loc[r0:r1], output_size=num_q)
         # The queries are the last q_len tokens of their sequence: token t of request r sits
         # at position seq_len_r - (q_end_r - t).
@@ -238,7 +238,7 @@ class MLAAttention(nn.Module):
         else:
             nb = -(-max(meta.seq_lens_cpu[:nd]) // block_size)
         q = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(2)  # [nd, h, 1, r + rope]
-        lat = gather_latent(kv_cache, meta.block_tables[:nd], nb).unsqueeze(1)  # [nd, 1, L, r + rope]
+        lat = gather_latent(kv_cache, meta.block_tables[:nd], nb).to(q.dtype).unsqueeze(1)  # [nd, 1, L, r + rope]
         mask = torch.arange(nb * block_size, device=q.device)[None, :] < meta.seq_lens[:nd, None]
         o = F.scaled_dot_product_attention(q, lat, lat[..., : self.kv_lora_rank], attn_mask=mask[:, None, None, :],
                                            scale=self.scale, enable_gqa=True)  # [nd, h, 1, r]
@@ -278,9 +278,14 @@ def prefill_groups(query_start_loc: list[int], seq_lens: list[int], first: int, 
 
 def write_latent_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter ``latent [T, D]`` into plane 0 of ``kv_cache [1, num_blocks, block_size, 1,
-    D]``; padding slots (-1) write into the reserved null block's slot 0 (no host sync)."""
+    D]``; padding slots (-1) write into the reserved null block's slot 0 (no host sync).
+    An FP8 cache stores the latents saturated to e4m3 with scale 1.0 (readers convert
+    back to the query dtype)."""
     flat = kv_cache[0].view(-1, kv_cache.shape[-1])
-    flat.index_copy_(0, slot_mapping.clamp(min=0), latent.to(kv_cache.dtype))
+    latent = quantize_kv(latent, 1.0, kv_cache.dtype).to(kv_cache.dtype)
+    if kv_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no float8 CPU kernel: copy the bytes
+        flat, latent = flat.view(torch.uint8), latent.view(torch.uint8)
+    flat.index_copy_(0, slot_mapping.clamp(min=0), latent)
 
 
 def gather_latent(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:

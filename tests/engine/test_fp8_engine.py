@@ -1,6 +1,6 @@
 """The engine with FP8: a tiny FP8 checkpoint (compressed-tensors layout) and online
-``quantization="fp8"`` serve greedy requests end to end on the CPU with an FP8 KV cache;
-the FP8 KV cache is refused for the MLA latent cache."""
+``quantization="fp8"`` serve greedy requests end to end on the CPU with an FP8 KV cache,
+for a dense model, a Qwen3-MoE and a DeepSeek-V2 (FP8 MLA latent cache)."""
 
 from __future__ import annotations
 
@@ -73,14 +73,20 @@ def test_fp8_moe_dummy_weights_batched_equals_solo(tmp_path, embedded_model_path
     llm.engine.shutdown()
 
 
-def test_fp8_kv_cache_is_refused_for_mla(tmp_path, embedded_model_path):
+def test_fp8_latent_cache_for_mla(tmp_path, embedded_model_path):
+    """DeepSeek-V2 (MLA) with online FP8 and an FP8 latent cache runs end to end."""
     from tandem.entrypoints.llm import LLM
 
-    cfg = DeepseekV2Config(vocab_size=300, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+    cfg = DeepseekV2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                            intermediate_size=96, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                            kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-                           max_position_embeddings=128)
+                           first_k_dense_replace=1, q_lora_rank=None, max_position_embeddings=128)
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported for the latent"):
-        LLM(str(tmp_path), tokenizer=embedded_model_path, load_format="dummy", kv_cache_dtype="fp8",
-            num_kv_blocks=16)
+    llm = LLM(str(tmp_path), tokenizer=embedded_model_path, load_format="dummy", quantization="fp8",
+              kv_cache_dtype="fp8", block_size=8, num_kv_blocks=32, max_model_len=128)
+    assert llm.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([[5, 17, 99, 23], list(range(1, 20))], sp, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert_all_blocks_free(llm.engine)
+    llm.engine.shutdown()
