@@ -44,9 +44,18 @@ def set_weight_attrs(param: nn.Parameter, full_shape: Sequence[int], shard: Call
     param.weight_loader = weight_loader
 
 
+def check_fp8_source(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Raises ValueError when a high-precision checkpoint tensor would be cast into FP8
+    weights (a layer the checkpoint left unquantized without listing it in ``ignore``)."""
+    if dst.dtype == FP8_DTYPE and src.dtype != FP8_DTYPE:
+        raise ValueError(f"checkpoint weight is {src.dtype} where the FP8 scheme expects float8_e4m3fn (a layer "
+                         f"missing from quantization_config's ignore list?)")
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"shape of {what}: checkpoint slice {tuple(src.shape)} vs model {tuple(dst.shape)}")
+    check_fp8_source(dst, src)
     with torch.no_grad():
         dst.copy_(src)
 
@@ -330,4 +339,4 @@ class RowParallelLinear(_FP8Forward, nn.Module):
 
 
 __all__ = ["ColumnParallelLinear", "ColumnShardedLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
-           "RowParallelLinear", "kv_head_range", "set_weight_attrs"]
+           "RowParallelLinear", "check_fp8_source", "kv_head_range", "set_weight_attrs"]

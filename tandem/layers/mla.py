@@ -55,6 +55,7 @@ from torch import nn
 from tandem.attention.backend import get_attention_backend, quantize_kv
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.fused_ops import apply_rotary
+from tandem.layers.linear import ColumnParallelLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -107,16 +108,19 @@ class MLAAttention(nn.Module):
         self.qk_dim = self.nope + self.rope
         bias = bool(getattr(c, "attention_bias", False))
         h = c.hidden_size
+        # Unsharded (TP 1) linear layers of tandem.layers.linear, so that FP8 quantization
+        # applies to them as to every other projection (ParallelMLAAttention shards some).
+        linear = lambda i, o, b: ColumnParallelLinear(i, o, bias=b, tp_size=1, tp_rank=0)  # noqa: E731
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, self.num_heads * self.qk_dim, bias=False)
+            self.q_proj = linear(h, self.num_heads * self.qk_dim, False)
         else:
-            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_proj = linear(h, self.q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # HF uses the default eps here
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope, bias=bias)
+            self.q_b_proj = linear(self.q_lora_rank, self.num_heads * self.qk_dim, False)
+        self.kv_a_proj_with_mqa = linear(h, self.kv_lora_rank + self.rope, bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
+        self.kv_b_proj = linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), False)
+        self.o_proj = linear(self.num_heads * self.v_dim, h, bias)
         self.rotary = rotary
         self.scale = mla_softmax_scale(c)
 

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed.all2all import All2AllBackend, LocalAll2All
+from tandem.layers.linear import check_fp8_source
 from tandem.layers.quantization.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight_per_channel
 
 # ----------------------------------------------------------------------------- routing
@@ -502,6 +503,7 @@ class FusedMoE(nn.Module):
         if tuple(src.shape) != tuple(p.shape) or tensor.shape[0] != self.num_experts:
             raise ValueError(f"expert tensor {which}: checkpoint {tuple(tensor.shape)} vs model "
                              f"{(self.num_experts, *p.shape[1:])}")
+        check_fp8_source(p, src)
         with torch.no_grad():
             p.copy_(src)
 
@@ -523,6 +525,7 @@ class FusedMoE(nn.Module):
             dst = dst.narrow(0, shard * self.intermediate_size, self.intermediate_size)
         if dst.shape != tensor.shape:
             raise ValueError(f"expert {expert} {which}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
+        check_fp8_source(dst, tensor)
         with torch.no_grad():
             dst.copy_(tensor)
         return True

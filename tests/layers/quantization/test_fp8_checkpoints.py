@@ -260,3 +260,19 @@ def test_kv_cache_scales_from_the_checkpoint(tmp_path):
     prompts = _prompts(300)
     _assert_close_logits(_prefill_logits(model, prompts, torch.float8_e4m3fn), _prefill_logits(model, prompts),
                          DEQUANT_TOL)
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_unquantized_layer_missing_from_ignore_is_an_error(arch, tmp_path):
+    """A layer left in bf16 by the checkpoint but not listed in ``ignore`` is never cast
+    into FP8 weights."""
+    import json
+
+    keep = r"model\.layers\.1\.mlp\." if arch == "llama" else r"model\.layers\.1\.mlp\.experts\.0\."
+    write_fp8_checkpoint(_reference(arch), str(tmp_path), "ct-channel-dynamic", keep=keep)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = ["lm_head", "re:.*mlp.gate$"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    load_hf_config.cache_clear()
+    with pytest.raises(ValueError, match="expects float8_e4m3fn"):
+        _tandem(str(tmp_path))
