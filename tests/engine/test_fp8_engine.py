@@ -85,6 +85,9 @@ def test_fp8_latent_cache_for_mla(tmp_path, embedded_model_path):
     llm = LLM(str(tmp_path), tokenizer=embedded_model_path, load_format="dummy", quantization="fp8",
               kv_cache_dtype="fp8", block_size=8, num_kv_blocks=32, max_model_len=128)
     assert llm.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    attn = llm.engine.model.layers[0].self_attn
+    assert attn.q_proj.weight.dtype == attn.o_proj.weight.dtype == torch.float8_e4m3fn
+    assert attn.kv_b_proj.weight.dtype == torch.float32  # read per head by the absorbed decode
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outs = llm.generate([[5, 17, 99, 23], list(range(1, 20))], sp, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
