@@ -19,7 +19,6 @@ import json
 import pytest
 import torch
 
-from tandem.engine.dp_engine import DPLLM
 from tandem.sampling_params import SamplingParams
 from tests.distributed.conftest import CONFIGS, ENGINE, GREEDY, PROMPTS, generate_ids, make_llm
 
@@ -51,7 +50,7 @@ def _single_process(model: str, tokenizer: str) -> dict[str, list[list[int]]]:
 
 
 def _dp4(model: str, tokenizer: str, **kwargs) -> tuple[dict[str, list[list[int]]], dict]:
-    llm = make_llm(model, DPLLM, tokenizer=tokenizer, **DP4, **kwargs)
+    llm = make_llm(model, tokenizer=tokenizer, **DP4, **kwargs)  # LLM runs DP itself when dp * tp > 1
     try:
         info = llm.engine.rank0_info["parallel"]
         assert (info.dp_size, info.ep_size, info.world_size) == (4, 4, 4)
@@ -99,8 +98,8 @@ def test_dp_ep_decode_cuda_graphs_with_dbo_on_gpus(model_dir, dp):
         want = _run(ref)
     finally:
         ref.engine.shutdown()
-    llm = DPLLM(model=model, data_parallel_size=dp, enable_expert_parallel=True, all2all_backend="all_to_all",
-                dbo_measure_split=False, **DBO, **gpu)
+    llm = LLM(model=model, data_parallel_size=dp, enable_expert_parallel=True, all2all_backend="all_to_all",
+              dbo_measure_split=False, **DBO, **gpu)
     try:
         assert _run(llm) == want
     finally:
