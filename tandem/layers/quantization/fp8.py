@@ -12,14 +12,17 @@ and ``utils/w8a8_utils.py``):
   per-token-group (1 x ``bk``) activation scales, as DeepSeek-V3.
 
 ``fp8_linear`` runs ``torch._scaled_mm`` (cuBLASLt FP8 with row-wise scales) on CUDA
-devices of compute capability >= 8.9, and the same call on the CPU (torch's CPU
-``_scaled_mm`` supports row-wise scales: slow, for tests and reference). Block-wise
+devices of compute capability >= 8.9, and the same call on the CPU where torch's CPU
+``_scaled_mm`` takes row-wise scales (torch 2.13; older builds get the same math in fp32):
+slow, for tests and reference. Block-wise
 weights go through ``torch.nn.functional.scaled_mm`` with the BlockWise1x128 /
 BlockWise128x128 recipes on Hopper (sm90) and through :func:`block_fp8_matmul_reference`
 (dequantize, fp32 matmul: the same math) on the CPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -134,8 +137,24 @@ def _quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_per_token(x)
 
 
+@functools.cache
+def _cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch build's CPU ``_scaled_mm`` takes row-wise scales (2.13 does; 2.11's
+    oneDNN kernel takes per-tensor scales only)."""
+    a = torch.ones(2, 16).to(FP8_DTYPE)
+    b = torch.ones(16, 16).to(FP8_DTYPE).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _rowwise_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 out_dtype: torch.dtype) -> torch.Tensor:
+    if not xq.is_cuda and not _cpu_rowwise_scaled_mm():
+        # The same math in fp32: products of FP8 values are exact, the sum accumulates in fp32.
+        return ((xq.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()).to(out_dtype)
     # cuBLASLt row-wise scaling writes bf16 only; the CPU kernel writes any float dtype.
     mm_dtype = torch.bfloat16 if xq.is_cuda else out_dtype
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=mm_dtype)

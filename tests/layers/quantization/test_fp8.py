@@ -65,11 +65,16 @@ def test_block_dequantization_uses_each_blocks_scale():
     assert d[0, 0] == 0 and d[127, 255] == 1 and d[128, 0] == 3 and d[199, 299] == 5 and d[130, 130] == 4
 
 
+@pytest.mark.parametrize("cpu_rowwise", [True, False])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("static", [False, True])
-def test_fp8_linear_equals_the_dequantized_product(out_dtype, static):
-    """torch's CPU _scaled_mm gives (q_x * s_x) @ (q_w * s_w).T; and that is within the
-    FP8 error of the float product."""
+def test_fp8_linear_equals_the_dequantized_product(out_dtype, static, cpu_rowwise, monkeypatch):
+    """torch's CPU _scaled_mm (or, in builds whose CPU kernel takes per-tensor scales only,
+    the fp32 fallback) gives (q_x * s_x) @ (q_w * s_w).T; and that is within the FP8 error
+    of the float product."""
+    if cpu_rowwise and not fp8._cpu_rowwise_scaled_mm():
+        pytest.skip("this torch build's CPU _scaled_mm takes per-tensor scales only")
+    monkeypatch.setattr(fp8, "_cpu_rowwise_scaled_mm", lambda: cpu_rowwise)
     torch.manual_seed(0)
     x, w = torch.randn(2, 9, 64).to(out_dtype), torch.randn(48, 64) * 0.05
     bias = torch.randn(48).to(out_dtype)
