@@ -102,7 +102,9 @@ def test_ctrl_c_during_generate_is_one_line(tmp_path, smol_tokenizer):
     time.sleep(4)  # while loading or generating: either way one line
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err
+    # 130 from the handler; under heavy load CPython sometimes ends itself by the same SIGINT
+    # during teardown after the handler ran (-2): both are an interrupted exit.
+    assert p.returncode in (130, -signal.SIGINT), err
     assert err.strip().splitlines()[-1] == "tandem generate: interrupted" and "Traceback" not in err, err
 
 
