@@ -23,7 +23,7 @@ from typing import Any
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from tandem.engine.token_bytes import TokenBytes, token_id_string
 from tandem.entrypoints.openai import protocol as P
-from tandem.outputs import PositionLogprobs, RequestOutput
+from tandem.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -133,15 +133,14 @@ class TextOffsets:
     tokens left out by ``skip_special_tokens``, an automatically added BOS in an echoed
     prompt, the stop token that ended a sequence.
 
-    Args:
-        token_bytes: the tokenizer's token bytes.
-        start: offset of the first token (characters already sent).
+    One instance per choice lives as long as its stream, so that offsets in a chunk go on
+    from the characters already sent.
     """
 
-    def __init__(self, token_bytes: TokenBytes, start: int = 0) -> None:
+    def __init__(self, token_bytes: TokenBytes) -> None:
         self._tb = token_bytes
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.pos = start
+        self.pos = 0
 
     def next(self, token_id: int, in_text: bool = True) -> int:
         """Offset of ``token_id``; then advance past its characters if ``in_text``."""
@@ -251,7 +250,7 @@ class OpenAIServing:
         return not (skip_special and self.token_bytes.is_special(token_id))
 
     @staticmethod
-    def _stop_token_hidden(c, params: SamplingParams) -> bool:
+    def _stop_token_hidden(c: CompletionOutput, params: SamplingParams) -> bool:
         """The last token of ``c`` is a stop token whose text the output leaves out."""
         return (c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
                 and not params.include_stop_str_in_output)
@@ -340,7 +339,7 @@ class OpenAIServing:
             res.append(shown)
         return res
 
-    def _gen_in_text(self, c, params: SamplingParams) -> list[bool]:
+    def _gen_in_text(self, c: CompletionOutput, params: SamplingParams) -> list[bool]:
         """Which generated tokens of completion ``c`` are in its text."""
         shown = [self._in_output_text(t, params.skip_special_tokens) for t in c.token_ids]
         if shown and self._stop_token_hidden(c, params):
@@ -390,9 +389,9 @@ class OpenAIServing:
         outs = await self._collect(streams)
         return self._completion_response(req, outs, prompts, echo_texts, echo_only, params, rid)
 
-    def _completion_choice_logprobs(self, i: int, out: RequestOutput, c, prompts, echo_texts, echo_only: bool,
-                                    params: SamplingParams, offsets: TextOffsets, with_prompt: bool,
-                                    as_ids: bool) -> P.CompletionLogProbs:
+    def _completion_choice_logprobs(self, i: int, out: RequestOutput, c: CompletionOutput, prompts, echo_texts,
+                                    echo_only: bool, params: SamplingParams, offsets: TextOffsets,
+                                    with_prompt: bool, as_ids: bool) -> P.CompletionLogProbs:
         """Logprobs of one choice's new tokens (and of the echoed prompt when ``with_prompt``)."""
         toks = [] if echo_only else c.token_ids
         lps = [] if echo_only else (c.logprobs or [])
@@ -519,7 +518,8 @@ class OpenAIServing:
         # The template already holds the BOS token where the model wants it.
         return text, self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
-    def _chat_logprobs(self, c, params: SamplingParams, top: int, as_ids: bool) -> P.ChatCompletionLogProbs:
+    def _chat_logprobs(self, c: CompletionOutput, params: SamplingParams, top: int,
+                       as_ids: bool) -> P.ChatCompletionLogProbs:
         """Chat ``logprobs`` of completion ``c``'s new tokens. ``bytes`` are each token's
         exact bytes, null for a token whose text the content leaves out (a skipped special
         token, the stop token), so the non-null ``bytes`` join to the content."""
