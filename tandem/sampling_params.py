@@ -18,6 +18,7 @@ def child_seed(seed: int, index: int) -> int:
     into the signed 64-bit range."""
     return (seed + index - _INT64_MIN) % 2**64 + _INT64_MIN
 
+
 # vLLM's values of the fields a request may leave unset (None) when neither the request nor
 # the model's generation_config.json gives one.
 UNSET_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
