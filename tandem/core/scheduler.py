@@ -16,9 +16,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.core.block_manager import KVCacheManager
+from tandem.engine.messages import EngineCoreOutput, PromptLogprobsData
 from tandem.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from tandem.worker.model_runner import ModelRunnerOutput
 
 
 @dataclass
@@ -196,6 +201,52 @@ class Scheduler:
     def on_token(self, req: Request) -> None:
         """A sampled token of ``req`` reached the host: it stops being a placeholder."""
         req.num_output_placeholders -= 1
+
+    def update_from_output(self, result: "ModelRunnerOutput") -> list[EngineCoreOutput]:
+        """Take in one step's sampled tokens: placeholder accounting, token-id stop checks
+        (EOS, ``stop_token_ids``, ``max_tokens``, ``min_tokens``, the context length) and
+        freeing of finished sequences.
+
+        Returns one output per live sequence that got a token (a token of a sequence that
+        finished or was aborted before its step was processed is dropped), plus prompt
+        logprobs of sequences that computed some without sampling.
+        """
+        outputs: dict[int, EngineCoreOutput] = {}
+        for sid, pl in result.prompt_logprobs.items():
+            req = self.requests.get(sid)
+            if req is not None:
+                outputs[sid] = EngineCoreOutput(req.request_id, [], new_prompt_logprobs=PromptLogprobsData(
+                    pl.start, pl.token_ids, pl.logprobs, pl.ranks))
+        for row, (sid, tok) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
+            req = self.requests.get(sid)
+            if req is None:
+                continue
+            self.on_token(req)
+            req.output_token_ids.append(tok)
+            out = outputs.get(sid)
+            if out is None:
+                out = outputs[sid] = EngineCoreOutput(req.request_id, [])
+            out.new_token_ids.append(tok)
+            out.num_cached_tokens = max(req.num_cached_tokens, 0)
+            if req.sampling_params.logprobs is not None:
+                out.new_logprobs = [result.logprobs[row]]
+            status = self._check_stop(req, tok)
+            if status is not None:
+                self.finish_request(sid, status)
+                out.finish_reason, out.stop_reason = status.finish_reason, req.stop_reason
+        return list(outputs.values())
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+            if tok in p.all_stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def finish_request(self, seq_id: int, status: RequestStatus) -> Request | None:
         """Finish a sequence and free its blocks. Idempotent (returns None the 2nd time)."""

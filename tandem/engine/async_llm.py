@@ -1,20 +1,21 @@
-"""The engine in a background thread, fed and drained by asyncio (the server's front end).
+"""The asyncio front end of the server: engine cores in their own processes.
 
-``AsyncLLM`` splits work the way vLLM's V1 front end / engine core split does, inside one
-process:
+``AsyncLLM`` splits work as vLLM V1's ``AsyncLLM`` / ``EngineCore`` do:
 
-* the **engine thread** runs ``LLMEngine.step()`` back to back while there is work: it
-  schedules, launches the model step, and processes the previous step's outputs (stop
-  checks and incremental detokenization overlap the running step, see DESIGN.md). When no
-  request is live it sleeps on a condition variable (no busy spin);
-* the **front end** (an asyncio event loop: HTTP parsing, validation, chat templates and
-  prompt tokenization) hands requests and aborts to the engine thread through a locked
-  queue, applied between two steps, and receives each step's ``RequestOutput``s on a
-  per-request ``asyncio.Queue`` filled with ``loop.call_soon_threadsafe`` (one wake-up
-  of the loop per step, whatever the number of requests).
+* each **engine core** (one process per data-parallel replica, :mod:`tandem.engine.core_proc`)
+  runs the scheduler and the one-step-ahead model loop back to back while it has work and
+  sends one message per step with the new token ids of all its requests; idle, it blocks
+  on its input socket (no busy spin);
+* the **front end** (this process's asyncio event loop: HTTP, validation, chat templates,
+  tokenization) validates and tokenizes a request once, sends its sequences to the least
+  loaded replica (:class:`tandem.engine.core_client.AsyncMPClient`), and an output task turns
+  each core message into text and ``RequestOutput``s (incremental detokenization, stop
+  strings, logprob token strings: :mod:`tandem.engine.output_processor`) put on per-request
+  ``asyncio.Queue``s. A stop string found here aborts the sequence in its core.
 
 A client that stops listening (the async iterator is closed or its task cancelled) aborts
-its request: the engine frees its KV blocks before the next step.
+its request: its core frees the KV blocks before its next step. A core that dies fails every
+live request with :class:`EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -23,22 +24,22 @@ import asyncio
 import copy
 import itertools
 import logging
-import threading
 import time
-from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from tandem.config import EngineConfig
+from tandem.engine.core_client import AsyncMPClient, EngineDeadError
+from tandem.engine.messages import EngineCoreOutputs
+from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.processor import Processor
+from tandem.model_loader.generation_config import load_generation_defaults
+from tandem.model_loader.loader import load_tokenizer
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shut down, or an internal error in a step)."""
 
 
 @dataclass
@@ -67,9 +68,6 @@ class StatListener(Protocol):
     def on_request_finished(self, stats: RequestStats) -> None: ...
 
 
-_ADDED = object()
-
-
 @dataclass(eq=False)
 class RequestStream:
     """The front end's handle on one request: an async iterator of ``RequestOutput``.
@@ -81,7 +79,6 @@ class RequestStream:
     request_id: str  # unique engine-side id
     user_request_id: str  # as given to add_request; set on the outputs
     owner: "AsyncLLM"
-    loop: asyncio.AbstractEventLoop
     arrival_time: float  # time.monotonic()
     num_prompt_tokens: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -150,86 +147,116 @@ class RequestStream:
 
 
 class AsyncLLM:
-    """An ``LLMEngine`` stepped by a dedicated thread, driven from asyncio.
+    """The server's engine front end (see the module docstring).
 
     Args:
-        config: engine configuration (ignored when ``engine`` is given).
-        engine: an already built ``LLMEngine`` (tests).
+        config: engine configuration; ``tensor_parallel_size * data_parallel_size`` rank
+            processes are spawned (``data_parallel_size`` engine cores).
 
-    The front end tokenizes with its own copy of the tokenizer (``self.tokenizer``), so
-    that it never contends with the engine thread's detokenizer.
+    Raises:
+        EngineDeadError: a core failed to start.
+        ValueError: the configuration is invalid.
     """
 
-    def __init__(self, config: EngineConfig | None = None, engine=None) -> None:
-        if engine is None:
-            from tandem.engine.llm_engine import LLMEngine
-
-            engine = LLMEngine(config or EngineConfig())
-        self.engine = engine
-        self.config = engine.config
-        try:
-            self.tokenizer = copy.deepcopy(engine.tokenizer)
-        except Exception:  # pragma: no cover - a tokenizer that cannot be copied
-            self.tokenizer = engine.tokenizer
-        self.vocab_size: int = engine.vocab_size
-        self.max_model_len: int = engine.config.max_model_len
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.client = AsyncMPClient(config or EngineConfig())
+        ready = self.client.ready
+        self.config = EngineConfig(**ready.config)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+        self.processor = Processor(self.tokenizer, ready,
+                                   load_generation_defaults(self.config.model, self.config.generation_config))
+        # Its own copy: prompts are tokenized on a worker thread while outputs are
+        # detokenized on the event loop, and a Rust tokenizer is not shared across threads.
+        self.output_processor = OutputProcessor(copy.deepcopy(self.tokenizer))
+        self.vocab_size: int = ready.vocab_size
+        self.max_model_len: int = ready.max_model_len
+        self.num_kv_blocks: int = sum(r.num_kv_blocks for r in self.client.readies)
         self.stat_listeners: list[StatListener] = []
-        self._cv = threading.Condition()
-        self._ops: list[tuple] = []
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._streams: dict[str, RequestStream] = {}
         self._counter = itertools.count()
-        self._stop = False
-        self._dead: BaseException | None = None
-        self._stats: dict[str, float] = self._collect_stats()
-        self._num_steps = 0
-        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
-        self._thread.start()
+        self._stopped = False
+        self._scheduler_stats: dict[int, dict] = {}
 
     # ----------------------------------------------------------- front end API
     @property
     def is_running(self) -> bool:
-        return self._dead is None and not self._stop and self._thread.is_alive()
+        return not self._stopped and self.client.is_alive
 
     @property
     def dead_error(self) -> BaseException | None:
-        return self._dead
+        return self.client.dead_error or (EngineDeadError("the engine was shut down") if self._stopped else None)
 
     def stats(self) -> dict[str, float]:
-        """Snapshot of engine statistics, refreshed by the engine thread after each step.
+        """Engine statistics: the replicas' latest scheduler gauges, summed (``kv_cache_usage``
+        averaged), plus the front end's prompt_tokens / generation_tokens and
+        num_live_requests. Keys: num_running, num_waiting, kv_cache_usage (0..1),
+        num_preemptions, prefix_cache_queries / prefix_cache_hits (tokens),
+        num_free_blocks, num_usable_blocks."""
+        s: dict[str, float] = {}
+        for st in self._scheduler_stats.values():
+            for k, v in st.items():
+                s[k] = s.get(k, 0) + v
+        if self._scheduler_stats:
+            s["kv_cache_usage"] = s.get("kv_cache_usage", 0.0) / len(self._scheduler_stats)
+        s.update(self.output_processor.stats)
+        s["num_live_requests"] = len(self.output_processor.parents)
+        return s
 
-        Keys: num_running, num_waiting, kv_cache_usage (0..1), num_preemptions,
-        prefix_cache_queries / prefix_cache_hits (tokens), prompt_tokens and
-        generation_tokens (cumulative), num_unfinished_seqs, num_seqs_with_blocks,
-        num_free_blocks, num_usable_blocks, num_live_requests, num_steps.
+    def replica_stats(self) -> dict[int, dict]:
+        """Each replica's latest scheduler gauges, by data-parallel rank."""
+        return {e: dict(st) for e, st in sorted(self._scheduler_stats.items())}
+
+    async def engine_stats(self) -> dict[str, float]:
+        """State read in every core between two steps, summed over replicas (tests,
+        ``/debug/engine_stats``): the scheduler's gauges, num_unfinished_seqs,
+        num_seqs_with_blocks, num_free_blocks, num_usable_blocks, num_steps, plus the front
+        end's num_live_requests.
+
+        Raises:
+            EngineDeadError: a core is not running.
         """
-        return dict(self._stats)
+        self._check_running()
+        self.start()
+        per = await self.client.debug_stats()
+        s: dict[str, float] = {}
+        for st in per:
+            for k, v in st.items():
+                s[k] = s.get(k, 0) + v
+        s["kv_cache_usage"] = s.get("kv_cache_usage", 0.0) / len(per)
+        s["num_live_requests"] = len(self.output_processor.parents)
+        s["replicas"] = per
+        return s
+
+    def _check_running(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running ({self.dead_error!r})")
+
+    def start(self) -> None:
+        """Start the output task on the running event loop (idempotent; the first request
+        starts it too)."""
+        self.client.start(self._on_outputs, self._on_dead)
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           arrival_time: float | None = None) -> RequestStream:
-        """Queue a tokenized request; returns once the engine accepted it.
+        """Queue a tokenized request on the least loaded replica.
 
-        ``request_id`` may repeat across requests (a user-supplied header): the engine
-        sees it with a unique suffix (``RequestStream.request_id``).
+        ``request_id`` may repeat across requests (a user-supplied header): the cores see
+        it with a unique suffix (``RequestStream.request_id``).
 
         Raises:
-            ValueError: the engine rejected the request (the message says why: context
-                length, vocabulary, sampling values).
-            EngineDeadError: the engine thread is not running.
+            ValueError: the request is invalid (the message says why: context length,
+                vocabulary, sampling values).
+            EngineDeadError: the engine is not running.
         """
-        if not self.is_running:
-            raise EngineDeadError(f"the engine is not running ({self._dead!r})")
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(f"{request_id}#{next(self._counter)}", request_id, self, loop,
-                               time.monotonic() if arrival_time is None else arrival_time, len(prompt_token_ids))
-        self._push(("add", stream, list(prompt_token_ids), params))
-        try:
-            first = await stream.queue.get()
-        except BaseException:
-            stream.abort()
-            raise
-        if first is not _ADDED:
-            stream.finished = True
-            raise first
+        self._check_running()
+        self.start()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        rid = f"{request_id}#{next(self._counter)}"
+        text, reqs = self.processor.process_inputs(rid, list(prompt_token_ids), params, arrival)
+        stream = RequestStream(rid, request_id, self, arrival, len(prompt_token_ids))
+        self.output_processor.add_request(rid, text, reqs)
+        self._streams[rid] = stream
+        self.client.add_requests(reqs)
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
@@ -238,7 +265,7 @@ class AsyncLLM:
         leaving the loop early (``break``, ``aclose()``, task cancelled) aborts it.
 
         Raises:
-            ValueError: the engine rejected the request.
+            ValueError: the request is invalid.
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         stream = await self.add_request(request_id, ids, params)
@@ -248,142 +275,50 @@ class AsyncLLM:
         finally:
             stream.abort()
 
-    async def call_in_engine(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` in the engine thread between two steps; return its result."""
-        if not self.is_running:
-            raise EngineDeadError(f"the engine is not running ({self._dead!r})")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._push(("call", fn, loop, fut))
-        return await fut
-
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread; live requests end with ``EngineDeadError``."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-        try:
-            self.engine.shutdown()
-        except Exception:  # pragma: no cover
-            logger.exception("engine shutdown failed")
+        """Stop the cores; live requests end with ``EngineDeadError``."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self.client.shutdown(timeout)
 
     # ---------------------------------------------------------------- internals
-    def _push(self, op: tuple) -> None:
-        with self._cv:
-            self._ops.append(op)
-            self._cv.notify()
-
-    def _abort(self, engine_request_id: str) -> None:
-        if self.is_running:
-            self._push(("abort", engine_request_id))
-
-    @staticmethod
-    def _deliver(items: list[tuple[Any, Any]]) -> None:
-        for target, item in items:
-            if isinstance(target, asyncio.Future):
-                if not target.done():
-                    if isinstance(item, BaseException):
-                        target.set_exception(item)
-                    else:
-                        target.set_result(item)
-            else:
-                target.queue.put_nowait(item)
-
-    def _send(self, batches: dict[asyncio.AbstractEventLoop, list]) -> None:
-        for loop, items in batches.items():
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        core_ids = self.output_processor.abort(request_id)
+        if core_ids and self.is_running:
             try:
-                loop.call_soon_threadsafe(self._deliver, items)
-            except RuntimeError:  # the loop is closed: nobody listens any more
+                self.client.abort_requests(core_ids)
+            except EngineDeadError:
                 pass
 
-    def _collect_stats(self) -> dict[str, float]:
-        e = self.engine
-        s = dict(e.stats())
-        kv = e.kv_manager
-        s["num_unfinished_seqs"] = len(e.scheduler.requests)
-        s["num_seqs_with_blocks"] = len(kv.req_blocks)
-        s["num_free_blocks"] = kv.pool.num_free_blocks
-        s["num_usable_blocks"] = kv.num_usable_blocks
-        s["num_live_requests"] = len(e.output_processor.parents)
-        s["num_steps"] = getattr(self, "_num_steps", 0)
-        return s
+    def _on_outputs(self, msg: EngineCoreOutputs) -> None:
+        if msg.scheduler_stats is not None:
+            st = msg.scheduler_stats
+            self._scheduler_stats[msg.engine_index] = {f: getattr(st, f) for f in st.__struct_fields__}
+        if not msg.outputs:
+            return
+        res = self.output_processor.process_outputs(msg.outputs)
+        for out in res.request_outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.queue.put_nowait(out)
+        for rid, err in res.errors.items():
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.queue.put_nowait(EngineDeadError(f"request failed in its engine core: {err}"))
+        if res.reqs_to_abort:
+            self.client.abort_requests(res.reqs_to_abort)
 
-    def _apply_ops(self, ops: list[tuple], out: dict) -> None:
-        engine = self.engine
-        for op in ops:
-            kind = op[0]
-            if kind == "add":
-                _, stream, ids, params = op
-                if stream.aborted:
-                    continue
-                try:
-                    engine.add_request(stream.request_id, ids, params, arrival_time=stream.arrival_time)
-                except Exception as e:  # ValueError for bad input; anything else is reported too
-                    if not isinstance(e, ValueError):
-                        logger.exception("add_request failed")
-                    out[stream.loop].append((stream, e))
-                    continue
-                self._streams[stream.request_id] = stream
-                out[stream.loop].append((stream, _ADDED))
-            elif kind == "abort":
-                if self._streams.pop(op[1], None) is not None:
-                    engine.abort_request(op[1])
-            elif kind == "call":
-                _, fn, loop, fut = op
-                try:
-                    res = fn(engine)
-                except Exception as e:
-                    res = e
-                out[loop].append((fut, res))
+    def _on_dead(self, err: BaseException) -> None:
+        self._fail_all(err if isinstance(err, EngineDeadError) else EngineDeadError(repr(err)))
 
-    def _fail_all(self, err: BaseException, ops: list[tuple]) -> None:
-        out: dict = defaultdict(list)
-        for s in self._streams.values():
-            out[s.loop].append((s, err))
+    def _fail_all(self, err: EngineDeadError) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.output_processor.abort(rid)
+            stream.queue.put_nowait(err)
         self._streams.clear()
-        for op in ops:
-            if op[0] == "add":
-                out[op[1].loop].append((op[1], err))
-            elif op[0] == "call":
-                out[op[2]].append((op[3], err))
-        self._send(out)
-
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            with self._cv:
-                while not self._ops and not self._stop and not engine.has_unfinished_requests():
-                    self._cv.wait()
-                ops, self._ops = self._ops, []
-                stop = self._stop
-            if stop:
-                self._dead = EngineDeadError("the engine was shut down")
-                self._fail_all(self._dead, ops)
-                return
-            out: dict = defaultdict(list)
-            try:
-                self._apply_ops(ops, out)
-                ops = []
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    self._num_steps += 1
-                    for o in outputs:
-                        stream = self._streams.get(o.request_id)
-                        if stream is None:
-                            continue
-                        if o.finished:
-                            del self._streams[o.request_id]
-                        out[stream.loop].append((stream, o))
-                self._stats = self._collect_stats()
-            except BaseException as e:  # an engine bug: fail every live request, stop serving
-                logger.exception("engine step failed; the engine stops")
-                self._send(out)
-                self._dead = EngineDeadError(f"engine error: {e!r}")
-                with self._cv:
-                    ops += self._ops
-                    self._ops = []
-                self._fail_all(self._dead, ops)
-                return
-            self._send(out)

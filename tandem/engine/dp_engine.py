@@ -1,39 +1,20 @@
-"""Data-parallel (DP) and tensor-parallel (TP) engines: the ranks and their front-end.
+"""Tensor-parallel followers, rank building, and the torchrun launch.
 
 Layout (:mod:`tandem.distributed.parallel_state`): ``dp_size`` replicas x ``tp_size`` shards.
-In every replica the **driver** (TP rank 0) owns a full :class:`LLMEngine` (scheduler, KV
-cache, output processing); before running a step it broadcasts the step's
-``SchedulerOutput`` over the TP group's gloo group (``LLMEngine.step_broadcast``), and the
-other TP ranks (**followers**) run the same step on their shards (the all-reduces after
-row-parallel layers pair up). Sampling runs on every TP rank on identical logits with the
-same seed (greedy and seeded sampling are identical by construction; unseeded random
-sampling relies on the same generator state on every TP rank); only the driver's tokens
-are emitted.
+In every replica the **driver** (TP rank 0) owns an :class:`EngineCore` (scheduler, KV
+cache); before running a step it broadcasts the step's ``SchedulerOutput`` over the TP
+group's gloo group (``EngineCore.step_broadcast``), and the other TP ranks (**followers**)
+run the same step on their shards (the all-reduces after row-parallel layers pair up).
+Sampling runs on every TP rank on identical logits with the same seed; only the driver's
+tokens are emitted.
 
-The drivers of the DP replicas step in **lockstep**: one loop iteration on every driver is
-(over the gloo DP control group, never used by the model runner)
-
-1. DP rank 0 (the **coordinator**) broadcasts the plan: per rank the requests to add (each
-   new request goes to the replica with the fewest outstanding requests) and to abort,
-   whether to step, whether to stop;
-2. every driver applies its part and, if the plan says so, calls ``engine.step()`` — all
-   drivers call it the same number of times while any replica has work, so that the model
-   runner's per-step ``coordinate_step`` over the DP group and its dummy batches on idle
-   ranks keep the MoE collectives matched (``ModelRunner.dp_group``, set by
-   ``LLMEngine`` under expert parallelism);
-3. the step's outputs, rejected requests and "still has work" flags are gathered on the
-   coordinator, which hands them to the front-end.
-
-Front-ends (:func:`make_parallel_engine`, used by ``LLM`` when ``data_parallel_size *
-tensor_parallel_size > 1``; both duck-type the parts of :class:`LLMEngine` that ``LLM``
-uses: ``add_request``, ``abort_request``, ``has_unfinished_requests``, ``step``,
-``shutdown``, ``tokenizer``):
-
-* :class:`SpawnedEngineClient`: Tandem launches the ranks itself (one machine); the
-  front-end talks to the coordinator's process through two multiprocessing queues.
-* :class:`InProcessEngineClient`: under torchrun / env:// the process with global rank 0
-  hosts the front-end and the coordinator; every other rank serves in
-  :func:`make_parallel_engine` and exits the process when rank 0 shuts down.
+Tandem's own launcher spawns one process per rank, each a core process
+(:mod:`tandem.engine.core_proc`, driven by :mod:`tandem.engine.core_client`). Under
+torchrun / env:// (``RANK``, ``WORLD_SIZE`` set) this process *is* a rank:
+:func:`make_parallel_engine` gives global rank 0 an :class:`InProcessEngineClient` (the
+front end plus the coordinator of a lockstep loop, :class:`DPRankLoop`, whose outputs are
+gathered over the gloo DP control group), and every other rank serves until rank 0 shuts
+down and then **exits the process**.
 """
 
 from __future__ import annotations
@@ -41,22 +22,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import queue
-import signal
 import sys
-import time
-import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
-from tandem.distributed.launch import host_store, resolve_rendezvous, spawn_ranks
-from tandem.entrypoints.llm import LLM
-from tandem.logging_config import configure_logging
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -65,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- TP
 def make_tp_broadcaster():
-    """The driver's ``LLMEngine.step_broadcast``: sends a ``SchedulerOutput`` (or None to
+    """The driver's ``EngineCore.step_broadcast``: sends a ``SchedulerOutput`` (or None to
     stop) to the other ranks of its TP group."""
     group, src = ps.get_tp_cpu_group(), ps.get_rank()
 
@@ -75,7 +48,7 @@ def make_tp_broadcaster():
     return broadcast
 
 
-def run_tp_follower(engine) -> None:
+def run_tp_follower(core) -> None:
     """A follower's loop: run every ``SchedulerOutput`` the driver broadcasts, until None."""
     group, src = ps.get_tp_cpu_group(), ps.get_tp_src_rank()
     while True:
@@ -84,7 +57,7 @@ def run_tp_follower(engine) -> None:
         so = box[0]
         if so is None:
             return
-        engine.runner.execute_model(so).result()
+        core.runner.execute_model(so).result()
 
 
 # ----------------------------------------------------------------------------- DP loop
@@ -208,9 +181,11 @@ class DPRankLoop:
 
 
 # ----------------------------------------------------------------------------- ranks
-def _build_rank_engine(config: EngineConfig, rank: int | None, world_size: int | None, local_rank: int | None,
-                       master_addr: str | None, master_port: int | None, store_hosted: bool = False):
-    from tandem.engine.llm_engine import LLMEngine
+def build_rank_core(config: EngineConfig, rank: int | None, world_size: int | None, local_rank: int | None,
+                    master_addr: str | None, master_port: int | None):
+    """Join the deployment as a rank and build its :class:`EngineCore`; returns
+    ``(core, ParallelInfo)``."""
+    from tandem.engine.core import EngineCore
 
     if torch.cuda.is_available() and config.device in ("auto", "cuda"):
         lr = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", rank or 0))
@@ -219,124 +194,38 @@ def _build_rank_engine(config: EngineConfig, rank: int | None, world_size: int |
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
     info = ps.init_distributed(config.tensor_parallel_size, config.data_parallel_size, config.enable_expert_parallel,
                                rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr,
-                               master_port=master_port, device=config.torch_device, store_hosted=store_hosted)
-    engine = LLMEngine(config)
-    dist.barrier()  # every rank built its engine
-    return engine, info
+                               master_port=master_port, device=config.torch_device)
+    core = EngineCore(config, engine_index=info.dp_rank)
+    dist.barrier()  # every rank built its core
+    if info.is_driver and info.tp_size > 1:
+        core.step_broadcast = make_tp_broadcaster()
+    return core, info
 
 
-def _serve_nonzero(engine, info) -> None:
-    """Serve as a follower or a DP rank > 0 until the deployment stops."""
-    if not info.is_driver:
-        run_tp_follower(engine)
-        return
-    try:
-        DPRankLoop(engine).run_worker()
-    finally:
-        if info.tp_size > 1:
-            engine.step_broadcast(None)
+class InProcessEngineClient:
+    """Front end in the process of global rank 0 under torchrun / env:// (see the module
+    docstring); ``step()`` runs one lockstep iteration of the coordinator. Duck-types the
+    parts of :class:`LLMEngine` that ``LLM`` uses."""
 
-
-def _rank_main(config: EngineConfig, rank: int, world_size: int, master_addr: str, master_port: int,
-               inbox, outbox) -> None:
-    """Entry of a spawned rank process."""
-    # Ctrl-C in a terminal reaches every process of the group: the front-end alone handles
-    # it (it stops the ranks); a rank interrupted mid-collective would print a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if os.environ.get("TANDEM_DUMP_STACKS_AFTER_S"):  # debugging a hang: every rank prints its stacks
-        import faulthandler
-
-        faulthandler.dump_traceback_later(float(os.environ["TANDEM_DUMP_STACKS_AFTER_S"]), exit=False)
-    engine = None
-    try:
-        configure_logging()
-        engine, info = _build_rank_engine(config, rank, world_size, rank, master_addr, master_port, store_hosted=True)
-        if info.is_driver and info.tp_size > 1:
-            engine.step_broadcast = make_tp_broadcaster()
-        if rank != 0:
-            _serve_nonzero(engine, info)
-            return
-        loop = DPRankLoop(engine)
-        outbox.put(("ready", {"config": engine.config, "max_model_len": config.max_model_len,
-                              "vocab_size": engine.vocab_size, "num_kv_blocks": engine.num_kv_blocks, "parallel": info,
-                              "kv_cache_shape_per_block": engine.model.kv_cache_shape_per_block}))
-        try:
-            while not loop.stopped:
-                msgs = [] if loop.any_unfinished else [inbox.get()]  # idle everywhere: wait for work
-                while True:
-                    try:
-                        msgs.append(inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                res = loop.iteration(msgs)
-                if res.outputs or res.errors:
-                    outbox.put(("outputs", res.outputs, res.errors))
-        finally:
-            if info.tp_size > 1:
-                engine.step_broadcast(None)
-        outbox.put(("stopped", {"num_steps": loop.num_steps, "num_dbo_steps": getattr(engine.runner, "num_dbo_steps", 0)}))
-    except BaseException:  # noqa: BLE001 - reported to the front-end, then re-raised
-        outbox.put(("fatal", rank, traceback.format_exc()))
-        raise
-    finally:
-        if engine is not None:
-            engine.shutdown()
-        ps.destroy_distributed()
-
-
-# ----------------------------------------------------------------------------- front-ends
-class _ClientBase:
-    """Request bookkeeping and validation shared by the front-ends."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        from tandem.model_loader.generation_config import load_generation_defaults
-        from tandem.model_loader.loader import load_tokenizer
-
-        self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.generation_defaults = load_generation_defaults(config.model, config.generation_config)
+    def __init__(self, engine, info) -> None:
+        self.engine, self.info = engine, info
+        self.config, self.tokenizer = engine.config, engine.tokenizer
+        self.loop = DPRankLoop(engine)
+        self._pending: list[tuple] = []
         self._live: set[str] = set()
-        self.max_model_len = 0
-        self.vocab_size = 0
-
-    def _validate(self, request_id: str, prompt: str | list[int], params: SamplingParams | None) -> None:
-        """The checks of ``LLMEngine.add_request`` that can fail, run before the request
-        leaves the front-end (so ``LLM.generate`` can reject a batch cleanly).
-
-        Raises:
-            ValueError: as ``LLMEngine.add_request``.
-        """
-        params = params or SamplingParams()
-        params.verify_vocab(self.vocab_size)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
-        if not ids:
-            raise ValueError("prompt must contain at least one token.")
-        n = self.max_model_len
-        if len(ids) >= n:
-            raise ValueError(f"This model's maximum context length is {n} tokens. However, your prompt has "
-                             f"{len(ids)} tokens, which leaves no room for completion tokens.")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > n:
-            raise ValueError(f"This model's maximum context length is {n} tokens. However, you requested "
-                             f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, "
-                             f"{params.max_tokens} in the completion). Please reduce the length of the messages or completion.")
-        if request_id in self._live:
-            raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """As ``LLMEngine.get_default_sampling_params``."""
-        return SamplingParams().with_defaults(self.generation_defaults.sampling)
+        self._closed = False
+        atexit.register(self.shutdown)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         """Queue a request on the least loaded replica.
 
         Raises:
-            ValueError: as ``LLMEngine.add_request``.
+            ValueError: as ``LLMEngine.add_request`` (checked here before it leaves).
         """
-        self._validate(request_id, prompt, params)
+        if request_id in self._live:
+            raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
+        self.engine.processor.process_inputs(request_id, prompt, params, 0.0)
         self._send(("add", request_id, prompt, params))
         self._live.add(request_id)
 
@@ -348,146 +237,6 @@ class _ClientBase:
     def has_unfinished_requests(self) -> bool:
         return bool(self._live)
 
-    def _finish(self, outputs: list[RequestOutput], errors: list[tuple[str, str]]) -> list[RequestOutput]:
-        for o in outputs:
-            if o.finished:
-                self._live.discard(o.request_id)
-        if errors:
-            # A replica rejected a request the front-end let through: fail the batch.
-            for rid, _ in errors:
-                self._live.discard(rid)
-            live = sorted(self._live)
-            if live:
-                self.abort_request(live)
-            raise ValueError(errors[0][1])
-        return outputs
-
-    def stats(self) -> dict[str, float]:
-        return {}
-
-
-class SpawnedEngineClient(_ClientBase):
-    """Front-end of ranks launched by Tandem on this machine (see the module docstring).
-
-    Args:
-        config: the engine configuration (``world_size`` ranks are spawned).
-        startup_timeout: seconds to wait for every rank to load the model (default:
-            ``TANDEM_STARTUP_TIMEOUT_S`` from the environment, else 1800).
-
-    Raises:
-        RuntimeError: a rank failed to start (its traceback is in the message).
-    """
-
-    def __init__(self, config: EngineConfig, startup_timeout: float | None = None) -> None:
-        super().__init__(config)
-        import torch.multiprocessing as mp
-
-        if startup_timeout is None:
-            startup_timeout = float(os.environ.get("TANDEM_STARTUP_TIMEOUT_S", "1800"))
-        rdv = resolve_rendezvous(config.master_addr, config.master_port)
-        self._store = host_store(rdv, config.world_size)  # kept until every rank has exited
-        ctx = mp.get_context("spawn")
-        self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
-        self._procs = spawn_ranks(
-            _rank_main, config.world_size,
-            lambda r: (config, r, config.world_size, rdv.master_addr, rdv.master_port,
-                       self._inbox if r == 0 else None, self._outbox))
-        self._closed = self._stopping = False
-        atexit.register(self.shutdown)
-        try:
-            kind, info = self._get(timeout=startup_timeout)[:2]
-        except BaseException:
-            self._kill()
-            raise
-        if kind != "ready":
-            self._kill()
-            raise RuntimeError(f"unexpected message from rank 0 at startup: {kind!r}")
-        # Rank 0's resolved configuration (max_model_len, max_num_batched_tokens filled from
-        # the model), as LLMEngine.config: callers read the limits there.
-        self.config = info["config"]
-        self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
-        self.num_kv_blocks = info["num_kv_blocks"]
-        self.rank0_info = info  # rank 0's ParallelInfo ("parallel") and cache shape, for tests and logs
-        self.final_stats: dict | None = None  # rank 0's step counts, after shutdown
-
-    def _send(self, msg: tuple) -> None:
-        if self._closed:
-            raise RuntimeError("the engine is shut down")
-        self._inbox.put(msg)
-
-    def _get(self, timeout: float | None = None) -> tuple:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                msg = self._outbox.get(timeout=1.0)
-            except queue.Empty:
-                dead = [i for i, p in enumerate(self._procs)
-                        if not p.is_alive() and (p.exitcode != 0 or not self._stopping)]
-                if dead:
-                    self._kill()
-                    raise RuntimeError(f"rank(s) {dead} exited (codes {[self._procs[i].exitcode for i in dead]})")
-                if deadline is not None and time.monotonic() > deadline:
-                    self._kill()
-                    raise RuntimeError(f"no answer from the ranks within {timeout}s")
-                continue
-            if msg[0] == "fatal":
-                self._kill()
-                raise RuntimeError(f"rank {msg[1]} failed:\n{msg[2]}")
-            return msg
-
-    def step(self) -> list[RequestOutput]:
-        """Wait for the next outputs of the replicas (returns [] when nothing is live)."""
-        if not self._live:
-            return []
-        kind, outputs, errors = self._get()
-        if kind != "outputs":
-            raise RuntimeError(f"unexpected message {kind!r}")
-        return self._finish(outputs, errors)
-
-    def shutdown(self, timeout: float = 60.0) -> None:
-        """Stop every rank (waits for them, then kills stragglers)."""
-        if self._closed:
-            return
-        self._stopping = True
-        try:
-            self._inbox.put(("stop",))
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                msg = self._get(timeout=max(0.1, deadline - time.monotonic()))
-                if msg[0] == "stopped":
-                    self.final_stats = msg[1]
-                    break
-        except RuntimeError as e:
-            logger.warning("parallel engine shutdown: %s", e)
-        finally:
-            self._closed = True
-            for p in self._procs:
-                p.join(timeout=max(1.0, timeout / 4))
-            self._kill()
-            atexit.unregister(self.shutdown)
-
-    def _kill(self) -> None:
-        self._closed = True
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        self._store = None  # every rank is gone: the rendezvous store may close
-
-
-class InProcessEngineClient(_ClientBase):
-    """Front-end in the process of global rank 0 under torchrun / env:// (see the module
-    docstring); ``step()`` runs one lockstep iteration of the coordinator."""
-
-    def __init__(self, config: EngineConfig, engine, info) -> None:
-        super().__init__(config)
-        self.engine, self.info = engine, info
-        self.loop = DPRankLoop(engine)
-        self._pending: list[tuple] = []
-        self.max_model_len, self.vocab_size = config.max_model_len, engine.vocab_size
-        self._closed = False
-        atexit.register(self.shutdown)
-
     def _send(self, msg: tuple) -> None:
         if self._closed:
             raise RuntimeError("the engine is shut down")
@@ -496,71 +245,70 @@ class InProcessEngineClient(_ClientBase):
     def step(self) -> list[RequestOutput]:
         msgs, self._pending = self._pending, []
         res = self.loop.iteration(msgs)
-        return self._finish(res.outputs, res.errors)
+        for o in res.outputs:
+            if o.finished:
+                self._live.discard(o.request_id)
+        if res.errors:
+            # A replica rejected a request the front end let through: fail the batch.
+            for rid, _ in res.errors:
+                self._live.discard(rid)
+            live = sorted(self._live)
+            if live:
+                self.abort_request(live)
+            raise ValueError(res.errors[0][1])
+        return res.outputs
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.loop.iteration([("stop",)])
-        if self.info.tp_size > 1:
-            self.engine.step_broadcast(None)
+        _stop_followers(self.engine.core, self.info)
         self.engine.shutdown()
         ps.destroy_distributed()
         atexit.unregister(self.shutdown)
 
 
+def _stop_followers(core, info) -> None:
+    if info.tp_size > 1:
+        core.step_broadcast(None)
+
+
 def make_parallel_engine(config: EngineConfig):
-    """The engine front-end of a ``tensor_parallel_size * data_parallel_size > 1``
-    deployment: under torchrun / env:// (``RANK``, ``WORLD_SIZE`` set) this process is a
-    rank — global rank 0 gets an :class:`InProcessEngineClient`, every other rank serves
-    until rank 0 shuts down and then **exits the process**; otherwise Tandem spawns the
-    ranks (:class:`SpawnedEngineClient`).
+    """The engine front end of a ``tensor_parallel_size * data_parallel_size > 1``
+    deployment: under torchrun / env:// this process is a rank — global rank 0 gets an
+    :class:`InProcessEngineClient`, every other rank serves until rank 0 shuts down and then
+    **exits the process**; otherwise Tandem spawns the ranks as core processes
+    (:class:`LLMEngine` over a :class:`SyncMPClient`).
 
     Raises:
         ValueError: the environment's world size differs from the configuration's.
-        RuntimeError: a rank failed to start.
+        EngineDeadError: a rank failed to start.
     """
+    from tandem.engine.core_client import InprocClient
+    from tandem.engine.llm_engine import LLMEngine
+
     if not ps.env_rendezvous():
-        return SpawnedEngineClient(config)
+        return LLMEngine(config)
     if int(os.environ["WORLD_SIZE"]) != config.world_size:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel_size x data_parallel_size = "
                          f"{config.world_size}")
-    engine, info = _build_rank_engine(config, None, None, None, config.master_addr, config.master_port)
-    if info.is_driver and info.tp_size > 1:
-        engine.step_broadcast = make_tp_broadcaster()
+    core, info = build_rank_core(config, None, None, None, config.master_addr, config.master_port)
     if info.rank == 0:
-        return InProcessEngineClient(config, engine, info)
+        return InProcessEngineClient(LLMEngine(config, InprocClient(core=core)), info)
     try:
-        _serve_nonzero(engine, info)
+        if not info.is_driver:
+            run_tp_follower(core)
+        else:
+            try:
+                DPRankLoop(LLMEngine(config, InprocClient(core=core))).run_worker()
+            finally:
+                _stop_followers(core, info)
     finally:
-        engine.shutdown()
+        core.shutdown()
         ps.destroy_distributed()
     sys.exit(0)
 
 
-class DPLLM(LLM):
-    """Offline data-parallel inference: ``LLM`` with ``data_parallel_size`` replicas (2 by
-    default) launched on this machine (or joined under torchrun). ``LLM`` itself does the
-    same whenever ``data_parallel_size * tensor_parallel_size > 1``; this class only names
-    it and is a context manager that shuts the ranks down.
-
-    Example: ``with DPLLM(model, data_parallel_size=2, enable_expert_parallel=True) as llm:
-    llm.generate(prompts, params)``.
-    """
-
-    def __init__(self, model: str | None = None, *, data_parallel_size: int = 2, **kwargs) -> None:
-        super().__init__(model, data_parallel_size=data_parallel_size, **kwargs)
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
-
-    def __enter__(self) -> "DPLLM":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
-
-
-__all__ = ["DPLLM", "DPRankLoop", "InProcessEngineClient", "IterationResult", "SpawnedEngineClient",
-           "make_parallel_engine", "make_tp_broadcaster", "run_tp_follower"]
+__all__ = ["DPRankLoop", "InProcessEngineClient", "IterationResult", "build_rank_core", "make_parallel_engine",
+           "make_tp_broadcaster", "run_tp_follower"]

@@ -1,8 +1,11 @@
-"""The engine: schedule -> execute -> process outputs, optionally one step ahead.
+"""The synchronous engine front end: validate and tokenize, hand sequences to an engine core,
+turn the core's token ids into ``RequestOutput``s.
 
-With ``async_output_proc`` (after vLLM PR #7049 and vLLM V1 async scheduling), step N+1
-is scheduled and launched before step N's outputs are processed, so the output
-processing of step N overlaps the model's execution of step N+1. See DESIGN.md.
+``step()`` asks the core client for one step's outputs (with the in-process core: runs the
+core's one-step-ahead iteration, see :mod:`tandem.engine.core`), detokenizes them and applies
+stop strings (:mod:`tandem.engine.output_processor`); sequences finished by a stop string are
+aborted in their core before the next step. With the in-process core, the front end's
+processing of step N overlaps the model's execution of step N+1 (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -11,204 +14,78 @@ import logging
 import time
 from collections.abc import Sequence
 
-import torch
-
 from tandem.config import EngineConfig
-from tandem.core.block_manager import KVCacheManager
-from tandem.core.scheduler import Scheduler, SchedulerOutput
-from tandem.distributed import parallel_state as ps
 from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.processor import MAX_LOGPROBS, Processor
 from tandem.model_loader.generation_config import load_generation_defaults
-from tandem.model_loader.loader import build_model, load_hf_config, load_tokenizer
+from tandem.model_loader.loader import load_tokenizer
 from tandem.outputs import RequestOutput
-from tandem.request import Request
-from tandem.sampling_params import SamplingParams, child_seed
-from tandem.attention.backend import get_attention_backend
-from tandem.layers.quantization.config import get_quantization_config
-from tandem.layers.quantization.fp8 import check_fp8_supported
-from tandem.worker.model_runner import DBOConfig, ModelRunner
+from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Most top logprobs per position a request may ask for (vLLM's default max_logprobs).
-MAX_LOGPROBS = 20
+__all__ = ["LLMEngine", "MAX_LOGPROBS"]
 
 
 class LLMEngine:
-    """Owns the model runner, the scheduler and the output processor.
+    """Front end over one engine-core client (:mod:`tandem.engine.core_client`).
 
     Args:
-        config: engine configuration.
+        config: engine configuration; the resolved one (limits from the model) is
+            ``self.config`` afterwards.
+        client: a core client; None: the core in this process for one rank, spawned rank
+            processes for ``tensor_parallel_size * data_parallel_size > 1``.
 
     Raises:
         ValueError: the model cannot be loaded or the limits are inconsistent.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, client=None) -> None:
+        if client is None:
+            from tandem.engine.core_client import make_client
+
+            client = make_client(config)
+        self.client = client
+        ready = client.ready
+        config = EngineConfig(**{**ready.config})
         self.config = config
-        if config.world_size != ps.get_world_size():
-            raise ValueError(f"tensor_parallel_size x data_parallel_size = {config.world_size} ranks, but this process "
-                             f"is not one of them: build the engine through tandem.entrypoints.llm.LLM or "
-                             f"tandem.engine.dp_engine (they launch the ranks)")
-        device, dtype = config.torch_device, config.torch_dtype
-        self.hf_config = load_hf_config(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.generation_defaults = load_generation_defaults(config.model, config.generation_config)
-        model_max = getattr(self.hf_config, "max_position_embeddings", 2048)
-        config.resolve_limits(model_max)
-        if config.max_model_len > model_max:
-            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context length ({model_max}).")
-        backend = get_attention_backend(device, config.max_model_len)
-        quant_config = get_quantization_config(self.hf_config, config.quantization, config.load_format)
-        if quant_config is not None:
-            check_fp8_supported(device, f"quantization={quant_config.method!r}")
-        kv_dtype = config.kv_cache_torch_dtype
-        if kv_dtype != dtype:
-            check_fp8_supported(device, f"kv_cache_dtype={config.kv_cache_dtype!r}")
-        self.model = build_model(self.hf_config, config.model, config.load_format, backend, dtype, device,
-                                 max_positions=config.max_model_len, seed=config.seed, quant_config=quant_config,
-                                 **self._moe_kwargs())
-        torch.manual_seed(config.seed)
-        self.vocab_size = self.hf_config.vocab_size
-        num_kv_heads, head_dim = self.model.kv_cache_shape_per_block
-        # Planes per layer cache: 2 (keys, values); 1 for models caching one compressed
-        # latent per token (MLA: [1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]).
-        planes = getattr(self.model, "kv_cache_num_planes", 2)
-        num_layers = len(self.model.layers)
-        num_blocks = config.num_kv_blocks or self._num_kv_blocks(num_layers, num_kv_heads, head_dim, kv_dtype, device,
-                                                                 planes)
-        # The TP ranks of one replica share the driver's block ids: agree on the smallest cache.
-        num_blocks = ps.tp_min(num_blocks)
-        self.num_kv_blocks = num_blocks
-        kv_caches = [torch.zeros(planes, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=kv_dtype,
-                                 device=device) for _ in range(num_layers)]
-        capacity = (num_blocks - 1) * config.block_size
-        if capacity < config.max_model_len:
-            logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, config.max_model_len)
-            config.max_model_len = capacity
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
-                                  max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
-                                  dbo=DBOConfig(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold,
-                                                config.dbo_measure_split)
-                                  if config.enable_dbo else None)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
-        if ps.get_ep_size() > 1:
-            # Expert parallelism: every DP rank's forward takes part in the EP collectives, so
-            # the runner agrees on each step (and runs dummy batches) over the DP group.
-            self.runner.dp_group = ps.get_dp_group()
-        if config.enable_dbo and config.dbo_measure_split:
-            # The largest step, as profiled for memory above.
-            self.runner.measure_prefill_split(min(config.max_num_batched_tokens, config.max_model_len))
-        self.eos_token_ids = self._eos_token_ids()
-        self._inflight: tuple[SchedulerOutput, object] | None = None
-        self.async_output_proc = config.async_output_proc
-        # Tensor parallelism: the driver sends each step's SchedulerOutput to the other TP
-        # ranks before running it (set by tandem.engine.dp_engine).
-        self.step_broadcast = None
+        self.processor = Processor(self.tokenizer, ready,
+                                   load_generation_defaults(config.model, config.generation_config))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.vocab_size = ready.vocab_size
+        self.num_kv_blocks = ready.num_kv_blocks
+        self.eos_token_ids = set(ready.eos_token_ids)
+        # Rank 0's handshake, for tests and logs (``parallel``: its ParallelInfo fields).
+        self.rank0_info = {"parallel": _Info(ready.parallel), "kv_cache_shape_per_block": ready.kv_cache_shape_per_block,
+                           "max_model_len": ready.max_model_len, "num_kv_blocks": ready.num_kv_blocks}
 
-    def _moe_kwargs(self) -> dict:
-        """The dispatch/combine backend of MoE layers (dense models take none)."""
-        cfg = self.config
-        if not getattr(self.hf_config, "num_experts", None) and not getattr(self.hf_config, "n_routed_experts", None) \
-                and not getattr(self.hf_config, "num_local_experts", None):
-            if cfg.enable_dbo:
-                logger.warning("--enable-dbo has no effect on the dense model %s", self.hf_config.model_type)
-            return {}
-        ep = ps.get_ep_size()
-        name = cfg.all2all_backend
-        if name == "auto":
-            name = "local" if ep == 1 else "allgather_reducescatter"
-        if ep > 1 or name in ("allgather_reducescatter", "all_to_all"):
-            from tandem.distributed.ep_all2all import make_all2all_factory
+    # The core's parts, when it runs in this process (tests, tools).
+    @property
+    def core(self):
+        return self.client.core
 
-            return {"all2all": make_all2all_factory(name, group=ps.get_ep_group(), ep_size=ep, ep_rank=ps.get_ep_rank())}
-        if name == "simulated":
-            from tandem.distributed.all2all import LinkModel, SimulatedAll2All
+    @property
+    def scheduler(self):
+        return self.core.scheduler
 
-            link = LinkModel(cfg.simulated_link_gbps, cfg.simulated_link_latency_us, cfg.simulated_ep_size)
-            if cfg.simulated_ep_rank_experts:
-                logger.warning("--simulated-ep-rank-experts: MoE layers compute one EP rank's share of the experts; "
-                               "outputs are not the model's (timing only)")
-            return {"all2all": lambda num_experts: SimulatedAll2All(num_experts, link=link, record=False,
-                                                                    rank_experts=cfg.simulated_ep_rank_experts)}
-        from tandem.distributed.all2all import get_all2all_backend
+    @property
+    def kv_manager(self):
+        return self.core.kv_manager
 
-        return {"all2all": lambda num_experts: get_all2all_backend(name, num_experts)}
+    @property
+    def runner(self):
+        return self.core.runner
 
-    def _eos_token_ids(self) -> set[int]:
-        """The tokenizer's EOS token, the config's and generation_config.json's EOS ids
-        (transformers' ``generate`` stops on any of the generation config's)."""
-        ids = set(self.generation_defaults.eos_token_ids)
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        ids.update([eos] if isinstance(eos, int) else eos or [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+    @property
+    def final_stats(self) -> dict | None:
+        """Replica 0's step counts after ``shutdown()`` (spawned cores)."""
+        return getattr(self.client, "final_stats", None)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """The sampling values a request gets for the fields it leaves unset (vLLM's
-        ``LLM.get_default_sampling_params``): the model's generation_config.json, else
-        vLLM's defaults."""
-        return SamplingParams().with_defaults(self.generation_defaults.sampling)
-
-    def _num_kv_blocks(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                       planes: int = 2) -> int:
-        bytes_per_block = planes * num_layers * self.config.block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-        if device.type == "cuda":
-            activations = self._profile_activation_bytes(num_layers, kv_heads, head_dim, dtype, device, planes)
-            free, total = torch.cuda.mem_get_info(device)
-            non_torch = total - free - torch.cuda.memory_reserved(device)
-            weights = torch.cuda.memory_allocated(device)
-            budget = total * self.config.gpu_memory_utilization - non_torch - weights - activations
-            logger.info("GPU memory: %.1f GiB weights, %.1f GiB peak activations, %.1f GiB for the KV cache",
-                        weights / 2**30, activations / 2**30, budget / 2**30)
-        else:
-            budget = self.config.kv_cache_memory_gib * 1024**3
-        n = int(budget // bytes_per_block)
-        if n < 2:
-            raise ValueError("not enough memory for the KV cache; lower the model size or raise the memory limits")
-        return n
-
-    @torch.inference_mode()
-    def _profile_activation_bytes(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                                  device: torch.device, planes: int = 2) -> int:
-        """Peak memory of the largest step: a prefill of ``max_num_batched_tokens`` tokens,
-        plus the sampler's working set for ``max_num_seqs`` rows of logits."""
-        from tandem.attention.metadata import AttentionMetadata
-
-        cfg = self.config
-        t = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-        bs = cfg.block_size
-        nb = -(-t // bs) + 1
-        caches = [torch.zeros(planes, nb, bs, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        i32 = dict(dtype=torch.int32, device=device)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, t], **i32), seq_lens=torch.tensor([t], **i32),
-            num_computed_tokens=torch.tensor([0], **i32), block_tables=torch.arange(1, nb, **i32)[None],
-            slot_mapping=torch.arange(bs, bs + t, device=device), max_query_len=t, max_seq_len=t,
-            query_start_loc_cpu=[0, t], seq_lens_cpu=[t], num_decode_reqs=0,
-        )
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        from tandem.distributed.forward_context import ForwardContext, forward_context
-
-        # Every rank profiles the same t tokens: expert-parallel exchanges pair up.
-        with forward_context(ForwardContext(max_tokens_per_rank=t, dp_size=ps.get_dp_size())):
-            hidden = self.model(torch.zeros(t, dtype=torch.long, device=device), torch.arange(t, device=device), caches,
-                                meta)
-        rows = min(cfg.max_num_seqs, t)
-        logits = self.model.compute_logits(hidden[:rows])
-        logits.sort(dim=-1)  # top-k/top-p sort, the sampler's largest temporary
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-        del caches, hidden, logits
-        torch.cuda.empty_cache()
-        # Softmax, noise and logprob copies of the logits beside the sort.
-        return peak + 4 * rows * self.vocab_size * 4
+        """The sampling values a request gets for the fields it leaves unset: the model's
+        generation_config.json, else vLLM's defaults."""
+        return self.processor.default_sampling_params()
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -219,116 +96,49 @@ class LLMEngine:
             ValueError: empty prompt, prompt + max_tokens over the context, token ids
                 outside the vocabulary, request_id already live, bad sampling values.
         """
-        defaults = self.generation_defaults.sampling
-        params = (params or SamplingParams()).with_defaults(defaults)
-        params.verify_vocab(self.vocab_size)
-        params.update_from_tokenizer(self.tokenizer)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-        # Text too: a tokenizer larger than the model's vocabulary (e.g. --tokenizer beside a
-        # dummy config) must not crash the engine.
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
-        if not ids:
-            raise ValueError("prompt must contain at least one token.")
-        max_len = self.config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, your prompt has "
-                             f"{len(ids)} tokens, which leaves no room for completion tokens.")
-        if params.max_tokens is None:  # up to the context, or the model's max_new_tokens
-            max_tokens = min(max_len - len(ids), defaults.get("max_tokens", max_len))
-        elif len(ids) + params.max_tokens > max_len:
-            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, you requested "
-                             f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, "
-                             f"{params.max_tokens} in the completion). Please reduce the length of the messages or completion.")
-        else:
-            max_tokens = params.max_tokens
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
-        if not params.ignore_eos:
-            params.all_stop_token_ids = set(self.eos_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        reqs = []
-        for i in range(params.n):
-            child = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else child_seed(params.seed, i))
-            reqs.append(Request(request_id, ids, child, arrival, index=i, max_tokens=max_tokens))
+        text, reqs = self.processor.process_inputs(request_id, prompt, params, arrival)
         self.output_processor.add_request(request_id, text, reqs)
-        for r in reqs:
-            self.scheduler.add_request(r)
+        self.client.add_requests(reqs)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Abort requests: their blocks are freed now, nothing more is emitted for them."""
+        """Abort requests: their blocks are freed, nothing more is emitted for them."""
+        core_ids = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.output_processor.abort(rid)
+            core_ids += self.output_processor.abort(rid)
+        self.client.abort_requests(core_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.output_processor.has_unfinished_requests()
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration; returns the outputs produced by it.
 
         Raises:
-            Exception: a model step failed (e.g. an exception in one DBO ubatch). The
-                requests of the failed step and of the step in flight are aborted (their
-                blocks freed); the engine stays usable for the others and for new ones.
+            Exception: a model step failed (in-process core): the requests of the failed
+                step and of the step in flight are dropped (their blocks freed); the engine
+                stays usable for the others and for new ones.
+            EngineDeadError: a spawned core died.
         """
-        so = self.scheduler.schedule()
-        if self.step_broadcast is not None:
-            self.step_broadcast(so)
-        prev, self._inflight = self._inflight, None
-        failed = [so] + ([prev[0]] if prev is not None else [])
-        handle = None
-        try:
-            handle = self.runner.execute_model(so)
-            if not self.async_output_proc:
-                return self.output_processor.process(handle.result())
-            # Step N's outputs are processed while step N+1 (just launched) runs.
-            outputs = self.output_processor.process(prev[1].result()) if prev is not None else []
-            if so.is_empty:
-                # Nothing to process later, but an idle DP rank's dummy batch can fail: wait.
-                handle.result()
-            else:
-                self._inflight = (so, handle)
-            return outputs
-        except Exception:
-            self._abort_steps(failed, [h for h in (handle, prev[1] if prev is not None else None) if h is not None])
-            raise
-
-    def _abort_steps(self, steps: list[SchedulerOutput], handles: list) -> None:
-        """Abort every request with a sequence in ``steps`` after waiting out their handles.
-
-        Blocks those steps were to fill may be registered in the prefix cache without
-        valid K/V; once their requests are aborted they are all idle, and the idle part of
-        the prefix cache is dropped.
-        """
-        for h in handles:
-            try:
-                h.result()
-            except Exception:  # the failure being raised, or a consequence of it
-                pass
-        for so in steps:
-            for seq in so.scheduled:
-                entry = self.output_processor.seqs.get(seq.seq_id)
-                if entry is not None:
-                    logger.error("aborting request %s: its model step failed", entry[0].request_id)
-                    self.output_processor.abort(entry[0].request_id)
-        self.kv_manager.pool.evict_idle_cached_blocks()
+        outs = self.client.get_output()
+        res = self.output_processor.process_outputs(outs.outputs)
+        for rid, err in res.errors.items():
+            logger.error("request %s dropped by its engine core: %s", rid, err)
+        self.client.abort_requests(res.reqs_to_abort)
+        return res.request_outputs
 
     def shutdown(self) -> None:
-        self.runner.shutdown()
+        self.client.shutdown()
 
     def stats(self) -> dict[str, float]:
-        s = self.scheduler.stats()
-        kv = self.kv_manager
-        s["prefix_cache_queries"] = kv.prefix_queries
-        s["prefix_cache_hits"] = kv.prefix_hits
-        s.update(self.output_processor.stats)
-        return s
+        return dict(self.output_processor.stats)
+
+
+class _Info:
+    """Attribute access to a core's ``ParallelInfo`` fields."""
+
+    def __init__(self, fields: dict[str, int]) -> None:
+        self.__dict__.update(fields)

@@ -24,8 +24,9 @@ class LLM:
             the embedded default (SmolLM2-135M-Instruct).
         **kwargs: any ``EngineConfig`` field (block_size, max_num_seqs,
             enable_prefix_caching, async_output_proc, ...). With ``data_parallel_size *
-            tensor_parallel_size > 1`` the ranks are launched (``tandem.engine.dp_engine``)
-            and ``engine`` is their front-end.
+            tensor_parallel_size > 1`` the ranks are launched as engine-core processes
+            (``tandem.engine.core_client``; under torchrun this process is one of them,
+            ``tandem.engine.dp_engine``); ``engine`` is their front end.
 
     Raises:
         TypeError: an unknown keyword argument.
@@ -104,3 +105,26 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [final[i] for i in ids]
+
+
+class DPLLM(LLM):
+    """Offline data-parallel inference: ``LLM`` with ``data_parallel_size`` replicas (2 by
+    default) launched on this machine (or joined under torchrun). ``LLM`` itself does the
+    same whenever ``data_parallel_size * tensor_parallel_size > 1``; this class only names
+    it and is a context manager that shuts the ranks down.
+
+    Example: ``with DPLLM(model, data_parallel_size=2, enable_expert_parallel=True) as llm:
+    llm.generate(prompts, params)``.
+    """
+
+    def __init__(self, model: str | None = None, *, data_parallel_size: int = 2, **kwargs) -> None:
+        super().__init__(model, data_parallel_size=data_parallel_size, **kwargs)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "DPLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

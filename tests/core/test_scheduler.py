@@ -91,3 +91,34 @@ def test_finish_is_idempotent_and_frees():
     assert s.finish_request(r.seq_id, RequestStatus.FINISHED_ABORTED) is None
     assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks - 1
     assert s.schedule().finished_seq_ids == [r.seq_id]
+
+
+def _result(reqs, toks, logprobs=None):
+    from tandem.worker.model_runner import ModelRunnerOutput
+
+    return ModelRunnerOutput([r.seq_id for r in reqs], toks, logprobs)
+
+
+def test_update_from_output_token_id_stops_and_frees():
+    """The core's token-id checks: EOS (not before min_tokens), a stop token id (its id is
+    the stop_reason), max_tokens; finished sequences are freed, late tokens dropped."""
+    s = _sched()
+    eos = SamplingParams(min_tokens=2)
+    eos.all_stop_token_ids = {2}
+    a = Request("a", [5, 6, 7], eos, 0.0, max_tokens=8)
+    b = Request("b", [5, 6], SamplingParams(stop_token_ids=[9]), 0.0, max_tokens=8)
+    c = Request("c", [5], SamplingParams(logprobs=1), 0.0, max_tokens=2)
+    for r in (a, b, c):
+        s.add_request(r)
+    s.schedule()
+    outs = s.update_from_output(_result([a, b, c], [2, 4, 3], [([2], [-0.5], 1), ([4], [-0.1], 1), ([3, 1], [-0.2, -1.0], 1)]))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [("a", [2], None), ("b", [4], None),
+                                                                             ("c", [3], None)]
+    assert outs[0].new_logprobs is None and outs[2].new_logprobs == [([3, 1], [-0.2, -1.0], 1)]
+    assert all(r.num_output_placeholders == 0 for r in (a, b, c))
+    s.schedule()
+    outs = s.update_from_output(_result([a, b, c], [2, 9, 3], [([2], [0.0], 1)] * 3))
+    assert [(o.request_id, o.finish_reason, o.stop_reason) for o in outs] == [("a", "stop", None), ("b", "stop", 9),
+                                                                           ("c", "length", None)]
+    assert not s.requests and not s.kv.req_blocks
+    assert s.update_from_output(_result([a], [1])) == []  # a token computed one step late is dropped

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine.dp_engine import DPLLM
+from tandem.entrypoints.llm import DPLLM
 from tests.distributed.conftest import CONFIGS, ENGINE, PROMPTS, generate_ids, make_llm, single_process_ids
 
 # block_size 8: an idle rank's dummy batch beside a step of 9+ tokens spans several blocks.

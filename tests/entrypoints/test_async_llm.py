@@ -1,4 +1,4 @@
-"""``AsyncLLM``: the engine stepped by its own thread, fed from asyncio."""
+"""``AsyncLLM``: the asyncio front end of an engine core in its own process."""
 
 from __future__ import annotations
 
@@ -19,16 +19,16 @@ def llm():
     llm.shutdown()
 
 
-def _all_free(engine) -> dict:
-    kv = engine.kv_manager
-    return {"seqs": len(engine.scheduler.requests), "holding": len(kv.req_blocks),
-            "live": len(engine.output_processor.parents), "free": kv.pool.num_free_blocks == kv.num_usable_blocks}
+async def _all_free(llm: AsyncLLM) -> dict:
+    s = await llm.engine_stats()
+    return {"seqs": s["num_unfinished_seqs"], "holding": s["num_seqs_with_blocks"], "live": s["num_live_requests"],
+            "free": s["num_free_blocks"] == s["num_usable_blocks"]}
 
 
 async def _wait_idle(llm: AsyncLLM, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        state = await llm.call_in_engine(_all_free)
+        state = await _all_free(llm)
         if state == {"seqs": 0, "holding": 0, "live": 0, "free": True} or time.monotonic() > deadline:
             return state
         await asyncio.sleep(0.05)
@@ -92,19 +92,19 @@ def test_rejected_request_raises_value_error(llm):
     assert asyncio.run(main())["live"] == 0
 
 
-def test_engine_thread_sleeps_when_idle(llm):
+def test_engine_core_sleeps_when_idle(llm):
     async def main():
         await _wait_idle(llm)
-        before = llm.stats()["num_steps"]
+        before = (await llm.engine_stats())["num_steps"]
         await asyncio.sleep(0.5)
-        return before, llm.stats()["num_steps"]
+        return before, (await llm.engine_stats())["num_steps"]
 
     before, after = asyncio.run(main())
-    assert before == after  # no steps without work (the thread waits on a condition)
+    assert before == after  # no steps without work (the core blocks on its input socket)
 
 
 def test_shutdown_fails_new_requests(llm):
-    """Runs last in this module: it stops the shared engine thread."""
+    """Runs last in this module: it stops the shared engine core."""
     llm.shutdown()
 
     async def main():

@@ -129,15 +129,3 @@ def test_server_still_answers(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     stats = httpx.get(f"{server.url}/debug/engine_stats").json()
     assert stats["num_live_requests"] == 0 and stats["num_seqs_with_blocks"] == 0
-
-
-@pytest.mark.parametrize("flag", ["--data-parallel-size", "--tensor-parallel-size"])
-def test_serve_rejects_parallel_flags_before_loading(flag, capsys):
-    """The server drives one in-process engine: DP/TP flags get a plain CLI error naming
-    the commands that support them (not the engine's "this process is not one of them")."""
-    from tandem.entrypoints.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(["serve", flag, "2"])
-    assert exc.value.code == 2
-    assert "not supported by tandem serve" in capsys.readouterr().err

@@ -150,9 +150,18 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
     serving = OpenAIServing(llm, served_model_names)
     metrics = ServerMetrics(llm, served_model_names[0])
 
+    async def watch_engine() -> None:
+        while llm.is_running:
+            await asyncio.sleep(0.5)
+        if llm.client.dead_error is not None and getattr(app.state, "on_engine_dead", None) is not None:
+            app.state.on_engine_dead()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        llm.start()  # the output loop runs from the start: a core's death is seen without traffic
+        watch = asyncio.create_task(watch_engine())
         yield
+        watch.cancel()
         serving.shutdown()
 
     app = FastAPI(title="Tandem OpenAI-compatible server", version=tandem_version(),
@@ -177,7 +186,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError):
-        return _error(503, str(exc))
+        return _error(500, str(exc))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception):
@@ -245,8 +254,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
 
     @app.get("/debug/engine_stats")
     async def engine_stats():
-        """Engine state read in the engine thread between steps (tests, debugging)."""
-        return JSONResponse(await llm.call_in_engine(lambda _e: llm._collect_stats()))
+        """Engine state read in every engine core between two steps (tests, debugging)."""
+        return JSONResponse(await llm.engine_stats())
 
     return app
 
@@ -271,37 +280,50 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+# Seconds between an engine core's death and the server's exit (clients get their errors first).
+DEAD_ENGINE_EXIT_DELAY_S = 2.0
+
+
 def run_server(args: argparse.Namespace) -> None:
-    """Bind the address, load the engine, start its thread, and serve until interrupted.
+    """Bind the address, start the engine cores, and serve until interrupted (SIGINT/SIGTERM:
+    exit 0) or until an engine core dies (exit 1, after failing every live request).
 
     Raises:
         ValueError: a bad engine flag (before anything loads).
         ConnectionError: the address cannot be bound (before anything loads).
+        SystemExit: 1 when an engine core died.
     """
     import uvicorn
 
     from tandem.entrypoints.cli import engine_config_from_args
 
     cfg = engine_config_from_args(args)
-    if cfg.world_size > 1:
-        # AsyncLLM drives one in-process LLMEngine; the DP/TP front-end serves offline runs only.
-        raise ValueError("--data-parallel-size / --tensor-parallel-size > 1 are not supported by tandem serve yet "
-                         "(one engine process); they work with tandem generate, bench throughput and eval")
     names = served_names(args)
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     logger.info("loading %s", cfg.model)
     llm = AsyncLLM(cfg)
+    server = None
+
+    def on_engine_dead() -> None:
+        logger.error("engine core died: %s; the server stops", llm.client.dead_error)
+        asyncio.get_running_loop().call_later(DEAD_ENGINE_EXIT_DELAY_S, setattr, server, "should_exit", True)
+
     try:
         app = build_app(llm, names, model_root=cfg.model)
-        engine = llm.engine
-        kv_tokens = (engine.num_kv_blocks - 1) * cfg.block_size
+        app.state.on_engine_dead = on_engine_dead
+        usable = llm.num_kv_blocks - cfg.data_parallel_size  # one null block per replica
         logger.info("listening on http://%s:%d: model %s (served as %s), max_model_len %d, KV cache %d tokens "
-                    "(%d blocks of %d), pid %d", host, port, cfg.model, ", ".join(names), llm.max_model_len, kv_tokens,
-                    engine.num_kv_blocks - 1, cfg.block_size, os.getpid())
+                    "(%d blocks of %d) over %d replica(s), pid %d", host, port, cfg.model, ", ".join(names),
+                    llm.max_model_len, usable * cfg.block_size, usable, cfg.block_size, cfg.data_parallel_size,
+                    os.getpid())
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=args.timeout_keep_alive)
-        uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Server(config)
+        server.run(sockets=[sock])
     finally:
+        dead = llm.client.dead_error is not None
         llm.shutdown()
         sock.close()
+    if dead:
+        raise SystemExit(1)

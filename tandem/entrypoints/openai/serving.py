@@ -469,7 +469,7 @@ class OpenAIServing:
                 yield sse(P.CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                      usage=usage))
         except EngineDeadError as e:
-            yield sse(error_body(str(e), 503, "ServiceUnavailableError"))
+            yield sse(error_body(str(e), 500, "InternalServerError"))
         except Exception as e:  # noqa: BLE001 - report, then close the stream
             logger.exception("streaming completion failed")
             yield sse(error_body(f"internal error: {e!r}", 500, "InternalServerError"))
@@ -606,7 +606,7 @@ class OpenAIServing:
                 yield sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                          usage=usage))
         except EngineDeadError as e:
-            yield sse(error_body(str(e), 503, "ServiceUnavailableError"))
+            yield sse(error_body(str(e), 500, "InternalServerError"))
         except Exception as e:  # noqa: BLE001
             logger.exception("streaming chat completion failed")
             yield sse(error_body(f"internal error: {e!r}", 500, "InternalServerError"))

@@ -1,0 +1,424 @@
+"""The one client protocol of the engine cores: add, abort, outputs, utility (stats, health),
+shutdown — in the front end's process or over zmq to spawned core processes.
+
+As vLLM V1's ``EngineCoreClient``:
+
+* :class:`InprocClient`: the core in this process; ``get_output()`` runs one step
+  (offline ``LLM`` default: no serialization at all).
+* :class:`SyncMPClient` / :class:`AsyncMPClient`: ``data_parallel_size *
+  tensor_parallel_size`` rank processes spawned on this machine
+  (:func:`tandem.engine.core_proc.run_engine_core`); one input socket per data-parallel
+  replica, one output socket for all. A new request goes to the replica with the fewest
+  outstanding sequences (then the lowest KV cache usage reported); its ``n`` sequences stay
+  together (shared prompt blocks). The async client is for an asyncio front end (the server).
+
+A rank process that dies is detected (its process sentinel) and reported as
+:class:`EngineDeadError` to every caller; the others are then killed. Rank processes are
+daemonic and also exit on their own when the front end's process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait as wait_sentinels
+
+import zmq
+import zmq.asyncio
+
+from tandem.config import EngineConfig
+from tandem.engine.messages import (CoreMessage, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+                                    EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """An engine core stopped (shut down, crashed, or a failed step); in-flight requests
+    are lost."""
+
+
+class InprocClient:
+    """The engine core in this process (see the module docstring).
+
+    Args:
+        config: engine configuration (a single rank), or None with ``core`` given.
+        core: an already built ``EngineCore``.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, core=None) -> None:
+        if core is None:
+            from tandem.engine.core import EngineCore
+
+            core = EngineCore(config or EngineConfig())
+        self.core = core
+        self.ready: EngineCoreReady = core.ready_message()
+        self.readies = [self.ready]
+
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        for r in reqs:
+            self.core.add_request(r)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        """One engine step (nothing when the core is idle)."""
+        core = self.core
+        if not core.has_unfinished_requests():
+            return EngineCoreOutputs(core.engine_index)
+        return EngineCoreOutputs(core.engine_index, core.step(), core.scheduler_stats())
+
+    def debug_stats(self) -> list[dict]:
+        return [self.core.debug_stats()]
+
+    @property
+    def is_alive(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+class MPClient:
+    """Spawns the rank processes and owns the sockets (base of the two clients below).
+
+    Args:
+        config: engine configuration (``world_size`` processes are spawned).
+        startup_timeout: seconds for every rank to load the model (default:
+            ``TANDEM_STARTUP_TIMEOUT_S``, else 1800).
+
+    Raises:
+        EngineDeadError: a rank failed to start (its traceback is in the message).
+    """
+
+    def __init__(self, config: EngineConfig, startup_timeout: float | None = None, asyncio_mode: bool = False) -> None:
+        from tandem.distributed.launch import resolve_rendezvous, spawn_ranks
+        from tandem.engine.core_proc import run_engine_core
+
+        if startup_timeout is None:
+            startup_timeout = float(os.environ.get("TANDEM_STARTUP_TIMEOUT_S", "1800"))
+        self.config = config
+        self.dp_size = config.data_parallel_size
+        self.lockstep = config.data_parallel_size > 1 and config.enable_expert_parallel
+        self._dir = tempfile.mkdtemp(prefix="tandem-ipc-")
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder(CoreMessage)
+        self.ctx = zmq.Context(io_threads=1)
+        self.inputs = []
+        for i in range(self.dp_size):
+            s = self.ctx.socket(zmq.PUSH)
+            s.bind(f"ipc://{self._dir}/input{i}")
+            self.inputs.append(s)
+        output_addr = f"ipc://{self._dir}/output"
+        self.actx = zmq.asyncio.Context.shadow(self.ctx) if asyncio_mode else None
+        self.output = (self.actx or self.ctx).socket(zmq.PULL)
+        self.output.bind(output_addr)
+        self.dead_error: EngineDeadError | None = None
+        self._closed = False
+        self._stopping = False
+        self.final_stats: dict | None = None
+        # Load balancing: live sequences per replica, and the replica of each sequence.
+        self.outstanding = [0] * self.dp_size
+        self.engine_of: dict[str, int] = {}
+        self.kv_usage = [0.0] * self.dp_size
+        self._call_ids = itertools.count()
+        rdv = resolve_rendezvous(config.master_addr, config.master_port) if config.world_size > 1 else None
+        addrs = [f"ipc://{self._dir}/input{i}" for i in range(self.dp_size)]
+        self.procs = spawn_ranks(run_engine_core, config.world_size, lambda r: (
+            config, r, config.world_size, rdv and rdv.master_addr, rdv and rdv.master_port, addrs, output_addr,
+            os.getpid()))
+        atexit.register(self.shutdown)
+        try:
+            self.readies = self._wait_ready(startup_timeout)
+        except BaseException:
+            self._kill()
+            raise
+        self.ready = self.readies[0]
+
+    # ------------------------------------------------------------------ startup
+    def _recv_sync(self, timeout_s: float) -> CoreMessage | None:
+        """One message within ``timeout_s`` (None on timeout); raises when a rank died."""
+        sock = self.output if self.actx is None else zmq.Socket.shadow(self.output.underlying)
+        if sock.poll(int(timeout_s * 1000)):
+            return self.decoder.decode(sock.recv(copy=False))
+        self._check_procs()
+        return None
+
+    def _wait_ready(self, timeout: float) -> list[EngineCoreReady]:
+        readies: dict[int, EngineCoreReady] = {}
+        deadline = time.monotonic() + timeout
+        while len(readies) < self.dp_size:
+            msg = self._recv_sync(1.0)
+            if isinstance(msg, EngineCoreReady):
+                readies[msg.engine_index] = msg
+            elif isinstance(msg, EngineCoreOutputs) and msg.engine_dead:
+                raise EngineDeadError(msg.error)
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"no answer from the engine cores within {timeout}s")
+        return [readies[i] for i in range(self.dp_size)]
+
+    def _check_procs(self) -> None:
+        dead = [i for i, p in enumerate(self.procs) if not p.is_alive() and (p.exitcode != 0 or not self._stopping)]
+        if dead and not self._closed:
+            self._fail(f"engine core process(es) {dead} exited (codes {[self.procs[i].exitcode for i in dead]})")
+
+    def _fail(self, message: str) -> None:
+        if self.dead_error is None:
+            self.dead_error = EngineDeadError(message)
+            logger.error("%s", message)
+        self._kill()
+        raise self.dead_error
+
+    # ------------------------------------------------------------------ requests
+    def _send(self, engine: int, kind: EngineCoreRequestType, payload) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        self.inputs[engine].send_multipart((kind.value, self.encoder.encode(payload)), copy=False)
+
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        """Send the sequences of one request to the least loaded replica."""
+        e = min(range(self.dp_size), key=lambda i: (self.outstanding[i], self.kv_usage[i], i))
+        idle = self.lockstep and not any(self.outstanding)
+        for r in reqs:
+            self._send(e, EngineCoreRequestType.ADD, r)
+            self.engine_of[r.request_id] = e
+        self.outstanding[e] += len(reqs)
+        if idle:  # lockstep replicas step together: wake the idle ones now
+            for other in range(self.dp_size):
+                if other != e:
+                    self._send(other, EngineCoreRequestType.WAKEUP, [])
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        per: dict[int, list[str]] = {}
+        for rid in request_ids:
+            e = self.engine_of.pop(rid, None)
+            if e is not None:
+                self.outstanding[e] -= 1
+                per.setdefault(e, []).append(rid)
+        for e, ids in per.items():
+            self._send(e, EngineCoreRequestType.ABORT, ids)
+
+    def _account(self, outs: EngineCoreOutputs) -> None:
+        """Bookkeeping of one core message (finished sequences, KV usage, final stats)."""
+        for o in outs.outputs:
+            if o.finish_reason is not None:
+                e = self.engine_of.pop(o.request_id, None)
+                if e is not None:
+                    self.outstanding[e] -= 1
+        if outs.scheduler_stats is not None:
+            self.kv_usage[outs.engine_index] = outs.scheduler_stats.kv_cache_usage
+        if outs.utility_output is not None and outs.utility_output.call_id == -1 and outs.engine_index == 0:
+            self.final_stats = outs.utility_output.result
+        if outs.engine_dead and not self._stopping:
+            self._fail(f"engine core {outs.engine_index} failed:\n{outs.error}")
+
+    @property
+    def is_alive(self) -> bool:
+        """No core died and none was shut down (a dead rank process is noticed here too)."""
+        if self.dead_error is None and not self._closed:
+            try:
+                self._check_procs()
+            except EngineDeadError:
+                pass
+        return self.dead_error is None and not self._closed
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop every core (waits for them, then kills stragglers); removes the sockets."""
+        if self._closed:
+            return
+        self._stopping = True
+        if self.dead_error is None:
+            try:
+                for e in range(self.dp_size):
+                    self.inputs[e].send_multipart((EngineCoreRequestType.SHUTDOWN.value, b""))
+                deadline = time.monotonic() + timeout
+                while self.final_stats is None and time.monotonic() < deadline and \
+                        any(p.is_alive() for p in self.procs):
+                    msg = self._recv_sync(0.2)
+                    if isinstance(msg, EngineCoreOutputs):
+                        self._account(msg)
+            except (EngineDeadError, zmq.ZMQError) as e:
+                logger.warning("engine core shutdown: %s", e)
+        for p in self.procs:
+            p.join(timeout=max(1.0, timeout / 4) if self.dead_error is None else 0.1)
+        self._kill()
+
+    def _kill(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        for s in [*self.inputs, self.output]:
+            s.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        atexit.unregister(self.shutdown)
+
+
+class SyncMPClient(MPClient):
+    """Blocking client of spawned cores (offline ``LLM`` with several ranks)."""
+
+    def __init__(self, config: EngineConfig, startup_timeout: float | None = None) -> None:
+        super().__init__(config, startup_timeout)
+        self._backlog: list[EngineCoreOutputs] = []
+
+    def get_output(self) -> EngineCoreOutputs:
+        """The next message of any core with outputs (blocks; checks the ranks every second).
+
+        Raises:
+            EngineDeadError: a core died or failed.
+        """
+        if self._backlog:
+            return self._backlog.pop(0)
+        while True:
+            if self.dead_error is not None:
+                raise self.dead_error
+            msg = self._recv_sync(1.0)
+            if isinstance(msg, EngineCoreOutputs):
+                self._account(msg)
+                return msg
+
+    def debug_stats(self) -> list[dict]:
+        """Every replica's ``EngineCore.debug_stats()``, by replica."""
+        ids = {}
+        for e in range(self.dp_size):
+            cid = next(self._call_ids)
+            ids[cid] = e
+            self._send(e, EngineCoreRequestType.UTILITY, (cid, "debug_stats"))
+        res: dict[int, dict] = {}
+        while len(res) < len(ids):
+            msg = self.get_output()
+            u = msg.utility_output
+            if u is not None and u.call_id in ids:
+                res[ids[u.call_id]] = u.result
+            else:
+                self._backlog.append(msg)
+        return [res[e] for e in range(self.dp_size)]
+
+
+class AsyncMPClient(MPClient):
+    """asyncio client of spawned cores (the server). ``start(on_outputs, on_dead)`` runs the
+    output loop on the running event loop: ``on_outputs(msg)`` for every core message with
+    outputs or stats, ``on_dead(error)`` once when a core dies."""
+
+    def __init__(self, config: EngineConfig, startup_timeout: float | None = None) -> None:
+        super().__init__(config, startup_timeout, asyncio_mode=True)
+        self._task: asyncio.Task | None = None
+        self._calls: dict[int, asyncio.Future] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, on_outputs: Callable[[EngineCoreOutputs], None], on_dead: Callable[[BaseException], None]) -> None:
+        """Run the output loop on the running event loop (again, if an earlier loop ended)."""
+        loop = asyncio.get_running_loop()
+        if self._task is not None and self._loop is loop and not self._task.done():
+            return
+        first = self._loop is None
+        self._loop = loop
+        self._on_dead = on_dead
+        self._task = loop.create_task(self._output_loop(on_outputs))
+        if first:
+            threading.Thread(target=self._monitor, name="tandem-core-monitor", daemon=True).start()
+
+    def _monitor(self) -> None:
+        """Wait on the rank processes' sentinels; report the first that exits unasked."""
+        sentinels = [p.sentinel for p in self.procs]
+        wait_sentinels(sentinels)
+        if self._stopping or self._closed:
+            return
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._dead_from_monitor)
+
+    def _dead_from_monitor(self) -> None:
+        try:
+            self._check_procs()
+        except EngineDeadError as e:
+            self._report_dead(e)
+
+    def _report_dead(self, err: BaseException) -> None:
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._calls.clear()
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+        self._on_dead(err)
+
+    async def _output_loop(self, on_outputs: Callable[[EngineCoreOutputs], None]) -> None:
+        try:
+            while True:
+                frame = await self.output.recv(copy=False)
+                msg = self.decoder.decode(frame)
+                if not isinstance(msg, EngineCoreOutputs):
+                    continue
+                self._account(msg)
+                u = msg.utility_output
+                if u is not None:
+                    fut = self._calls.pop(u.call_id, None)
+                    if fut is not None and not fut.done():
+                        if u.error is not None:
+                            fut.set_exception(RuntimeError(u.error))
+                        else:
+                            fut.set_result(u.result)
+                if msg.outputs or msg.scheduler_stats is not None:
+                    on_outputs(msg)
+        except EngineDeadError as e:
+            self._report_dead(e)
+        except asyncio.CancelledError:
+            pass
+        except zmq.ZMQError as e:
+            if not self._closed:
+                self._report_dead(EngineDeadError(f"engine core connection failed: {e!r}"))
+
+    async def debug_stats(self) -> list[dict]:
+        """Every replica's ``EngineCore.debug_stats()``, by replica (read between two steps)."""
+        futs = []
+        for e in range(self.dp_size):
+            cid = next(self._call_ids)
+            fut = asyncio.get_running_loop().create_future()
+            self._calls[cid] = fut
+            self._send(e, EngineCoreRequestType.UTILITY, (cid, "debug_stats"))
+            futs.append(fut)
+        return list(await asyncio.gather(*futs))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        if self._task is not None and self._loop is not None and not self._loop.is_closed():
+            try:
+                if asyncio.get_running_loop() is self._loop:
+                    self._task.cancel()
+                else:
+                    self._loop.call_soon_threadsafe(self._task.cancel)
+            except RuntimeError:  # no running loop in this thread
+                self._loop.call_soon_threadsafe(self._task.cancel)
+        super().shutdown(timeout)
+
+
+def make_client(config: EngineConfig, asyncio_mode: bool = False):
+    """The client for ``config``: spawned cores for the server or several ranks, else the
+    core in this process."""
+    if asyncio_mode:
+        return AsyncMPClient(config)
+    if config.world_size > 1:
+        return SyncMPClient(config)
+    return InprocClient(config)
+
+
+__all__ = ["AsyncMPClient", "EngineDeadError", "InprocClient", "MPClient", "SyncMPClient", "make_client"]

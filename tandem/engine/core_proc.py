@@ -1,0 +1,222 @@
+"""An engine core in its own process, talking msgpack over zmq (vLLM V1's ``EngineCoreProc``).
+
+One process per rank of the deployment: the driver (tensor-parallel rank 0) of each
+data-parallel replica runs :class:`EngineCoreProc` — it pulls requests and aborts from its
+own input socket between two steps and pushes one :class:`EngineCoreOutputs` per step to the
+front end's output socket; the other TP ranks (followers) run each step the driver
+broadcasts (:func:`tandem.engine.dp_engine.run_tp_follower`).
+
+Under expert parallelism the replicas' forwards meet in collectives, so the drivers step in
+lockstep: once per loop iteration they all-reduce (MAX, over the gloo DP control group) a
+"has work" flag and a "stop" flag, and every driver steps (a replica without requests runs a
+dummy batch) while any of them has work. An idle driver waits for input at most
+:data:`LOCKSTEP_IDLE_POLL_MS` before the next all-reduce; the front end also wakes every
+replica when it hands work to an idle deployment, so the wait is normally shorter.
+
+Every rank process exits when the process that launched it is gone (no orphans, even after
+a ``kill -9`` of the server).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+
+import zmq
+
+from tandem.config import EngineConfig
+from tandem.engine.messages import (EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, MsgpackDecoder,
+                                    MsgpackEncoder, UtilityOutput)
+
+logger = logging.getLogger(__name__)
+
+# Longest wait for input of an idle replica between two lockstep all-reduces.
+LOCKSTEP_IDLE_POLL_MS = 100
+# Seconds between two checks that the launching process is still alive.
+PARENT_POLL_S = 0.5
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """End this process (exit code 1) as soon as ``parent_pid`` is no longer its parent."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(PARENT_POLL_S)
+
+    threading.Thread(target=watch, name="tandem-parent-watch", daemon=True).start()
+
+
+class EngineCoreProc:
+    """The busy loop of one replica's driver.
+
+    Args:
+        core: the replica's :class:`tandem.engine.core.EngineCore`.
+        input_addr / output_addr: zmq addresses bound by the front end (PUSH -> our PULL,
+            our PUSH -> its PULL).
+        lockstep_group: the gloo DP control group when replicas must step together
+            (expert parallelism), else None.
+    """
+
+    def __init__(self, core, input_addr: str, output_addr: str, lockstep_group=None) -> None:
+        self.core = core
+        self.ctx = zmq.Context(io_threads=1)
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.connect(output_addr)
+        self.encoder = MsgpackEncoder()
+        self.add_decoder = MsgpackDecoder(EngineCoreRequest)
+        self.ids_decoder = MsgpackDecoder(list[str])
+        self.utility_decoder = MsgpackDecoder(tuple[int, str])
+        self.lockstep_group = lockstep_group
+        self.stop_requested = False
+
+    def send(self, msg) -> None:
+        self.output.send(self.encoder.encode(msg), copy=False)
+
+    def _handle(self, frames: list) -> bool:
+        """Apply one message; returns True when it asked for work (or a wake-up)."""
+        kind = EngineCoreRequestType(bytes(frames[0]))
+        core = self.core
+        if kind == EngineCoreRequestType.ADD:
+            req = self.add_decoder.decode(frames[1])
+            try:
+                core.add_request(req)
+            except Exception as e:  # noqa: BLE001 - reported to the request's client, the core goes on
+                from tandem.engine.messages import EngineCoreOutput
+
+                self.send(EngineCoreOutputs(core.engine_index, [EngineCoreOutput(
+                    req.request_id, [], finish_reason="abort", error=f"{type(e).__name__}: {e}")]))
+        elif kind == EngineCoreRequestType.ABORT:
+            core.abort_requests(self.ids_decoder.decode(frames[1]))
+        elif kind == EngineCoreRequestType.UTILITY:
+            call_id, name = self.utility_decoder.decode(frames[1])
+            self.send(EngineCoreOutputs(core.engine_index, utility_output=self._utility(call_id, name)))
+        elif kind == EngineCoreRequestType.SHUTDOWN:
+            self.stop_requested = True
+        return True
+
+    def _utility(self, call_id: int, name: str) -> UtilityOutput:
+        if name == "debug_stats":
+            return UtilityOutput(call_id, self.core.debug_stats())
+        if name == "ping":
+            return UtilityOutput(call_id, True)
+        return UtilityOutput(call_id, error=f"unknown utility call {name!r}")
+
+    def _drain(self, timeout_ms: int) -> bool:
+        """Apply the waiting messages, waiting up to ``timeout_ms`` for the first one
+        (-1: forever). Returns True when any arrived."""
+        got = False
+        if timeout_ms != 0 and not self.input.poll(None if timeout_ms < 0 else timeout_ms):
+            return False
+        while True:
+            try:
+                frames = self.input.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return got
+            got = self._handle(frames) or got
+
+    def _agree(self, busy: bool) -> tuple[bool, bool]:
+        """Lockstep: (any replica busy, any replica stopping)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([int(busy), int(self.stop_requested)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.lockstep_group)
+        return bool(t[0]), bool(t[1])
+
+    def run(self) -> None:
+        """Serve until SHUTDOWN; a failed step is reported (``engine_dead``) and re-raised."""
+        core = self.core
+        self.send(core.ready_message())
+        was_busy = False
+        try:
+            while True:
+                busy = core.has_unfinished_requests()
+                if self.lockstep_group is None:
+                    got = self._drain(0 if busy else -1)
+                    if self.stop_requested:
+                        break
+                    step = core.has_unfinished_requests()
+                else:
+                    got = self._drain(0 if (busy or was_busy) else LOCKSTEP_IDLE_POLL_MS)
+                    step, stop = self._agree(core.has_unfinished_requests() or got)
+                    if stop:
+                        break
+                outs = core.step() if step else []
+                if outs or (got and not step) or (was_busy and not core.has_unfinished_requests()):
+                    # Every step with news, and the state after the last one (the gauges).
+                    self.send(EngineCoreOutputs(core.engine_index, outs, core.scheduler_stats()))
+                was_busy = step
+        except Exception:
+            self.send(EngineCoreOutputs(core.engine_index, engine_dead=True, error=traceback.format_exc()))
+            raise
+        self.send(EngineCoreOutputs(core.engine_index, utility_output=UtilityOutput(
+            -1, {"num_steps": core.num_steps, "num_dbo_steps": getattr(core.runner, "num_dbo_steps", 0)})))
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close(linger=1000)
+        self.ctx.term()
+
+
+def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_addr: str | None,
+                    master_port: int | None, input_addrs: list[str], output_addr: str, parent_pid: int) -> None:
+    """Entry of a spawned rank process: build the core, then serve (driver) or follow (TP).
+
+    ``input_addrs[dp_rank]`` is the input socket of each replica's driver.
+    """
+    exit_with_parent(parent_pid)
+    if os.environ.get("TANDEM_DUMP_STACKS_AFTER_S"):  # debugging a hang: every rank prints its stacks
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["TANDEM_DUMP_STACKS_AFTER_S"]), exit=False)
+    from tandem.distributed import parallel_state as ps
+    from tandem.engine.dp_engine import build_rank_core, make_tp_broadcaster, run_tp_follower
+    from tandem.logging_config import configure_logging
+
+    configure_logging()
+    proc = core = None
+    try:
+        if world_size > 1:
+            core, info = build_rank_core(config, rank, world_size, rank, master_addr, master_port)
+        else:
+            from tandem.engine.core import EngineCore
+
+            core, info = EngineCore(config), ps.get_parallel_info()
+        if not info.is_driver:
+            run_tp_follower(core)
+            return
+        if info.tp_size > 1:
+            core.step_broadcast = make_tp_broadcaster()
+        lockstep = ps.get_dp_control_group() if info.dp_size > 1 and info.ep_size > 1 else None
+        proc = EngineCoreProc(core, input_addrs[info.dp_rank], output_addr, lockstep)
+        try:
+            proc.run()
+        finally:
+            if info.tp_size > 1:
+                core.step_broadcast(None)
+    except BaseException:
+        if proc is None:  # failed while loading: tell the front end which rank and why
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(output_addr)
+            sock.send(MsgpackEncoder().encode(EngineCoreOutputs(
+                rank, engine_dead=True, error=f"rank {rank} failed to start:\n{traceback.format_exc()}")))
+            sock.close(linger=2000)
+            ctx.term()
+        raise
+    finally:
+        if proc is not None:
+            proc.close()
+        if core is not None:
+            core.shutdown()
+        ps.destroy_distributed()
+
+
+__all__ = ["EngineCoreProc", "LOCKSTEP_IDLE_POLL_MS", "exit_with_parent", "run_engine_core"]

@@ -1,0 +1,79 @@
+"""Front-end input processing: validate and tokenize once, then fan ``n`` out into core
+requests (vLLM V1's ``Processor``)."""
+
+from __future__ import annotations
+
+from tandem.engine.messages import EngineCoreReady, EngineCoreRequest
+from tandem.model_loader.generation_config import GenerationDefaults
+from tandem.sampling_params import SamplingParams, child_seed
+
+# Most top logprobs per position a request may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+class Processor:
+    """Checks requests against the limits a core announced (:class:`EngineCoreReady`).
+
+    Args:
+        tokenizer: the front end's tokenizer (text prompts).
+        ready: the core's handshake (context length, vocabulary, EOS ids).
+    """
+
+    def __init__(self, tokenizer, ready: EngineCoreReady) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.eos_token_ids = set(ready.eos_token_ids)
+
+    def process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+                       arrival_time: float) -> tuple[str | None, list[EngineCoreRequest]]:
+        """The prompt text (None for token ids) and one core request per completion; the
+        ``i``-th of ``n > 1`` is ``f"{i}_{request_id}"`` with seed ``child_seed(seed, i)``.
+
+        Raises:
+            ValueError: empty prompt, prompt + max_tokens over the context, token ids
+                outside the vocabulary, bad sampling values (the message names the field).
+        """
+        defaults = self.generation_defaults.sampling
+        params = (params or SamplingParams()).with_defaults(defaults)
+        params.verify_vocab(self.vocab_size)
+        params.update_from_tokenizer(self.tokenizer)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        # Text too: a tokenizer larger than the model's vocabulary (e.g. --tokenizer beside a
+        # dummy config) must not crash the engine.
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+        if not ids:
+            raise ValueError("prompt must contain at least one token.")
+        max_len = self.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+                             f"{len(ids)} tokens, which leaves no room for completion tokens.")
+        if params.max_tokens is None:  # up to the context, or the model's max_new_tokens
+            max_tokens = min(max_len - len(ids), defaults.get("max_tokens", max_len))
+        elif len(ids) + params.max_tokens > max_len:
+            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                             f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, "
+                             f"{params.max_tokens} in the completion). Please reduce the length of the messages or completion.")
+        else:
+            max_tokens = params.max_tokens
+        if not params.ignore_eos:
+            params.all_stop_token_ids = set(self.eos_token_ids)
+        if params.n == 1:
+            return text, [EngineCoreRequest(request_id, ids, params, max_tokens, arrival_time)]
+        reqs = []
+        for i in range(params.n):
+            child = params.clone(n=1, seed=None if params.seed is None else child_seed(params.seed, i))
+            reqs.append(EngineCoreRequest(f"{i}_{request_id}", ids, child, max_tokens, arrival_time))
+        return text, reqs
+
+
+__all__ = ["MAX_LOGPROBS", "Processor"]

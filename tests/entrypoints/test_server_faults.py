@@ -1,0 +1,100 @@
+"""Faults of the multi-process server (tiny random Llama, DP=2 over gloo, CPU): an engine
+core killed mid-request fails every in-flight request (HTTP 500 with an OpenAI-style body;
+a stream ends with an error event, then ``[DONE]``), ``/health`` answers 503, the server
+exits non-zero and leaves no process behind; a server killed with SIGKILL leaves no engine
+core behind either."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.distributed.conftest import CONFIGS
+
+CONTEXT = 4096  # long enough that the requests below are still running when the core dies
+
+
+@pytest.fixture
+def model(tmp_path) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIGS["llama"], "max_position_embeddings": CONTEXT}))
+    return str(tmp_path)
+
+
+def _start(model: str):
+    from tandem.config import embedded_default_model
+    from tandem.entrypoints.openai.testing import RemoteServer
+
+    return RemoteServer([model, "--tokenizer", embedded_default_model(), "--load-format", "dummy", "--num-kv-blocks",
+                         "2048", "--max-model-len", str(CONTEXT), "--dtype", "float32", "--device", "cpu",
+                         "--data-parallel-size", "2"], env={"TANDEM_STARTUP_TIMEOUT_S": "300"})
+
+
+def _gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_killed_engine_core_fails_requests_and_server_exits(model):
+    srv = _start(model)
+    try:
+        children = psutil.Process(srv.proc.pid).children(recursive=True)
+        cores = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
+        assert len(cores) == 2, [p.cmdline() for p in children]
+        body = {"prompt": "Hello", "max_tokens": CONTEXT - 16, "ignore_eos": True, "temperature": 0}
+        results: dict = {}
+        started = threading.Event()
+
+        def streaming() -> None:
+            lines = []
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+            results["stream"] = lines
+
+        def plain() -> None:
+            results["plain"] = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+
+        threads = [threading.Thread(target=streaming), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        time.sleep(0.5)
+        os.kill(cores[0].pid, signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        lines = results["stream"]
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][len("data: "):])
+        assert err["error"]["code"] == 500 and "engine" in err["error"]["message"]
+        # One request was on the killed replica, the other on the survivor, stopped with it.
+        r = results["plain"]
+        assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError", r.text
+        try:
+            assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass  # already gone
+        assert srv.proc.wait(15) != 0
+        assert _gone(children, 10) == []
+    finally:
+        srv.stop()
+
+
+def test_sigkilled_server_leaves_no_engine_core(model):
+    srv = _start(model)
+    try:
+        children = psutil.Process(srv.proc.pid).children(recursive=True)
+        assert len(children) >= 2
+        srv.proc.kill()
+        srv.proc.wait(10)
+        assert _gone(children, 15) == []
+    finally:
+        srv.stop()
