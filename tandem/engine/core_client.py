@@ -321,6 +321,7 @@ class AsyncMPClient(MPClient):
     def __init__(self, config: EngineConfig, startup_timeout: float | None = None) -> None:
         super().__init__(config, startup_timeout, asyncio_mode=True)
         self._task: asyncio.Task | None = None
+        self._dead_reported = False
         self._calls: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -340,7 +341,7 @@ class AsyncMPClient(MPClient):
         """Wait on the rank processes' sentinels; report the first that exits unasked."""
         sentinels = [p.sentinel for p in self.procs]
         wait_sentinels(sentinels)
-        if self._stopping or self._closed:
+        if self._stopping:
             return
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -349,10 +350,15 @@ class AsyncMPClient(MPClient):
     def _dead_from_monitor(self) -> None:
         try:
             self._check_procs()
-        except EngineDeadError as e:
-            self._report_dead(e)
+        except EngineDeadError:
+            pass
+        if self.dead_error is not None:  # found here, or already by is_alive
+            self._report_dead(self.dead_error)
 
     def _report_dead(self, err: BaseException) -> None:
+        if self._dead_reported:
+            return
+        self._dead_reported = True
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)

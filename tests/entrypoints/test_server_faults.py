@@ -47,7 +47,7 @@ def test_killed_engine_core_fails_requests_and_server_exits(model):
         children = psutil.Process(srv.proc.pid).children(recursive=True)
         cores = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
         assert len(cores) == 2, [p.cmdline() for p in children]
-        body = {"prompt": "Hello", "max_tokens": CONTEXT - 16, "ignore_eos": True, "temperature": 0}
+        body = {"prompt": [11, 12, 13], "max_tokens": CONTEXT - 16, "ignore_eos": True, "temperature": 0}
         results: dict = {}
         started = threading.Event()
 
