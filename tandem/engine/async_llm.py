@@ -26,6 +26,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -159,10 +160,14 @@ class AsyncLLM:
     """
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        self.client = AsyncMPClient(config or EngineConfig())
+        config = config or EngineConfig()
+        # The tokenizer loads here while the cores load the model.
+        with ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer-load") as pool:
+            tok = pool.submit(load_tokenizer, config.tokenizer or config.model)
+            self.client = AsyncMPClient(config)
+            self.tokenizer = tok.result()
         ready = self.client.ready
         self.config = EngineConfig(**ready.config)
-        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
         self.processor = Processor(self.tokenizer, ready,
                                    load_generation_defaults(self.config.model, self.config.generation_config))
         # Its own copy: prompts are tokenized on a worker thread while outputs are

@@ -26,7 +26,7 @@ from tandem.distributed import parallel_state as ps
 from tandem.engine.messages import EngineCoreOutput, EngineCoreReady, EngineCoreRequest, SchedulerStats
 from tandem.layers.quantization.config import get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
-from tandem.model_loader.loader import build_model, load_hf_config, load_tokenizer
+from tandem.model_loader.loader import build_model, load_hf_config
 from tandem.request import Request, RequestStatus
 from tandem.worker.model_runner import DBOConfig, ModelRunner
 
@@ -143,17 +143,10 @@ class EngineCore:
         return {"all2all": lambda num_experts: get_all2all_backend(name, num_experts)}
 
     def _eos_token_ids(self) -> set[int]:
-        ids = set()
-        for src in (self.hf_config, getattr(self.model, "generation_config", None)):
-            eos = getattr(src, "eos_token_id", None) if src is not None else None
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif eos:
-                ids.update(eos)
-        tok_eos = load_tokenizer(self.config.tokenizer or self.config.model).eos_token_id
-        if tok_eos is not None:
-            ids.add(tok_eos)
-        return ids
+        """The model config's EOS ids (the front end adds its tokenizer's and
+        generation_config.json's)."""
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        return set([eos] if isinstance(eos, int) else eos or [])
 
     def _num_kv_blocks(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                        planes: int = 2) -> int:

@@ -102,7 +102,7 @@ class MPClient:
     """
 
     def __init__(self, config: EngineConfig, startup_timeout: float | None = None, asyncio_mode: bool = False) -> None:
-        from tandem.distributed.launch import resolve_rendezvous, spawn_ranks
+        from tandem.distributed.launch import host_store, resolve_rendezvous, spawn_ranks
         from tandem.engine.core_proc import run_engine_core
 
         if startup_timeout is None:
@@ -133,6 +133,8 @@ class MPClient:
         self.kv_usage = [0.0] * self.dp_size
         self._call_ids = itertools.count()
         rdv = resolve_rendezvous(config.master_addr, config.master_port) if config.world_size > 1 else None
+        # Served from here until every rank has exited (see host_store).
+        self._store = host_store(rdv, config.world_size) if rdv is not None else None
         addrs = [f"ipc://{self._dir}/input{i}" for i in range(self.dp_size)]
         self.procs = spawn_ranks(run_engine_core, config.world_size, lambda r: (
             config, r, config.world_size, rdv and rdv.master_addr, rdv and rdv.master_port, addrs, output_addr,
@@ -269,6 +271,7 @@ class MPClient:
             s.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+        self._store = None  # every rank is gone: the rendezvous store may close
         atexit.unregister(self.shutdown)
 
 

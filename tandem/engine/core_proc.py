@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -28,7 +29,7 @@ import traceback
 import zmq
 
 from tandem.config import EngineConfig
-from tandem.engine.messages import (EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, MsgpackDecoder,
+from tandem.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, MsgpackDecoder,
                                     MsgpackEncoder, UtilityOutput)
 
 logger = logging.getLogger(__name__)
@@ -88,8 +89,6 @@ class EngineCoreProc:
             try:
                 core.add_request(req)
             except Exception as e:  # noqa: BLE001 - reported to the request's client, the core goes on
-                from tandem.engine.messages import EngineCoreOutput
-
                 self.send(EngineCoreOutputs(core.engine_index, [EngineCoreOutput(
                     req.request_id, [], finish_reason="abort", error=f"{type(e).__name__}: {e}")]))
         elif kind == EngineCoreRequestType.ABORT:
@@ -172,6 +171,9 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
     ``input_addrs[dp_rank]`` is the input socket of each replica's driver.
     """
     exit_with_parent(parent_pid)
+    # Ctrl-C in a terminal reaches every process of the group: the front end alone handles
+    # it (it stops the cores); a rank interrupted mid-collective would print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.environ.get("TANDEM_DUMP_STACKS_AFTER_S"):  # debugging a hang: every rank prints its stacks
         import faulthandler
 
@@ -184,7 +186,7 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
     proc = core = None
     try:
         if world_size > 1:
-            core, info = build_rank_core(config, rank, world_size, rank, master_addr, master_port)
+            core, info = build_rank_core(config, rank, world_size, rank, master_addr, master_port, store_hosted=True)
         else:
             from tandem.engine.core import EngineCore
 

@@ -182,9 +182,10 @@ class DPRankLoop:
 
 # ----------------------------------------------------------------------------- ranks
 def build_rank_core(config: EngineConfig, rank: int | None, world_size: int | None, local_rank: int | None,
-                    master_addr: str | None, master_port: int | None):
+                    master_addr: str | None, master_port: int | None, store_hosted: bool = False):
     """Join the deployment as a rank and build its :class:`EngineCore`; returns
-    ``(core, ParallelInfo)``."""
+    ``(core, ParallelInfo)``. ``store_hosted``: the launching process serves the
+    rendezvous store (:func:`tandem.distributed.launch.host_store`)."""
     from tandem.engine.core import EngineCore
 
     if torch.cuda.is_available() and config.device in ("auto", "cuda"):
@@ -194,7 +195,7 @@ def build_rank_core(config: EngineConfig, rank: int | None, world_size: int | No
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
     info = ps.init_distributed(config.tensor_parallel_size, config.data_parallel_size, config.enable_expert_parallel,
                                rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr,
-                               master_port=master_port, device=config.torch_device)
+                               master_port=master_port, device=config.torch_device, store_hosted=store_hosted)
     core = EngineCore(config, engine_index=info.dp_rank)
     dist.barrier()  # every rank built its core
     if info.is_driver and info.tp_size > 1:

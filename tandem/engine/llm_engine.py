@@ -55,7 +55,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_kv_blocks
-        self.eos_token_ids = set(ready.eos_token_ids)
+        self.eos_token_ids = self.processor.eos_token_ids
         # Rank 0's handshake, for tests and logs (``parallel``: its ParallelInfo fields).
         self.rank0_info = {"parallel": _Info(ready.parallel), "kv_cache_shape_per_block": ready.kv_cache_shape_per_block,
                            "max_model_len": ready.max_model_len, "num_kv_blocks": ready.num_kv_blocks}

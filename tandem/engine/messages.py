@@ -116,7 +116,8 @@ class EngineCoreReady(msgspec.Struct, array_like=True, gc=False, tag=True):
     """A core's startup handshake: the limits the front end validates requests against.
 
     ``max_model_len``: resolved context length (possibly lowered to the KV cache's
-    capacity); ``eos_token_ids``: the model's EOS ids (stop tokens unless ``ignore_eos``);
+    capacity); ``eos_token_ids``: the EOS ids of the model's configs (the front end adds its
+    tokenizer's; stop tokens unless ``ignore_eos``);
     ``kv_cache_shape_per_block``: ``(num_kv_heads, head_dim)`` on this rank;
     ``parallel``: the rank's ``ParallelInfo`` fields; ``config``: the resolved
     ``EngineConfig`` fields.

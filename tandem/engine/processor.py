@@ -16,14 +16,28 @@ class Processor:
 
     Args:
         tokenizer: the front end's tokenizer (text prompts).
-        ready: the core's handshake (context length, vocabulary, EOS ids).
+        ready: the core's handshake (context length, vocabulary, the model config's EOS ids).
+        generation_defaults: the model's generation_config.json (EOS ids, and the values of
+            sampling fields a request leaves unset).
+
+    The EOS ids are the tokenizer's EOS token, the config's and generation_config.json's
+    (transformers' ``generate`` stops on any of the generation config's).
     """
 
-    def __init__(self, tokenizer, ready: EngineCoreReady) -> None:
+    def __init__(self, tokenizer, ready: EngineCoreReady, generation_defaults: GenerationDefaults) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
-        self.eos_token_ids = set(ready.eos_token_ids)
+        self.generation_defaults = generation_defaults
+        self.eos_token_ids = set(ready.eos_token_ids) | set(generation_defaults.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The sampling values a request gets for the fields it leaves unset (vLLM's
+        ``LLM.get_default_sampling_params``): the model's generation_config.json, else
+        vLLM's defaults."""
+        return SamplingParams().with_defaults(self.generation_defaults.sampling)
 
     def process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
                        arrival_time: float) -> tuple[str | None, list[EngineCoreRequest]]:

@@ -46,8 +46,9 @@ class RemoteServer:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
+                log = self.log()
                 self.stop()
-                raise RuntimeError(f"tandem serve did not become healthy in {timeout} s:\n{self.log()}")
+                raise RuntimeError(f"tandem serve did not become healthy in {timeout} s:\n{log}")
             time.sleep(0.5)
 
     def log(self) -> str:
