@@ -60,6 +60,11 @@ class LLMEngine:
         self.rank0_info = {"parallel": _Info(ready.parallel), "kv_cache_shape_per_block": ready.kv_cache_shape_per_block,
                            "max_model_len": ready.max_model_len, "num_kv_blocks": ready.num_kv_blocks}
 
+    @property
+    def generation_defaults(self):
+        """The model's generation_config.json (``GenerationDefaults``)."""
+        return self.processor.generation_defaults
+
     # The core's parts, when it runs in this process (tests, tools).
     @property
     def core(self):
