@@ -149,7 +149,7 @@ def test_abort_while_step_in_flight(engines, async_on):
         for o in eng.step():
             seen[o.request_id] += len(o.outputs[0].token_ids) if o.outputs else 0
     if async_on:
-        assert eng._inflight is not None  # a step holding "drop" is in flight
+        assert eng.core._inflight is not None  # a step holding "drop" is in flight
     eng.abort_request("drop")
     after_abort = seen["drop"]
     while eng.has_unfinished_requests():
