@@ -27,6 +27,8 @@ from tandem.entrypoints.openai.testing import RemoteServer
 
 
 def offline(engine: list[str], a: argparse.Namespace) -> float:
+    if engine and not engine[0].startswith("-"):  # bench throughput takes the model as --model
+        engine = ["--model", *engine]
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "bench", "throughput", *engine,
                         "--num-prompts", str(a.num_prompts), "--input-len", str(a.input_len), "--output-len",
