@@ -140,7 +140,10 @@ def _generate(args: argparse.Namespace) -> None:
 def generation_summary(outs: list, load_s: float) -> str:
     """One line of speeds: prompt tokens/s (arrival of the first request to the last first
     token), generation tokens/s (tokens after each completion's first, from the last first
-    token to the last finish) and the model load time."""
+    token to the last finish) and the model load time (speeds left out when an engine
+    front-end reports no request timings)."""
+    if not all({"arrival_time", "first_token_time", "finished_time"} <= o.metrics.keys() for o in outs):
+        return f"model load {load_s:.1f} s"
     arrival = min(o.metrics["arrival_time"] for o in outs)
     first = max(o.metrics["first_token_time"] for o in outs)
     end = max(o.metrics["finished_time"] for o in outs)

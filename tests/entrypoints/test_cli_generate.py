@@ -34,3 +34,9 @@ def test_generate_prints_speeds(capsys):
     assert captured.out.strip()
     assert re.search(r"prompt: \d+ tokens in [\d.]+ s \([\d.]+ tok/s\); generation: 3 tokens in [\d.]+ s "
                      r"\(([\d.]+ tok/s|n/a)\); model load [\d.]+ s", captured.err), captured.err
+
+
+def test_summary_without_timings_keeps_the_load_time():
+    out = _out(4, [2], 0.0, 0.0, 0.0)
+    out.metrics = {}
+    assert generation_summary([out], load_s=2.0) == "model load 2.0 s"
