@@ -1,68 +1,138 @@
-"""Tandem vs transformers ``generate`` on the same workload, side by side in one process.
+"""Tandem vs transformers ``generate`` on the CPU, side by side in one process.
 
-Workload: random prompts of ``--input-len`` tokens, greedy, exactly ``--output-len`` new
-tokens each (EOS ignored). Transformers runs the prompts as static batches of
-``--hf-batch-size`` (equal-length prompts, so no padding), with its default (dynamic) KV
-cache and SDPA attention. Prints both throughputs and their ratio.
+Workload per batch size ``N`` (``--num-prompts``, default 1, 16 and 64): ``N`` random
+prompts of ``--input-len`` tokens, greedy, exactly ``--output-len`` new tokens each (EOS
+ignored). Both engines hold the same fp32 weights: for a GGUF file transformers loads
+Tandem's converted cache folder (the dequantized tensors Tandem loads, see
+``tandem.model_loader.gguf_cache``); for a HF folder both load the folder. transformers
+runs all ``N`` prompts in one ``generate`` call (equal lengths: no padding) with its
+default dynamic KV cache and SDPA attention; Tandem runs them through ``LLM.generate``.
 
-    python benchmarks/cpu_vs_transformers.py [--model PATH] [--num-prompts 32] [--input-len 128] [--output-len 128]
+Method (so that the ratio holds on a shared machine): both engines are loaded and warmed
+up first (one untimed run of each batch size), then the timed runs alternate
+``tandem, transformers, tandem, transformers, ...`` (``--repeats`` of each per batch size),
+each repetition on fresh prompts (no prefix-cache hits) that both engines get. Reported:
+per engine the median and the spread (min-max) of output tokens/s, the ratio of medians,
+the median of the per-pair ratios, and the 1-minute load average around the runs. For
+one prompt the figure is milliseconds per output token (end to end, prefill included).
+Both engines use ``--threads`` torch threads (Tandem's step thread included).
+
+    python benchmarks/cpu_vs_transformers.py [--model PATH] [--num-prompts 1 16 64] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import statistics
 import time
 
 import torch
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--hf-batch-size", type=int, default=32)
-    args = ap.parse_args()
-
+def load_transformers(model: str):
+    """transformers' model of the same fp32 weights Tandem loads."""
     from transformers import AutoModelForCausalLM
 
-    from tandem import LLM
-    from tandem.benchmarks.throughput import run_throughput, random_prompts
-    from tandem.config import embedded_default_model
+    from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
     from tandem.model_loader.loader import is_gguf
 
-    model = args.model or embedded_default_model()
-    llm = LLM(model=model)
-    res = run_throughput(llm, args.num_prompts, args.input_len, args.output_len)
-    llm.engine.shutdown()
-    del llm
-
+    folder = model
     if is_gguf(model):
-        ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model))
-    else:
-        ref = AutoModelForCausalLM.from_pretrained(model)
-    ref = ref.eval()
+        folder = converted_folder(model)
+        if folder is None or not os.path.isfile(os.path.join(folder, WEIGHTS_FILE)):
+            raise SystemExit(f"no converted weights for {model} in the GGUF cache")
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
     ref.generation_config.eos_token_id = None  # like ignore_eos
-    prompts = torch.tensor(random_prompts(args.num_prompts, args.input_len, ref.config.vocab_size, seed=0))
-    with torch.no_grad():
-        ref.generate(prompts[:1], max_new_tokens=2, do_sample=False)  # warm-up
+    ref.generation_config.pad_token_id = 0
+    return ref
+
+
+def run_tandem(llm, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    from tandem import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    gc.collect()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def run_transformers(ref, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    ids = torch.tensor(prompts)
+    gc.collect()
+    with torch.inference_mode():
         start = time.perf_counter()
-        n_out = 0
-        for i in range(0, args.num_prompts, args.hf_batch_size):
-            batch = prompts[i : i + args.hf_batch_size]
-            out = ref.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=args.output_len,
-                               do_sample=False, pad_token_id=0)
-            n_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
-        hf_elapsed = time.perf_counter() - start
-    hf_out_tps = n_out / hf_elapsed
-    print(f"workload: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, greedy, "
-          f"torch threads {torch.get_num_threads()}")
-    print(f"tandem       : {res.requests_per_s:.3f} req/s, {res.output_tokens_per_s:.1f} output tok/s ({res.elapsed_s:.1f} s)")
-    print(f"transformers : {args.num_prompts / hf_elapsed:.3f} req/s, {hf_out_tps:.1f} output tok/s ({hf_elapsed:.1f} s, "
-          f"batch {args.hf_batch_size})")
-    print(f"ratio tandem/transformers (output tok/s): {res.output_tokens_per_s / hf_out_tps:.2f}x")
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                           min_new_tokens=output_len, do_sample=False)
+        elapsed = time.perf_counter() - start
+    return elapsed, out[:, ids.shape[1]:].tolist()
+
+
+def summarize(name: str, values: list[float], unit: str) -> str:
+    med = statistics.median(values)
+    runs = ", ".join(f"{v:.1f}" for v in values)
+    return f"  {name:<13}: median {med:8.2f} {unit} (spread {min(values):.2f}-{max(values):.2f}; runs {runs})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
+    ap.add_argument("--num-prompts", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each engine per batch size (>= 3)")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of both engines")
+    args = ap.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    torch.set_num_threads(args.threads)
+
+    from tandem import LLM
+    from tandem.benchmarks.throughput import random_prompts
+    from tandem.config import embedded_default_model
+
+    model = args.model or embedded_default_model()
+    t0 = time.perf_counter()
+    llm = LLM(model=model, max_num_seqs=max(256, max(args.num_prompts)))
+    t1 = time.perf_counter()
+    ref = load_transformers(model)
+    t2 = time.perf_counter()
+    vocab = llm.engine.vocab_size
+    print(f"model {model}\nload: tandem {t1 - t0:.1f} s, transformers {t2 - t1:.1f} s; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+    print(f"workload: input {args.input_len}, output {args.output_len}, greedy, EOS ignored; "
+          f"{args.repeats} alternated runs of each engine per batch size")
+
+    for n in args.num_prompts:
+        warm = random_prompts(n, args.input_len, vocab, seed=10_000 + n)
+        run_tandem(llm, warm, min(args.output_len, 8))
+        run_transformers(ref, warm, min(args.output_len, 8))
+        rates: dict[str, list[float]] = {"tandem": [], "transformers": []}
+        loads, same = [], 0
+        for rep in range(args.repeats):
+            prompts = random_prompts(n, args.input_len, vocab, seed=1000 * n + rep)
+            loads.append(os.getloadavg()[0])
+            t_el, t_tok = run_tandem(llm, prompts, args.output_len)
+            h_el, h_tok = run_transformers(ref, prompts, args.output_len)
+            loads.append(os.getloadavg()[0])
+            same += sum(a == b for a, b in zip(t_tok, h_tok))
+            rates["tandem"].append(sum(map(len, t_tok)) / t_el)
+            rates["transformers"].append(sum(map(len, h_tok)) / h_el)
+        pair = [a / b for a, b in zip(rates["tandem"], rates["transformers"])]
+        ratio = statistics.median(rates["tandem"]) / statistics.median(rates["transformers"])
+        print(f"\n{n} prompt(s): load average (1 min) {min(loads):.2f}-{max(loads):.2f}; "
+              f"greedy outputs identical for {same}/{n * args.repeats} prompts")
+        for name, vals in rates.items():
+            if n == 1:
+                print(summarize(name, [1000.0 / v for v in vals], "ms/output token"))
+            else:
+                print(summarize(name, vals, "output tok/s"))
+        print(f"  ratio tandem/transformers (output tok/s): {ratio:.2f}x of medians; per-pair median "
+              f"{statistics.median(pair):.2f}x (spread {min(pair):.2f}-{max(pair):.2f})")
+    llm.engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,26 @@
-"""Paged attention in plain torch: the CPU backend and the reference for GPU kernels."""
+"""Paged attention in plain torch: the CPU backend and the reference for GPU kernels.
+
+:class:`TorchAttentionBackend` is the CPU hot path. Its choices follow what torch's CPU
+kernels do fast (``scaled_dot_product_attention`` dispatches to a flash-attention kernel
+only for 4-D inputs and no grouped-query broadcast under a mask; ``aten::index`` copies
+element by element while ``index_select`` copies rows):
+
+* Decode requests run as one batch. Their blocks are gathered with one ``index_select``
+  per plane into ``[num_decode, num_blocks * block_size, num_kv_heads, head_dim]`` (a
+  buffer reused by every layer and step, grown when too small), and
+  the query heads sharing a KV head are packed as that head's queries (``[num_decode,
+  num_kv_heads, group, head_dim]``, as transformers' ``pack_gqa``), so no K/V head is
+  repeated.
+* A prefill with nothing cached before it attends to its own new keys and values (no
+  gather) with ``is_causal``.
+* A chunk on top of a cached prefix gathers its blocks and uses a bottom-right causal mask.
+* An FP8 cache (``--kv-cache-dtype fp8``) is always read back (gathered and converted to
+  the query dtype, a fresh prefill included); the scales fold into the softmax scale and
+  the output (exact: attention is linear in V).
+
+:func:`reference_attention` is the plain per-request computation (the definition the
+backends are tested against).
+"""
 
 from __future__ import annotations
 
@@ -9,30 +31,47 @@ from tandem.attention.backend import write_kv_cache
 from tandem.attention.metadata import AttentionMetadata
 
 
-def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int,
-              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, dtype: torch.dtype | None = None,
+              out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather the first ``num_blocks`` blocks of each request (converted to ``dtype``,
     e.g. from an FP8 cache; unscaled).
 
     Returns keys and values of shape ``[num_reqs, num_blocks * block_size, num_kv_heads,
-    head_dim]``.
+    head_dim]``: new tensors, or views of ``out`` (at least ``2 * num_reqs * num_blocks``
+    blocks' worth of elements, cache dtype; used only when no conversion is needed).
     """
-    blocks = block_tables[:, :num_blocks].long()
+    idx = block_tables[:, :num_blocks].reshape(-1).long()
+    r, bs = block_tables.shape[0], kv_cache.shape[2]
+    block_shape = kv_cache.shape[2:]
     dtype = dtype or kv_cache.dtype
-    k = kv_cache[0][blocks].to(dtype)  # [R, nb, bs, H, D]
-    v = kv_cache[1][blocks].to(dtype)
-    r, nb, bs = k.shape[:3]
-    return k.reshape(r, nb * bs, *k.shape[3:]), v.reshape(r, nb * bs, *v.shape[3:])
+    if dtype != kv_cache.dtype:
+        # index_select has no float8 CPU kernel: gather the bytes, then convert.
+        raw = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.float8_e4m3fn else kv_cache
+        k = raw[0].index_select(0, idx).view(kv_cache.dtype).to(dtype)
+        v = raw[1].index_select(0, idx).view(kv_cache.dtype).to(dtype)
+    elif out is None:
+        k = kv_cache[0].index_select(0, idx)  # [R * nb, bs, H, D]
+        v = kv_cache[1].index_select(0, idx)
+    else:
+        n = idx.numel() * block_shape.numel()
+        k = torch.index_select(kv_cache[0], 0, idx, out=out[:n].view(idx.numel(), *block_shape))
+        v = torch.index_select(kv_cache[1], 0, idx, out=out[n : 2 * n].view(idx.numel(), *block_shape))
+    return k.view(r, num_blocks * bs, *block_shape[1:]), v.view(r, num_blocks * bs, *block_shape[1:])
 
 
 class TorchAttentionBackend:
-    """Decode requests run as one padded batch; each prefill (or chunk) runs on its own.
-
-    Both use ``scaled_dot_product_attention`` over K/V gathered from the paged cache with
-    an explicit causal mask offset by the request's cached prefix.
-    """
+    """Decode requests as one packed batch, each prefill (or chunk) on its own; see the
+    module docstring."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        # Per-step inputs shared by every layer, built by the first layer of a step.
+        self._step_meta: AttentionMetadata | None = None
+        self._decode_mask: torch.Tensor | None = None
+        # Decode K/V gathers of every layer land here: a fresh multi-MB tensor per layer
+        # costs page faults and cold cache lines on every step.
+        self._gather_buf: torch.Tensor | None = None
 
     def forward(
         self,
@@ -46,44 +85,83 @@ class TorchAttentionBackend:
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
-        # FP8 cache: gathered blocks are read in q's dtype; the scales fold into the
-        # softmax scale and the output (exact: attention is linear in V).
         out_scale = 1.0
         if kv_cache.dtype != q.dtype:
             scale, out_scale = scale * k_scale, v_scale
-        out = torch.empty_like(q)
-        block_size = kv_cache.shape[2]
-        gqa = q.shape[1] != kv_cache.shape[3]
         nd = meta.num_decode_reqs
-        if nd > 0:
-            max_len = max(meta.seq_lens_cpu[:nd])
-            nb = -(-max_len // block_size)
-            kc, vc = gather_kv(kv_cache, meta.block_tables[:nd], nb, q.dtype)
-            pos = torch.arange(nb * block_size, device=q.device)
-            mask = pos[None, :] < meta.seq_lens[:nd, None]  # [nd, L]
-            qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
-            o = F.scaled_dot_product_attention(
-                qd, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask[:, None, None, :],
-                scale=scale, enable_gqa=gqa,
-            )
-            out[:nd] = o.squeeze(2)
-        qsl = meta.query_start_loc_cpu
-        for r in range(nd, meta.num_reqs):
-            start, end = qsl[r], qsl[r + 1]
-            if end == start:
-                continue
-            seq_len = meta.seq_lens_cpu[r]
-            q_len = end - start
-            nb = -(-seq_len // block_size)
-            kc, vc = gather_kv(kv_cache, meta.block_tables[r : r + 1], nb, q.dtype)
-            kc, vc = kc[0, :seq_len], vc[0, :seq_len]
-            ctx = seq_len - q_len
-            qpos = torch.arange(ctx, seq_len, device=q.device)
-            kpos = torch.arange(seq_len, device=q.device)
-            mask = kpos[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1),
-                attn_mask=mask, scale=scale, enable_gqa=gqa,
-            )
-            out[start:end] = o.transpose(0, 1)
+        if nd == meta.num_reqs and q.shape[0] == nd:
+            out = self._decode(q, kv_cache, meta, scale)
+        else:
+            out = torch.empty_like(q)
+            if nd > 0:
+                out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
+            qsl = meta.query_start_loc_cpu
+            for r in range(nd, meta.num_reqs):
+                start, end = qsl[r], qsl[r + 1]
+                if end > start:
+                    out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache, meta, r, scale)
         return out if out_scale == 1.0 else out * out_scale
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``q [nd, Hq, D]`` of the leading ``nd`` decode requests -> ``[nd, Hq, D]``."""
+        nd, hq, d = q.shape
+        hk, bs = kv_cache.shape[3], kv_cache.shape[2]
+        nb = -(-max(meta.seq_lens_cpu[:nd]) // bs)
+        if self._step_meta is not meta:
+            pos = torch.arange(nb * bs, device=q.device)
+            self._decode_mask = (pos[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]  # [nd, 1, 1, L]
+            self._step_meta = meta
+        buf = None
+        if kv_cache.dtype == q.dtype:
+            need = 2 * nd * nb * kv_cache[0, 0].numel()
+            buf = self._gather_buf
+            if buf is None or buf.numel() < need or buf.dtype != kv_cache.dtype or buf.device != kv_cache.device:
+                buf = self._gather_buf = torch.empty(need, dtype=kv_cache.dtype, device=kv_cache.device)
+        kc, vc = gather_kv(kv_cache, meta.block_tables[:nd], nb, q.dtype, out=buf)
+        o = F.scaled_dot_product_attention(q.reshape(nd, hk, hq // hk, d), kc.transpose(1, 2), vc.transpose(1, 2),
+                                           attn_mask=self._decode_mask, scale=scale)
+        return o.view(nd, hq, d)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, r: int, scale: float) -> torch.Tensor:
+        """Request ``r``'s ``q_len`` new tokens (``q [q_len, Hq, D]``, its new ``k``/``v``)."""
+        q_len, seq_len = q.shape[0], meta.seq_lens_cpu[r]
+        gqa = q.shape[1] != k.shape[1]
+        if seq_len == q_len and kv_cache.dtype == q.dtype:  # nothing cached before: its own keys, top-left causal
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=gqa)
+            return o[0].transpose(0, 1)
+        nb = -(-seq_len // kv_cache.shape[2])
+        kc, vc = gather_kv(kv_cache, meta.block_tables[r : r + 1], nb, q.dtype)
+        kc, vc = kc[0, :seq_len], vc[0, :seq_len]
+        mask = _bottom_right_causal_mask(q_len, seq_len, q.device)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
+                                           attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return o[0].transpose(0, 1)
+
+
+def _bottom_right_causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """``[q_len, seq_len]`` bool: query ``i`` (position ``seq_len - q_len + i``) sees keys ``<=`` it."""
+    qpos = torch.arange(seq_len - q_len, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= qpos[:, None]
+
+
+def reference_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Paged attention computed request by request in fp32 with an explicit softmax, after
+    the step's K/V were written to ``kv_cache``. Shapes as :class:`AttentionBackend`."""
+    out = torch.empty_like(q)
+    bs, hk = kv_cache.shape[2], kv_cache.shape[3]
+    qsl = meta.query_start_loc_cpu
+    for r in range(meta.num_reqs):
+        start, end, seq_len = qsl[r], qsl[r + 1], meta.seq_lens_cpu[r]
+        if end == start:
+            continue
+        blocks = meta.block_tables[r, : -(-seq_len // bs)].long()
+        kc = kv_cache[0][blocks].flatten(0, 1)[:seq_len].float()  # [S, Hk, D]
+        vc = kv_cache[1][blocks].flatten(0, 1)[:seq_len].float()
+        group = q.shape[1] // hk
+        kc, vc = kc.repeat_interleave(group, 1), vc.repeat_interleave(group, 1)  # [S, Hq, D]
+        s = torch.einsum("qhd,khd->hqk", q[start:end].float(), kc) * scale
+        s = s.masked_fill(~_bottom_right_causal_mask(end - start, seq_len, q.device), float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", s.softmax(-1), vc).to(q.dtype)
+    return out

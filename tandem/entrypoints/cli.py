@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import TYPE_CHECKING
 from dataclasses import fields
 
@@ -114,7 +115,9 @@ def _generate(args: argparse.Namespace) -> None:
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos)
     cfg = engine_config_from_args(args)
+    start = time.perf_counter()
     llm = LLM(**vars(cfg))
+    load_s = time.perf_counter() - start
     try:
         if params.temperature is None and "temperature" not in llm.engine.generation_defaults.sampling:
             params = params.clone(temperature=0.0)  # the command's default: greedy
@@ -129,8 +132,28 @@ def _generate(args: argparse.Namespace) -> None:
                 print(c.text)
                 if c.finish_reason == "length":
                     print(f"[cut at {len(c.token_ids)} tokens: --max-tokens {args.max_tokens}]", file=sys.stderr)
+        print(generation_summary(outs, load_s), file=sys.stderr)
     finally:
         llm.engine.shutdown()
+
+
+def generation_summary(outs: list, load_s: float) -> str:
+    """One line of speeds: prompt tokens/s (arrival of the first request to the last first
+    token), generation tokens/s (tokens after each completion's first, from the last first
+    token to the last finish) and the model load time (speeds left out when an engine
+    front-end reports no request timings)."""
+    if not all({"arrival_time", "first_token_time", "finished_time"} <= o.metrics.keys() for o in outs):
+        return f"model load {load_s:.1f} s"
+    arrival = min(o.metrics["arrival_time"] for o in outs)
+    first = max(o.metrics["first_token_time"] for o in outs)
+    end = max(o.metrics["finished_time"] for o in outs)
+    n_prompt = sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in outs)
+    n_completions = sum(len(o.outputs) for o in outs)
+    n_gen = sum(len(c.token_ids) for o in outs for c in o.outputs) - n_completions
+    rate = lambda n, s: f"{n / s:.1f} tok/s" if s > 0 and n > 0 else "n/a"  # noqa: E731
+    return (f"prompt: {n_prompt} tokens in {first - arrival:.2f} s ({rate(n_prompt, first - arrival)}); "
+            f"generation: {n_gen} tokens in {end - first:.2f} s ({rate(n_gen, end - first)}); "
+            f"model load {load_s:.1f} s")
 
 
 def _serve(args: argparse.Namespace) -> None:

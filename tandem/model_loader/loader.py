@@ -2,8 +2,8 @@
 
 GGUF: config, tokenizer and chat template come from the file's metadata through
 transformers' GGUF support; weights are dequantized to fp32 with the ``gguf`` library and
-renamed to HF names (llama.cpp's q/k row permutation for Llama is undone, as in
-llama.cpp's ``convert_hf_to_gguf.py``).
+renamed to HF names (:mod:`tandem.model_loader.gguf_weights`). The first load converts the
+file into a cached HF folder (:mod:`tandem.model_loader.gguf_cache`); later loads read it.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import functools
 import glob
 import json
 import os
-import re
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -23,6 +21,8 @@ from tandem.attention.backend import AttentionBackend
 from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_scales, prepare_fp8_model,
                                               rename_checkpoint_scales)
 from tandem.layers.quantization.config import Fp8Config
+from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
+from tandem.model_loader.gguf_weights import iterate_gguf_weights
 from tandem.models.registry import get_model_class
 
 
@@ -45,6 +45,9 @@ def load_hf_config(model: str):
     from transformers import AutoConfig, PretrainedConfig
 
     if is_gguf(model):
+        cached = converted_folder(model)
+        if cached is not None:
+            return AutoConfig.from_pretrained(cached)
         folder, name = _split_gguf_path(model)
         return AutoConfig.from_pretrained(folder, gguf_file=name)
     if os.path.isfile(model) and model.endswith(".json"):
@@ -73,6 +76,9 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     if is_gguf(path):
+        cached = converted_folder(path)
+        if cached is not None:
+            return AutoTokenizer.from_pretrained(cached)
         folder, name = _split_gguf_path(path)
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if os.path.isfile(path) or (os.path.isdir(path)
@@ -83,57 +89,13 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-_GGUF_NAMES = [
-    (r"^token_embd\.weight$", "model.embed_tokens.weight"),
-    (r"^output_norm\.weight$", "model.norm.weight"),
-    (r"^output\.weight$", "lm_head.weight"),
-    (r"^blk\.(\d+)\.attn_norm\.weight$", r"model.layers.\1.input_layernorm.weight"),
-    (r"^blk\.(\d+)\.ffn_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"^blk\.(\d+)\.attn_q\.(weight|bias)$", r"model.layers.\1.self_attn.q_proj.\2"),
-    (r"^blk\.(\d+)\.attn_k\.(weight|bias)$", r"model.layers.\1.self_attn.k_proj.\2"),
-    (r"^blk\.(\d+)\.attn_v\.(weight|bias)$", r"model.layers.\1.self_attn.v_proj.\2"),
-    (r"^blk\.(\d+)\.attn_output\.weight$", r"model.layers.\1.self_attn.o_proj.weight"),
-    (r"^blk\.(\d+)\.attn_q_norm\.weight$", r"model.layers.\1.self_attn.q_norm.weight"),
-    (r"^blk\.(\d+)\.attn_k_norm\.weight$", r"model.layers.\1.self_attn.k_norm.weight"),
-    (r"^blk\.(\d+)\.ffn_gate\.weight$", r"model.layers.\1.mlp.gate_proj.weight"),
-    (r"^blk\.(\d+)\.ffn_up\.weight$", r"model.layers.\1.mlp.up_proj.weight"),
-    (r"^blk\.(\d+)\.ffn_down\.weight$", r"model.layers.\1.mlp.down_proj.weight"),
-]
-
-
-def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of the two RoPE halves in q/k projection rows."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def iterate_gguf_weights(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor) for every tensor of a GGUF file.
-
-    Raises:
-        ValueError: a tensor name has no HF equivalent.
-    """
-    from gguf import GGUFReader, dequantize
-
-    reader = GGUFReader(path)
-    permute = hf_config.model_type == "llama"
-    n_head = hf_config.num_attention_heads
-    n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
-    for t in reader.tensors:
-        for pat, repl in _GGUF_NAMES:
-            if re.match(pat, t.name):
-                name = re.sub(pat, repl, t.name)
-                break
-        else:
-            if t.name == "rope_freqs.weight":
-                continue  # llama3 RoPE factors; recomputed from the config
-            raise ValueError(f"GGUF tensor {t.name!r} has no Hugging Face equivalent")
-        w = dequantize(t.data, t.tensor_type)
-        if permute and name.endswith("q_proj.weight"):
-            w = _unpermute_rows(w, n_head)
-        elif permute and name.endswith("k_proj.weight"):
-            w = _unpermute_rows(w, n_kv)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32))
+def iterate_gguf_weights_cached(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """The GGUF file's weights (HF names, fp32) from its cache entry when that holds them
+    (:mod:`tandem.model_loader.gguf_cache`), else dequantized from the file."""
+    cached = converted_folder(path)
+    if cached is not None and os.path.isfile(os.path.join(cached, WEIGHTS_FILE)):
+        return iterate_safetensors_weights(cached)
+    return iterate_gguf_weights(path, hf_config)
 
 
 def iterate_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -206,7 +168,7 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif is_gguf(model_path):
-        model.load_weights(iterate_gguf_weights(model_path, hf_config))
+        model.load_weights(iterate_gguf_weights_cached(model_path, hf_config))
     elif os.path.isdir(model_path):
         weights = load_kv_cache_scales(model, iterate_safetensors_weights(model_path))
         model.load_weights(rename_checkpoint_scales(weights, quant_config) if quant_config else weights)

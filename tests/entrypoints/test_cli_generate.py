@@ -1,0 +1,42 @@
+"""``tandem generate``: the completions on stdout, the speed line on stderr."""
+
+from __future__ import annotations
+
+import re
+
+from tandem.entrypoints.cli import generation_summary, main
+from tandem.outputs import CompletionOutput, RequestOutput
+
+
+def _out(prompt_len: int, n_tokens: list[int], arrival: float, first: float, end: float, cached: int = 0):
+    comps = [CompletionOutput(i, "x", list(range(n)), finish_reason="length") for i, n in enumerate(n_tokens)]
+    return RequestOutput("r", None, list(range(prompt_len)), comps, True, num_cached_tokens=cached,
+                         metrics={"arrival_time": arrival, "first_token_time": first, "finished_time": end})
+
+
+def test_summary_rates():
+    outs = [_out(10, [5], 100.0, 100.5, 101.5), _out(30, [3, 3], 100.0, 101.0, 102.0, cached=16)]
+    line = generation_summary(outs, load_s=1.25)
+    # 10 + (30 - 16) prompt tokens by the last first token (1.0 s); 11 tokens - 3 firsts in 1.0 s.
+    assert line == ("prompt: 24 tokens in 1.00 s (24.0 tok/s); generation: 8 tokens in 1.00 s (8.0 tok/s); "
+                    "model load 1.2 s")
+
+
+def test_summary_single_token_has_no_generation_rate():
+    line = generation_summary([_out(4, [1], 5.0, 5.2, 5.2)], load_s=0.5)
+    assert "generation: 0 tokens in 0.00 s (n/a)" in line
+
+
+def test_generate_prints_speeds(capsys):
+    main(["generate", "The capital of France is", "--max-tokens", "4", "--num-kv-blocks", "64",
+          "--max-model-len", "256"])
+    captured = capsys.readouterr()
+    assert captured.out.strip()
+    assert re.search(r"prompt: \d+ tokens in [\d.]+ s \([\d.]+ tok/s\); generation: 3 tokens in [\d.]+ s "
+                     r"\(([\d.]+ tok/s|n/a)\); model load [\d.]+ s", captured.err), captured.err
+
+
+def test_summary_without_timings_keeps_the_load_time():
+    out = _out(4, [2], 0.0, 0.0, 0.0)
+    out.metrics = {}
+    assert generation_summary([out], load_s=2.0) == "model load 2.0 s"

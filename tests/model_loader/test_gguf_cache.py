@@ -1,0 +1,162 @@
+"""The on-disk cache of converted GGUF files: reuse, invalidation, atomic entries, and
+that a cached entry holds what loading the GGUF file directly gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tandem.model_loader import gguf_cache
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gguf_cache._converted_folder.cache_clear()
+    yield tmp_path / "cache" / "tandem" / "gguf"
+    gguf_cache._converted_folder.cache_clear()
+
+
+@pytest.fixture
+def fake_convert(monkeypatch):
+    """A converter that writes one file holding the source's bytes (counts its calls)."""
+    calls = []
+
+    def convert(path: str, out: str) -> None:
+        calls.append(path)
+        with open(path, "rb") as src, open(os.path.join(out, "payload"), "wb") as dst:
+            dst.write(src.read())
+
+    monkeypatch.setattr(gguf_cache, "_convert", convert)
+    return calls
+
+
+def _entries(root) -> list[str]:
+    return sorted(os.listdir(root)) if os.path.isdir(root) else []
+
+
+def test_reused_then_invalidated_when_the_file_changes(tmp_path, cache_home, fake_convert):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"v1")
+    first = gguf_cache.converted_folder(str(src))
+    assert first is not None and os.path.dirname(first) == str(cache_home)
+    assert gguf_cache.converted_folder(str(src)) == first
+    gguf_cache._converted_folder.cache_clear()  # a new process: found on disk, not converted again
+    assert gguf_cache.converted_folder(str(src)) == first
+    assert len(fake_convert) == 1
+    with open(os.path.join(first, gguf_cache.SOURCE_FILE)) as f:
+        assert json.load(f)["path"] == os.path.realpath(src)
+
+    src.write_bytes(b"v2")  # new content (and mtime)
+    second = gguf_cache.converted_folder(str(src))
+    assert second != first and len(fake_convert) == 2
+    assert open(os.path.join(second, "payload"), "rb").read() == b"v2"
+    assert _entries(cache_home) == [os.path.basename(second)]  # the stale entry is gone
+
+    st = os.stat(src)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes, touched
+    third = gguf_cache.converted_folder(str(src))
+    assert third not in (first, second) and len(fake_convert) == 3
+
+
+def test_same_size_same_mtime_other_content_is_a_new_key(tmp_path):
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"abcd")
+    b.write_bytes(b"abcd")
+    ia = gguf_cache.source_info(str(a))
+    st = os.stat(a)
+    a.write_bytes(b"abce")
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert gguf_cache.cache_key(gguf_cache.source_info(str(a))) != gguf_cache.cache_key(ia)
+    assert gguf_cache.cache_key(gguf_cache.source_info(str(b))) != gguf_cache.cache_key(ia)  # other path
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, cache_home, monkeypatch):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+
+    def broken(path, out):
+        with open(os.path.join(out, "config.json"), "w") as f:
+            f.write("{")
+        raise ValueError("unsupported architecture")
+
+    monkeypatch.setattr(gguf_cache, "_convert", broken)
+    with pytest.raises(ValueError, match="unsupported"):
+        gguf_cache.converted_folder(str(src))
+    assert _entries(cache_home) == []  # neither a partial entry nor a temporary folder
+
+
+def test_unwritable_cache_falls_back(tmp_path, cache_home, fake_convert):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+    cache_home.parent.mkdir(parents=True)
+    cache_home.write_text("a file where the cache folder should be")
+    assert gguf_cache.converted_folder(str(src)) is None
+    assert fake_convert == []
+
+
+def test_concurrent_conversion_loses_the_rename_gracefully(tmp_path, cache_home, monkeypatch):
+    """Another process renamed its entry first: ours is discarded, theirs is used."""
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+    dest = os.path.join(str(cache_home), gguf_cache.cache_key(gguf_cache.source_info(str(src))))
+
+    def racing(path, out):
+        os.makedirs(dest)
+        with open(os.path.join(dest, gguf_cache.SOURCE_FILE), "w") as f:
+            f.write("{}")
+        with open(os.path.join(dest, "theirs"), "w") as f:
+            f.write("1")
+
+    monkeypatch.setattr(gguf_cache, "_convert", racing)
+    assert gguf_cache.converted_folder(str(src)) == dest
+    assert os.path.exists(os.path.join(dest, "theirs"))
+    assert _entries(cache_home) == [os.path.basename(dest)]
+
+
+def test_cached_entry_equals_direct_gguf_load(embedded_model_path):
+    """The embedded model's entry (in the real cache: built once per machine) holds the
+    config, tokenizer and fp32 weights that reading the GGUF file gives."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tandem.model_loader.gguf_weights import iterate_gguf_weights
+
+    folder = gguf_cache.converted_folder(embedded_model_path)
+    assert folder is not None
+    gdir, name = os.path.split(embedded_model_path)
+    direct_cfg = AutoConfig.from_pretrained(gdir, gguf_file=name)
+    cached_cfg = AutoConfig.from_pretrained(folder)
+    strip = lambda d: {k: v for k, v in d.items() if "name_or_path" not in k}  # noqa: E731
+    assert strip(cached_cfg.to_dict()) == strip(direct_cfg.to_dict())
+    direct_tok = AutoTokenizer.from_pretrained(gdir, gguf_file=name)
+    cached_tok = AutoTokenizer.from_pretrained(folder)
+    text = "Hello <|im_start|>user\nünïcode 日本語 tabs\tand  spaces<|im_end|>"
+    assert cached_tok.encode(text) == direct_tok.encode(text)
+    assert cached_tok.chat_template == direct_tok.chat_template
+    assert cached_tok.special_tokens_map == direct_tok.special_tokens_map
+    cached = load_file(os.path.join(folder, gguf_cache.WEIGHTS_FILE))
+    direct = dict(iterate_gguf_weights(embedded_model_path, direct_cfg))
+    assert cached.keys() == direct.keys()
+    for k, t in direct.items():
+        assert cached[k].dtype == torch.float32 and torch.equal(cached[k], t), k
+
+
+def test_weights_not_cached_above_the_size_limit(tmp_path, cache_home, embedded_model_path, monkeypatch):
+    """A file whose fp32 weights exceed the limit gets config and tokenizer only; the
+    loader then dequantizes from the file."""
+    from tandem.model_loader.loader import iterate_gguf_weights_cached, load_hf_config
+
+    src = tmp_path / "copy.gguf"
+    shutil.copyfile(embedded_model_path, src)
+    monkeypatch.setattr(gguf_cache, "MAX_CACHED_WEIGHT_BYTES", 1)
+    folder = gguf_cache.converted_folder(str(src))
+    assert os.path.isfile(os.path.join(folder, "config.json"))
+    assert os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    assert not os.path.exists(os.path.join(folder, gguf_cache.WEIGHTS_FILE))
+    name, t = next(iter(iterate_gguf_weights_cached(str(src), load_hf_config(str(src)))))
+    assert t.dtype == torch.float32 and name.startswith("model.")
