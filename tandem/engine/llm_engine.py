@@ -83,6 +83,10 @@ class LLMEngine:
         return self.core.runner
 
     @property
+    def model(self):
+        return self.core.model
+
+    @property
     def final_stats(self) -> dict | None:
         """Replica 0's step counts after ``shutdown()`` (spawned cores)."""
         return getattr(self.client, "final_stats", None)
