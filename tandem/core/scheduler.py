@@ -52,6 +52,9 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     preempted_seq_ids: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
+    # Sampling sequences whose token must match a grammar: the runner samples them only
+    # once given their bitmask (vLLM's structured_output_request_ids).
+    structured_output_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -157,10 +160,15 @@ class Scheduler:
             break  # the sequence preempted itself: nothing else can fit
 
         if not preempted:
+            # Requests whose grammar is still compiling wait without holding up the others.
+            compiling: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 if req.num_output_placeholders:
                     break  # a preempted sequence whose last sample is still in flight
+                if req.structured_output is not None and not req.structured_output.is_ready():
+                    compiling.append(self.waiting.popleft())
+                    continue
                 blocks, num_hit = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit
                 if num_new > budget:
@@ -181,6 +189,7 @@ class Scheduler:
                 seq.new_request = req
                 scheduled.append(seq)
                 budget -= num_new
+            self.waiting.extendleft(reversed(compiling))
 
         self._step_id += 1
         out = SchedulerOutput(
@@ -189,6 +198,8 @@ class Scheduler:
             num_scheduled_tokens=self.max_num_batched_tokens - budget,
             preempted_seq_ids=[r.seq_id for r in preempted],
             finished_seq_ids=self._finished_since_last_step,
+            structured_output_seq_ids=[s.seq_id for s in scheduled
+                                       if s.sample and self.requests[s.seq_id].structured_output is not None],
         )
         self._finished_since_last_step = []
         return out

@@ -84,7 +84,11 @@ def run_tp_follower(engine) -> None:
         so = box[0]
         if so is None:
             return
-        engine.runner.execute_model(so).result()
+        handle = engine.runner.execute_model(so)
+        if handle is None:  # constrained sequences: the driver sends their bitmask next
+            dist.broadcast_object_list(box, src=src, group=group)
+            handle = engine.runner.sample_tokens(box[0])
+        handle.result()
 
 
 # ----------------------------------------------------------------------------- DP loop

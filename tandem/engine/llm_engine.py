@@ -23,6 +23,7 @@ from tandem.model_loader.loader import build_model, load_hf_config, load_tokeniz
 from tandem.outputs import RequestOutput
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams, child_seed
+from tandem.structured_output.manager import StructuredOutputManager
 from tandem.attention.backend import get_attention_backend
 from tandem.layers.quantization.config import get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
@@ -103,6 +104,7 @@ class LLMEngine:
             # The largest step, as profiled for memory above.
             self.runner.measure_prefill_split(min(config.max_num_batched_tokens, config.max_model_len))
         self.eos_token_ids = self._eos_token_ids()
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.async_output_proc = config.async_output_proc
         # Tensor parallelism: the driver sends each step's SchedulerOutput to the other TP
@@ -261,6 +263,8 @@ class LLMEngine:
             reqs.append(Request(request_id, ids, child, arrival, index=i, max_tokens=max_tokens))
         self.output_processor.add_request(request_id, text, reqs)
         for r in reqs:
+            if params.structured_outputs is not None:
+                self.structured_output.init_request(r)
             self.scheduler.add_request(r)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
@@ -280,6 +284,7 @@ class LLMEngine:
                 requests of the failed step and of the step in flight are aborted (their
                 blocks freed); the engine stays usable for the others and for new ones.
         """
+        grammar_failed = self._fail_uncompiled()
         so = self.scheduler.schedule()
         if self.step_broadcast is not None:
             self.step_broadcast(so)
@@ -289,9 +294,14 @@ class LLMEngine:
         try:
             handle = self.runner.execute_model(so)
             if not self.async_output_proc:
-                return self.output_processor.process(handle.result())
+                handle = handle or self._sample_constrained(so)
+                return grammar_failed + self.output_processor.process(handle.result())
             # Step N's outputs are processed while step N+1 (just launched) runs.
             outputs = self.output_processor.process(prev[1].result()) if prev is not None else []
+            # Constrained sequences of step N+1 sample once step N's tokens advanced their
+            # grammars: the forward of N+1 still overlaps the processing of step N.
+            handle = handle or self._sample_constrained(so)
+            outputs = grammar_failed + outputs
             if so.is_empty:
                 # Nothing to process later, but an idle DP rank's dummy batch can fail: wait.
                 handle.result()
@@ -301,6 +311,23 @@ class LLMEngine:
         except Exception:
             self._abort_steps(failed, [h for h in (handle, prev[1] if prev is not None else None) if h is not None])
             raise
+
+    def _sample_constrained(self, so: SchedulerOutput):
+        """Build the bitmask of ``so``'s constrained sequences and sample the step."""
+        grammar = self.structured_output.grammar_bitmask(so.structured_output_seq_ids, self.scheduler.requests)
+        if self.step_broadcast is not None:
+            self.step_broadcast(grammar)
+        return self.runner.sample_tokens(grammar)
+
+    def _fail_uncompiled(self) -> list[RequestOutput]:
+        """Finish the requests whose grammar failed to compile (finish reason "abort")."""
+        outputs = []
+        for req in self.structured_output.take_failed():
+            logger.error("request %s: its grammar did not compile: %s", req.request_id, req.structured_output.error())
+            out = self.output_processor.fail(req.request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     def _abort_steps(self, steps: list[SchedulerOutput], handles: list) -> None:
         """Abort every request with a sequence in ``steps`` after waiting out their handles.
@@ -324,6 +351,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.runner.shutdown()
+        self.structured_output.shutdown()
 
     def stats(self) -> dict[str, float]:
         s = self.scheduler.stats()

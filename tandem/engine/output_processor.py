@@ -9,6 +9,7 @@ before its step was processed is dropped here, never emitted.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,20 @@ from tandem.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestO
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import RequestOutputKind
 from tandem.worker.model_runner import ModelRunnerOutput, PromptLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+def _grammar_done(req: Request, tok: int) -> bool:
+    """Advance a constrained sequence's grammar by ``tok``. True when the output is
+    complete (the grammar accepted its stop token) or ``tok`` broke it: the runner
+    masks disallowed tokens, so the latter only happens past the end (e.g. min_tokens
+    forbidding the stop token)."""
+    g = req.structured_output
+    if not g.accept_token(tok):
+        logger.warning("request %s: token %d does not match its grammar; finishing it", req.request_id, tok)
+        return True
+    return g.is_terminated()
 
 
 @dataclass(eq=False)
@@ -103,6 +118,16 @@ class OutputProcessor:
             self.seqs.pop(s.req.seq_id, None)
             self.scheduler.finish_request(s.req.seq_id, RequestStatus.FINISHED_ABORTED)
 
+    def fail(self, request_id: str) -> RequestOutput | None:
+        """Finish every sequence of a request as aborted and return its final output."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for s in parent.seqs:
+            if self.seqs.pop(s.req.seq_id, None) is not None:
+                self.scheduler.finish_request(s.req.seq_id, RequestStatus.FINISHED_ABORTED)
+        return self._make_output(parent, time.monotonic())
+
     def process(self, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Process one step's results; returns outputs of the requests that changed."""
         now = time.monotonic()
@@ -143,12 +168,15 @@ class OutputProcessor:
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.sampling_params
+        grammar_done = req.structured_output is not None and _grammar_done(req, tok)
         if req.num_output_tokens >= p.min_tokens:
             if tok in p.stop_token_ids:
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
             if tok in p.all_stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
+        if grammar_done:
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
