@@ -380,7 +380,9 @@ class ModelRunner:
             if grammar is not None:
                 row_of = {sid: i for i, sid in enumerate(sample_seq_ids)}
                 rows = self._h2d([row_of[sid] for sid in grammar.seq_ids], torch.long)
-                apply_token_bitmask(logits, rows, grammar.bitmask.to(dev, non_blocking=True))
+                mask = grammar.bitmask.pin_memory() if self._is_cuda else grammar.bitmask
+                # Pinned: a pageable copy could wait for the step's forward to finish.
+                apply_token_bitmask(logits, rows, mask.to(dev, non_blocking=True))
             states = [self.states[sid] for sid in sample_seq_ids]
             batch = self._sampling_batch(states)
             k = batch.max_num_logprobs

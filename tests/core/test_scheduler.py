@@ -91,3 +91,42 @@ def test_finish_is_idempotent_and_frees():
     assert s.finish_request(r.seq_id, RequestStatus.FINISHED_ABORTED) is None
     assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks - 1
     assert s.schedule().finished_seq_ids == [r.seq_id]
+
+
+class _Grammar:
+    """Stands in for StructuredOutputRequest: ready when told."""
+
+    def __init__(self) -> None:
+        self.ready = False
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+
+def test_request_waits_for_its_grammar_without_blocking_others():
+    """A constrained request whose grammar still compiles stays waiting (in its place);
+    requests behind it and running ones are scheduled; once compiled it runs, and its
+    sampling sequence is listed in structured_output_seq_ids."""
+    s = _sched(budget=64)
+    constrained, free = _req(5), _req(6)
+    constrained.structured_output = _Grammar()
+    s.add_request(constrained)
+    s.add_request(free)
+    out = s.schedule()
+    assert [q.seq_id for q in out.scheduled] == [free.seq_id]
+    assert out.structured_output_seq_ids == []
+    assert list(s.waiting) == [constrained]
+    constrained.structured_output.ready = True
+    out = s.schedule()
+    assert {q.seq_id for q in out.scheduled} == {free.seq_id, constrained.seq_id}
+    assert out.structured_output_seq_ids == [constrained.seq_id]
+
+
+def test_compiling_requests_keep_fcfs_order():
+    s = _sched(budget=64)
+    a, b, c = _req(4), _req(4), _req(4)
+    a.structured_output, b.structured_output = _Grammar(), _Grammar()
+    for r in (a, b, c):
+        s.add_request(r)
+    s.schedule()
+    assert list(s.waiting) == [a, b]

@@ -142,12 +142,13 @@ class _RequestIdHeader:
         return await self.app(scope, receive, send_with_id)
 
 
-def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | None = None) -> FastAPI:
+def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI application around a running ``AsyncLLM``.
 
     ``app.state`` holds ``llm``, ``serving`` (``OpenAIServing``) and ``metrics``.
     """
-    serving = OpenAIServing(llm, served_model_names)
+    serving = OpenAIServing(llm, served_model_names, tool_call_parser)
     metrics = ServerMetrics(llm, served_model_names[0])
 
     @asynccontextmanager
@@ -293,7 +294,7 @@ def run_server(args: argparse.Namespace) -> None:
     logger.info("loading %s", cfg.model)
     llm = AsyncLLM(cfg)
     try:
-        app = build_app(llm, names, model_root=cfg.model)
+        app = build_app(llm, names, model_root=cfg.model, tool_call_parser=args.tool_call_parser)
         engine = llm.engine
         kv_tokens = (engine.num_kv_blocks - 1) * cfg.block_size
         logger.info("listening on http://%s:%d: model %s (served as %s), max_model_len %d, KV cache %d tokens "
