@@ -36,15 +36,16 @@ TIME_TOOL = {"type": "function", "function": {
 USER = [{"role": "user", "content": "Tell me about Paris as JSON."}]
 
 
-def _chat(client, stream: bool, **kw):
+def _chat(client, stream: bool, max_tokens: int = 96, **kw):
     """(content, tool_calls as [(name, arguments)], finish_reason) of choice 0."""
+    kw.update(model=MODEL_NAME, temperature=0, max_tokens=max_tokens)
     if not stream:
-        r = client.chat.completions.create(model=MODEL_NAME, temperature=0, max_tokens=96, stream=False, **kw)
+        r = client.chat.completions.create(stream=False, **kw)
         m = r.choices[0].message
         calls = [(t.function.name, t.function.arguments, t.id) for t in m.tool_calls or []]
         return m.content, calls, r.choices[0].finish_reason
     content, calls, finish = None, {}, None
-    for chunk in client.chat.completions.create(model=MODEL_NAME, temperature=0, max_tokens=96, stream=True, **kw):
+    for chunk in client.chat.completions.create(stream=True, **kw):
         for c in chunk.choices:
             if c.delta.content:
                 content = (content or "") + c.delta.content
@@ -67,8 +68,8 @@ def test_chat_response_format(client, fmt):
         kw = {"extra_body": {"structured_outputs": {"json": CITY, "disable_any_whitespace": True}}}
     else:
         kw = {"response_format": {"type": "json_object"}, "max_tokens": 160}
-    whole = _chat(client, False, messages=USER, **{k: v for k, v in kw.items() if k != "max_tokens"})
-    streamed = _chat(client, True, messages=USER, **{k: v for k, v in kw.items() if k != "max_tokens"})
+    whole = _chat(client, False, messages=USER, **kw)
+    streamed = _chat(client, True, messages=USER, **kw)
     assert whole == streamed
     content, calls, finish = whole
     assert calls == []
