@@ -87,6 +87,33 @@ def llguidance_run(tok, vocab: int, schema: dict, ids: list[int]) -> tuple[float
     return compile_s, fills
 
 
+def apply_timing(vocab: int, rows: int, iters: int = 20) -> tuple[str, float]:
+    """Median time of Tandem's ``apply_token_bitmask`` on ``[rows, vocab]`` fp32 logits, every
+    row constrained, on CUDA when available (CUDA events) else the CPU."""
+    import torch
+
+    from tandem.structured_output.bitmask import apply_token_bitmask
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    logits = torch.randn(rows, vocab, device=dev)
+    mask = torch.randint(-2**31, 2**31 - 1, (rows, -(-vocab // 32)), dtype=torch.int32, device=dev)
+    idx = torch.arange(rows, device=dev)
+    times = []
+    for _ in range(iters + 2):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            apply_token_bitmask(logits, idx, mask)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            apply_token_bitmask(logits, idx, mask)
+            times.append(time.perf_counter() - t)
+    return dev.type, statistics.median(times[2:])
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -96,6 +123,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", default=None, help="HF folder or GGUF (default: the embedded SmolLM2)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--apply-rows", type=int, nargs="*", default=[8, 64, 256],
+                   help="also time the bitmask application on this many rows of logits")
+    p.add_argument("--apply-vocab", type=int, default=None, help="vocabulary of that timing (default: the tokenizer's)")
     args = p.parse_args()
     from tandem.config import embedded_default_model
     from tandem.model_loader.loader import load_hf_config, load_tokenizer
@@ -120,6 +150,9 @@ def main() -> None:
                   f"{statistics.median(fills) * 1e6:6.1f} us, mean {statistics.mean(fills) * 1e6:6.1f} us, "
                   f"p90 {pct(fills, 0.9) * 1e6:6.1f} us, max {max(fills) * 1e6:7.0f} us ({len(ids)} tokens x "
                   f"{args.repeats})")
+    for rows in args.apply_rows:
+        dev, sec = apply_timing(args.apply_vocab or vocab, rows)
+        print(f"apply_token_bitmask [{rows}, {args.apply_vocab or vocab}] on {dev}: median {sec * 1e6:.0f} us")
 
 
 if __name__ == "__main__":
