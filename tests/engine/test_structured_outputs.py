@@ -186,3 +186,30 @@ def test_compiling_grammar_does_not_stall_running_requests(engines):
     assert len(done["free"].outputs[0].token_ids) == 8
     assert re.fullmatch(r"held-[0-9]{2}", done["constrained"].outputs[0].text)
     assert_all_blocks_free(engine)
+
+
+def test_grammar_compile_failure_finishes_only_that_request(engines):
+    """A grammar that fails to compile (past the up-front parse) ends its request with
+    finish reason "abort" and frees it; the other requests are unaffected."""
+    engine = engines[True].engine
+    manager = engine.structured_output
+
+    def broken(params):
+        raise RuntimeError("[00:00:00] /project/cpp/compiler.cc:1: simulated failure")
+
+    compile_ = manager._compile
+    manager._compile = broken
+    try:
+        engine.add_request("bad", "Code:", SamplingParams(
+            temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex=r"broken-[0-9]{3}")))
+        engine.add_request("free", "Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        done = {}
+        for _ in range(200):
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            if not engine.has_unfinished_requests():
+                break
+    finally:
+        manager._compile = compile_
+    assert done["bad"].outputs[0].finish_reason == "abort" and done["bad"].outputs[0].token_ids == []
+    assert len(done["free"].outputs[0].token_ids) == 4
+    assert_all_blocks_free(engine)
