@@ -94,11 +94,11 @@ class StructuredOutputsParams:
             spec = getattr(self, kind)
         return kind, spec, self.disable_any_whitespace
 
-    def to_grammar(self) -> "xgr.Grammar | None":
+    def to_grammar(self) -> "xgr.Grammar":
         """Parse the constraint without a tokenizer (validation).
 
         Returns:
-            the xgrammar ``Grammar``; None for ``structural_tag`` (checked when compiled).
+            the xgrammar ``Grammar``.
 
         Raises:
             ValueError: naming ``structured_outputs.<kind>``.
@@ -129,11 +129,10 @@ class StructuredOutputsParams:
                 if not isinstance(self.grammar, str) or not self.grammar.strip():
                     raise ValueError("must be a non-empty EBNF grammar with a root rule")
                 return xgr.Grammar.from_ebnf(self.grammar)
-            json.loads(self.structural_tag)
-            return None
+            return xgr.Grammar.from_structural_tag(self.structural_tag)
         except ValueError as e:
             raise ValueError(f"{field} is invalid: {e}") from None
-        except RuntimeError as e:  # xgrammar's parse errors
+        except Exception as e:  # xgrammar's parse errors (RuntimeError, InvalidStructuralTagError, ...)
             raise ValueError(f"{field} is invalid: {xgrammar_error(e)}") from None
 
 

@@ -15,6 +15,8 @@ from tandem.structured_output import GuidedDecodingParams, StructuredOutputsPara
     {"regex": r"\d{3}-[a-z]+"},
     {"choice": ["yes", 'say "no"', "żółw"]},
     {"grammar": 'root ::= "a" b\nb ::= [0-9]+'},
+    {"structural_tag": '{"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], '
+                       '"tags": [{"begin": "<f>", "content": {"type": "json_schema", "json_schema": {}}, "end": "</f>"}]}}'},
 ])
 def test_valid(kwargs):
     p = StructuredOutputsParams(**kwargs)
@@ -34,6 +36,8 @@ def test_valid(kwargs):
     ({"choice": ["a", 3]}, "structured_outputs.choice"),
     ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
     ({"grammar": 'start ::= "a"'}, "structured_outputs.grammar"),
+    ({"structural_tag": '{"type": "structural_tag", "format": {"type": "nope"}}'}, "structured_outputs.structural_tag"),
+    ({"structural_tag": "{not json"}, "structured_outputs.structural_tag"),
     ({}, "exactly one"),
     ({"regex": "a", "choice": ["a"]}, "exactly one"),
     ({"json_object": True, "whitespace_pattern": " "}, "whitespace_pattern"),
