@@ -70,6 +70,11 @@ class Request:
     # The grammar of a request with ``sampling_params.structured_outputs``.
     structured_output: "StructuredOutputRequest | None" = None
 
+    def __getstate__(self) -> dict:
+        # Sent to tensor-parallel followers inside SchedulerOutputs: the grammar (a compile
+        # future and a matcher) stays with the driver, which builds the bitmasks.
+        return {**self.__dict__, "structured_output": None}
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
