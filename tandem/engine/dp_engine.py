@@ -57,7 +57,11 @@ def run_tp_follower(core) -> None:
         so = box[0]
         if so is None:
             return
-        core.runner.execute_model(so).result()
+        handle = core.runner.execute_model(so)
+        if handle is None:  # constrained sequences: the driver sends their bitmask next
+            dist.broadcast_object_list(box, src=src, group=group)
+            handle = core.runner.sample_tokens(box[0])
+        handle.result()
 
 
 # ----------------------------------------------------------------------------- DP loop

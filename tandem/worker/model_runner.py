@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from tandem.core.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.sampling_params import SamplingParams
+from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
 from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
 from tandem.distributed import parallel_state as ps
 from tandem.distributed.dp_coordination import StepPlan, coordinate_step
@@ -152,6 +153,18 @@ class PendingOutput:
         return out
 
 
+@dataclass
+class _ForwardedStep:
+    """A step run up to its logits (``[num sampling rows, V]``, None when none samples)."""
+
+    sample_seq_ids: list[int]
+    logits: torch.Tensor | None
+    prompt_lp: dict[int, int]
+    prompt_lp_tensors: dict[str, torch.Tensor]
+    # (start event, sequences, all decode?, context tokens) when step timing is on.
+    timing: tuple | None
+
+
 class _Done:
     def __init__(self, value: ModelRunnerOutput) -> None:
         self._value = value
@@ -186,6 +199,8 @@ class ModelRunner:
         self.states: dict[int, SeqState] = {}
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[int, int] = {}
+        # A step waiting for sample_tokens (a Future of it on the CPU worker thread).
+        self._deferred: _ForwardedStep | Future | None = None
         self.max_num_seqs = max_num_seqs
         self._free_slots = list(range(max_num_seqs))
         self._output_counts: torch.Tensor | None = None
@@ -247,15 +262,24 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- execute
     def execute_model(self, so: SchedulerOutput):
-        """Launch a step. Returns an object whose ``result()`` is its ``ModelRunnerOutput``.
+        """Launch a step. Returns an object whose ``result()`` is its ``ModelRunnerOutput``,
+        or None when ``so`` has constrained sequences: the forward and the logits are
+        launched, and ``sample_tokens`` (given their bitmask) samples.
 
         Steps run in submission order; ``result()`` of step N may be called after step
         N+1 was launched.
         """
         if self._executor is not None:
+            if so.structured_output_seq_ids:
+                self._deferred = self._executor.submit(self._execute, so)
+                return None
             fut: Future = self._executor.submit(self._run_to_host, so)
             return fut
-        return self._execute(so)
+        out = self._execute(so)
+        if isinstance(out, _ForwardedStep):
+            self._deferred = out
+            return None
+        return out
 
     def _run_to_host(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self._execute(so).result()
@@ -329,10 +353,36 @@ class ModelRunner:
         sample_seq_ids = [seqs[r].seq_id for r in sample_rows]
         logits_idx = self._h2d([int(qsl[r + 1]) - 1 for r in sample_rows], torch.long)
         prompt_lp, prompt_lp_tensors = self._prompt_logprobs(seqs, qsl, hidden)
+        logits = self.model.compute_logits(hidden[logits_idx]) if sample_rows else None
+        fwd = _ForwardedStep(sample_seq_ids, logits, prompt_lp, prompt_lp_tensors,
+                             (ev_start, num_reqs, num_decode == num_reqs, int(inputs.seq_lens.sum())) if timing else None)
+        if so.structured_output_seq_ids:
+            return fwd  # sampled by sample_tokens
+        return self._sample_step(fwd, None)
+
+    def sample_tokens(self, grammar: GrammarBitmask):
+        """Sample the step whose ``execute_model`` returned None (it had constrained
+        sequences), with their grammar bitmask applied to the logits first. Returns what
+        ``execute_model`` returns for other steps."""
+        fwd, self._deferred = self._deferred, None
+        if self._executor is not None:
+            return self._executor.submit(lambda: self._sample_step(fwd.result(), grammar).result())
+        return self._sample_step(fwd, grammar)
+
+    @torch.inference_mode()
+    def _sample_step(self, fwd: "_ForwardedStep", grammar: GrammarBitmask | None) -> PendingOutput:
+        dev = self.device
+        sample_seq_ids = fwd.sample_seq_ids
         host: dict[str, torch.Tensor] = {}
         k = -1
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[logits_idx])
+        if fwd.logits is not None:
+            logits = fwd.logits
+            if grammar is not None:
+                row_of = {sid: i for i, sid in enumerate(sample_seq_ids)}
+                rows = self._h2d([row_of[sid] for sid in grammar.seq_ids], torch.long)
+                mask = grammar.bitmask.pin_memory() if self._is_cuda else grammar.bitmask
+                # Pinned: a pageable copy could wait for the step's forward to finish.
+                apply_token_bitmask(logits, rows, mask.to(dev, non_blocking=True))
             states = [self.states[sid] for sid in sample_seq_ids]
             batch = self._sampling_batch(states)
             k = batch.max_num_logprobs
@@ -346,11 +396,12 @@ class ModelRunner:
             sampled = torch.empty(0, dtype=torch.long, device=dev)
             host_src = {"sampled": sampled}
         self.prev_sampled = sampled
-        host_src.update(prompt_lp_tensors)
-        if timing:
+        host_src.update(fwd.prompt_lp_tensors)
+        if fwd.timing is not None:
+            ev_start, num_reqs, all_decode, context = fwd.timing
             ev_end = torch.cuda.Event(enable_timing=True)
             ev_end.record()
-            self.step_events.append((ev_start, ev_end, num_reqs, num_decode == num_reqs, int(inputs.seq_lens.sum())))
+            self.step_events.append((ev_start, ev_end, num_reqs, all_decode, context))
         self.prev_rows = {sid: i for i, sid in enumerate(sample_seq_ids)}
         event = None
         if self._is_cuda:
@@ -364,7 +415,7 @@ class ModelRunner:
                 event.record(self._copy_stream)
         else:
             host = host_src
-        return PendingOutput(sample_seq_ids, host, event, prompt_lp, k)
+        return PendingOutput(sample_seq_ids, host, event, fwd.prompt_lp, k)
 
     @property
     def dp_size(self) -> int:

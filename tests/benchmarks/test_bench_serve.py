@@ -98,3 +98,32 @@ def test_bench_serve_sharegpt_chat(server):
                "--num-prompts", "3", "--request-rate", "20", "--disable-warmup")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "Successful requests:                    3" in p.stdout, p.stdout
+
+
+def test_json_schema_dataset_and_structured_ratio():
+    from tandem.benchmarks.datasets import constrain_requests, json_schema_requests, load_json_schema
+
+    class WordTokenizer:
+        def encode(self, text):
+            return text.split()
+
+    schema = load_json_schema()
+    reqs = json_schema_requests(10, WordTokenizer(), 64, schema)
+    assert all(json.dumps(schema) in r.prompt and r.expected_output_len == 64 and r.extra_body is None for r in reqs)
+    constrain_requests(reqs, schema, 0.3, seed=1)
+    constrained = [r for r in reqs if r.extra_body]
+    assert len(constrained) == 3
+    assert constrained[0].extra_body["response_format"]["json_schema"]["schema"] == schema
+    with pytest.raises(ValueError, match="structured-output-ratio"):
+        constrain_requests(reqs, schema, 1.5)
+
+
+def test_bench_serve_json_schema(server, tmp_path):
+    """Constrained requests through bench serve: the table, and the schema-validity count."""
+    p = _bench(server, "--backend", "openai-chat", "--dataset", "json-schema", "--random-output-len", "12",
+               "--num-prompts", "2", "--structured-output-ratio", "0.5", "--save-result", "--result-dir",
+               str(tmp_path), "--result-filename", "js.json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads((tmp_path / "js.json").read_text())
+    assert res["completed"] == 2 and res["num_constrained"] == 1
+    assert "Constrained requests: 1" in p.stdout

@@ -122,3 +122,82 @@ def test_update_from_output_token_id_stops_and_frees():
                                                                            ("c", "length", None)]
     assert not s.requests and not s.kv.req_blocks
     assert s.update_from_output(_result([a], [1])) == []  # a token computed one step late is dropped
+
+
+class _Grammar:
+    """Stands in for StructuredOutputRequest: ready when told."""
+
+    def __init__(self) -> None:
+        self.ready = False
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+
+def test_request_waits_for_its_grammar_without_blocking_others():
+    """A constrained request whose grammar still compiles stays waiting (in its place);
+    requests behind it and running ones are scheduled; once compiled it runs, and its
+    sampling sequence is listed in structured_output_seq_ids."""
+    s = _sched(budget=64)
+    constrained, free = _req(5), _req(6)
+    constrained.structured_output = _Grammar()
+    s.add_request(constrained)
+    s.add_request(free)
+    out = s.schedule()
+    assert [q.seq_id for q in out.scheduled] == [free.seq_id]
+    assert out.structured_output_seq_ids == []
+    assert list(s.waiting) == [constrained]
+    constrained.structured_output.ready = True
+    out = s.schedule()
+    assert {q.seq_id for q in out.scheduled} == {free.seq_id, constrained.seq_id}
+    assert out.structured_output_seq_ids == [constrained.seq_id]
+
+
+def test_compiling_requests_keep_fcfs_order():
+    s = _sched(budget=64)
+    a, b, c = _req(4), _req(4), _req(4)
+    a.structured_output, b.structured_output = _Grammar(), _Grammar()
+    for r in (a, b, c):
+        s.add_request(r)
+    s.schedule()
+    assert list(s.waiting) == [a, b]
+
+
+class _Matcher:
+    """Stands in for StructuredOutputRequest: accepts ``allowed`` in order, then is
+    terminated."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed, self.accepted = allowed, []
+
+    def is_ready(self) -> bool:
+        return True
+
+    def accept_token(self, tok: int) -> bool:
+        if len(self.accepted) >= len(self.allowed) or self.allowed[len(self.accepted)] != tok:
+            return False
+        self.accepted.append(tok)
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.accepted == self.allowed
+
+
+def test_update_from_output_advances_grammars_and_stops_when_complete():
+    """The core's output update advances each constrained sequence's grammar by its token;
+    a complete grammar (or a token it refuses) finishes the sequence as "stop" and frees it,
+    even with ignore_eos and max_tokens left."""
+    s = _sched()
+    a = Request("a", [5, 6], SamplingParams(ignore_eos=True), 0.0, max_tokens=8)
+    b = Request("b", [5, 7], SamplingParams(), 0.0, max_tokens=8)
+    a.structured_output, b.structured_output = _Matcher([3, 4]), _Matcher([3, 4])
+    for r in (a, b):
+        s.add_request(r)
+    assert s.schedule().structured_output_seq_ids == [a.seq_id, b.seq_id]
+    outs = s.update_from_output(_result([a, b], [3, 9]))
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", None), ("b", "stop")]
+    assert a.structured_output.accepted == [3]
+    s.schedule()
+    outs = s.update_from_output(_result([a], [4]))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [("a", [4], "stop")]
+    assert not s.requests and not s.kv.req_blocks

@@ -24,3 +24,27 @@ def test_tp2_equals_tp1(model_dir, family):
     assert got == want
     assert again == want[:1]
     assert all(len(t) == 10 for t in got)
+
+
+def test_tp2_constrained_equals_tp1(model_dir, word_tokenizer):
+    """Constrained sequences sample after the driver sends their bitmask to the follower:
+    TP=2 gives TP=1's tokens, each matching the grammar, in a batch with free requests."""
+    from tandem.sampling_params import SamplingParams
+    from tandem.structured_output import StructuredOutputsParams
+
+    model = model_dir("llama")
+    constrained = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(regex="(t3|t4|t5)+t9"))
+    params = [constrained if i % 2 else SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    want = single_process_ids(model, PROMPTS, params, tokenizer=word_tokenizer)
+    llm = make_llm(model, tensor_parallel_size=2, tokenizer=word_tokenizer)
+    try:
+        got = generate_ids(llm, PROMPTS, params)
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    for ids in got[1::2]:  # (t3|t4|t5)+ t9, then the stop token t1, or cut by max_tokens
+        body = ids[:ids.index(9)] if 9 in ids else ids
+        assert body and set(body) <= {3, 4, 5}, ids
+        assert ids[len(body):] in ([9, 1], [9], []) and (9 in ids or len(ids) == 10), ids

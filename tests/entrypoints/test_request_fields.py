@@ -201,7 +201,7 @@ BAD = [
     ("prompt_logprobs", {"prompt_logprobs": 21}),
     ("no_such_field", {"no_such_field": 1}),
     ("stream_options", {"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}),
-    ("guided_json", {"guided_json": {"type": "object"}}),
+    ("guided_json", {"guided_json": {"type": "nonsense"}}),  # supported field, invalid schema
 ]
 
 

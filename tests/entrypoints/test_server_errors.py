@@ -55,7 +55,7 @@ BAD_CHAT = {
     "max_completion_tokens over the context": {"messages": [{"role": "user", "content": "Hi"}],
                                                "max_completion_tokens": 4096},
     "logit_bias outside vocab": {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"999999": 1}},
-    "tools": {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+    "tools": {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]},
 }
 
 

@@ -142,12 +142,13 @@ class _RequestIdHeader:
         return await self.app(scope, receive, send_with_id)
 
 
-def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | None = None) -> FastAPI:
+def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI application around a running ``AsyncLLM``.
 
     ``app.state`` holds ``llm``, ``serving`` (``OpenAIServing``) and ``metrics``.
     """
-    serving = OpenAIServing(llm, served_model_names)
+    serving = OpenAIServing(llm, served_model_names, tool_call_parser)
     metrics = ServerMetrics(llm, served_model_names[0])
 
     async def watch_engine() -> None:
@@ -310,7 +311,7 @@ def run_server(args: argparse.Namespace) -> None:
         asyncio.get_running_loop().call_later(DEAD_ENGINE_EXIT_DELAY_S, setattr, server, "should_exit", True)
 
     try:
-        app = build_app(llm, names, model_root=cfg.model)
+        app = build_app(llm, names, model_root=cfg.model, tool_call_parser=args.tool_call_parser)
         app.state.on_engine_dead = on_engine_dead
         usable = llm.num_kv_blocks - cfg.data_parallel_size  # one null block per replica
         logger.info("listening on http://%s:%d: model %s (served as %s), max_model_len %d, KV cache %d tokens "

@@ -64,6 +64,21 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow a pydantic BaseModel attribute.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaResponseFormat | None = None
+    # structural_tag: xgrammar's structural tag, given whole (vLLM passes it through).
+    model_config = ConfigDict(extra="allow")
+
+
 class _SamplingFields(OpenAIRequestModel):
     """Fields shared by completions and chat completions."""
 
@@ -97,6 +112,15 @@ class _SamplingFields(OpenAIRequestModel):
     return_tokens_as_token_ids: bool | None = None
     # Not with ``stream``.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Structured outputs: OpenAI's response_format and vLLM's extensions (at most one).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -120,10 +144,6 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``; the prompt is the model's chat template applied to
     ``messages``."""
@@ -133,7 +153,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, le=INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -240,6 +259,7 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

@@ -23,8 +23,12 @@ from typing import Any
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from tandem.engine.token_bytes import TokenBytes, token_id_string
 from tandem.entrypoints.openai import protocol as P
+from tandem.entrypoints.openai.structured_outputs import FieldError, ToolPlan, structured_outputs_of, tool_plan
+from tandem.entrypoints.openai.tool_parsers import (StreamingToolParser, ToolCall, extract_tool_calls,
+                                                    parser_for_chat_template)
 from tandem.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -156,12 +160,16 @@ class OpenAIServing:
     Args:
         llm: the engine front end.
         served_model_names: names accepted in the ``model`` field (the first is reported).
+        tool_call_parser: how chat outputs are parsed for tool calls (``hermes``,
+            ``llama3_json``); None: from the chat template.
     """
 
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], tool_call_parser: str | None = None) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.served_model_names = served_model_names
+        template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else None
+        self.tool_call_parser = tool_call_parser or parser_for_chat_template(template)
         self.model_name = served_model_names[0]
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
         self.token_bytes = TokenBytes(self.tokenizer)
@@ -184,7 +192,8 @@ class OpenAIServing:
             raise bad_request(f"{what} contains token ids outside the vocabulary [0, {v}): {bad[:8]}.", what)
 
     def _sampling_params(self, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None, kind: RequestOutputKind) -> SamplingParams:
+                         prompt_logprobs: int | None, kind: RequestOutputKind,
+                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad_request(f"best_of must equal n (beam search and best_of > n are not supported), got "
                               f"best_of={req.best_of}, n={req.n}.", "best_of")
@@ -223,11 +232,23 @@ class OpenAIServing:
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
                 output_kind=kind,
+                structured_outputs=structured_outputs,
             )
             params.verify_vocab(self.llm.vocab_size)
         except ValueError as e:
             raise bad_request(str(e), _param_of(str(e))) from None
         return params
+
+    async def _structured_outputs(self, req: P._SamplingFields) -> StructuredOutputsParams | None:
+        """The request's output constraint, parsed on the tokenizer thread.
+
+        Raises:
+            OpenAIError: 400 naming the invalid field.
+        """
+        try:
+            return await self._in_tokenizer(structured_outputs_of, req)
+        except FieldError as e:
+            raise bad_request(str(e), e.param) from None
 
     @staticmethod
     def _stream_options(req: P._SamplingFields) -> tuple[bool, bool]:
@@ -378,7 +399,8 @@ class OpenAIServing:
         lp = req.logprobs
         prompt_lp = lp if echo and lp is not None else req.prompt_logprobs
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        params = self._sampling_params(req, max_tokens, lp, prompt_lp, kind)
+        structured = await self._structured_outputs(req)
+        params = self._sampling_params(req, max_tokens, lp, prompt_lp, kind, structured)
         echo_texts = await self._in_tokenizer(self._prompt_texts, prompts) if echo else None
         streams = await self._add(request_id, [ids for _, ids in prompts], params)
         rid = f"cmpl-{request_id}"
@@ -495,6 +517,11 @@ class OpenAIServing:
             d = {"role": m.role, "content": content if content is not None else ""}
             if m.name is not None:
                 d["name"] = m.name
+            extra = m.model_extra or {}
+            if extra.get("tool_call_id") is not None:
+                d["tool_call_id"] = extra["tool_call_id"]
+            if extra.get("tool_calls"):
+                d["tool_calls"] = [_template_tool_call(t) for t in extra["tool_calls"]]
             conv.append(d)
         return conv
 
@@ -513,8 +540,10 @@ class OpenAIServing:
 
     def _chat_prompt(self, req: P.ChatCompletionRequest) -> tuple[str, list[int]]:
         conv = self._conversation(req.messages)
-        text = self._apply_chat_template(conv, req.add_generation_prompt, req.continue_final_message,
-                                         req.chat_template_kwargs)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = req.tools
+        text = self._apply_chat_template(conv, req.add_generation_prompt, req.continue_final_message, kwargs)
         # The template already holds the BOS token where the model wants it.
         return text, self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
@@ -541,10 +570,16 @@ class OpenAIServing:
             OpenAIError: invalid request (400).
         """
         self.check_model(req.model)
-        if req.tools:
-            raise bad_request("tools (function calling) are not supported.", "tools")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(f"response_format {req.response_format.type!r} is not supported.", "response_format")
+        structured = await self._structured_outputs(req)
+        try:
+            plan = await self._in_tokenizer(tool_plan, req)
+        except FieldError as e:
+            raise bad_request(str(e), e.param) from None
+        if plan.constraint is not None:
+            if structured is not None:
+                raise bad_request(f"tool_choice {req.tool_choice!r} cannot be combined with another output "
+                                  f"constraint (response_format, structured_outputs, guided_*).", "tool_choice")
+            structured = plan.constraint
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
         include_usage, continuous_usage = self._stream_options(req)
@@ -553,30 +588,48 @@ class OpenAIServing:
         top = req.top_logprobs or 0
         lp = top if req.logprobs else None
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        params = self._sampling_params(req, max_tokens, lp, req.prompt_logprobs, kind)
+        params = self._sampling_params(req, max_tokens, lp, req.prompt_logprobs, kind, structured)
         streams = await self._add(request_id, [ids], params)
         rid = f"chatcmpl-{request_id}"
         as_ids = bool(req.return_tokens_as_token_ids)
         if req.stream:
             return SSEStream(self._chat_stream(streams[0], len(ids), params, rid, include_usage, continuous_usage,
-                                               as_ids), streams)
+                                               as_ids, plan), streams)
         (out,) = await self._collect(streams)
         choices = []
         num_gen = 0
         for c in sorted(out.outputs, key=lambda c: c.index):
             num_gen += len(c.token_ids)
             logprobs = self._chat_logprobs(c, params, top, as_ids) if lp is not None else None
+            content, calls = self._tool_calls(plan, c.text)
             choices.append(P.ChatCompletionResponseChoice(
-                index=c.index, message=P.ChatResponseMessage(role="assistant", content=c.text), logprobs=logprobs,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                index=c.index, message=P.ChatResponseMessage(role="assistant", content=content,
+                                                             tool_calls=[t.to_dict() for t in calls]),
+                logprobs=logprobs, finish_reason=self._finish_reason(plan, calls, c.finish_reason),
+                stop_reason=c.stop_reason))
         usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=num_gen, total_tokens=len(ids) + num_gen)
         return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage,
                                         prompt_logprobs=self._prompt_logprobs(out, as_ids))
 
+    def _tool_calls(self, plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A finished output's (content, tool calls)."""
+        if plan.mode == "auto":
+            return extract_tool_calls(self.tool_call_parser, text)
+        if plan.mode in ("named", "required"):
+            return None, plan.calls_from_text(text)
+        return text, []
+
+    @staticmethod
+    def _finish_reason(plan: ToolPlan, calls: list[ToolCall], finish: str | None) -> str | None:
+        # OpenAI answers a forced (named) function with "stop", chosen calls with "tool_calls".
+        return "tool_calls" if calls and finish == "stop" and plan.mode != "named" else finish
+
     async def _chat_stream(self, stream: RequestStream, num_prompt: int, params: SamplingParams, rid: str,
-                           include_usage: bool, continuous_usage: bool, as_ids: bool) -> AsyncIterator[str]:
+                           include_usage: bool, continuous_usage: bool, as_ids: bool,
+                           plan: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
         num_gen = [0] * params.n  # per choice: tokens sent so far
+        tools = [_ToolStream(plan, self.tool_call_parser) for _ in range(params.n)]
 
         def chunk(choices, i: int | None = None) -> str:
             usage = None
@@ -597,9 +650,11 @@ class OpenAIServing:
                         continue
                     logprobs = (self._chat_logprobs(c, params, params.logprobs, as_ids)
                                 if params.logprobs is not None else None)
+                    delta, any_calls = tools[c.index].delta(c.text, c.finish_reason is not None)
+                    finish = self._finish_reason(plan, [None] if any_calls else [], c.finish_reason)
                     yield chunk([P.ChatCompletionResponseStreamChoice(
-                        index=c.index, delta=P.DeltaMessage(content=c.text), logprobs=logprobs,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason if c.finish_reason else None)], c.index)
+                        index=c.index, delta=delta, logprobs=logprobs,
+                        finish_reason=finish, stop_reason=c.stop_reason if c.finish_reason else None)], c.index)
             if include_usage:
                 total = sum(num_gen)
                 usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=total, total_tokens=num_prompt + total)
@@ -649,3 +704,59 @@ class OpenAIServing:
             "model_max_length": self.llm.max_model_len,
             "vocab_size": self.llm.vocab_size,
         }
+
+
+def _template_tool_call(call: Any) -> Any:
+    """An assistant message's tool call as chat templates read it: the arguments as an
+    object (Qwen2.5's and Llama 3's templates serialize them with ``tojson``)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+class _ToolStream:
+    """One streamed chat choice's tool calls: turns text deltas into ``DeltaMessage``s.
+
+    ``named``: the first delta opens the call (id, name), the text deltas are its
+    arguments. ``required``: the JSON array is sent as calls when complete. ``auto``: the
+    tool parser's content and finished calls. ``none``: plain content.
+    """
+
+    def __init__(self, plan: ToolPlan, parser: str) -> None:
+        self.plan = plan
+        self.parser = StreamingToolParser(parser) if plan.mode == "auto" else None
+        self.text = ""
+        self.num_calls = 0
+        self.call_id = ToolCall("", "").id
+
+    def delta(self, text: str, final: bool) -> tuple[P.DeltaMessage, bool]:
+        """(the delta to send, whether this choice made any call so far)."""
+        mode = self.plan.mode
+        if mode == "none":
+            return P.DeltaMessage(content=text), False
+        if mode == "named":
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if self.num_calls == 0:
+                call.update(id=self.call_id, type="function")
+                call["function"]["name"] = self.plan.name
+                self.num_calls = 1
+            return P.DeltaMessage(tool_calls=[call]), True
+        if mode == "required":
+            self.text += text
+            calls = self.plan.calls_from_text(self.text) if final else []
+            content = None
+        else:
+            content, calls = self.parser.feed(text)
+            if final:
+                tail, more = self.parser.finish()
+                content, calls = content + tail, calls + more
+        dicts = []
+        for call in calls:
+            dicts.append({"index": self.num_calls, **call.to_dict()})
+            self.num_calls += 1
+        return P.DeltaMessage(content=content or None, tool_calls=dicts or None), self.num_calls > 0

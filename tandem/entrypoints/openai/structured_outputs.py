@@ -1,0 +1,174 @@
+"""Request fields -> one ``StructuredOutputsParams``; tools and ``tool_choice`` -> a plan.
+
+Sources of a constraint (at most one per request, as in vLLM): OpenAI's
+``response_format`` (``json_object``, ``json_schema``, ``structural_tag``), vLLM's
+``structured_outputs`` object and its older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` fields, and for chat ``tool_choice`` ``required``
+or a named function (vLLM's schemas: the named function's parameters; for ``required`` an
+array of ``{"name", "parameters"}`` objects, one ``anyOf`` branch per tool).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from tandem.entrypoints.openai import protocol as P
+from tandem.entrypoints.openai.tool_parsers import ToolCall
+from tandem.structured_output import StructuredOutputsParams
+
+_PARAM_FIELDS = {f.name for f in fields(StructuredOutputsParams)}
+
+
+class FieldError(ValueError):
+    """A request field is invalid; ``param`` names it (HTTP 400)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _build(param: str, **kwargs) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        raise FieldError(f"{param}: {e}", param) from None
+
+
+def _from_response_format(rf: P.ResponseFormat) -> StructuredOutputsParams | None:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return _build("response_format", json_object=True)
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise FieldError("response_format: type json_schema needs json_schema.schema.", "response_format")
+        return _build("response_format", json=rf.json_schema.json_schema)
+    tag = {k: v for k, v in rf.model_dump(by_alias=True).items() if k != "json_schema" or v is not None}
+    return _build("response_format", structural_tag=json.dumps(tag))
+
+
+def _from_guided(req: P._SamplingFields) -> list[tuple[str, StructuredOutputsParams]]:
+    found = []
+    if req.guided_whitespace_pattern is not None:
+        raise FieldError("guided_whitespace_pattern is not supported (xgrammar backend).", "guided_whitespace_pattern")
+    if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        raise FieldError(f"guided_decoding_backend must be xgrammar, got {req.guided_decoding_backend!r}.",
+                         "guided_decoding_backend")
+    for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                     ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            if kw == "json" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise FieldError(f"{name} is not valid JSON: {e}", name) from None
+            found.append((name, _build(name, **{kw: value})))
+    return found
+
+
+def _from_structured_outputs(so: dict[str, Any]) -> StructuredOutputsParams:
+    unknown = sorted(set(so) - _PARAM_FIELDS - {"backend", "_backend"})
+    if unknown:
+        raise FieldError(f"structured_outputs: unknown fields {unknown}; known: {sorted(_PARAM_FIELDS)}.",
+                         "structured_outputs")
+    return _build("structured_outputs", **{k: v for k, v in so.items() if k in _PARAM_FIELDS})
+
+
+def structured_outputs_of(req: P._SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, or None.
+
+    Raises:
+        FieldError: an invalid constraint, or more than one; ``param`` names the field.
+    """
+    found = []
+    if req.response_format is not None:
+        so = _from_response_format(req.response_format)
+        if so is not None:
+            found.append(("response_format", so))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", _from_structured_outputs(req.structured_outputs)))
+    found += _from_guided(req)
+    if len(found) > 1:
+        names = [n for n, _ in found]
+        raise FieldError(f"only one structured output constraint may be given, got {names}.", names[1])
+    return found[0][1] if found else None
+
+
+# ------------------------------------------------------------------------ tools
+@dataclass
+class ToolPlan:
+    """How a chat request uses its tools.
+
+    ``mode``: ``none`` (no tools, or tool_choice none: plain output), ``auto`` (free
+    output, parsed for calls), ``required`` (a JSON array of calls), ``named`` (the
+    arguments of ``name``). ``constraint``: the grammar that ``required``/``named`` impose.
+    """
+
+    mode: str
+    tools: list[dict]
+    name: str | None = None
+    constraint: StructuredOutputsParams | None = None
+
+    def calls_from_text(self, text: str) -> list[ToolCall]:
+        """The calls of a finished ``required`` / ``named`` output."""
+        if self.mode == "named":
+            return [ToolCall(self.name, text)]
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return []  # cut by max_tokens: no complete call
+        return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in items]
+
+
+def _check_tools(tools: list[dict]) -> dict[str, dict]:
+    by_name = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise FieldError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                             f"\"parameters\": {{...}}}}}}.", "tools")
+        params = fn.get("parameters")
+        if params is not None:
+            _build("tools", json=params)  # a parameters schema must itself be valid
+        by_name[fn["name"]] = fn
+    return by_name
+
+
+def tool_plan(req: P.ChatCompletionRequest) -> ToolPlan:
+    """Resolve ``tools`` / ``tool_choice`` (OpenAI semantics: ``auto`` when tools are
+    given and no choice is).
+
+    Raises:
+        FieldError: malformed tools, an unknown tool_choice or function name, or
+            tool_choice together with another output constraint.
+    """
+    tools = req.tools or []
+    by_name = _check_tools(tools)
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none" or (choice == "auto" and not tools):
+        return ToolPlan("none", tools)
+    if not tools:
+        raise FieldError("tool_choice requires tools.", "tool_choice")
+    if choice == "auto":
+        return ToolPlan("auto", tools)
+    if choice == "required":
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]},
+                                                   "parameters": fn.get("parameters") or {"type": "object"}},
+                  "required": ["name", "parameters"]} for n, fn in by_name.items()]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        return ToolPlan("required", tools, constraint=_build("tool_choice", json=schema))
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if name is None:
+        raise FieldError(f"tool_choice must be none, auto, required or {{\"type\": \"function\", \"function\": "
+                         f"{{\"name\": ...}}}}, got {choice!r}.", "tool_choice")
+    if name not in by_name:
+        raise FieldError(f"tool_choice names the function {name!r}, which is not among the tools "
+                         f"{sorted(by_name)}.", "tool_choice")
+    schema = by_name[name].get("parameters") or {"type": "object"}
+    return ToolPlan("named", tools, name=name, constraint=_build("tool_choice", json=schema))

@@ -1,0 +1,218 @@
+"""Constrained decoding through the engine (embedded SmolLM2, CPU): every output of a
+varied set of constraints validates; async output processing on and off give identical
+tokens; constrained and free requests batch together without changing the free ones;
+preemption and prefix caching keep constrained outputs exact."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+
+from tandem.sampling_params import SamplingParams
+from tandem.structured_output import StructuredOutputsParams
+from tests.conftest import assert_all_blocks_free, make_llm
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                      "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "address"],
+    "additionalProperties": False,
+}
+PET = {
+    "type": "object",
+    "properties": {"species": {"enum": ["cat", "dog", "fish"]},
+                   "toys": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1,
+                            "maxItems": 2},
+                   "indoor": {"type": "boolean"}},
+    "required": ["species", "toys", "indoor"],
+    "additionalProperties": False,
+}
+REGEX = r"[A-Z][a-z]{2,6}-[0-9]{3}"
+CHOICES = ["Paris", "London", "Berlin", "Madrid"]
+
+
+def _chat(tok, q: str) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _cases(tok):
+    """(prompt ids, params, checker) for a varied set of constraints."""
+    def so(**kw):
+        return StructuredOutputsParams(disable_any_whitespace=True, **kw) if "json" in kw else StructuredOutputsParams(**kw)
+
+    def sp(c, **kw):
+        return SamplingParams(**{"temperature": 0, "max_tokens": 80, "structured_outputs": c, **kw})
+
+    def valid(schema):
+        return lambda text: jsonschema.validate(json.loads(text), schema)
+
+    def obj(text):
+        assert isinstance(json.loads(text), dict)
+
+    def full(pattern):
+        return lambda text: re.fullmatch(pattern, text) or pytest.fail(f"{text!r} does not match {pattern}")
+
+    def one_of(text):
+        assert text in CHOICES, text
+
+    return [
+        (_chat(tok, "Describe a person as JSON."), sp(so(json=PERSON)), valid(PERSON)),
+        (_chat(tok, "Describe a pet as JSON."), sp(so(json=PET)), valid(PET)),
+        (_chat(tok, "Describe a pet as JSON."), sp(so(json=json.dumps(PET)), temperature=0.9, seed=3), valid(PET)),
+        (_chat(tok, "Give me a product code."), sp(so(regex=REGEX)), full(REGEX)),
+        (_chat(tok, "What is the capital of Spain?"), sp(so(choice=CHOICES)), one_of),
+        (_chat(tok, "Give me a JSON object about a cat with two keys."),
+         sp(so(json_object=True), max_tokens=200), obj),
+        (_chat(tok, "Say yes or no."), sp(so(grammar='root ::= "yes" | "no" | "maybe, " [a-z]+ "."')),
+         full(r"yes|no|maybe, [a-z]+\."))
+    ]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    on, off = make_llm(async_output_proc=True), make_llm(async_output_proc=False)
+    yield {True: on, False: off}
+    on.engine.shutdown()
+    off.engine.shutdown()
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_all_blocks_free(llm.engine)
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def test_varied_constraints_validate_async_on_off_identical(engines):
+    tok = engines[True].get_tokenizer()
+    cases = _cases(tok)
+    prompts, params, checks = zip(*cases)
+    res = {mode: _run(llm, list(prompts), list(params)) for mode, llm in engines.items()}
+    assert res[True] == res[False]
+    for (ids, text, finish), check in zip(res[True], checks):
+        assert finish == "stop", (text, finish)
+        check(text)
+
+
+def test_mixed_batch_free_requests_unchanged(engines):
+    """Free requests batched with constrained ones give the tokens they give alone, and
+    the constrained ones theirs."""
+    llm = engines[True]
+    tok = llm.get_tokenizer()
+    cases = _cases(tok)[:4]
+    free_prompts = [_chat(tok, "Write a short poem."), _chat(tok, "What is 2+2?")]
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone_free = _run(llm, free_prompts, free)
+    alone_constrained = _run(llm, [c[0] for c in cases], [c[1] for c in cases])
+    mixed = _run(llm, free_prompts[:1] + [c[0] for c in cases] + free_prompts[1:],
+                 [free] + [c[1] for c in cases] + [free])
+    assert [mixed[0], mixed[-1]] == alone_free
+    assert mixed[1:-1] == alone_constrained
+
+
+@pytest.mark.parametrize("async_output_proc", [True, False])
+def test_preemption_and_prefix_caching(engines, async_output_proc):
+    """A KV cache too small for the batch preempts sequences (recomputed later) and a
+    repeated prompt hits the prefix cache; constrained outputs stay exactly those of a
+    roomy engine."""
+    tok = engines[True].get_tokenizer()
+    cases = _cases(tok)[:3] * 2
+    prompts, params = [c[0] for c in cases], [c[1] for c in cases]
+    reference = _run(engines[async_output_proc], prompts, params)
+    small = make_llm(async_output_proc=async_output_proc, num_kv_blocks=14, block_size=16,
+                     enable_prefix_caching=True, max_num_seqs=6)
+    try:
+        got = _run(small, prompts, params)
+        stats = small.engine.client.debug_stats()[0]
+    finally:
+        small.engine.shutdown()
+    assert got == reference
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hits"] > 0
+    for (ids, text, _), check in zip(got, [c[2] for c in cases]):
+        check(text)
+
+
+def test_n_and_ignore_eos_end_with_the_grammar(engines):
+    """n sequences each get their own grammar state; with ignore_eos the output still
+    ends when the grammar is complete."""
+    llm = engines[True]
+    tok = llm.get_tokenizer()
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex=REGEX))
+    out = llm.generate([_chat(tok, "A code please.")], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    for c in out.outputs:
+        assert re.fullmatch(REGEX, c.text), c.text
+        assert c.finish_reason == "stop"
+    assert_all_blocks_free(llm.engine)
+
+
+def test_compiling_grammar_does_not_stall_running_requests(engines):
+    """While a new grammar compiles (held back here), a free request added after it runs to
+    the end; the constrained one starts once its grammar is ready."""
+    engine = engines[True].engine
+    manager = engine.core.structured_output
+    gate = threading.Event()
+    compile_ = manager._compile
+    manager._compile = lambda params: gate.wait(120) and compile_(params)
+    try:
+        engine.add_request("constrained", "Code:", SamplingParams(
+            temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"held-[0-9]{2}")))
+        engine.add_request("free", "Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        done = {}
+        for _ in range(200):  # the free request needs 9 steps
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            if "free" in done:
+                break
+        assert "free" in done and "constrained" not in done
+        assert engine.scheduler.requests  # still waiting for its grammar
+        gate.set()
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+    finally:
+        manager._compile = compile_
+        gate.set()
+    assert len(done["free"].outputs[0].token_ids) == 8
+    assert re.fullmatch(r"held-[0-9]{2}", done["constrained"].outputs[0].text)
+    assert_all_blocks_free(engine)
+
+
+def test_grammar_compile_failure_finishes_only_that_request(engines, caplog):
+    """A grammar that fails to compile (past the up-front parse) makes the core drop its
+    request with the compile error (the front end's contract for core-dropped requests:
+    logged offline, an error to the server's client) and free it; the other requests are
+    unaffected."""
+    engine = engines[True].engine
+    manager = engine.core.structured_output
+
+    def broken(params):
+        raise RuntimeError("[00:00:00] /project/cpp/compiler.cc:1: simulated failure")
+
+    compile_ = manager._compile
+    manager._compile = broken
+    try:
+        engine.add_request("bad", "Code:", SamplingParams(
+            temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex=r"broken-[0-9]{3}")))
+        engine.add_request("free", "Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        done = {}
+        for _ in range(200):
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            if not engine.has_unfinished_requests():
+                break
+    finally:
+        manager._compile = compile_
+    assert "bad" not in done and not engine.has_unfinished_requests()
+    assert "request bad dropped by its engine core: grammar compilation failed: simulated failure" in caplog.text
+    assert len(done["free"].outputs[0].token_ids) == 4
+    assert_all_blocks_free(engine)
