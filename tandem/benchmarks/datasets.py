@@ -47,7 +47,10 @@ class LocalTokenizer:
         from tandem.model_loader.loader import load_tokenizer
 
         self.tok = load_tokenizer(path)
-        self.vocab_size = len(self.tok)
+        # The base vocabulary, as vLLM's random dataset: added tokens (ids from vocab_size up)
+        # may lie beyond the model's embedding rows (DeepSeek-V3's tokenizer: 128,815 ids for
+        # a 128,256-row model) and decode to special-token text.
+        self.vocab_size = self.tok.vocab_size
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)

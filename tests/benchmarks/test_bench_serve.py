@@ -127,3 +127,20 @@ def test_bench_serve_json_schema(server, tmp_path):
     res = json.loads((tmp_path / "js.json").read_text())
     assert res["completed"] == 2 and res["num_constrained"] == 1
     assert "Constrained requests: 1" in p.stdout
+
+
+def test_local_tokenizer_random_ids_skip_added_tokens(tmp_path):
+    """Random prompts use the base vocabulary: added tokens (which may lie beyond the
+    model's embedding rows) are never drawn."""
+    from tandem.benchmarks.datasets import LocalTokenizer
+    from tandem.config import embedded_default_model
+    from tandem.model_loader.loader import load_tokenizer
+
+    tok = load_tokenizer(embedded_default_model())
+    base = tok.vocab_size
+    tok.add_tokens([f"<extra_{i}>" for i in range(64)], special_tokens=True)
+    tok.save_pretrained(tmp_path)
+    local = LocalTokenizer(str(tmp_path))
+    assert len(local.tok) == base + 64 and local.vocab_size == base
+    reqs = random_requests(32, 64, 4, local.vocab_size, seed=1)
+    assert max(max(r.prompt) for r in reqs) < base
