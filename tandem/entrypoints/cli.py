@@ -162,8 +162,16 @@ def _serve(args: argparse.Namespace) -> None:
     run_server(args)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (argparse prints the whole usage block
+    first, 35 lines for ``serve``). Subcommand parsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference and serving engine")
+    parser = OneLineErrorParser(prog="tandem", description="Tandem LLM inference and serving engine")
     parser.add_argument("--version", action="version", version=f"%(prog)s {tandem_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -47,7 +47,9 @@ def test_version():
     (["bench", "serve", "--num-prompts", "0"], "--num-prompts"),
 ])
 def test_bad_flag_values_are_rejected_while_parsing(args, needle):
-    assert_one_line_error(tandem(*args), 2, needle)
+    res = tandem(*args)
+    assert_one_line_error(res, 2, needle)
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # no usage block
 
 
 @pytest.mark.parametrize("cmd", [["generate", "hi"], ["serve"], ["bench", "throughput"]])
