@@ -107,6 +107,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     from tandem.entrypoints.llm import LLM
+    from tandem.model_loader.generation_config import load_generation_defaults
     from tandem.sampling_params import SamplingParams
 
     # Sampling values are checked before the model loads.
@@ -119,7 +120,9 @@ def _generate(args: argparse.Namespace) -> None:
     llm = LLM(**vars(cfg))
     load_s = time.perf_counter() - start
     try:
-        if params.temperature is None and "temperature" not in llm.engine.generation_defaults.sampling:
+        # From the config, not the engine: under torchrun rank 0's engine is a rank client.
+        if params.temperature is None and "temperature" not in load_generation_defaults(
+                cfg.model, cfg.generation_config).sampling:
             params = params.clone(temperature=0.0)  # the command's default: greedy
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)

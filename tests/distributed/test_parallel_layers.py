@@ -105,9 +105,10 @@ def test_parallel_state_defaults_without_distributed():
 
 def test_engine_refuses_parallel_config_outside_the_ranks():
     from tandem.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.core import EngineCore
 
+    # The front end (LLMEngine) launches the ranks; a core must be one of them.
     with pytest.raises(ValueError, match="not one of them"):
-        LLMEngine(EngineConfig(tensor_parallel_size=2))
+        EngineCore(EngineConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="all2all_backend"):
         EngineConfig(all2all_backend="nccl")
