@@ -23,6 +23,7 @@ from tandem.model_loader.loader import build_model, load_hf_config, load_tokeniz
 from tandem.outputs import RequestOutput
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams, child_seed
+from tandem.step_timing import StepHostTimes
 from tandem.attention.backend import get_attention_backend
 from tandem.layers.quantization.config import get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
@@ -108,6 +109,7 @@ class LLMEngine:
         # Tensor parallelism: the driver sends each step's SchedulerOutput to the other TP
         # ranks before running it (set by tandem.engine.dp_engine).
         self.step_broadcast = None
+        self.step_times: StepHostTimes | None = None
 
     def _moe_kwargs(self) -> dict:
         """The dispatch/combine backend of MoE layers (dense models take none)."""
@@ -280,7 +282,10 @@ class LLMEngine:
                 requests of the failed step and of the step in flight are aborted (their
                 blocks freed); the engine stays usable for the others and for new ones.
         """
+        t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        if self.step_times is not None:
+            self.step_times.add(so.step_id, "schedule", time.perf_counter() - t0)
         if self.step_broadcast is not None:
             self.step_broadcast(so)
         prev, self._inflight = self._inflight, None
@@ -289,9 +294,9 @@ class LLMEngine:
         try:
             handle = self.runner.execute_model(so)
             if not self.async_output_proc:
-                return self.output_processor.process(handle.result())
+                return self._process(so, handle.result())
             # Step N's outputs are processed while step N+1 (just launched) runs.
-            outputs = self.output_processor.process(prev[1].result()) if prev is not None else []
+            outputs = self._process(prev[0], prev[1].result()) if prev is not None else []
             if so.is_empty:
                 # Nothing to process later, but an idle DP rank's dummy batch can fail: wait.
                 handle.result()
@@ -301,6 +306,22 @@ class LLMEngine:
         except Exception:
             self._abort_steps(failed, [h for h in (handle, prev[1] if prev is not None else None) if h is not None])
             raise
+
+    def _process(self, so: SchedulerOutput, result) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs = self.output_processor.process(result)
+        if self.step_times is not None and result.seq_ids:
+            self.step_times.add(so.step_id, "process", time.perf_counter() - t0)
+        return outputs
+
+    def start_host_timing(self) -> StepHostTimes:
+        """Record the host time of every step from now on (:mod:`tandem.step_timing`)."""
+        self.step_times = self.runner.step_times = StepHostTimes()
+        return self.step_times
+
+    def stop_host_timing(self) -> StepHostTimes | None:
+        times, self.step_times, self.runner.step_times = self.step_times, None, None
+        return times
 
     def _abort_steps(self, steps: list[SchedulerOutput], handles: list) -> None:
         """Abort every request with a sequence in ``steps`` after waiting out their handles.

@@ -14,6 +14,7 @@ the model's compute, with the same pipeline structure as on a GPU.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -210,6 +211,8 @@ class ModelRunner:
         # Per step, when timing is on: (start event, end event, sequences, all decode?,
         # total context tokens read by attention).
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] | None = None
+        # Host time of each step's input building, when timing is on (tandem.step_timing).
+        self.step_times = None
 
     def _h2d(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         # non_blocking: a blocking host-to-device copy would wait for the in-flight step.
@@ -266,6 +269,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, so: SchedulerOutput):
+        t_prep = time.perf_counter()
         for sid in so.finished_seq_ids:
             self._drop_seq(sid)
         for sid in so.preempted_seq_ids:
@@ -280,6 +284,7 @@ class ModelRunner:
             # Decode sequences (one new token) first: backends batch them uniformly.
             seqs = sorted(so.scheduled, key=lambda s: s.num_new_tokens != 1)
             inputs = self._prepare_inputs(seqs)
+        t_prep = time.perf_counter() - t_prep
         num_tokens = inputs.num_tokens if inputs is not None else 0
         num_decode = inputs.num_decode_reqs() if inputs is not None else 0
         graphs = self.cuda_graphs
@@ -334,7 +339,9 @@ class ModelRunner:
         if sample_rows:
             logits = self.model.compute_logits(hidden[logits_idx])
             states = [self.states[sid] for sid in sample_seq_ids]
+            t_batch = time.perf_counter()
             batch = self._sampling_batch(states)
+            t_prep += time.perf_counter() - t_batch
             k = batch.max_num_logprobs
             out: SamplerOutput = sample(logits, batch, self._output_counts, self._prompt_mask)
             sampled = out.sampled
@@ -351,6 +358,8 @@ class ModelRunner:
             ev_end = torch.cuda.Event(enable_timing=True)
             ev_end.record()
             self.step_events.append((ev_start, ev_end, num_reqs, num_decode == num_reqs, int(inputs.seq_lens.sum())))
+        if self.step_times is not None:
+            self.step_times.add(so.step_id, "prepare", t_prep)
         self.prev_rows = {sid: i for i, sid in enumerate(sample_seq_ids)}
         event = None
         if self._is_cuda:
