@@ -45,7 +45,7 @@ from model_shapes import DEEPSEEK_V2_LITE
 def build(cfg_dict: dict, device: torch.device, link, rank_experts: bool = False):
     from transformers import AutoConfig
 
-    from tandem.attention.backend import get_attention_backend
+    from tandem.attention.selector import get_attention_backend
     from tandem.distributed.all2all import SimulatedAll2All
     from tandem.model_loader.loader import build_model
 

@@ -5,7 +5,7 @@ process:
 
 * the **engine thread** runs ``LLMEngine.step()`` back to back while there is work: it
   schedules, launches the model step, and processes the previous step's outputs (stop
-  checks and incremental detokenization overlap the running step, see DESIGN.md). When no
+  checks and incremental detokenization overlap the running step, see docs/architecture.md). When no
   request is live it sleeps on a condition variable (no busy spin);
 * the **front end** (an asyncio event loop: HTTP parsing, validation, chat templates and
   prompt tokenization) hands requests and aborts to the engine thread through a locked

@@ -18,7 +18,7 @@ The drivers of the DP replicas step in **lockstep**: one loop iteration on every
    whether to step, whether to stop;
 2. every driver applies its part and, if the plan says so, calls ``engine.step()`` — all
    drivers call it the same number of times while any replica has work, so that the model
-   runner's per-step ``coordinate_step`` over the DP group and its dummy batches on idle
+   runner's per-step plan (``tandem.worker.step_plan``) agreed over the DP group and its dummy batches on idle
    ranks keep the MoE collectives matched (``ModelRunner.dp_group``, set by
    ``LLMEngine`` under expert parallelism);
 3. the step's outputs, rejected requests and "still has work" flags are gathered on the
@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem import envs
 from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
 from tandem.distributed.launch import host_store, resolve_rendezvous, spawn_ranks
@@ -243,10 +244,10 @@ def _rank_main(config: EngineConfig, rank: int, world_size: int, master_addr: st
     # Ctrl-C in a terminal reaches every process of the group: the front-end alone handles
     # it (it stops the ranks); a rank interrupted mid-collective would print a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if os.environ.get("TANDEM_DUMP_STACKS_AFTER_S"):  # debugging a hang: every rank prints its stacks
+    if envs.TANDEM_DUMP_STACKS_AFTER_S is not None:  # debugging a hang: every rank prints its stacks
         import faulthandler
 
-        faulthandler.dump_traceback_later(float(os.environ["TANDEM_DUMP_STACKS_AFTER_S"]), exit=False)
+        faulthandler.dump_traceback_later(envs.TANDEM_DUMP_STACKS_AFTER_S, exit=False)
     engine = None
     try:
         configure_logging()
@@ -383,7 +384,7 @@ class SpawnedEngineClient(_ClientBase):
         import torch.multiprocessing as mp
 
         if startup_timeout is None:
-            startup_timeout = float(os.environ.get("TANDEM_STARTUP_TIMEOUT_S", "1800"))
+            startup_timeout = envs.TANDEM_STARTUP_TIMEOUT_S
         rdv = resolve_rendezvous(config.master_addr, config.master_port)
         self._store = host_store(rdv, config.world_size)  # kept until every rank has exited
         ctx = mp.get_context("spawn")

@@ -2,7 +2,7 @@
 
 With ``async_output_proc`` (after vLLM PR #7049 and vLLM V1 async scheduling), step N+1
 is scheduled and launched before step N's outputs are processed, so the output
-processing of step N overlaps the model's execution of step N+1. See DESIGN.md.
+processing of step N overlaps the model's execution of step N+1. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.core.block_manager import KVCacheManager
-from tandem.core.scheduler import Scheduler, SchedulerOutput
+from tandem.core.sched_output import SchedulerOutput
+from tandem.core.scheduler import Scheduler
 from tandem.distributed import parallel_state as ps
 from tandem.engine.output_processor import OutputProcessor
 from tandem.model_loader.generation_config import load_generation_defaults
@@ -24,10 +25,11 @@ from tandem.outputs import RequestOutput
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams, child_seed
 from tandem.step_timing import StepHostTimes
-from tandem.attention.backend import get_attention_backend
+from tandem.attention.selector import get_attention_backend
 from tandem.layers.quantization.config import get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
-from tandem.worker.model_runner import DBOConfig, ModelRunner
+from tandem.worker.model_runner import ModelRunner
+from tandem.worker.step_plan import DBOPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class LLMEngine:
                                    config.max_model_len, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
                                   max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
-                                  dbo=DBOConfig(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold,
+                                  dbo=DBOPolicy(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold,
                                                 config.dbo_measure_split)
                                   if config.enable_dbo else None)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
@@ -124,7 +126,7 @@ class LLMEngine:
         if name == "auto":
             name = "local" if ep == 1 else "allgather_reducescatter"
         if ep > 1 or name in ("allgather_reducescatter", "all_to_all"):
-            from tandem.distributed.ep_all2all import make_all2all_factory
+            from tandem.distributed.all2all_factory import make_all2all_factory
 
             return {"all2all": make_all2all_factory(name, group=ps.get_ep_group(), ep_size=ep, ep_rank=ps.get_ep_rank())}
         if name == "simulated":
@@ -136,7 +138,7 @@ class LLMEngine:
                                "outputs are not the model's (timing only)")
             return {"all2all": lambda num_experts: SimulatedAll2All(num_experts, link=link, record=False,
                                                                     rank_experts=cfg.simulated_ep_rank_experts)}
-        from tandem.distributed.all2all import get_all2all_backend
+        from tandem.distributed.all2all_factory import get_all2all_backend
 
         return {"all2all": lambda num_experts: get_all2all_backend(name, num_experts)}
 
@@ -199,7 +201,7 @@ class LLMEngine:
         from tandem.distributed.forward_context import ForwardContext, forward_context
 
         # Every rank profiles the same t tokens: expert-parallel exchanges pair up.
-        with forward_context(ForwardContext(max_tokens_per_rank=t, dp_size=ps.get_dp_size())):
+        with forward_context(ForwardContext(max_tokens_per_rank=t)):
             hidden = self.model(torch.zeros(t, dtype=torch.long, device=device), torch.arange(t, device=device), caches,
                                 meta)
         rows = min(cfg.max_num_seqs, t)

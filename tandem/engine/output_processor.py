@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from tandem.core.scheduler import Scheduler
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.token_bytes import TokenBytes
-from tandem.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from tandem.outputs import CompletionOutput, Logprob, ModelRunnerOutput, PositionLogprobs, PromptLogprobs, RequestOutput
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import RequestOutputKind
-from tandem.worker.model_runner import ModelRunnerOutput, PromptLogprobs
 
 
 @dataclass(eq=False)
