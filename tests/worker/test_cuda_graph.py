@@ -1,5 +1,5 @@
 """Decode CUDA graphs with dual-batch overlap on the device (skipped without CUDA): with
-``measure_dbo`` the capture keeps a split graph only where its replay was faster, and every
+``DBOPolicy(measure_split=True)`` the capture keeps a split graph only where its replay was faster, and every
 kept graph, split or plain, gives the eager forward's hidden states."""
 
 from __future__ import annotations
