@@ -15,7 +15,8 @@ V = 50
 
 
 def _new(seq_id, params, prompt=(1, 2, 3), outputs=()):
-    return NewRequestData(seq_id, list(prompt), list(outputs), params, False)
+    # The engine fills unset parameters (generation_config.json, else vLLM's defaults).
+    return NewRequestData(seq_id, list(prompt), list(outputs), params.with_defaults(), False)
 
 
 def _batch():
