@@ -18,7 +18,7 @@ sequences), plus that ubatch's exchanges, comm(b/2). Where T(b/2) is much more t
 of T(b) (latency-bound steps), the floor is well above max(compute, comm).
 
 "policy" is what the engine runs by default with ``--enable-dbo``: the graph capture times
-both variants of the size (``DecodeCUDAGraphs(measure_dbo=True)``) and keeps the faster; its
+both variants of the size (``DBOPolicy(measure_split=True)``) and keeps the faster; its
 column is the kept graph's step time and which one it kept.
 
 ``--rank-experts`` makes the simulated GPU compute like one rank of an EP=8 group
@@ -45,7 +45,7 @@ from model_shapes import DEEPSEEK_V2_LITE
 def build(cfg_dict: dict, device: torch.device, link, rank_experts: bool = False):
     from transformers import AutoConfig
 
-    from tandem.attention.backend import get_attention_backend
+    from tandem.attention.selector import get_attention_backend
     from tandem.distributed.all2all import SimulatedAll2All
     from tandem.model_loader.loader import build_model
 
@@ -74,6 +74,7 @@ def main() -> None:
 
     from tandem.distributed.all2all import LinkModel
     from tandem.worker.cuda_graph import DecodeCUDAGraphs
+    from tandem.worker.step_plan import DBOPolicy
 
     device = torch.device("cuda")
     cfg = dict(DEEPSEEK_V2_LITE)
@@ -102,18 +103,19 @@ def main() -> None:
     def step_time(b: int, split: bool, measure: bool = False) -> tuple[float, bool]:
         """Median step time (ms) of the graph for ``b`` sequences, and whether it is split.
         ``measure``: the engine's default policy picks split or plain by timing both."""
-        g = DecodeCUDAGraphs(model, kv, b, blocks_per_seq, bs, device, dbo_min_size=2 if split or measure else None,
-                             sizes=[b], measure_dbo=measure)
+        dbo = DBOPolicy(decode_token_threshold=2, measure_split=measure) if split or measure else None
+        g = DecodeCUDAGraphs(model, kv, b, blocks_per_seq, bs, device, dbo=dbo, sizes=[b])
         g.capture()
         table = (1 + np.arange(b)[:, None] * blocks_per_seq + np.arange(blocks_per_seq)[None, :]).astype(np.int32)
         pos = np.full(b, args.context, dtype=np.int64)
         slots = table[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs
+        table_t = torch.from_numpy(table).to(device)
         ids = torch.randint(0, cfg["vocab_size"], (b,), device=device)
         times = []
         for i in range(args.iters + 3):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            g.run(b, ids, pos, slots, pos + 1, pos, table)
+            g.run(b, ids, pos, slots, pos + 1, pos, table_t, b)
             e.record()
             e.synchronize()
             if i >= 3:

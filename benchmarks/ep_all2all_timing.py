@@ -40,7 +40,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from tandem.distributed import parallel_state as ps
-    from tandem.distributed.ep_all2all import make_all2all_factory
+    from tandem.distributed.all2all_factory import make_all2all_factory
     from tandem.distributed.forward_context import ForwardContext, forward_context
     from tandem.layers.moe import grouped_experts
 

@@ -59,11 +59,11 @@ class EngineConfig:
             else max(max_model_len, 2048)).
         enable_chunked_prefill: split long prompts over steps.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
-        async_output_proc: process step N's outputs while step N+1 runs (DESIGN.md).
+        async_output_proc: process step N's outputs while step N+1 runs (docs/architecture.md).
         enforce_eager: no CUDA graphs.
         seed: seed of the engine's global random generator.
         enable_dbo: dual-batch overlap for MoE models: split large steps into two ubatches
-            and overlap one's all-to-all with the other's compute (DESIGN.md).
+            and overlap one's all-to-all with the other's compute (docs/architecture.md).
         dbo_decode_token_threshold: smallest decode-only step that is split.
         dbo_prefill_token_threshold: smallest step with prefill tokens that is split.
         dbo_measure_split: on CUDA, split only where a split step was measured faster
@@ -150,7 +150,7 @@ class EngineConfig:
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size and data_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size} and {self.data_parallel_size}.")
-        from tandem.distributed.all2all import ALL2ALL_BACKENDS
+        from tandem.distributed.all2all_factory import ALL2ALL_BACKENDS
 
         if self.all2all_backend != "auto" and self.all2all_backend not in ALL2ALL_BACKENDS:
             raise ValueError(f"all2all_backend must be auto or one of {', '.join(ALL2ALL_BACKENDS)}, "

@@ -5,7 +5,8 @@ startup decisions such as the captured CUDA graph sizes and the dual-batch overl
 from __future__ import annotations
 
 import logging
-import os
+
+from tandem import envs
 
 
 def configure_logging(default_level: str = "WARNING") -> None:
@@ -14,7 +15,5 @@ def configure_logging(default_level: str = "WARNING") -> None:
     Raises:
         ValueError: the variable names no logging level.
     """
-    level = os.environ.get("TANDEM_LOGGING_LEVEL", default_level).strip().upper()
-    if not isinstance(logging.getLevelName(level), int):
-        raise ValueError(f"TANDEM_LOGGING_LEVEL must be a logging level (DEBUG, INFO, WARNING, ERROR), got {level!r}")
+    level = envs.TANDEM_LOGGING_LEVEL or default_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,4 +1,5 @@
-"""Request outputs returned to users (vLLM's ``RequestOutput`` shape)."""
+"""Outputs: the model runner's per-step result (``ModelRunnerOutput``, vLLM's
+``v1/outputs.py``) and the request outputs returned to users (vLLM's ``RequestOutput``)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,30 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens computed in one step for one sequence.
+
+    ``token_ids`` / ``logprobs``: ``[n, 1 + K]`` (the actual next prompt token first, then
+    the top K); ``ranks``: ``[n]``; ``start``: index in the prompt of the first token they
+    score (>= 1).
+    """
+
+    start: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Host-side result of one model step: one sampled token per sampling sequence
+    (``seq_ids[i]`` sampled ``sampled_token_ids[i]``), in the order the runner sampled them."""
+
+    seq_ids: list[int]
+    sampled_token_ids: list[int]
+    # Per sampling row, when any row asked for logprobs: ([1+K] ids, [1+K] logprobs, rank).
+    logprobs: list[tuple[list[int], list[float], int]] | None = None
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)

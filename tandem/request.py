@@ -44,7 +44,7 @@ class Request:
     model runner), so that a user's request id can be reused while a step holding the
     old sequence is still in flight.
 
-    Token accounting (one-step-ahead scheduling, see DESIGN.md):
+    Token accounting (one-step-ahead scheduling, see docs/architecture.md):
       * ``num_tokens`` = prompt + output tokens known on the host;
       * ``num_output_placeholders`` = tokens sampled by launched steps whose ids are not
         on the host yet;

@@ -1,4 +1,4 @@
-"""Attention backend interface and backend selection."""
+"""Attention backend interface (selection: :mod:`tandem.attention.selector`)."""
 
 from __future__ import annotations
 
@@ -65,14 +65,3 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
         flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     flat[0].index_copy_(0, slots, k)
     flat[1].index_copy_(0, slots, v)
-
-
-def get_attention_backend(device: torch.device, max_model_len: int | None = None) -> AttentionBackend:
-    """Torch backend on the CPU, Triton kernels on CUDA."""
-    if device.type == "cuda":
-        from tandem.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(max_model_len=max_model_len)
-    from tandem.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend()

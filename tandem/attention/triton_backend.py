@@ -324,9 +324,8 @@ class TritonAttentionBackend:
         block_n: keys per inner iteration of both kernels (any block size works: keys
             are mapped to physical blocks one by one).
 
-    Launch defaults were tuned on an H200 (bf16, 32 q / 8 kv heads): about 360 TFLOP/s
-    for long causal prefills at head_dim 128 and about 3.9 TB/s of KV read for large
-    decode batches.
+    Launch defaults were tuned on an H200 (bf16, 32 q / 8 kv heads; the figures reached
+    are in benchmarks/RESULTS.md).
     """
 
     name = "triton"

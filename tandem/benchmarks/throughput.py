@@ -36,6 +36,14 @@ class ThroughputResult:
     num_decode_steps: int | None = None
     prefill_steps_s: float | None = None
     num_prefill_steps: int | None = None
+    # In-process engine cores: host time of the core loop per step (schedule + prepare
+    # inputs + update_from_output, ms; tandem.step_timing), median and p99 over the timed steps, and
+    # each phase's median.
+    host_step_ms_median: float | None = None
+    host_step_ms_p99: float | None = None
+    host_schedule_ms_median: float | None = None
+    host_prepare_ms_median: float | None = None
+    host_process_ms_median: float | None = None
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -61,6 +69,8 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     runner = getattr(llm.engine, "runner", None)
     if runner is not None and runner.device.type == "cuda":
         runner.step_events = []
+    # Host time per step: recorded by an in-process engine core only.
+    host_timing = hasattr(llm.engine, "start_host_timing") and llm.engine.start_host_timing() is not None
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
@@ -69,11 +79,23 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     res = ThroughputResult(num_prompts, input_len, output_len, elapsed, num_prompts / elapsed, n_in / elapsed,
                            n_out / elapsed, (n_in + n_out) / elapsed,
                            None if pre is None else _preemptions(llm) - pre)
+    if host_timing:
+        _host_step_stats(llm.engine.stop_host_timing(), res)
     if runner is not None and runner.step_events:
         torch.cuda.synchronize()
         _gpu_step_stats(runner.step_events, res)
         runner.step_events = None
     return res
+
+
+def _host_step_stats(times, res: ThroughputResult) -> None:
+    summary = times.summary() if times is not None else None
+    if summary is None:
+        return
+    res.host_step_ms_median, res.host_step_ms_p99 = summary["median_ms"], summary["p99_ms"]
+    res.host_schedule_ms_median = summary["schedule_median_ms"]
+    res.host_prepare_ms_median = summary["prepare_median_ms"]
+    res.host_process_ms_median = summary["process_median_ms"]
 
 
 def _gpu_step_stats(events, res: ThroughputResult) -> None:
@@ -107,6 +129,11 @@ def main(args: argparse.Namespace) -> None:
           f"{res.input_tokens_per_s:.1f} input tokens/s, {res.output_tokens_per_s:.1f} output tokens/s "
           f"({res.num_prompts} prompts, {res.elapsed_s:.2f} s"
           + ("" if res.num_preemptions is None else f", {res.num_preemptions} preemptions") + ")")
+    if res.host_step_ms_median is not None:
+        print(f"Host time per step (schedule + prepare inputs + update_from_output): "
+              f"median {res.host_step_ms_median:.3f} ms, "
+              f"p99 {res.host_step_ms_p99:.3f} ms (medians: schedule {res.host_schedule_ms_median:.3f}, prepare "
+              f"{res.host_prepare_ms_median:.3f}, process {res.host_process_ms_median:.3f} ms)")
     if res.gpu_idle_fraction is not None:
         # Without decode-only steps (e.g. --output-len 1) the decode statistics are None.
         line = f"GPU idle between steps: {100 * res.gpu_idle_fraction:.2f}% of wall time"

@@ -7,7 +7,7 @@ running sequence cannot get a block, the most recently admitted running sequence
 preempted: its blocks are freed and it rejoins the front of the waiting queue to be
 recomputed (prompt + generated tokens) later.
 
-One-step-ahead scheduling (DESIGN.md): ``num_computed_tokens`` advances when a step is
+One-step-ahead scheduling (docs/architecture.md): ``num_computed_tokens`` advances when a step is
 scheduled, and a step that samples adds a *placeholder* for the token that is not on the
 host yet, so step N+1 can be scheduled before step N's outputs are processed.
 """
@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tandem.core.block_manager import KVCacheManager
+from tandem.core.sched_output import NewRequestData, ScheduledSequence, SchedulerOutput
 from tandem.engine.messages import EngineCoreOutput, PromptLogprobsData
+from tandem.outputs import ModelRunnerOutput
 from tandem.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from tandem.worker.model_runner import ModelRunnerOutput
-
 
 logger = logging.getLogger(__name__)
 
@@ -40,46 +36,6 @@ def _grammar_done(req: Request, tok: int) -> bool:
         logger.warning("request %s: token %d does not match its grammar; finishing it", req.request_id, tok)
         return True
     return g.is_terminated()
-
-
-@dataclass
-class ScheduledSequence:
-    """One sequence's share of a step.
-
-    ``token_ids`` are the host-known input tokens; when ``uses_prev_sample`` the last
-    input token is the sequence's sample from the previous step, still on the device.
-    ``sample`` is True when the step's last token is the end of the known sequence, so a
-    new token is sampled. ``new_block_ids`` are the KV blocks appended to the sequence's
-    block table since it was last scheduled (its whole table when ``new_request`` is set).
-    """
-
-    seq_id: int
-    num_computed_tokens: int
-    num_new_tokens: int
-    token_ids: list[int]
-    uses_prev_sample: bool
-    sample: bool
-    new_block_ids: list[int]
-    # Set the first time the sequence is scheduled (or again after a preemption).
-    new_request: Request | None = None
-
-
-@dataclass
-class SchedulerOutput:
-    """A scheduler decision: what the model runner executes in one step."""
-
-    step_id: int
-    scheduled: list[ScheduledSequence]
-    num_scheduled_tokens: int
-    preempted_seq_ids: list[int] = field(default_factory=list)
-    finished_seq_ids: list[int] = field(default_factory=list)
-    # Sampling sequences whose token must match a grammar: the runner samples them only
-    # once given their bitmask (vLLM's structured_output_request_ids).
-    structured_output_seq_ids: list[int] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -207,7 +163,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 seq = self._schedule_seq(req, num_new)
-                seq.new_request = req
+                seq.new_request = NewRequestData.from_request(req)
                 scheduled.append(seq)
                 budget -= num_new
             self.waiting.extendleft(reversed(compiling))
@@ -229,7 +185,7 @@ class Scheduler:
         """A sampled token of ``req`` reached the host: it stops being a placeholder."""
         req.num_output_placeholders -= 1
 
-    def update_from_output(self, result: "ModelRunnerOutput") -> list[EngineCoreOutput]:
+    def update_from_output(self, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Take in one step's sampled tokens: placeholder accounting, token-id stop checks
         (EOS, ``stop_token_ids``, ``max_tokens``, ``min_tokens``, the context length), the
         advance of constrained sequences' grammars by their token (a completed grammar

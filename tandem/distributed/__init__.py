@@ -2,11 +2,12 @@
 
 * :mod:`~tandem.distributed.all2all`: the dispatch/combine contract, ``local`` and
   ``simulated``; :mod:`~tandem.distributed.ep_all2all`: ``allgather_reducescatter`` and
-  ``all_to_all`` over torch.distributed (EP > 1).
+  ``all_to_all`` over torch.distributed (EP > 1); :mod:`~tandem.distributed.all2all_factory`:
+  backends by name.
 * :mod:`~tandem.distributed.parallel_state`: the DP x TP world, its TP / DP / EP groups.
 * :mod:`~tandem.distributed.launch`: spawning the ranks on one machine, or torchrun/env://.
-* :mod:`~tandem.distributed.dp_coordination` / :mod:`~tandem.distributed.forward_context`:
-  the model runner's per-step agreement and the per-forward facts layers read.
+* :mod:`~tandem.distributed.forward_context`: the per-forward facts layers read (the model
+  runner's per-step agreement is :mod:`tandem.worker.step_plan`).
 """
 
 from tandem.distributed.all2all import (
@@ -14,7 +15,7 @@ from tandem.distributed.all2all import (
     ExpertPlacement,
     LocalAll2All,
     SimulatedAll2All,
-    get_all2all_backend,
 )
+from tandem.distributed.all2all_factory import get_all2all_backend
 
 __all__ = ["All2AllBackend", "ExpertPlacement", "LocalAll2All", "SimulatedAll2All", "get_all2all_backend"]

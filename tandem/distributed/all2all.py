@@ -9,7 +9,7 @@ An MoE layer calls, for every forward::
     out = all2all.combine_wait(h)
 
 Each exchange is split into a *launch* and a *wait* half so that dual-batch overlap (see
-DESIGN.md) can run the other micro-batch's compute between them. The contract every
+docs/architecture.md) can run the other micro-batch's compute between them. The contract every
 backend keeps:
 
 * ``dispatch_launch(hidden [T, H], topk_ids [T, k] int64 global expert ids, topk_weights
@@ -344,32 +344,4 @@ class SimulatedAll2All(All2AllBackend):
         return handle.tensors[0]
 
 
-def get_all2all_backend(name: str, placement: ExpertPlacement | int, **kwargs) -> All2AllBackend:
-    """Backend by name: ``local``, ``simulated`` (kwargs: ``link``, ``record``,
-    ``rank_experts``), or the
-    torch.distributed backends ``allgather_reducescatter`` / ``all_to_all`` (kwargs:
-    ``group`` the EP process group, ``pool`` a shared buffer pool; see
-    :mod:`tandem.distributed.ep_all2all`).
-
-    Raises:
-        ValueError: unknown name.
-    """
-    if name == "local":
-        return LocalAll2All(placement)
-    if name == "simulated":
-        return SimulatedAll2All(placement, **kwargs)
-    if name in ("allgather_reducescatter", "all_to_all"):
-        from tandem.distributed.ep_all2all import AllGatherReduceScatterAll2All, AllToAllAll2All
-
-        if isinstance(placement, int):
-            placement = ExpertPlacement(placement)
-        cls = AllGatherReduceScatterAll2All if name == "allgather_reducescatter" else AllToAllAll2All
-        return cls(placement, kwargs.get("group"), kwargs.get("pool"))
-    raise ValueError(f"unknown all2all backend {name!r}; available: {', '.join(ALL2ALL_BACKENDS)}")
-
-
-ALL2ALL_BACKENDS = ("local", "simulated", "allgather_reducescatter", "all_to_all")
-
-
-__all__ = ["ALL2ALL_BACKENDS", "All2AllBackend", "ExpertPlacement", "LinkModel", "LocalAll2All", "SimRecord", "SimulatedAll2All",
-           "get_all2all_backend"]
+__all__ = ["All2AllBackend", "ExpertPlacement", "LinkModel", "LocalAll2All", "SimRecord", "SimulatedAll2All"]

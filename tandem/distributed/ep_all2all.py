@@ -31,19 +31,18 @@ waits for NCCL's, the host does not block), so dual-batch overlap can run the ot
 micro-batch between them.
 
 Buffers: the send/receive buffers of one model (every MoE layer: the factory of
-:func:`make_all2all_factory` shares one :class:`EPBufferPool`) are preallocated in **two
-slots**, one per micro-batch in flight; ``dispatch_launch`` takes the slots in turn (DBO
-launches the two ubatches' exchanges alternately; without DBO a layer's exchange finishes
-before the next one starts), and ``combine`` reuses its dispatch's slot. Buffers grow to
+:func:`tandem.distributed.all2all_factory.make_all2all_factory` shares one
+:class:`EPBufferPool`) are preallocated in **two
+slots**, one per micro-batch in flight: ``dispatch_launch`` uses the slot of the running
+ubatch's id (``ForwardContext.ubatch_id``, 0 without DBO), and ``combine`` reuses its
+dispatch's slot. Buffers grow to
 the largest ``C`` seen and are never shrunk; call :meth:`EPBufferPool.reserve` with the
 largest token count before capturing CUDA graphs so that addresses stay fixed.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,10 +52,14 @@ import torch.distributed as dist
 from tandem.distributed.all2all import All2AllBackend, ExpertPlacement
 from tandem.distributed.forward_context import get_forward_context
 
-logger = logging.getLogger(__name__)
-
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _ubatch_slot() -> int:
+    """The buffer slot of the running ubatch: its id in the forward context."""
+    ctx = get_forward_context()
+    return 0 if ctx is None else ctx.ubatch_id
 
 
 def forward_capacity(num_tokens: int) -> int:
@@ -89,13 +92,7 @@ class EPBufferPool:
         self.num_slots = num_slots
         self._bufs: list[dict[str, torch.Tensor]] = [{} for _ in range(num_slots)]
         self._retired: list[torch.Tensor] = []
-        self._next = 0
         self.reserved_tokens = 0
-
-    def next_slot(self) -> int:
-        s = self._next
-        self._next = (s + 1) % self.num_slots
-        return s
 
     def reserve(self, max_tokens: int) -> None:
         """Allocate buffers made from now on for ``max_tokens`` tokens per rank, so that
@@ -172,7 +169,7 @@ class AllGatherReduceScatterAll2All(_DistributedAll2All):
         k = topk_ids.shape[-1]
         c = forward_capacity(t)
         ep, dev = self.ep_size, hidden.device
-        slot = self.pool.next_slot()
+        slot = _ubatch_slot()
         ca = max(c, self.pool.reserved_tokens)  # allocation size
         if c == 0:
             return _Handle([], (hidden.new_empty(0, h), topk_ids.new_empty(0, k), topk_weights.new_empty(0, k)),
@@ -240,7 +237,7 @@ class AllToAllAll2All(_DistributedAll2All):
         k = topk_ids.shape[-1]
         c = forward_capacity(t)
         ep, dev = self.ep_size, hidden.device
-        slot = self.pool.next_slot()
+        slot = _ubatch_slot()
         ca = max(c, self.pool.reserved_tokens)  # allocation size
         if c == 0:
             return _Handle([], (hidden.new_empty(0, h), topk_ids.new_empty(0, k), topk_weights.new_empty(0, k)),
@@ -297,44 +294,4 @@ class AllToAllAll2All(_DistributedAll2All):
         return handle.tensors[0][dest_row].sum(dim=1)  # [T, ep, H] -> [T, H]
 
 
-def make_all2all_factory(name: str, *, group: dist.ProcessGroup | None = None, ep_size: int = 1, ep_rank: int = 0,
-                         **kwargs) -> Callable[[int], All2AllBackend]:
-    """A factory ``num_experts -> backend`` for the MoE layers of one model (the
-    ``all2all=`` argument of the MoE model constructors). Multi-rank backends built by one
-    factory share one :class:`EPBufferPool` (``factory.pool``).
-
-    Args:
-        name: ``local``, ``simulated`` (kwargs: ``link``, ``record``),
-            ``allgather_reducescatter`` or ``all_to_all``.
-        group / ep_size / ep_rank: the EP group and this rank's place in it.
-
-    Raises:
-        ValueError: unknown name, or a single-rank backend asked for ``ep_size > 1``.
-
-    A multi-rank backend with ``ep_size == 1`` is the ``local`` one (nothing to exchange).
-    """
-    from tandem.distributed.all2all import get_all2all_backend
-
-    pool = EPBufferPool()
-
-    if name in _BACKENDS and ep_size == 1:
-        logger.info("all2all backend %s with one EP rank: using local", name)
-        name = "local"
-
-    def factory(num_experts: int) -> All2AllBackend:
-        placement = ExpertPlacement(num_experts, ep_size, ep_rank)
-        if name in _BACKENDS:
-            return _BACKENDS[name](placement, group, pool)
-        if ep_size > 1:
-            raise ValueError(f"the {name!r} all2all backend runs on one rank; with expert parallelism use "
-                             f"{' or '.join(_BACKENDS)}")
-        return get_all2all_backend(name, placement, **kwargs)
-
-    factory.pool = pool  # type: ignore[attr-defined]
-    return factory
-
-
-_BACKENDS = {"allgather_reducescatter": AllGatherReduceScatterAll2All, "all_to_all": AllToAllAll2All}
-
-__all__ = ["AllGatherReduceScatterAll2All", "AllToAllAll2All", "EPBufferPool", "forward_capacity",
-           "make_all2all_factory"]
+__all__ = ["AllGatherReduceScatterAll2All", "AllToAllAll2All", "EPBufferPool", "forward_capacity"]

@@ -1,8 +1,10 @@
 """Per-step facts every rank agreed on, read by layers that exchange data across ranks.
 
-The model runner sets it around each forward. Multi-rank all-to-all backends pad the local
-tokens of a forward (a step, or one ubatch under DBO) to ``max_tokens_per_rank`` so that
-every rank's collective has the same shape, whatever its own batch holds.
+The model runner sets it around each forward (under dual-batch overlap: around each step of
+each ubatch, :func:`tandem.worker.ubatching.run_ubatches`). Multi-rank all-to-all backends
+pad the local tokens of a forward (a step, or one ubatch) to ``max_tokens_per_rank`` so that
+every rank's collective has the same shape, whatever its own batch holds, and keep the
+buffers of ubatch ``ubatch_id`` in their slot of that id.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ForwardContext:
     """``max_tokens_per_rank``: tokens of the largest forward (or ubatch) on any DP rank;
-    ``dp_size``: ranks in the data-parallel group."""
+    ``ubatch_id``: which ubatch of a dual-batch-overlap step runs (0 or 1; 0 unsplit)."""
 
     max_tokens_per_rank: int
-    dp_size: int = 1
+    ubatch_id: int = 0
 
 
 _current: ForwardContext | None = None

@@ -11,7 +11,7 @@ their getters return None):
   all-reduces after row-parallel layers. ``get_tp_cpu_group`` (gloo, same ranks) carries
   the driver's per-step ``SchedulerOutput`` broadcast to the other TP ranks.
 * **DP group** (``get_dp_group``, **gloo**): the ranks with the same ``tp_rank`` in every DP
-  replica; the model runner's per-step :func:`~tandem.distributed.dp_coordination.coordinate_step`
+  replica; the model runner's per-step :func:`~tandem.worker.step_plan.agree_across_dp`
   (CPU tensors, no GPU sync). ``get_dp_control_group`` (gloo, same ranks) is the engine
   loop's own group (request routing, lockstep, output gathering) so that the loop (main
   thread) and the runner (a worker thread on the CPU) never share a group.
@@ -264,7 +264,7 @@ def forward_min(value: int) -> int:
 # ------------------------------------------------------------------------------ DP
 def get_dp_group() -> dist.ProcessGroup | None:
     """gloo group of the ranks with this ``tp_rank`` in every DP replica (None when
-    ``dp_size == 1``): the model runner's per-step ``coordinate_step``."""
+    ``dp_size == 1``): the model runner's per-step ``agree_across_dp``."""
     return _STATE.dp_group
 
 

@@ -7,7 +7,7 @@ logprobs, token-id finishes). Text never reaches it: detokenization, stop string
 
 With ``async_output_proc`` (vLLM PR #7049, vLLM V1 async scheduling), step N+1 is scheduled
 and launched before step N's sampled ids are taken in, so the core's output handling and the
-front end's detokenization of step N overlap the model's execution of step N+1 (DESIGN.md).
+front end's detokenization of step N overlap the model's execution of step N+1 (docs/architecture.md).
 The core runs in the front end's process (:class:`tandem.engine.core_client.InprocClient`)
 or in its own (:mod:`tandem.engine.core_proc`).
 """
@@ -15,13 +15,15 @@ or in its own (:mod:`tandem.engine.core_proc`).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
-from tandem.attention.backend import get_attention_backend
+from tandem.attention.selector import get_attention_backend
 from tandem.config import EngineConfig
 from tandem.core.block_manager import KVCacheManager
-from tandem.core.scheduler import Scheduler, SchedulerOutput
+from tandem.core.sched_output import SchedulerOutput
+from tandem.core.scheduler import Scheduler
 from tandem.distributed import parallel_state as ps
 from tandem.engine.messages import EngineCoreOutput, EngineCoreReady, EngineCoreRequest, SchedulerStats
 from tandem.layers.quantization.config import get_quantization_config
@@ -29,8 +31,10 @@ from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.model_loader.generation_config import load_generation_defaults
 from tandem.model_loader.loader import build_model, load_hf_config
 from tandem.request import Request, RequestStatus
+from tandem.step_timing import StepHostTimes
 from tandem.structured_output.manager import StructuredOutputManager
-from tandem.worker.model_runner import DBOConfig, ModelRunner
+from tandem.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
+from tandem.worker.step_plan import DBOPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +97,7 @@ class EngineCore:
                                    config.max_model_len, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
                                   max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
-                                  dbo=DBOConfig(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold,
+                                  dbo=DBOPolicy(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold,
                                                 config.dbo_measure_split)
                                   if config.enable_dbo else None)
         if ps.get_ep_size() > 1:
@@ -119,6 +123,9 @@ class EngineCore:
         # Tensor parallelism: the driver sends each step's SchedulerOutput to the other TP
         # ranks before running it (set by the launcher, tandem.engine.dp_engine).
         self.step_broadcast = None
+        # Host time per step (schedule, the runner's input preparation, update_from_output)
+        # while a benchmark records it (start_host_timing).
+        self.step_times: StepHostTimes | None = None
 
     def _moe_kwargs(self) -> dict:
         """The dispatch/combine backend of MoE layers (dense models take none)."""
@@ -133,7 +140,7 @@ class EngineCore:
         if name == "auto":
             name = "local" if ep == 1 else "allgather_reducescatter"
         if ep > 1 or name in ("allgather_reducescatter", "all_to_all"):
-            from tandem.distributed.ep_all2all import make_all2all_factory
+            from tandem.distributed.all2all_factory import make_all2all_factory
 
             return {"all2all": make_all2all_factory(name, group=ps.get_ep_group(), ep_size=ep, ep_rank=ps.get_ep_rank())}
         if name == "simulated":
@@ -145,7 +152,7 @@ class EngineCore:
                                "outputs are not the model's (timing only)")
             return {"all2all": lambda num_experts: SimulatedAll2All(num_experts, link=link, record=False,
                                                                     rank_experts=cfg.simulated_ep_rank_experts)}
-        from tandem.distributed.all2all import get_all2all_backend
+        from tandem.distributed.all2all_factory import get_all2all_backend
 
         return {"all2all": lambda num_experts: get_all2all_backend(name, num_experts)}
 
@@ -198,7 +205,7 @@ class EngineCore:
         from tandem.distributed.forward_context import ForwardContext, forward_context
 
         # Every rank profiles the same t tokens: expert-parallel exchanges pair up.
-        with forward_context(ForwardContext(max_tokens_per_rank=t, dp_size=ps.get_dp_size())):
+        with forward_context(ForwardContext(max_tokens_per_rank=t)):
             hidden = self.model(torch.zeros(t, dtype=torch.long, device=device), torch.arange(t, device=device), caches,
                                 meta)
         rows = min(cfg.max_num_seqs, t)
@@ -260,7 +267,10 @@ class EngineCore:
                 the core stays usable for the others and for new ones.
         """
         outputs, self._pending = self._pending + self._fail_uncompiled(), []
+        t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        if self.step_times is not None:
+            self.step_times.add(so.step_id, "schedule", time.perf_counter() - t0)
         if self.step_broadcast is not None:
             self.step_broadcast(so)
         prev, self._inflight = self._inflight, None
@@ -271,10 +281,10 @@ class EngineCore:
             handle = self.runner.execute_model(so)
             if not self.async_output_proc:
                 handle = handle or self._sample_constrained(so)
-                return outputs + self._take(handle.result())
+                return outputs + self._take(so, handle.result())
             # Step N's outputs are processed while step N+1 (just launched) runs.
             if prev is not None:
-                outputs += self._take(prev[1].result())
+                outputs += self._take(prev[0], prev[1].result())
             # Constrained sequences of step N+1 sample once step N's tokens advanced their
             # grammars (in _take): the forward of N+1 still overlaps that processing.
             handle = handle or self._sample_constrained(so)
@@ -289,7 +299,7 @@ class EngineCore:
             self._abort_steps(failed, [h for h in (handle, prev[1] if prev is not None else None) if h is not None], e)
             raise
 
-    def _sample_constrained(self, so: SchedulerOutput):
+    def _sample_constrained(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Build the bitmask of ``so``'s constrained sequences and sample the step."""
         grammar = self.structured_output.grammar_bitmask(so.structured_output_seq_ids, self.scheduler.requests)
         if self.step_broadcast is not None:
@@ -309,12 +319,24 @@ class EngineCore:
                                             error=f"grammar compilation failed: {err}"))
         return outputs
 
-    def _take(self, result) -> list[EngineCoreOutput]:
+    def _take(self, so: SchedulerOutput, result) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
         outs = self.scheduler.update_from_output(result)
         for o in outs:
             if o.finish_reason is not None:
                 del self._seq_ids[o.request_id]
+        if self.step_times is not None and result.seq_ids:
+            self.step_times.add(so.step_id, "process", time.perf_counter() - t0)
         return outs
+
+    def start_host_timing(self) -> StepHostTimes:
+        """Record the host time of every step from now on (:mod:`tandem.step_timing`)."""
+        self.step_times = self.runner.step_times = StepHostTimes()
+        return self.step_times
+
+    def stop_host_timing(self) -> StepHostTimes | None:
+        times, self.step_times, self.runner.step_times = self.step_times, None, None
+        return times
 
     def _abort_steps(self, steps: list[SchedulerOutput], handles: list, err: Exception) -> None:
         """Abort every request with a sequence in ``steps`` after waiting out their handles.

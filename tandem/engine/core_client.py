@@ -34,6 +34,7 @@ from multiprocessing.connection import wait as wait_sentinels
 import zmq
 import zmq.asyncio
 
+from tandem import envs
 from tandem.config import EngineConfig
 from tandem.engine.messages import (CoreMessage, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                     EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder)
@@ -106,7 +107,7 @@ class MPClient:
         from tandem.engine.core_proc import run_engine_core
 
         if startup_timeout is None:
-            startup_timeout = float(os.environ.get("TANDEM_STARTUP_TIMEOUT_S", "1800"))
+            startup_timeout = envs.TANDEM_STARTUP_TIMEOUT_S
         self.config = config
         self.dp_size = config.data_parallel_size
         self.lockstep = config.data_parallel_size > 1 and config.enable_expert_parallel

@@ -28,6 +28,7 @@ import traceback
 
 import zmq
 
+from tandem import envs
 from tandem.config import EngineConfig
 from tandem.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, MsgpackDecoder,
                                     MsgpackEncoder, UtilityOutput)
@@ -174,10 +175,10 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
     # Ctrl-C in a terminal reaches every process of the group: the front end alone handles
     # it (it stops the cores); a rank interrupted mid-collective would print a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if os.environ.get("TANDEM_DUMP_STACKS_AFTER_S"):  # debugging a hang: every rank prints its stacks
+    if envs.TANDEM_DUMP_STACKS_AFTER_S is not None:  # debugging a hang: every rank prints its stacks
         import faulthandler
 
-        faulthandler.dump_traceback_later(float(os.environ["TANDEM_DUMP_STACKS_AFTER_S"]), exit=False)
+        faulthandler.dump_traceback_later(envs.TANDEM_DUMP_STACKS_AFTER_S, exit=False)
     from tandem.distributed import parallel_state as ps
     from tandem.engine.dp_engine import build_rank_core, make_tp_broadcaster, run_tp_follower
     from tandem.logging_config import configure_logging

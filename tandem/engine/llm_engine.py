@@ -5,7 +5,7 @@ turn the core's token ids into ``RequestOutput``s.
 core's one-step-ahead iteration, see :mod:`tandem.engine.core`), detokenizes them and applies
 stop strings (:mod:`tandem.engine.output_processor`); sequences finished by a stop string are
 aborted in their core before the next step. With the in-process core, the front end's
-processing of step N overlaps the model's execution of step N+1 (DESIGN.md).
+processing of step N overlaps the model's execution of step N+1 (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tandem.model_loader.generation_config import load_generation_defaults
 from tandem.model_loader.loader import load_tokenizer
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.step_timing import StepHostTimes
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,17 @@ class LLMEngine:
     @property
     def model(self):
         return self.core.model
+
+    def start_host_timing(self) -> StepHostTimes | None:
+        """Record the core's host time per step from now on (:mod:`tandem.step_timing`);
+        None (nothing recorded) when the core runs in another process."""
+        core = getattr(self.client, "core", None)
+        return None if core is None else core.start_host_timing()
+
+    def stop_host_timing(self) -> StepHostTimes | None:
+        """The times recorded since ``start_host_timing`` (None without an in-process core)."""
+        core = getattr(self.client, "core", None)
+        return None if core is None else core.stop_host_timing()
 
     @property
     def final_stats(self) -> dict | None:

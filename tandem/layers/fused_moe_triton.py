@@ -71,11 +71,10 @@ ALIGN_BLOCK = 1024  # pairs per program of the alignment kernels
 # block_m, block_n, block_k, group_m, num_warps, num_stages). BLOCK_M >= 16 (tl.dot's
 # minimum). Tuned on an H200 at the DeepSeek-V2-Lite expert shape (E=64, k=6, H=2048,
 # I=1408, bf16; `benchmarks/moe_grouped_gemm.py --preset v2-lite --graph --sweep`, 16 to
-# 8192 tokens): in the decode regime an expert holds about one tile of rows, so BLOCK_M 16-32
-# wastes the least padding and wide N/K tiles keep enough weight bytes in flight (3.6-3.9
-# TB/s); from ~100 rows per expert up, 128-row tiles let one weight tile serve more rows
-# (128x256 won from 384 rows per expert: 1.04 vs 1.22 ms for the previous 64x128 tile at
-# 4096 tokens).
+# 8192 tokens; figures in benchmarks/RESULTS.md): in the decode regime an expert holds about
+# one tile of rows, so BLOCK_M 16-32 wastes the least padding and wide N/K tiles keep enough
+# weight bytes in flight; from ~100 rows per expert up, 128-row tiles let one weight tile
+# serve more rows.
 TILE_CONFIGS = (
     (8, 16, 128, 128, 8, 4, 3),
     (48, 32, 128, 128, 8, 4, 3),

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+
+from tandem import envs
 
 try:
     import triton
@@ -46,16 +47,13 @@ except ImportError:  # pragma: no cover - CPU-only installs without Triton
     triton = tl = None
     HAS_TRITON = False
 
-_MODES = ("auto", "triton", "torch")
+_MODES = envs.FUSED_OPS_MODES
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_NORM_SIZE = 65536  # one program holds a whole row in registers
 
 
 def _mode_from_env() -> str:
-    m = os.environ.get("TANDEM_FUSED_OPS", "auto").strip().lower() or "auto"
-    if m not in _MODES:
-        raise ValueError(f"TANDEM_FUSED_OPS={m!r}: expected one of {_MODES}")
-    return m
+    return envs.TANDEM_FUSED_OPS
 
 
 _mode = _mode_from_env()

@@ -34,7 +34,7 @@ Attention, as vLLM and FlashMLA split it:
   nothing per head is materialised and the step is CUDA-graph safe. The attention itself
   is the paged split-KV Triton kernel :func:`tandem.attention.triton_mla.mla_decode_attention`
   (it reads the latents through the block tables) wherever the dense models get the Triton
-  attention backend from :func:`tandem.attention.backend.get_attention_backend` (CUDA);
+  attention backend from :func:`tandem.attention.selector.get_attention_backend` (CUDA);
   elsewhere (CPU) a plain-torch reference gathers the latents and runs one padded, masked
   ``scaled_dot_product_attention`` (``MLAAttention.decode_backend`` overrides the choice).
 
@@ -52,7 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.attention.backend import get_attention_backend, quantize_kv
+from tandem.attention.backend import quantize_kv
+from tandem.attention.selector import get_attention_backend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.fused_ops import apply_rotary
 from tandem.layers.linear import ColumnParallelLinear

@@ -25,8 +25,8 @@ in the second GEMM's epilogue). It is built for the memory-bound decode regime, 
 expert has a handful of rows and the layer's time is the read of the expert weights.
 ``impl="auto"`` (:func:`_resolve_impl`) on CUDA (sm90+) with fp16/bf16 takes the Triton
 kernel when the number of (token, expert) pairs ``T*k`` is at most
-:data:`TRITON_MAX_PAIRS` (49,152: the largest size measured, where it was 2.0x faster than
-``torch._grouped_mm`` on an H200), ``torch._grouped_mm`` (or padded bmm) otherwise;
+:data:`TRITON_MAX_PAIRS` (the largest size measured against ``torch._grouped_mm``; figures
+in benchmarks/RESULTS.md), ``torch._grouped_mm`` (or padded bmm) otherwise;
 the choice is a host int from tensor shapes (no sync, stable under CUDA-graph capture for
 a fixed batch size). On the CPU ``auto`` never picks Triton (its interpreter is slow).
 ``$TANDEM_MOE_IMPL`` (``auto`` by default) pins what ``auto`` means.
@@ -38,7 +38,6 @@ all-to-all seam of :mod:`tandem.distributed.all2all` (dispatch -> local experts 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -46,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem import envs
 from tandem.distributed.all2all import All2AllBackend, LocalAll2All
 from tandem.layers.linear import check_fp8_source
 from tandem.layers.quantization.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight_per_channel
@@ -189,11 +189,9 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 # impl="auto" on CUDA (sm90+, fp16/bf16): the fused-MoE Triton kernel up to this many
-# (token, expert) pairs. On an H200 at the DeepSeek-V2-Lite expert shape it beat
-# torch._grouped_mm at every size measured, 96 to 49,152 pairs (16 to 8,192 tokens):
-# 1.78x at 16 tokens, 1.97x at 1,024, 2.01x at 8,192 (benchmarks/moe_grouped_gemm.py
-# --preset v2-lite --graph, benchmarks/RESULTS.md); above the largest size measured auto
-# keeps grouped_mm.
+# (token, expert) pairs, the largest size at which it was measured against
+# torch._grouped_mm (faster at every size measured: benchmarks/RESULTS.md, "fused-MoE
+# Triton kernel"); above it auto keeps grouped_mm.
 TRITON_MAX_PAIRS = 49152
 
 
@@ -205,16 +203,13 @@ def _triton_available() -> bool:
     return True
 
 
-IMPLS = ("auto", "grouped_mm", "padded_bmm", "triton", "loop")
+IMPLS = envs.MOE_IMPLS
 
 
 def _impl_from_env() -> str:
     """``$TANDEM_MOE_IMPL`` (default ``auto``): pins what ``impl="auto"`` means, e.g. to
     compare expert kernels end to end or to step around one on a new GPU."""
-    m = os.environ.get("TANDEM_MOE_IMPL", "auto").strip().lower() or "auto"
-    if m not in IMPLS:
-        raise ValueError(f"TANDEM_MOE_IMPL={m!r}: expected one of {IMPLS}")
-    return m
+    return envs.TANDEM_MOE_IMPL
 
 
 def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0, fp8: bool = False) -> str:

@@ -32,7 +32,7 @@ from tandem.layers.moe import SparseMoeBlock, TopKRouter
 from tandem.layers.parallel_moe import ParallelFusedMoE
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.llama import MLP
-from tandem.models.qwen3_moe import All2AllFactory, MoECausalLM, MoEDecoderLayer, load_moe_weights
+from tandem.models.moe_base import All2AllFactory, MoECausalLM, MoEDecoderLayer, load_moe_weights
 
 
 class ParallelMLAAttention(MLAAttention):

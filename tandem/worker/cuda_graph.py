@@ -1,10 +1,11 @@
 """CUDA graphs of decode steps.
 
 A decode step (every sequence adds one token) of ``n`` sequences replays the graph captured
-for the smallest capture size ``>= n`` (1, 2, 4, 8, then multiples of 8 up to
-``max_num_seqs``, as vLLM does; under data + expert parallelism the size for the largest
-batch of any rank, and an idle rank replays padding only), with the real sequences in its
-first ``n`` rows and padding rows that write their K/V into the null block. Inputs travel
+for the capture size its step plan names (:mod:`tandem.worker.step_plan`: the smallest
+capture size ``>= n`` of 1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs``, as vLLM
+does; under data + expert parallelism the size for the largest batch of any rank, and an
+idle rank replays padding only), with the real sequences in its first ``n`` rows and
+padding rows that write their K/V into the null block. Inputs travel
 through persistent device buffers; the graph's output is the final hidden states
 ``[size, hidden]``.
 """
@@ -17,9 +18,8 @@ import numpy as np
 import torch
 
 from tandem.attention.metadata import AttentionMetadata
-from tandem.distributed import parallel_state as ps
-from tandem.distributed.forward_context import ForwardContext, forward_context
-from tandem.worker.ubatching import run_ubatches
+from tandem.worker.step_plan import DBOPolicy, ubatch_slices
+from tandem.worker.ubatching import forward_step
 
 logger = logging.getLogger(__name__)
 
@@ -56,27 +56,23 @@ class DecodeCUDAGraphs:
         max_blocks_per_seq: width of the block-table buffer.
         block_size: tokens per KV block.
         device: a CUDA device.
-        dbo_min_size: capture sizes from this one up as dual-batch overlap graphs: two
-            ubatches of half the rows each, their forwards interleaved at the MoE
-            dispatch/combine yield points (the model needs ``forward_steps``). None: off.
+        dbo: the dual-batch overlap policy (the model needs ``forward_steps``); None: off.
+            Sizes from its decode threshold up are captured as split graphs: two ubatches
+            of half the rows each, their forwards interleaved at the MoE dispatch/combine
+            yield points. With ``dbo.measure_split`` the plain graph of each such size is
+            captured too, the replays of both are timed (median of a few, CUDA events) and
+            the split one kept only where :meth:`DBOPolicy.keep_split` says (faster on
+            every rank whose forwards exchange data), so that DBO never slows a decode step
+            down (splitting re-reads every weight per ubatch, which costs more than it
+            hides when the link is fast against compute). The timed replays run on the
+            capture buffers (context of one token): attention, which both variants share,
+            is under-weighted, which favours the unsplit graph.
         sizes: capture sizes (default: ``capture_sizes(max_num_seqs)``).
-        measure_dbo: for each size from ``dbo_min_size`` up, capture the plain graph too,
-            time the replays of both (median of a few, CUDA events) and keep the split one
-            only where it is faster, so that DBO never slows a decode step down (splitting
-            re-reads every weight per ubatch, which costs more than it hides when the link
-            is fast against compute). The timed replays run on the capture buffers (context
-            of one token): attention, which both variants share, is under-weighted, which
-            favours the unsplit graph. ``timings`` keeps (plain ms, split ms) per size. The
-            ranks whose forwards exchange data (the TP group; with expert parallelism every
-            DP replica too) keep a split graph only where every one of them measured it
-            faster (:func:`tandem.distributed.parallel_state.forward_min`): they replay the
-            same size in lockstep, and a split and a plain graph issue different
-            collectives.
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device, dbo_min_size: int | None = None,
-                 sizes: list[int] | None = None, measure_dbo: bool = False) -> None:
+                 block_size: int, device: torch.device, dbo: DBOPolicy | None = None,
+                 sizes: list[int] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes) if sizes else capture_sizes(max_num_seqs)
@@ -87,15 +83,13 @@ class DecodeCUDAGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.num_computed = torch.zeros(n, dtype=torch.int32, device=device)
+        # Every ubatch's query_start_loc restarts at 0: one arange serves all.
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
-        # The second ubatch's query_start_loc restarts at 0.
-        self.dbo_min_size = dbo_min_size
-        self.split_sizes = {s for s in self.sizes if dbo_min_size is not None and s >= dbo_min_size and s >= 2}
-        self.measure_dbo = measure_dbo
-        self.timings: dict[int, tuple[float, float]] = {}
+        self.dbo = dbo
+        self.split_sizes = dbo.graph_split_candidates(self.sizes) if dbo is not None else set()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -119,15 +113,8 @@ class DecodeCUDAGraphs:
         )
 
     def _forward(self, size: int, split: bool) -> torch.Tensor:
-        # Expert-parallel exchanges pad to the forward's (or ubatch's) size, which every DP
-        # rank replays alike.
-        cut = size // 2
-        with forward_context(ForwardContext(max_tokens_per_rank=size - cut if split else size, dp_size=ps.get_dp_size())):
-            if not split:
-                return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(0, size))
-            h0, h1 = run_ubatches(*(self.model.forward_steps(self.input_ids[a:b], self.positions[a:b], self.kv_caches,
-                                                             self._meta(a, b)) for a, b in ((0, cut), (cut, size))))
-        return torch.cat([h0, h1])
+        return forward_step(self.model, self.kv_caches, self.input_ids, self.positions, size,
+                            ubatch_slices(size) if split else None, self._meta)
 
     def _capture(self, size: int, split: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._forward(size, split)  # compile / autotune kernels outside the capture
@@ -148,45 +135,35 @@ class DecodeCUDAGraphs:
         for size in reversed(self.sizes):
             split = size in self.split_sizes
             g, out = self._capture(size, split)
-            if split and self.measure_dbo:
+            if split and self.dbo.measure_split:
                 plain_g, plain_out = self._capture(size, False)
-                self.timings[size] = (self._replay_ms(plain_g), self._replay_ms(g))
-                # Timings differ between ranks; the choice must not (collectives must match).
-                if not ps.forward_min(int(self.timings[size][1] < self.timings[size][0])):
+                if not self.dbo.keep_split(size, self._replay_ms(plain_g), self._replay_ms(g)):
                     self.split_sizes.discard(size)
                     g, out = plain_g, plain_out
             self.graphs[size], self.outputs[size] = g, out
         torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
-        if self.timings:
-            logger.info("dual-batch overlap kept for decode sizes %s (replay ms plain/split: %s)",
-                        sorted(self.split_sizes), {s: f"{a:.2f}/{b:.2f}" for s, (a, b) in sorted(self.timings.items())})
-
-    def padded_size(self, n: int) -> int | None:
-        for s in self.sizes:
-            if s >= n:
-                return s
-        return None
+        if self.dbo is not None and self.dbo.graph_timings:
+            logger.info("dual-batch overlap kept for decode sizes %s (replay ms plain/split: %s)", sorted(self.split_sizes),
+                        {s: f"{a:.2f}/{b:.2f}" for s, (a, b) in sorted(self.dbo.graph_timings.items())})
 
     def run(self, n: int, input_ids: torch.Tensor, positions: np.ndarray, slot_mapping: np.ndarray,
-            seq_lens: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray,
-            size: int | None = None) -> torch.Tensor:
-        """Replay for ``n`` decode sequences; returns hidden states ``[n, hidden]``.
+            seq_lens: np.ndarray, num_computed: np.ndarray, block_table: torch.Tensor, size: int) -> torch.Tensor:
+        """Replay the graph of capture size ``size`` (the step plan's: under data + expert
+        parallelism the one for the largest batch of any rank, so that the ranks' exchanges
+        match) for ``n <= size`` decode sequences; returns hidden states ``[n, hidden]``.
 
-        ``input_ids`` is a device tensor (it may hold the previous step's samples); the
-        rest are host arrays copied into the persistent buffers without a host sync.
-        ``size``: the capture size to replay (default: the smallest that holds ``n``);
-        data-parallel ranks pass the one for the largest batch of any rank, so that
-        their graphs' expert-parallel exchanges match.
+        ``input_ids`` and ``block_table`` ``[n, width]`` int32 are device tensors (the ids
+        may hold the previous step's samples); the rest are host arrays, copied into the
+        persistent buffers without a host sync.
         """
-        size = self.padded_size(n) if size is None else size
         h2d = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(h2d(positions))
         self.slot_mapping[:n].copy_(h2d(slot_mapping))
         self.seq_lens[:n].copy_(h2d(seq_lens.astype(np.int32)))
         self.num_computed[:n].copy_(h2d(num_computed.astype(np.int32)))
-        self.block_tables[:n, : block_table.shape[1]].copy_(h2d(block_table))
+        self.block_tables[:n, : block_table.shape[1]].copy_(block_table)
         return self._replay(n, size)
 
     def run_padding(self, size: int) -> None:

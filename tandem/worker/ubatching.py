@@ -1,35 +1,41 @@
-"""Micro-batches (ubatches) for dual-batch overlap (DBO).
+"""A step's forward inputs, their ubatches, and the one forward executor.
 
-A step's flattened tokens are cut in two on a token boundary at half the padded token count
-(vLLM "[Core/DBO][1/N] Add Dual-Batch Overlap mechanism"; SGLang two-batch overlap). A
-request whose tokens straddle the cut appears in both ubatches: the second part's
-``num_computed_tokens`` is advanced by the tokens of the first part, so each ubatch's
-attention sees exactly the keys an unsplit step would (the first part's K/V are written to
-the paged cache by the first ubatch before the second reads them in stream order).
+Dual-batch overlap (DBO; vLLM "[Core/DBO][1/N] Add Dual-Batch Overlap mechanism", SGLang
+two-batch overlap) cuts a step's flattened tokens in two where
+:func:`tandem.worker.step_plan.ubatch_slices` says. A request whose tokens straddle the cut
+appears in both ubatches: the second part's ``num_computed_tokens`` is advanced by the
+tokens of the first part, so each ubatch's attention sees exactly the keys an unsplit step
+would (the first part's K/V are written to the paged cache by the first ubatch before the
+second reads them in stream order).
 
-``run_ubatches`` alternates two generator-based forwards (one thread): each yields at its
-communication points; both must yield the same number of times.
+:func:`forward_step` runs a forward as its :class:`~tandem.worker.step_plan.StepPlan` says,
+for eager steps and CUDA-graph capture alike; :func:`run_ubatches` alternates the two
+ubatches' generator-based forwards (one thread), each under its own forward context (its
+ubatch id selects its all-to-all buffers); both must yield the same number of times.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tandem.attention.metadata import AttentionMetadata
+from tandem.distributed.forward_context import ForwardContext, forward_context
+from tandem.worker.step_plan import UBatchSlice
 
 
 @dataclass
 class StepInputs:
     """Host-side inputs of one forward pass (a step or a ubatch).
 
-    Arrays: ``input_ids`` / ``positions`` / ``slot_mapping`` ``[num_tokens]`` int64,
-    ``query_start_loc`` ``[num_reqs + 1]``, ``num_computed`` / ``seq_lens`` ``[num_reqs]``,
-    ``block_table`` ``[num_reqs, width]`` int32. ``prev_dst`` / ``prev_src``: token
-    positions whose input id is the previous step's sample (row ``prev_src`` of it).
+    Host arrays: ``input_ids`` / ``positions`` / ``slot_mapping`` ``[num_tokens]`` int64,
+    ``query_start_loc`` ``[num_reqs + 1]``, ``num_computed`` / ``seq_lens`` ``[num_reqs]``;
+    ``block_table``: ``[num_reqs, width]`` int32 tensor (on the device: gathered from the
+    persistent input batch). ``prev_dst`` / ``prev_src``: token positions whose input id is
+    the previous step's sample (row ``prev_src`` of it).
     """
 
     input_ids: np.ndarray
@@ -38,7 +44,7 @@ class StepInputs:
     query_start_loc: np.ndarray
     num_computed: np.ndarray
     seq_lens: np.ndarray
-    block_table: np.ndarray
+    block_table: torch.Tensor
     prev_dst: list[int]
     prev_src: list[int]
 
@@ -63,7 +69,7 @@ class StepInputs:
             query_start_loc=h2d(self.query_start_loc.astype(np.int32)),
             seq_lens=h2d(self.seq_lens.astype(np.int32)),
             num_computed_tokens=h2d(self.num_computed.astype(np.int32)),
-            block_tables=h2d(self.block_table),
+            block_tables=self.block_table.to(device, non_blocking=True),
             slot_mapping=h2d(self.slot_mapping),
             max_query_len=int(q_lens.max()) if len(q_lens) else 0,
             max_seq_len=int(self.seq_lens.max()) if len(self.seq_lens) else 0,
@@ -102,7 +108,7 @@ class StepInputs:
 def empty_step_inputs() -> StepInputs:
     """A step with no tokens (an idle data-parallel rank), to be padded."""
     z = np.zeros(0, dtype=np.int64)
-    return StepInputs(z, z, z, np.zeros(1, dtype=np.int64), z, z, np.zeros((0, 1), dtype=np.int32), [], [])
+    return StepInputs(z, z, z, np.zeros(1, dtype=np.int64), z, z, torch.zeros((0, 1), dtype=torch.int32), [], [])
 
 
 def pad_step_inputs(inputs: StepInputs, num_tokens: int, block_size: int) -> StepInputs:
@@ -117,8 +123,8 @@ def pad_step_inputs(inputs: StepInputs, num_tokens: int, block_size: int) -> Ste
         return inputs
     zeros = np.zeros(pad, dtype=np.int64)
     width = max(inputs.block_table.shape[1], -(-pad // block_size))
-    table = np.zeros((inputs.num_reqs, width), dtype=np.int32)
-    table[:, : inputs.block_table.shape[1]] = inputs.block_table
+    table = inputs.block_table.new_zeros((inputs.num_reqs + 1, width))
+    table[: inputs.num_reqs, : inputs.block_table.shape[1]] = inputs.block_table
     return StepInputs(
         input_ids=np.concatenate([inputs.input_ids, zeros]),
         positions=np.concatenate([inputs.positions, zeros]),
@@ -126,35 +132,20 @@ def pad_step_inputs(inputs: StepInputs, num_tokens: int, block_size: int) -> Ste
         query_start_loc=np.append(inputs.query_start_loc, num_tokens),
         num_computed=np.append(inputs.num_computed, 0),
         seq_lens=np.append(inputs.seq_lens, pad),
-        block_table=np.concatenate([table, np.zeros((1, width), dtype=np.int32)]),
+        block_table=table,
         prev_dst=inputs.prev_dst,
         prev_src=inputs.prev_src,
     )
 
 
-def split_point(num_tokens: int, num_padded_tokens: int) -> int | None:
-    """Token index where the second ubatch starts: half the padded count, on a token
-    boundary; None when the second ubatch would hold no real token."""
-    cut = num_padded_tokens // 2
-    if cut <= 0 or cut >= num_tokens:
-        return None
-    return cut
-
-
-def split_ubatches(inputs: StepInputs, num_padded_tokens: int) -> tuple[StepInputs, StepInputs] | None:
-    """Two ubatches, or None when the step should not be split."""
-    cut = split_point(inputs.num_tokens, num_padded_tokens)
-    if cut is None:
-        return None
-    return inputs.slice_tokens(0, cut), inputs.slice_tokens(cut, inputs.num_tokens)
-
-
-def run_ubatches(first: Generator, second: Generator) -> tuple[object, object]:
+def run_ubatches(first: Generator, second: Generator,
+                 contexts: tuple[ForwardContext, ForwardContext] | None = None) -> tuple[object, object]:
     """Alternate two forward generators until both return; returns their results.
 
     Each ``next`` runs one ubatch up to its next yield point (e.g. right after launching an
     all-to-all), so the other ubatch's compute is issued while that communication is in
-    flight. Both must pass the same number of yield points.
+    flight; with ``contexts``, ubatch ``i`` runs under ``contexts[i]``. Both must pass the
+    same number of yield points.
 
     Raises:
         AssertionError: the ubatches yielded a different number of times.
@@ -171,7 +162,11 @@ def run_ubatches(first: Generator, second: Generator) -> tuple[object, object]:
                 if done[i]:
                     continue
                 try:
-                    next(g)
+                    if contexts is None:
+                        next(g)
+                    else:
+                        with forward_context(contexts[i]):
+                            next(g)
                     yields[i] += 1
                 except StopIteration as stop:
                     done[i] = True
@@ -182,3 +177,29 @@ def run_ubatches(first: Generator, second: Generator) -> tuple[object, object]:
         raise
     assert yields[0] == yields[1], f"ubatches passed {yields[0]} and {yields[1]} yield points"
     return results[0], results[1]
+
+
+def forward_step(model, kv_caches: list[torch.Tensor], input_ids: torch.Tensor, positions: torch.Tensor,
+                 padded_tokens: int, ubatches: tuple[UBatchSlice, UBatchSlice] | None,
+                 metadata: Callable[[int, int], AttentionMetadata]) -> torch.Tensor:
+    """Run the model over ``padded_tokens`` tokens, whole or as two overlapped ubatches.
+
+    Args:
+        model: ``forward(ids, positions, kv_caches, meta)``; with ``ubatches`` also
+            ``forward_steps`` (the same forward as a generator yielding at its exchanges).
+        input_ids / positions: ``[padded_tokens]`` int64 device tensors.
+        ubatches: the plan's two ubatch slices, or None.
+        metadata: ``(start, stop) -> AttentionMetadata`` of tokens ``[start, stop)``.
+
+    Returns:
+        hidden states ``[padded_tokens, hidden]``. Multi-rank exchanges pad to the largest
+        forward (or ubatch) of the step, which every rank runs alike.
+    """
+    if ubatches is None:
+        with forward_context(ForwardContext(max_tokens_per_rank=padded_tokens)):
+            return model(input_ids[:padded_tokens], positions[:padded_tokens], kv_caches, metadata(0, padded_tokens))
+    size = max(u.num_tokens for u in ubatches)
+    gens = [model.forward_steps(input_ids[u.token_start:u.token_stop], positions[u.token_start:u.token_stop], kv_caches,
+                                metadata(u.token_start, u.token_stop)) for u in ubatches]
+    contexts = (ForwardContext(size, ubatch_id=0), ForwardContext(size, ubatch_id=1))
+    return torch.cat(run_ubatches(*gens, contexts=contexts))

@@ -38,3 +38,36 @@ def test_step_stats_without_decode_steps():
     assert (res.num_decode_steps, res.num_prefill_steps) == (0, 2) and res.decode_steps_s == 0
     assert res.gpu_idle_fraction_decode is None and res.max_decode_batch is None
     assert res.gpu_idle_fraction == pytest.approx(2 / 20)
+
+
+def test_host_step_stats_median_and_p99_over_complete_steps():
+    from tandem.benchmarks.throughput import _host_step_stats
+    from tandem.step_timing import StepHostTimes
+
+    t = StepHostTimes()
+    for step in range(1, 101):
+        t.add(step, "schedule", 1e-3)
+        t.add(step, "prepare", 2e-3 if step != 50 else 102e-3)
+        t.add(step, "process", 0.5e-3)
+    t.add(101, "schedule", 9.0)  # launched but never processed: not a complete step
+    res = ThroughputResult(1, 1, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 0)
+    _host_step_stats(t, res)
+    assert res.host_step_ms_median == pytest.approx(3.5)
+    assert 3.5 < res.host_step_ms_p99 <= 103.5
+    assert res.host_prepare_ms_median == pytest.approx(2.0) and res.host_process_ms_median == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="phase"):
+        t.add(1, "forward", 1.0)
+
+
+def test_run_throughput_reports_host_time_of_the_in_process_core():
+    """LLM's single-rank engine runs its core in process: the core's loop records every
+    step's schedule / prepare / update_from_output time, and recording stops afterwards."""
+    from tandem.benchmarks.throughput import run_throughput
+    from tests.conftest import make_llm
+
+    llm = make_llm(num_kv_blocks=64, max_model_len=256)
+    res = run_throughput(llm, num_prompts=2, input_len=8, output_len=4)
+    assert res.host_step_ms_median is not None and res.host_step_ms_median > 0
+    assert res.host_step_ms_p99 >= res.host_step_ms_median
+    assert min(res.host_schedule_ms_median, res.host_prepare_ms_median, res.host_process_ms_median) > 0
+    assert llm.engine.core.step_times is None and llm.engine.runner.step_times is None

@@ -94,7 +94,7 @@ def test_finish_is_idempotent_and_frees():
 
 
 def _result(reqs, toks, logprobs=None):
-    from tandem.worker.model_runner import ModelRunnerOutput
+    from tandem.outputs import ModelRunnerOutput
 
     return ModelRunnerOutput([r.seq_id for r in reqs], toks, logprobs)
 

@@ -36,7 +36,8 @@ def _ranks_body(rank, world, port):
     import torch.distributed as dist
 
     from tandem.distributed.all2all import ExpertPlacement
-    from tandem.distributed.ep_all2all import EPBufferPool, make_all2all_factory
+    from tandem.distributed.all2all_factory import make_all2all_factory
+    from tandem.distributed.ep_all2all import EPBufferPool
     from tandem.distributed.forward_context import ForwardContext, forward_context
     from tandem.layers.moe import FusedMoE, grouped_experts
 
@@ -52,21 +53,27 @@ def _ranks_body(rank, world, port):
         for counts, seed in cases:
             hidden, ids, w = _tokens(rank, counts[rank], seed, E)
             want = grouped_experts(hidden, ids, w, w13, w2, impl="loop")
-            with forward_context(ForwardContext(max_tokens_per_rank=max(counts), dp_size=world)):
+            with forward_context(ForwardContext(max_tokens_per_rank=max(counts))):
                 x, lid, lw, meta = be.dispatch_wait(be.dispatch_launch(hidden, ids, w))
                 assert lid.min() >= -1 and lid.max() < pl.num_local_experts
                 out = be.combine_wait(be.combine_launch(grouped_experts(x, lid, lw, w13[lo:hi], w2[lo:hi], "loop"), meta))
             assert out.shape == (counts[rank], H)
             report.append((name, counts, float((out - want).abs().max()) if out.numel() else 0.0))
-        # Two ubatches in flight at once (DBO order: D0 D1 | C0 C1), different sizes.
+        # Two ubatches in flight at once (DBO order: D0 D1 | C0 C1), different sizes; the
+        # ubatch id of the forward context picks each one's buffer slot.
         a, b = _tokens(rank, 3 + rank, 7, E), _tokens(rank, 2, 8, E)
-        with forward_context(ForwardContext(max_tokens_per_rank=2 + world, dp_size=world)):
-            ha, hb = be.dispatch_launch(*a), be.dispatch_launch(*b)
-            xa, ia, wa, ma = be.dispatch_wait(ha)
-            xb, ib, wb, mb = be.dispatch_wait(hb)
+        ctx = [ForwardContext(max_tokens_per_rank=2 + world, ubatch_id=i) for i in (0, 1)]
+        with forward_context(ctx[0]):
+            ha = be.dispatch_launch(*a)
+        with forward_context(ctx[1]):
+            hb = be.dispatch_launch(*b)
+        xa, ia, wa, ma = be.dispatch_wait(ha)
+        xb, ib, wb, mb = be.dispatch_wait(hb)
+        with forward_context(ctx[0]):
             ca = be.combine_launch(grouped_experts(xa, ia, wa, w13[lo:hi], w2[lo:hi], "loop"), ma)
+        with forward_context(ctx[1]):
             cb = be.combine_launch(grouped_experts(xb, ib, wb, w13[lo:hi], w2[lo:hi], "loop"), mb)
-            oa, ob = be.combine_wait(ca), be.combine_wait(cb)
+        oa, ob = be.combine_wait(ca), be.combine_wait(cb)
         for (hid, i_, w_), o in ((a, oa), (b, ob)):
             report.append((name, "dbo", float((o - grouped_experts(hid, i_, w_, w13, w2, "loop")).abs().max())))
         # The FusedMoE layer with this backend (weights loaded from the full stack).
@@ -74,7 +81,7 @@ def _ranks_body(rank, world, port):
         moe.load_fused("w13", w13)
         moe.load_fused("w2", w2)
         hidden, ids, w = _tokens(rank, 2 + 3 * rank, 9, E)
-        with forward_context(ForwardContext(max_tokens_per_rank=2 + 3 * (world - 1), dp_size=world)), torch.no_grad():
+        with forward_context(ForwardContext(max_tokens_per_rank=2 + 3 * (world - 1))), torch.no_grad():
             got = moe(hidden, ids, w)
         report.append((name, "fused_moe", float((got - grouped_experts(hidden, ids, w, w13, w2, "loop")).abs().max())))
         assert isinstance(factory.pool, EPBufferPool)
@@ -106,7 +113,7 @@ def test_ep_backend_needs_forward_context():
 
 
 def test_single_rank_backends_refuse_ep():
-    from tandem.distributed.ep_all2all import make_all2all_factory
+    from tandem.distributed.all2all_factory import make_all2all_factory
 
     with pytest.raises(ValueError, match="one rank"):
         make_all2all_factory("simulated", ep_size=2, ep_rank=0)(8)

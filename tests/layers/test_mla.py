@@ -169,7 +169,7 @@ def test_batched_prefill_equals_per_request(bound, num_groups, monkeypatch):
 
 def test_default_decode_backend_follows_attention_backend():
     """Triton kernel wherever get_attention_backend picks the Triton backend (CUDA)."""
-    from tandem.attention.backend import get_attention_backend
+    from tandem.attention.selector import get_attention_backend
 
     cfg = _cfg()
     attn = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 128))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.distributed.all2all import ExpertPlacement, LinkModel, LocalAll2All, SimulatedAll2All, get_all2all_backend
+from tandem.distributed.all2all import ExpertPlacement, LinkModel, LocalAll2All, SimulatedAll2All
+from tandem.distributed.all2all_factory import get_all2all_backend
 from tandem.layers.moe import (
     FusedMoE,
     TopKRouter,

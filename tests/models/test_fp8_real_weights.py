@@ -20,7 +20,7 @@ MIN_MEAN_COS, MIN_WORST_COS, MIN_ARGMAX_AGREE = 0.98, 0.8, 0.85
 
 def logits_fp8_vs_reference(device: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
     """Prefill logits of PROMPTS: (FP8 model, reference model in ``dtype``), both [T, vocab] fp32."""
-    from tandem.attention.backend import get_attention_backend
+    from tandem.attention.selector import get_attention_backend
     from tandem.config import embedded_default_model
     from tandem.layers.quantization.config import Fp8Config
     from tandem.model_loader.loader import build_model, load_hf_config, load_tokenizer

@@ -9,9 +9,10 @@ import os
 import pytest
 import torch
 
+from tandem import envs
 from tandem.sampling_params import SamplingParams
 
-GGUF = os.environ.get("TANDEM_QWEN_GGUF")
+GGUF = envs.TANDEM_QWEN_GGUF
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not GGUF, reason="set TANDEM_QWEN_GGUF to run")]
 
 PROMPTS = ["def quicksort(arr):", "# Write a function that checks whether a number is prime\n",

@@ -1,5 +1,5 @@
 """Decode CUDA graphs with dual-batch overlap on the device (skipped without CUDA): with
-``measure_dbo`` the capture keeps a split graph only where its replay was faster, and every
+``DBOPolicy(measure_split=True)`` the capture keeps a split graph only where its replay was faster, and every
 kept graph, split or plain, gives the eager forward's hidden states."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ TINY_DEEPSEEK = dict(model_type="deepseek_v2", vocab_size=300, hidden_size=128, 
 def _model(dev):
     from transformers import AutoConfig
 
-    from tandem.attention.backend import get_attention_backend
+    from tandem.attention.selector import get_attention_backend
     from tandem.distributed.all2all import LinkModel, SimulatedAll2All
     from tandem.model_loader.loader import build_model
 
@@ -36,6 +36,7 @@ def _model(dev):
 def test_measured_dbo_graphs_equal_eager(monkeypatch, faked, other_rank_says_plain):
     from tandem.attention.metadata import AttentionMetadata
     from tandem.worker.cuda_graph import DecodeCUDAGraphs
+    from tandem.worker.step_plan import DBOPolicy, StepPlanner
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -50,16 +51,18 @@ def test_measured_dbo_graphs_equal_eager(monkeypatch, faked, other_rank_says_pla
         monkeypatch.setattr(DecodeCUDAGraphs, "_replay_ms", lambda self, g: next(times))
     if other_rank_says_plain:
         # The ranks agree through forward_min: one rank that measured split slower wins.
-        from tandem.worker import cuda_graph
+        from tandem.worker import step_plan
 
-        monkeypatch.setattr(cuda_graph.ps, "forward_min", lambda v: 0)
-    g = DecodeCUDAGraphs(model, kv, 16, max_blocks, bs, dev, dbo_min_size=4, sizes=[2, 4, 8, 16], measure_dbo=True)
+        monkeypatch.setattr(step_plan.ps, "forward_min", lambda v: 0)
+    dbo = DBOPolicy(decode_token_threshold=4, measure_split=True)
+    g = DecodeCUDAGraphs(model, kv, 16, max_blocks, bs, dev, dbo=dbo, sizes=[2, 4, 8, 16])
     g.capture()
-    assert set(g.timings) == {4, 8, 16}
+    assert set(dbo.graph_timings) == {4, 8, 16}
     if faked:
         assert g.split_sizes == (set() if other_rank_says_plain else {16})
     else:
-        assert g.split_sizes <= {4, 8, 16} and all(p > 0 and s > 0 for p, s in g.timings.values())
+        assert g.split_sizes <= {4, 8, 16} and all(p > 0 and s > 0 for p, s in dbo.graph_timings.values())
+    planner = StepPlanner(dbo, g.sizes, g.split_sizes)
     rng = np.random.default_rng(0)
     for n in (2, 3, 7, 13, 16):
         table = (1 + np.arange(n)[:, None] * max_blocks + np.arange(max_blocks)[None, :]).astype(np.int32)
@@ -67,7 +70,9 @@ def test_measured_dbo_graphs_equal_eager(monkeypatch, faked, other_rank_says_pla
         slots = table[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         ids = torch.randint(0, 300, (n,), device=dev)
         with torch.inference_mode():
-            got = g.run(n, ids, pos, slots, pos + 1, pos, table).clone()
+            plan = planner.plan(n, decode_only=True)
+            assert plan.split == (plan.padded_tokens in g.split_sizes)
+            got = g.run(n, ids, pos, slots, pos + 1, pos, torch.tensor(table, device=dev), plan.padded_tokens).clone()
             i32 = dict(dtype=torch.int32, device=dev)
             meta = AttentionMetadata(torch.arange(n + 1, **i32), torch.tensor(pos + 1, **i32), torch.tensor(pos, **i32),
                                      torch.tensor(table, device=dev), torch.tensor(slots, device=dev), 1,

@@ -82,8 +82,8 @@ def test_measured_prefill_split(tmp_path, monkeypatch, agreed):
     on = _llm(tmp_path, "deepseek_v2", max_num_batched_tokens=64, enable_dbo=True, all2all_backend="simulated",
               dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16)
     runner = on.engine.runner
-    plain_ms, split_ms = runner.prefill_split_timings
-    assert plain_ms > 0 and split_ms > 0 and runner.prefill_split == bool(agreed)
+    plain_ms, split_ms = runner.dbo.prefill_split_timings
+    assert plain_ms > 0 and split_ms > 0 and runner.dbo.prefill_split == bool(agreed)
     got = [o.outputs[0].token_ids for o in on.generate(PROMPTS, p, use_tqdm=False)]
     assert got == want
     assert (runner.num_dbo_steps > 0) == bool(agreed)  # eager splits: the steps with prefill

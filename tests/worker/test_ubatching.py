@@ -1,4 +1,5 @@
-"""DBO ubatch split: metadata of each half, and the split forward equals the unsplit one."""
+"""DBO ubatches: metadata of each half, the split forward equals the unsplit one, and the
+two-ubatch interleave."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from transformers import LlamaConfig, AutoModelForCausalLM
 
 from tandem.attention.torch_backend import TorchAttentionBackend
 from tandem.models.llama import LlamaForCausalLM
-from tandem.worker.ubatching import StepInputs, run_ubatches, split_point, split_ubatches
+from tandem.worker.step_plan import can_split, ubatch_slices
+from tandem.worker.ubatching import StepInputs, run_ubatches
 
 
 def _inputs(q_lens, computed, block_size=16, width=10):
@@ -20,7 +22,12 @@ def _inputs(q_lens, computed, block_size=16, width=10):
     req = np.repeat(np.arange(len(q_lens)), q_lens)
     slots = tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
     ids = np.arange(len(positions)) % 200 + 3
-    return StepInputs(ids, positions, slots, qsl, computed, computed + q_lens, tables, [], [])
+    return StepInputs(ids, positions, slots, qsl, computed, computed + q_lens, torch.from_numpy(tables), [], [])
+
+
+def split_ubatches(inputs: StepInputs, padded_tokens: int) -> tuple[StepInputs, StepInputs]:
+    return tuple(inputs.slice_tokens(u.token_start, min(u.token_stop, inputs.num_tokens))
+                 for u in ubatch_slices(padded_tokens))
 
 
 def test_cached_prefix_split_4_4():
@@ -49,18 +56,18 @@ def test_padding_request_gets_its_own_blocks():
     from tandem.worker.ubatching import empty_step_inputs, pad_step_inputs
 
     padded = pad_step_inputs(empty_step_inputs(), 9, block_size=8)
-    assert padded.num_tokens == 9 and padded.block_table.shape == (1, 2)
+    assert padded.num_tokens == 9 and tuple(padded.block_table.shape) == (1, 2)
     assert (padded.slot_mapping == -1).all() and (padded.block_table == 0).all()
     padded = pad_step_inputs(_inputs([3], [0], block_size=8, width=1), 20, block_size=8)
-    assert padded.block_table.shape == (2, 3) and padded.block_table[0, 0] == 1
+    assert tuple(padded.block_table.shape) == (2, 3) and padded.block_table[0, 0] == 1
     assert padded.seq_lens.tolist() == [3, 17]
 
 
-def test_no_split_when_second_ubatch_empty():
-    assert split_point(3, 4) == 2
-    assert split_point(2, 8) is None  # the second half would be padding only
-    assert split_point(1, 1) is None
-    assert split_ubatches(_inputs([1], [5]), 1) is None
+def test_cut_at_half_the_padded_count():
+    assert [(u.token_start, u.token_stop) for u in ubatch_slices(5)] == [(0, 2), (2, 5)]  # second is larger
+    assert [(u.token_start, u.token_stop) for u in ubatch_slices(8)] == [(0, 4), (4, 8)]
+    assert can_split(2) and can_split(3)
+    assert not can_split(1) and not can_split(0)  # a half would hold no token
 
 
 def test_split_forward_equals_unsplit():

@@ -1,0 +1,97 @@
+"""Every ``TANDEM_*`` environment variable, read here and nowhere else.
+
+Attributes are read from the environment at each access (``tandem.envs.TANDEM_MOE_IMPL``),
+as vLLM's ``envs.py`` does, so a variable set after import (a test's ``monkeypatch``, a
+spawned rank) takes effect. A value outside its choices raises ``ValueError`` naming the
+variable.
+
+=============================  =========  ==================================================
+variable                       default    meaning
+=============================  =========  ==================================================
+TANDEM_LOGGING_LEVEL           unset      log level of the CLI and of spawned rank processes
+                                          (unset: WARNING; INFO for ``tandem serve``)
+TANDEM_MOE_IMPL                auto       pins what the MoE expert compute's ``auto`` means
+                                          (auto, grouped_mm, padded_bmm, triton, loop)
+TANDEM_FUSED_OPS               auto       fused norm/activation kernels: auto (Triton on
+                                          CUDA tensors), triton, torch
+TANDEM_STARTUP_TIMEOUT_S       1800       seconds spawned ranks may take to build engines
+TANDEM_DUMP_STACKS_AFTER_S     unset      every spawned rank prints its stacks after this
+                                          many seconds (debugging a hang)
+TANDEM_EVAL_CACHE              unset      folder for downloaded evaluation data
+TANDEM_MMLU_FILE               unset      an MMLU jsonl file to use instead of downloading
+TANDEM_ASDIV_FILE              unset      an ASDiv jsonl file to use instead of downloading
+TANDEM_QWEN_GGUF               unset      (tests) a Qwen GGUF file for the opt-in
+                                          real-weights tests
+=============================  =========  ==================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+MOE_IMPLS = ("auto", "grouped_mm", "padded_bmm", "triton", "loop")
+FUSED_OPS_MODES = ("auto", "triton", "torch")
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
+    def read() -> str:
+        raw = os.environ.get(name, default).strip()
+        value = raw.lower() or default
+        if value not in choices:
+            raise ValueError(f"{name}={raw!r}: expected one of {choices}")
+        return value
+
+    return read
+
+
+def _log_level() -> str | None:
+    level = os.environ.get("TANDEM_LOGGING_LEVEL", "").strip().upper()
+    if not level:
+        return None
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"TANDEM_LOGGING_LEVEL must be a logging level (DEBUG, INFO, WARNING, ERROR), got {level!r}")
+    return level
+
+
+def _float(name: str, default: float | None) -> Callable[[], float | None]:
+    def read() -> float | None:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
+
+    return read
+
+
+def _path(name: str) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name) or None
+
+
+_READERS: dict[str, Callable[[], Any]] = {
+    "TANDEM_LOGGING_LEVEL": _log_level,
+    "TANDEM_MOE_IMPL": _choice("TANDEM_MOE_IMPL", "auto", MOE_IMPLS),
+    "TANDEM_FUSED_OPS": _choice("TANDEM_FUSED_OPS", "auto", FUSED_OPS_MODES),
+    "TANDEM_STARTUP_TIMEOUT_S": _float("TANDEM_STARTUP_TIMEOUT_S", 1800.0),
+    "TANDEM_DUMP_STACKS_AFTER_S": _float("TANDEM_DUMP_STACKS_AFTER_S", None),
+    "TANDEM_EVAL_CACHE": _path("TANDEM_EVAL_CACHE"),
+    "TANDEM_MMLU_FILE": _path("TANDEM_MMLU_FILE"),
+    "TANDEM_ASDIV_FILE": _path("TANDEM_ASDIV_FILE"),
+    "TANDEM_QWEN_GGUF": _path("TANDEM_QWEN_GGUF"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    reader = _READERS.get(name)
+    if reader is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return reader()
+
+
+def __dir__() -> list[str]:
+    return sorted(_READERS)

@@ -1,0 +1,30 @@
+"""tandem.envs: values are read at access time and validated, naming the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem import envs
+
+
+def test_read_at_access_time_with_defaults(monkeypatch):
+    monkeypatch.delenv("TANDEM_STARTUP_TIMEOUT_S", raising=False)
+    assert envs.TANDEM_STARTUP_TIMEOUT_S == 1800.0
+    monkeypatch.setenv("TANDEM_STARTUP_TIMEOUT_S", "12.5")
+    assert envs.TANDEM_STARTUP_TIMEOUT_S == 12.5
+    monkeypatch.setenv("TANDEM_MOE_IMPL", " Triton ")
+    assert envs.TANDEM_MOE_IMPL == "triton"
+
+
+@pytest.mark.parametrize("name,value", [("TANDEM_MOE_IMPL", "fastest"), ("TANDEM_FUSED_OPS", "cuda"),
+                                        ("TANDEM_STARTUP_TIMEOUT_S", "soon"), ("TANDEM_LOGGING_LEVEL", "loud")])
+def test_bad_values_name_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        getattr(envs, name)
+
+
+def test_unknown_attribute():
+    with pytest.raises(AttributeError):
+        envs.TANDEM_NOT_A_VARIABLE  # noqa: B018
+    assert "TANDEM_MOE_IMPL" in dir(envs)

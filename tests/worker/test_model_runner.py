@@ -1,0 +1,69 @@
+"""The model runner's split step: a step with constrained sequences stops at its logits, and
+``sample_tokens`` samples it with the grammar bitmask applied to those sequences' rows only."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.core.sched_output import NewRequestData, ScheduledSequence, SchedulerOutput
+from tandem.sampling_params import SamplingParams
+from tandem.structured_output.bitmask import GrammarBitmask
+from tandem.worker.model_runner import ModelRunner
+
+V = 40
+
+
+class _FixedLogitsModel(torch.nn.Module):
+    """Records each forward's input ids; its greedy token is always 0 (logits fall with the id)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[int]] = []
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        self.seen.append(input_ids.tolist())
+        return input_ids.float()[:, None].expand(-1, 4)
+
+    def compute_logits(self, hidden):
+        return -torch.arange(V, dtype=torch.float32).expand(hidden.shape[0], V).clone()
+
+
+def _prefill(seq_id: int, blocks: list[int]) -> ScheduledSequence:
+    params = SamplingParams(temperature=0).with_defaults()
+    return ScheduledSequence(seq_id, 0, 3, [1, 2, 3], False, True, blocks,
+                             NewRequestData(seq_id, [1, 2, 3], [], params, False))
+
+
+def _runner(model):
+    return ModelRunner(model, [], block_size=4, vocab_size=V, max_num_seqs=4, device=torch.device("cpu"),
+                       max_model_len=32)
+
+
+def test_constrained_step_samples_after_bitmask():
+    model = _FixedLogitsModel()
+    runner = _runner(model)
+    try:
+        so = SchedulerOutput(0, [_prefill(0, [0]), _prefill(1, [1])], 6, structured_output_seq_ids=[1])
+        assert runner.execute_model(so) is None
+        allowed = torch.zeros(1, (V + 31) // 32, dtype=torch.int32)
+        allowed[0, 0] = 1 << 5  # only token 5
+        out = runner.sample_tokens(GrammarBitmask([1], allowed)).result()
+        assert out.seq_ids == [0, 1]
+        assert out.sampled_token_ids == [0, 5]  # the unconstrained row keeps its greedy token
+
+        # The next step's inputs take the constrained sample from the device.
+        decode = [ScheduledSequence(sid, 3, 1, [], True, True, []) for sid in (0, 1)]
+        out = runner.execute_model(SchedulerOutput(1, decode, 2)).result()
+        assert model.seen[-1] == [0, 5]
+        assert out.sampled_token_ids == [0, 0]
+    finally:
+        runner.shutdown()
+
+
+def test_unconstrained_step_samples_at_once():
+    runner = _runner(_FixedLogitsModel())
+    try:
+        handle = runner.execute_model(SchedulerOutput(0, [_prefill(0, [0])], 3))
+        assert handle is not None and handle.result().sampled_token_ids == [0]
+    finally:
+        runner.shutdown()
