@@ -424,12 +424,9 @@ class FusedMoE(nn.Module):
         if self.w13.dtype != FP8_DTYPE:
             raise ValueError("an FP8 weight scale for experts that are not FP8 (checkpoint without an FP8 "
                              "quantization_config?)")
-        pl = self.all2all.placement
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert id {expert} out of range [0, {self.num_experts})")
-        if not pl.is_local(expert):
+        local = self._local_index(expert)
+        if local is None:
             return False
-        local = expert - pl.first_local_expert
         t = tensor.float()
         if self.weight_block is not None:
             bn, bk = self.weight_block
@@ -502,6 +499,17 @@ class FusedMoE(nn.Module):
         with torch.no_grad():
             p.copy_(src)
 
+    def _local_index(self, expert: int) -> int | None:
+        """This rank's index of global ``expert``, or None when another rank owns it.
+
+        Raises:
+            ValueError: expert id out of range.
+        """
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert id {expert} out of range [0, {self.num_experts})")
+        pl = self.all2all.placement
+        return expert - pl.first_local_expert if pl.is_local(expert) else None
+
     def load_expert(self, which: str, expert: int, tensor: torch.Tensor, shard: int | None = None) -> bool:
         """Copy one expert's matrix (``which`` = "w13" with ``shard`` 0 = gate / 1 = up, or
         "w2"). Returns False (and copies nothing) when another rank owns the expert.
@@ -509,12 +517,9 @@ class FusedMoE(nn.Module):
         Raises:
             ValueError: expert id or shape out of range.
         """
-        pl = self.all2all.placement
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert id {expert} out of range [0, {self.num_experts})")
-        if not pl.is_local(expert):
+        local = self._local_index(expert)
+        if local is None:
             return False
-        local = expert - pl.first_local_expert
         dst = (self.w13 if which == "w13" else self.w2)[local]
         if shard is not None:
             dst = dst.narrow(0, shard * self.intermediate_size, self.intermediate_size)
