@@ -323,11 +323,11 @@ class AsyncMPClient(MPClient):
     outputs or stats, ``on_dead(error)`` once when a core dies."""
 
     def __init__(self, config: EngineConfig, startup_timeout: float | None = None) -> None:
-        super().__init__(config, startup_timeout, asyncio_mode=True)
         self._task: asyncio.Task | None = None
         self._dead_reported = False
         self._calls: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        super().__init__(config, startup_timeout, asyncio_mode=True)
 
     def start(self, on_outputs: Callable[[EngineCoreOutputs], None], on_dead: Callable[[BaseException], None]) -> None:
         """Run the output loop on the running event loop (again, if an earlier loop ended)."""
@@ -343,10 +343,13 @@ class AsyncMPClient(MPClient):
 
     def _monitor(self) -> None:
         """Wait on the rank processes' sentinels; report the first that exits unasked."""
-        sentinels = [p.sentinel for p in self.procs]
-        wait_sentinels(sentinels)
+        ready = wait_sentinels([p.sentinel for p in self.procs])
         if self._stopping:
             return
+        # A sentinel is closed before its process can be reaped: wait for the exit code.
+        for p in self.procs:
+            if p.sentinel in ready:
+                p.join(timeout=5)
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._dead_from_monitor)
@@ -355,9 +358,19 @@ class AsyncMPClient(MPClient):
         try:
             self._check_procs()
         except EngineDeadError:
-            pass
-        if self.dead_error is not None:  # found here, or already by is_alive
-            self._report_dead(self.dead_error)
+            pass  # reported by _fail
+
+    def _fail(self, message: str) -> None:
+        """As ``MPClient._fail``; whichever path noticed the death first (the monitor, a
+        liveness check, a core's own report), every waiter hears of it."""
+        try:
+            super()._fail(message)
+        except EngineDeadError as e:
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                # Deferred: the caller may be in the middle of adding or reading a request.
+                loop.call_soon_threadsafe(self._report_dead, e)
+            raise
 
     def _report_dead(self, err: BaseException) -> None:
         if self._dead_reported:
