@@ -31,8 +31,8 @@ import time
 import torch
 
 
-def load_transformers(model: str):
-    """transformers' model of the same fp32 weights Tandem loads."""
+def load_transformers(model: str, dtype: torch.dtype):
+    """transformers' model of the same weights Tandem loads, in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
     from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
@@ -43,7 +43,7 @@ def load_transformers(model: str):
         folder = converted_folder(model)
         if folder is None or not os.path.isfile(os.path.join(folder, WEIGHTS_FILE)):
             raise SystemExit(f"no converted weights for {model} in the GGUF cache")
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
     ref.generation_config.eos_token_id = None  # like ignore_eos
     ref.generation_config.pad_token_id = 0
     return ref
@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each engine per batch size (>= 3)")
+    ap.add_argument("--dtype", default="auto", help="both engines' dtype (auto: what Tandem's dtype=auto picks here)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of both engines")
     args = ap.parse_args()
     if args.repeats < 1:
@@ -96,13 +97,14 @@ def main() -> None:
 
     model = args.model or embedded_default_model()
     t0 = time.perf_counter()
-    llm = LLM(model=model, max_num_seqs=max(256, max(args.num_prompts)))
+    llm = LLM(model=model, max_num_seqs=max(256, max(args.num_prompts)), dtype=args.dtype)
     t1 = time.perf_counter()
-    ref = load_transformers(model)
+    dtype = llm.engine.config.torch_dtype
+    ref = load_transformers(model, dtype)
     t2 = time.perf_counter()
     vocab = llm.engine.vocab_size
     print(f"model {model}\nload: tandem {t1 - t0:.1f} s, transformers {t2 - t1:.1f} s; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, dtype {dtype}")
     print(f"workload: input {args.input_len}, output {args.output_len}, greedy, EOS ignored; "
           f"{args.repeats} alternated runs of each engine per batch size")
 
