@@ -2,14 +2,19 @@
 
 Workload per batch size ``N`` (``--num-prompts``, default 1, 16 and 64): ``N`` random
 prompts of ``--input-len`` tokens, greedy, exactly ``--output-len`` new tokens each (EOS
-ignored). Both engines hold the same fp32 weights: for a GGUF file transformers loads
-Tandem's converted cache folder (the dequantized tensors Tandem loads, see
+ignored). Both engines hold the same weights: for a GGUF file transformers loads Tandem's
+converted cache folder (the dequantized tensors Tandem loads, see
 ``tandem.model_loader.gguf_cache``); for a HF folder both load the folder. transformers
 runs all ``N`` prompts in one ``generate`` call (equal lengths: no padding) with its
 default dynamic KV cache and SDPA attention; Tandem runs them through ``LLM.generate``.
 
-Method (so that the ratio holds on a shared machine): both engines are loaded and warmed
-up first (one untimed run of each batch size), then the timed runs alternate
+Pairings (``--pairings``): ``default`` runs each engine at its own default dtype (Tandem's
+``dtype="auto"``, transformers' ``from_pretrained`` without a dtype: fp32 for a GGUF file,
+as ``from_pretrained(..., gguf_file=...)`` gives); ``bfloat16`` / ``float32`` run both at
+that dtype (what the engine itself adds, at equal arithmetic).
+
+Method (so that the ratio holds on a shared machine): per pairing both engines are loaded
+and warmed up first (one untimed run of each batch size), then the timed runs alternate
 ``tandem, transformers, tandem, transformers, ...`` (``--repeats`` of each per batch size),
 each repetition on fresh prompts (no prefix-cache hits) that both engines get. Reported:
 per engine the median and the spread (min-max) of output tokens/s, the ratio of medians,
@@ -17,7 +22,8 @@ the median of the per-pair ratios, and the 1-minute load average around the runs
 one prompt the figure is milliseconds per output token (end to end, prefill included).
 Both engines use ``--threads`` torch threads (Tandem's step thread included).
 
-    python benchmarks/cpu_vs_transformers.py [--model PATH] [--num-prompts 1 16 64] [--repeats 3]
+    python benchmarks/cpu_vs_transformers.py [--model PATH] [--num-prompts 1 16 64] [--repeats 3] \\
+        [--pairings default bfloat16]
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ import time
 import torch
 
 
-def load_transformers(model: str):
-    """transformers' model of the same fp32 weights Tandem loads."""
+def load_transformers(model: str, dtype: torch.dtype | None):
+    """transformers' model of the same weights Tandem loads, in ``dtype`` (None: its default)."""
     from transformers import AutoModelForCausalLM
 
     from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
@@ -43,7 +49,8 @@ def load_transformers(model: str):
         folder = converted_folder(model)
         if folder is None or not os.path.isfile(os.path.join(folder, WEIGHTS_FILE)):
             raise SystemExit(f"no converted weights for {model} in the GGUF cache")
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", **kwargs).eval()
     ref.generation_config.eos_token_id = None  # like ignore_eos
     ref.generation_config.pad_token_id = 0
     return ref
@@ -77,35 +84,21 @@ def summarize(name: str, values: list[float], unit: str) -> str:
     return f"  {name:<13}: median {med:8.2f} {unit} (spread {min(values):.2f}-{max(values):.2f}; runs {runs})"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
-    ap.add_argument("--num-prompts", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each engine per batch size (>= 3)")
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of both engines")
-    args = ap.parse_args()
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
-    torch.set_num_threads(args.threads)
-
+def run_pairing(pairing: str, model: str, args) -> list[str]:
+    """Load both engines for ``pairing``, time every batch size; returns summary lines."""
     from tandem import LLM
     from tandem.benchmarks.throughput import random_prompts
-    from tandem.config import embedded_default_model
 
-    model = args.model or embedded_default_model()
     t0 = time.perf_counter()
-    llm = LLM(model=model, max_num_seqs=max(256, max(args.num_prompts)))
+    llm = LLM(model=model, max_num_seqs=max(256, max(args.num_prompts)),
+              dtype="auto" if pairing == "default" else pairing)
     t1 = time.perf_counter()
-    ref = load_transformers(model)
+    ref = load_transformers(model, None if pairing == "default" else getattr(torch, pairing))
     t2 = time.perf_counter()
     vocab = llm.engine.vocab_size
-    print(f"model {model}\nload: tandem {t1 - t0:.1f} s, transformers {t2 - t1:.1f} s; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
-    print(f"workload: input {args.input_len}, output {args.output_len}, greedy, EOS ignored; "
-          f"{args.repeats} alternated runs of each engine per batch size")
-
+    dtypes = f"tandem {llm.engine.config.torch_dtype}, transformers {ref.dtype}"
+    print(f"\n=== pairing {pairing}: {dtypes}; load: tandem {t1 - t0:.1f} s, transformers {t2 - t1:.1f} s")
+    summary = []
     for n in args.num_prompts:
         warm = random_prompts(n, args.input_len, vocab, seed=10_000 + n)
         run_tandem(llm, warm, min(args.output_len, 8))
@@ -132,7 +125,39 @@ def main() -> None:
                 print(summarize(name, vals, "output tok/s"))
         print(f"  ratio tandem/transformers (output tok/s): {ratio:.2f}x of medians; per-pair median "
               f"{statistics.median(pair):.2f}x (spread {min(pair):.2f}-{max(pair):.2f})")
+        summary.append(f"{pairing:>9} ({dtypes}) {n:>3} prompt(s): {ratio:.2f}x (pairs {min(pair):.2f}-{max(pair):.2f}), "
+                       f"load {min(loads):.2f}-{max(loads):.2f}")
     llm.engine.shutdown()
+    del llm, ref
+    gc.collect()
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
+    ap.add_argument("--num-prompts", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each engine per batch size (>= 3)")
+    ap.add_argument("--pairings", nargs="+", default=["default", "bfloat16"],
+                    choices=["default", "bfloat16", "float32"],
+                    help="default: each engine at its default dtype; a dtype: both at it")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of both engines")
+    args = ap.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    torch.set_num_threads(args.threads)
+
+    from tandem.config import embedded_default_model
+
+    model = args.model or embedded_default_model()
+    print(f"model {model}\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
+          f"workload: input {args.input_len}, output {args.output_len}, greedy, EOS ignored; "
+          f"{args.repeats} alternated runs of each engine per batch size")
+    summary = [line for pairing in args.pairings for line in run_pairing(pairing, model, args)]
+    print("\nsummary (ratio of median output tok/s, tandem / transformers):")
+    print("\n".join(summary))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ class EngineConfig:
             ids and the defaults of sampling fields a request leaves unset (as vLLM);
             "vllm": EOS ids only, vLLM's sampling defaults; or a folder holding a
             ``generation_config.json`` (:mod:`tandem.model_loader.generation_config`).
-        dtype: "auto" (fp32 on the CPU, bf16 on CUDA), or a dtype name.
+        dtype: "auto" (bf16 on CUDA; on the CPU bf16 for 16-bit and GGUF checkpoints where
+            the CPU has native bf16 arithmetic, else fp32: see ``tandem.platform``), or a
+            dtype name.
         device: "auto" (CUDA when available), "cpu" or "cuda[:i]".
         block_size: tokens per KV cache block.
         num_kv_blocks: force the KV cache size in blocks (None: derive from memory).
@@ -211,7 +213,9 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            from tandem.platform import auto_dtype
+
+            return auto_dtype(self.torch_device, self.model)
         return _DTYPES[self.dtype]
 
     @property

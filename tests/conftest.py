@@ -38,9 +38,15 @@ def assert_all_blocks_free(engine) -> None:
 
 
 def make_llm(**kwargs):
-    """The embedded model with a small KV cache unless told otherwise."""
+    """The embedded model with a small KV cache, in fp32, unless told otherwise.
+
+    fp32 because these tests compare token ids exactly: against transformers' fp32
+    reference and across batch shapes (bf16 GEMMs round differently per row count). The
+    bf16 default of CPUs with native bf16 is tested in tests/test_platform.py.
+    """
     from tandem.entrypoints.llm import LLM
 
+    kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("num_kv_blocks", 256)
     kwargs.setdefault("max_model_len", 1024)
     return LLM(**kwargs)
