@@ -188,7 +188,15 @@ class MPClient:
             raise self.dead_error
         if self._closed:
             raise EngineDeadError("the engine is shut down")
-        self.inputs[engine].send_multipart((kind.value, self.encoder.encode(payload)), copy=False)
+        frames = (kind.value, self.encoder.encode(payload))
+        while True:
+            try:
+                # Never blocking: a PUSH socket whose core is gone would wait forever.
+                self.inputs[engine].send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:  # nothing connected, or its queue is full: is the core alive?
+                self._check_procs()
+                time.sleep(0.001)
 
     def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
         """Send the sequences of one request to the least loaded replica."""
@@ -246,7 +254,10 @@ class MPClient:
         if self.dead_error is None:
             try:
                 for e in range(self.dp_size):
-                    self.inputs[e].send_multipart((EngineCoreRequestType.SHUTDOWN.value, b""))
+                    try:
+                        self.inputs[e].send_multipart((EngineCoreRequestType.SHUTDOWN.value, b""), flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # nothing connected: that core already exited (a lockstep peer stopping)
                 deadline = time.monotonic() + timeout
                 while self.final_stats is None and time.monotonic() < deadline and \
                         any(p.is_alive() for p in self.procs):

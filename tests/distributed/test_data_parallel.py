@@ -144,3 +144,24 @@ def test_dp2_ep2_decode_cuda_graphs_with_dbo(model_dir):
     finally:
         llm.engine.shutdown()
     assert llm.engine.final_stats["num_dbo_steps"] > 0
+
+
+def test_a_gone_core_never_blocks_sends_or_shutdown(model_dir):
+    """A core process that exited (a lockstep peer stopping first, a crash not yet noticed)
+    leaves a PUSH socket with nothing connected: a send to it raises EngineDeadError, and
+    shutdown returns, instead of waiting forever."""
+    import threading
+
+    from tandem.engine.core_client import EngineDeadError
+    from tandem.engine.messages import EngineCoreRequestType
+
+    llm = make_llm(model_dir("llama"), DPLLM, data_parallel_size=2, **DP_ENGINE)
+    client = llm.engine.client
+    gone = client.procs[1]
+    gone.kill()
+    gone.join(10)
+    with pytest.raises(EngineDeadError, match="exited"):
+        client._send(1, EngineCoreRequestType.WAKEUP, [])
+    done = threading.Event()
+    threading.Thread(target=lambda: (llm.engine.shutdown(), done.set()), daemon=True).start()
+    assert done.wait(60), "shutdown blocked on the gone core's socket"
