@@ -73,7 +73,8 @@ def _scale_vector(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _fp8_param(shape: Sequence[int], dtype: torch.dtype) -> nn.Parameter:
     # Scales start as NaN: one that no checkpoint tensor wrote is caught after loading.
-    data = torch.empty(tuple(shape), dtype=dtype) if dtype == FP8_DTYPE else torch.full(tuple(shape), float("nan"))
+    data = torch.empty(tuple(shape), dtype=dtype) if dtype == FP8_DTYPE else torch.full(tuple(shape), float("nan"),
+                                                                                       dtype=dtype)
     return nn.Parameter(data, requires_grad=False)
 
 

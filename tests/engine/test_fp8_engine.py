@@ -40,14 +40,16 @@ def _run(model: str, **kw):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("which, kw", [("fp8", {}), ("fp8", {"kv_cache_dtype": "fp8"}),
+@pytest.mark.parametrize("which, kw", [("fp8", {}), ("fp8", {"kv_cache_dtype": "fp8"}), ("fp8", {"dtype": "bfloat16"}),
                                        ("full", {"quantization": "fp8", "kv_cache_dtype": "fp8"})])
 def test_fp8_engine_generates(tiny_folders, which, kw):
     llm, ids = _run(tiny_folders[0] if which == "fp8" else tiny_folders[1], **kw)
     engine = llm.engine
     assert all(len(t) == GREEDY.max_tokens for t in ids)
     assert engine.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
-    want_kv = torch.float8_e4m3fn if kw.get("kv_cache_dtype") == "fp8" else torch.float32
+    qkv = engine.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight_scale.dtype == torch.float32  # in a bf16 model too (it was created bf16)
+    want_kv = torch.float8_e4m3fn if kw.get("kv_cache_dtype") == "fp8" else engine.config.torch_dtype
     assert all(c.dtype == want_kv for c in engine.runner.kv_caches)
     assert_all_blocks_free(engine)
     engine.shutdown()
