@@ -4,7 +4,8 @@ single-process ones, requests are spread over both API-server processes and both
 ``/metrics`` sums over the API servers; SIGTERM stops everything with exit 0; an engine core
 killed mid-request fails the live requests of every API server (500 / stream error event
 then ``[DONE]``) and everything exits non-zero; an API server killed stops the whole server
-(as vLLM's does). psutil checks that no process is left."""
+(as vLLM's does); a launcher killed with SIGKILL leaves no API server or core behind.
+psutil checks that no process is left."""
 
 from __future__ import annotations
 
@@ -21,22 +22,22 @@ import psutil
 import pytest
 
 from tests.distributed.conftest import CONFIGS, PROMPTS
-from tests.entrypoints.test_server_parallel import MAX_TOKENS, _engine_args, _offline_texts
+from tests.entrypoints.test_server_parallel import LAYOUTS, MAX_TOKENS, _engine_args, _offline_texts
 
 FLAGS = ["--data-parallel-size", "2", "--api-server-count", "2"]
 ENV = {"TANDEM_STARTUP_TIMEOUT_S": "300"}
 CONTEXT = 4096  # long enough that the fault tests' requests are still running when it strikes
 
 
-def _model(tmp_path, **overrides) -> str:
-    (tmp_path / "config.json").write_text(json.dumps({**CONFIGS["llama"], **overrides}))
+def _model(tmp_path, family: str = "llama", **overrides) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIGS[family], **overrides}))
     return str(tmp_path)
 
 
-def _start(args: list[str]):
+def _start(args: list[str], layout: list[str] = ()):
     from tandem.entrypoints.openai.testing import RemoteServer
 
-    return RemoteServer([*args, *FLAGS], env=ENV)
+    return RemoteServer([*args, *layout, *FLAGS], env=ENV)
 
 
 def _processes(srv) -> tuple[list[psutil.Process], list[psutil.Process], list[psutil.Process]]:
@@ -72,11 +73,13 @@ def _metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def test_two_api_servers_equal_offline_and_share_the_load(tmp_path):
-    model = _model(tmp_path)
+@pytest.mark.parametrize("layout", ["dp2-llama", "dp2-ep-dbo-qwen3_moe"])
+def test_two_api_servers_equal_offline_and_share_the_load(tmp_path, layout):
+    family, flags = LAYOUTS[layout]
+    model = _model(tmp_path, family)
     prompts = PROMPTS * 2
     want = _offline_texts(model, prompts)
-    srv = _start(_engine_args(model))
+    srv = _start(_engine_args(model), flags)
     try:
         api, cores, children = _processes(srv)  # both API servers serve before the load starts
         name = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="EMPTY").models.list().data[0].id
@@ -183,5 +186,16 @@ def test_killed_api_server_stops_the_whole_server(tmp_path):
         assert srv.proc.wait(45) == 1
         assert _gone(children, 10) == []
         assert "API server(s) [" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_sigkilled_launcher_leaves_no_process(tmp_path):
+    srv = _start(_engine_args(_model(tmp_path)))
+    try:
+        _, _, children = _processes(srv)
+        srv.proc.kill()
+        srv.proc.wait(10)
+        assert _gone(children, 15) == []
     finally:
         srv.stop()
