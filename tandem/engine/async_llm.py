@@ -290,6 +290,17 @@ class AsyncLLM:
         finally:
             stream.abort()
 
+    def abort_all(self, reason: str) -> None:
+        """End every live request with ``EngineDeadError(reason)`` and abort its sequences in
+        the cores (the server is stopping)."""
+        err = EngineDeadError(reason)
+        for rid, stream in list(self._streams.items()):
+            core_ids = self.output_processor.abort(rid)
+            stream.queue.put_nowait(err)
+            if core_ids and self.is_running:
+                self.client.abort_requests(core_ids)
+        self._streams.clear()
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the cores; live requests end with ``EngineDeadError``."""
         if self._stopped:

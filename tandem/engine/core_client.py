@@ -190,6 +190,7 @@ class MPClient:
         self.inputs = []
         for addr in self.addresses.inputs[self.client_index]:
             s = self.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.SNDHWM, 0)  # a busy core never blocks the front end's event loop
             s.bind(addr)
             self.inputs.append(s)
         self.actx = zmq.asyncio.Context.shadow(self.ctx) if asyncio_mode else None

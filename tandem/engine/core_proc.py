@@ -80,6 +80,9 @@ class EngineCoreProc:
         self.outputs = []
         for addr in output_addrs:
             s = self.ctx.socket(zmq.PUSH)
+            # No high-water mark (as vLLM's sockets): a front end that is slow or gone (an
+            # API server that stopped first) queues, it never blocks the core's loop.
+            s.setsockopt(zmq.SNDHWM, 0)
             s.connect(addr)
             self.outputs.append(s)
         # The front end of each live request, when there are several.

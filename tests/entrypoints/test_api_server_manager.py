@@ -1,7 +1,8 @@
 """``tandem serve --api-server-count 2`` with two engine cores (DP=2 over gloo, tiny random
 Llama, CPU): concurrent greedy completions through the ``openai`` client equal the offline
 single-process ones, requests are spread over both API-server processes and both replicas,
-``/metrics`` sums over the API servers; SIGTERM stops everything with exit 0; an engine core
+``/metrics`` sums over the API servers; SIGTERM ends the live requests of every API server
+(500 / stream error event then ``[DONE]``) and stops everything with exit 0; an engine core
 killed mid-request fails the live requests of every API server (500 / stream error event
 then ``[DONE]``) and everything exits non-zero; an API server killed stops the whole server
 (as vLLM's does); a launcher killed with SIGKILL leaves no API server or core behind.
@@ -138,41 +139,69 @@ def _long_streams(url: str, count: int, results: list, started: threading.Semaph
     return threads
 
 
-def test_killed_engine_core_fails_every_api_servers_requests(tmp_path):
+def _long_requests_on_both_api_servers(srv) -> tuple[list[threading.Thread], list, dict]:
+    """Long streams (new connections until both API servers hold live requests) and one
+    long non-streaming request; returns (threads, the streams' lines, {"plain": response})."""
+    results: list = []
+    started = threading.Semaphore(0)
+    threads = []
+    for _ in range(10):
+        threads += _long_streams(srv.url, 2, results, started)
+        for _ in range(2):
+            assert started.acquire(timeout=60)
+        if all(s["num_live_requests"] > 0 for s in _per_api_server(srv.url).values()):
+            break
+    else:
+        pytest.fail("the streams never reached both API servers")
+    plain: dict = {}
+    body = {"prompt": [5, 6], "max_tokens": CONTEXT - 16, "ignore_eos": True}
+    t = threading.Thread(target=lambda: plain.setdefault("plain", httpx.post(f"{srv.url}/v1/completions", json=body,
+                                                                            timeout=60)))
+    t.start()
+    time.sleep(0.5)
+    return [*threads, t], results, plain
+
+
+def _assert_all_failed(threads, results, plain, message: str) -> None:
+    for th in threads:
+        th.join(60)
+    assert len(results) == len(threads) - 1
+    for lines in results:
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        err = json.loads(lines[-2][len("data: "):])
+        assert err["error"]["code"] == 500 and message in err["error"]["message"], err
+    r = plain["plain"]
+    assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError", r.text
+    assert message in r.json()["error"]["message"]
+
+
+def _long_context_server(tmp_path):
     # (the later flags win)
-    srv = _start(_engine_args(_model(tmp_path, max_position_embeddings=CONTEXT)) +
-                 ["--num-kv-blocks", "2048", "--max-model-len", str(CONTEXT)])
+    return _start(_engine_args(_model(tmp_path, max_position_embeddings=CONTEXT)) +
+                  ["--num-kv-blocks", "2048", "--max-model-len", str(CONTEXT)])
+
+
+def test_killed_engine_core_fails_every_api_servers_requests(tmp_path):
+    srv = _long_context_server(tmp_path)
     try:
         api, cores, children = _processes(srv)
-        results: list = []
-        started = threading.Semaphore(0)
-        threads = []
-        # Streams on new connections until both API servers hold live requests.
-        for _ in range(10):
-            threads += _long_streams(srv.url, 2, results, started)
-            for _ in range(2):
-                assert started.acquire(timeout=60)
-            if all(s["num_live_requests"] > 0 for s in _per_api_server(srv.url).values()):
-                break
-        else:
-            pytest.fail("the streams never reached both API servers")
-        plain = {}
-        t = threading.Thread(target=lambda: plain.setdefault("r", httpx.post(
-            f"{srv.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": CONTEXT - 16, "ignore_eos": True},
-            timeout=60)))
-        t.start()
-        time.sleep(0.5)
+        threads, results, plain = _long_requests_on_both_api_servers(srv)
         os.kill(cores[0].pid, signal.SIGKILL)
-        for th in [*threads, t]:
-            th.join(60)
-        assert len(results) == len(threads)
-        for lines in results:
-            assert lines[-1] == "data: [DONE]", lines[-3:]
-            err = json.loads(lines[-2][len("data: "):])
-            assert err["error"]["code"] == 500 and "engine" in err["error"]["message"], err
-        r = plain["r"]
-        assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError", r.text
+        _assert_all_failed(threads, results, plain, "engine")
         assert srv.proc.wait(15) != 0
+        assert _gone(children, 10) == []
+    finally:
+        srv.stop()
+
+
+def test_sigterm_ends_live_requests_and_everyone_exits_0(tmp_path):
+    srv = _long_context_server(tmp_path)
+    try:
+        api, cores, children = _processes(srv)
+        threads, results, plain = _long_requests_on_both_api_servers(srv)
+        srv.proc.send_signal(signal.SIGTERM)
+        _assert_all_failed(threads, results, plain, "stopping")
+        assert srv.proc.wait(20) == 0
         assert _gone(children, 10) == []
     finally:
         srv.stop()

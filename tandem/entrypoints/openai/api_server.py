@@ -166,6 +166,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()
         llm.start()  # the output loop runs from the start: a core's death is seen without traffic
         watch = asyncio.create_task(watch_engine())
         yield
@@ -299,6 +300,22 @@ def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket
 DEAD_ENGINE_EXIT_DELAY_S = 2.0
 
 
+def _uvicorn_server(config, app: FastAPI):
+    """uvicorn's server that, on SIGINT/SIGTERM, also ends every live request at once (HTTP
+    500; a stream with an error event, then ``[DONE]``), so that stopping never waits for
+    long generations (uvicorn alone waits for every response to finish)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            loop = getattr(app.state, "loop", None)
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(app.state.llm.abort_all, f"the server is stopping (signal {sig})")
+
+    return Server(config)
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Bind the address, start the engine cores, and serve until interrupted (SIGINT/SIGTERM:
     exit 0) or until an engine core dies (exit 1, after failing every live request).
@@ -353,7 +370,7 @@ def serve_http(llm: AsyncLLM, sock: socket.socket, args: argparse.Namespace, api
                     os.getpid())
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=args.timeout_keep_alive)
-        server = uvicorn.Server(config)
+        server = _uvicorn_server(config, app)
         server.run(sockets=[sock])
     finally:
         dead = llm.client.dead_error is not None

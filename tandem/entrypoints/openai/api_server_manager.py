@@ -184,8 +184,8 @@ def run_multi_api_server(args: argparse.Namespace, cfg: EngineConfig) -> None:
             servers = APIServerProcessManager(args, socks, client.api_server_configs(), metrics_dir)
             for s in socks:
                 s.close()  # the API servers hold them now
-            logger.info("serving on http://%s:%d with %d API server processes (pids %s), engine core pids %s", host,
-                        port, n, [p.pid for p in servers.procs], [p.pid for p in client.procs])
+            logger.info("engine cores ready (pids %s); starting %d API servers on http://%s:%d (pids %s)",
+                        [p.pid for p in client.procs], n, host, port, [p.pid for p in servers.procs])
             code = _supervise(client, servers)
         finally:
             if servers is not None:
