@@ -1,7 +1,8 @@
 """``tandem serve --api-server-count 2`` with two engine cores (DP=2 over gloo, tiny random
 Llama, CPU): concurrent greedy completions through the ``openai`` client equal the offline
 single-process ones, requests are spread over both API-server processes and both replicas,
-``/metrics`` sums over the API servers; SIGTERM ends the live requests of every API server
+``/metrics`` sums over the API servers, streams cut mid-way give every replica's KV blocks
+back; SIGTERM ends the live requests of every API server
 (500 / stream error event then ``[DONE]``) and stops everything with exit 0; an engine core
 killed mid-request fails the live requests of every API server (500 / stream error event
 then ``[DONE]``) and everything exits non-zero; an API server killed stops the whole server
@@ -110,6 +111,29 @@ def test_two_api_servers_equal_offline_and_share_the_load(tmp_path, layout):
         # /metrics of either API server counts the requests of both.
         assert _metric(srv.url, "tandem:request_success_total") == len(prompts) + 1
         assert _metric(srv.url, "tandem:generation_tokens_total") == (len(prompts) + 1) * MAX_TOKENS
+
+        # Streams cut after their first chunk, on new connections (both API servers): every
+        # replica's KV blocks come back.
+        async def cut() -> None:
+            async def one(p) -> None:
+                async with httpx.AsyncClient(timeout=120) as c:
+                    body = {"prompt": p, "max_tokens": 100, "stream": True, "ignore_eos": True, "model": name}
+                    async with c.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
+                        async for _ in r.aiter_lines():
+                            break
+
+            await asyncio.gather(*(one(p) for p in prompts))
+
+        asyncio.run(cut())
+        deadline = time.monotonic() + 60
+        while True:
+            s = httpx.get(f"{srv.url}/debug/engine_stats", timeout=30).json()
+            if s["num_seqs_with_blocks"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert s["num_unfinished_seqs"] == 0 and s["num_seqs_with_blocks"] == 0, s
+        assert all(r["num_free_blocks"] == r["num_usable_blocks"] for r in s["replicas"]), s
+        assert all(st["num_live_requests"] == 0 for st in _per_api_server(srv.url).values())
 
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(60) == 0
