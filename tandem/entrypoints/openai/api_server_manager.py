@@ -19,7 +19,7 @@ process:
    processor); Prometheus metrics go to a shared multiprocess folder, so ``/metrics`` of any
    of them reports the sum over all;
 4. watches every process. SIGTERM / SIGINT: the API servers stop (each as a single server
-   does: exit 0), then the cores; exit 0. An engine core dies: every API server fails its
+   does: it ends its live requests and exits 0), then the cores; exit 0. An engine core dies: every API server fails its
    live requests (it watches the cores itself) and exits 1; so does this process, within
    :data:`DEAD_ENGINE_EXIT_DELAY_S` + a few seconds. An API server dies: the whole server
    stops (as vLLM's does) and exits 1. Every child also exits on its own when this
@@ -44,7 +44,8 @@ from tandem.entrypoints.openai.api_server import DEAD_ENGINE_EXIT_DELAY_S, bind_
 
 logger = logging.getLogger("tandem.serve")
 
-# Seconds the API servers get to stop (finishing their responses) before they are killed.
+# Seconds the API servers get to stop after SIGTERM (they end their live requests at once)
+# before they are killed.
 API_SERVER_STOP_TIMEOUT_S = 30.0
 # Seconds between two checks of the processes (and drains of the cores' messages).
 SUPERVISE_POLL_S = 0.5
@@ -115,18 +116,17 @@ class APIServerProcessManager:
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for every server to exit."""
+        deadline = time.monotonic() + timeout
         for p in self.procs:
-            p.join(timeout)
-            timeout = 0.1
+            p.join(max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float = API_SERVER_STOP_TIMEOUT_S) -> None:
         """SIGTERM every live server, wait up to ``timeout`` s, kill the rest."""
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
-        deadline = time.monotonic() + timeout
+        self.wait(timeout)
         for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 logger.warning("API server %s did not stop in %.0f s: killed", p.name, timeout)
                 p.kill()
