@@ -75,6 +75,20 @@ def _metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def test_bind_sockets_share_a_free_port_and_refuse_a_used_one():
+    from tandem.entrypoints.openai.api_server_manager import bind_sockets
+
+    socks = bind_sockets("127.0.0.1", 0, 3)
+    try:
+        assert len({s.getsockname() for s in socks}) == 1
+        # Another server's SO_REUSEPORT sockets on the port: refused, not joined.
+        with pytest.raises(ConnectionError, match="cannot listen"):
+            bind_sockets("127.0.0.1", socks[0].getsockname()[1], 2)
+    finally:
+        for s in socks:
+            s.close()
+
+
 @pytest.mark.parametrize("layout", ["dp2-llama", "dp2-ep-dbo-qwen3_moe"])
 def test_two_api_servers_equal_offline_and_share_the_load(tmp_path, layout):
     family, flags = LAYOUTS[layout]

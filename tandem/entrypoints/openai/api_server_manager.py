@@ -52,15 +52,16 @@ SUPERVISE_POLL_S = 0.5
 
 
 def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """``count`` sockets listening on one address with ``SO_REUSEPORT`` (port 0: the free
-    port the first one got).
+    """``count`` sockets listening on one address with ``SO_REUSEPORT`` (port 0: a free
+    port).
 
     Raises:
-        ConnectionError: the address cannot be bound.
+        ConnectionError: the address cannot be bound, or is in use, also by another server's
+            ``SO_REUSEPORT`` sockets, which a socket with that option would silently join.
     """
-    socks = [bind_socket(host, port, reuse_port=True)]
-    port = socks[0].getsockname()[1]
-    socks += [bind_socket(host, port, reuse_port=True) for _ in range(count - 1)]
+    with bind_socket(host, port) as probe:
+        port = probe.getsockname()[1]
+    socks = [bind_socket(host, port, reuse_port=True) for _ in range(count)]
     for s in socks:
         s.listen(2048)  # uvicorn's default backlog
     return socks
