@@ -165,15 +165,15 @@ class MPClient:
             (:meth:`api_server_configs`); this client is then the last of
             ``api_server_count + 1`` and only launches, watches and stops the cores.
         attach: attach to cores launched by another process instead of spawning them.
+        wait_ready: wait for the cores' handshakes here; False: the caller calls
+            :meth:`wait_ready` (the launcher of API servers starts them meanwhile).
 
     Raises:
         EngineDeadError: a rank failed to start (its traceback is in the message).
     """
 
     def __init__(self, config: EngineConfig, startup_timeout: float | None = None, asyncio_mode: bool = False,
-                 api_server_count: int = 0, attach: EngineClientConfig | None = None) -> None:
-        if startup_timeout is None:
-            startup_timeout = envs.TANDEM_STARTUP_TIMEOUT_S
+                 api_server_count: int = 0, attach: EngineClientConfig | None = None, wait_ready: bool = True) -> None:
         self.config = config
         self.dp_size = config.data_parallel_size
         self.lockstep = config.data_parallel_size > 1 and config.enable_expert_parallel
@@ -214,7 +214,21 @@ class MPClient:
         atexit.register(self.shutdown)
         try:
             self.procs = self._spawn(config) if attach is None else [_ForeignProcess(pid) for pid in attach.core_pids]
-            self.readies = self._wait_ready(startup_timeout)
+        except BaseException:
+            self._kill()
+            raise
+        if wait_ready:
+            self.wait_ready(startup_timeout)
+
+    def wait_ready(self, startup_timeout: float | None = None) -> None:
+        """Wait for every replica's handshake (``readies``, ``ready``).
+
+        Raises:
+            EngineDeadError: a rank failed to start, or not within the timeout.
+        """
+        try:
+            self.readies = self._wait_ready(envs.TANDEM_STARTUP_TIMEOUT_S if startup_timeout is None
+                                            else startup_timeout)
         except BaseException:
             self._kill()
             raise
@@ -401,8 +415,9 @@ class MPClient:
 class SyncMPClient(MPClient):
     """Blocking client of spawned cores (offline ``LLM`` with several ranks)."""
 
-    def __init__(self, config: EngineConfig, startup_timeout: float | None = None, api_server_count: int = 0) -> None:
-        super().__init__(config, startup_timeout, api_server_count=api_server_count)
+    def __init__(self, config: EngineConfig, startup_timeout: float | None = None, api_server_count: int = 0,
+                 wait_ready: bool = True) -> None:
+        super().__init__(config, startup_timeout, api_server_count=api_server_count, wait_ready=wait_ready)
         self._backlog: list[EngineCoreOutputs] = []
 
     def get_output(self) -> EngineCoreOutputs:

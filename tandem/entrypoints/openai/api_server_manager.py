@@ -12,12 +12,11 @@ process:
    to its backlog per wake-up), so one process would take most of a benchmark's
    connections. All N sockets listen from the start, so none misses the first connections;
 2. spawns the engine cores with a client slot per API server plus its own
-   (:class:`tandem.engine.core_client.SyncMPClient` with ``api_server_count``) and waits
-   for them to load;
-3. spawns the API servers (:func:`run_api_server_worker`), each with its socket and an
-   ``AsyncLLM`` attached to the cores (its own processor, detokenizer and output
-   processor); Prometheus metrics go to a shared multiprocess folder, so ``/metrics`` of any
-   of them reports the sum over all;
+   (:class:`tandem.engine.core_client.SyncMPClient` with ``api_server_count``);
+3. spawns the API servers (:func:`run_api_server_worker`) while the cores load, each with
+   its socket and an ``AsyncLLM`` attached to the cores (its own processor, detokenizer and
+   output processor; it waits for the cores' handshakes itself); Prometheus metrics go to a
+   shared multiprocess folder, so ``/metrics`` of any of them reports the sum over all;
 4. watches every process. SIGTERM / SIGINT: the API servers stop (each as a single server
    does: it ends its live requests and exits 0), then the cores; exit 0. An engine core dies: every API server fails its
    live requests (it watches the cores itself) and exits 1; so does this process, within
@@ -180,12 +179,13 @@ def run_multi_api_server(args: argparse.Namespace, cfg: EngineConfig) -> None:
     code = 1
     try:
         logger.info("loading %s", cfg.model)
-        client = SyncMPClient(cfg, api_server_count=n)
+        client = SyncMPClient(cfg, api_server_count=n, wait_ready=False)
         try:
             servers = APIServerProcessManager(args, socks, client.api_server_configs(), metrics_dir)
             for s in socks:
                 s.close()  # the API servers hold them now
-            logger.info("engine cores ready (pids %s); starting %d API servers on http://%s:%d (pids %s)",
+            client.wait_ready()
+            logger.info("engine cores ready (pids %s); %d API servers on http://%s:%d (pids %s)",
                         [p.pid for p in client.procs], n, host, port, [p.pid for p in servers.procs])
             code = _supervise(client, servers)
         finally:
