@@ -276,7 +276,8 @@ class MPClient:
     def _check_procs(self) -> None:
         dead = [i for i, p in enumerate(self.procs) if not p.is_alive() and (p.exitcode != 0 or not self._stopping)]
         if dead and not self._closed:
-            self._fail(f"engine core process(es) {dead} exited (codes {[self.procs[i].exitcode for i in dead]})")
+            self._fail(f"engine core process(es) {dead} exited (pids {[self.procs[i].pid for i in dead]}, "
+                       f"codes {[self.procs[i].exitcode for i in dead]})")
 
     def _fail(self, message: str) -> None:
         if self.dead_error is None:
