@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import errno
 import os
+import signal
 import socket
+import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -303,10 +306,24 @@ DEAD_ENGINE_EXIT_DELAY_S = 2.0
 def _uvicorn_server(config, app: FastAPI):
     """uvicorn's server that, on SIGINT/SIGTERM, also ends every live request at once (HTTP
     500; a stream with an error event, then ``[DONE]``), so that stopping never waits for
-    long generations (uvicorn alone waits for every response to finish)."""
+    long generations (uvicorn alone waits for every response to finish), and then returns:
+    the stop asked for is a clean exit (uvicorn alone raises the signal again once it has
+    stopped, and the process ends killed by it, status 143)."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             loop = getattr(app.state, "loop", None)

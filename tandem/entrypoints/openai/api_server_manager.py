@@ -120,8 +120,9 @@ class APIServerProcessManager:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
 
-    def close(self, timeout: float = API_SERVER_STOP_TIMEOUT_S) -> None:
-        """SIGTERM every live server, wait up to ``timeout`` s, kill the rest."""
+    def close(self, timeout: float = API_SERVER_STOP_TIMEOUT_S) -> list[int]:
+        """SIGTERM every live server, wait up to ``timeout`` s, kill the rest; returns their
+        exit codes."""
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
@@ -131,6 +132,7 @@ class APIServerProcessManager:
                 logger.warning("API server %s did not stop in %.0f s: killed", p.name, timeout)
                 p.kill()
                 p.join(5)
+        return [p.exitcode for p in self.procs]
 
 
 def _supervise(client: SyncMPClient, servers: APIServerProcessManager) -> int:
@@ -189,9 +191,11 @@ def run_multi_api_server(args: argparse.Namespace, cfg: EngineConfig) -> None:
                         [p.pid for p in client.procs], n, host, port, [p.pid for p in servers.procs])
             code = _supervise(client, servers)
         finally:
-            if servers is not None:
-                servers.close()
+            codes = servers.close() if servers is not None else []
             client.shutdown()
+        if code == 0 and any(codes):
+            logger.error("API server exit codes %s after the stop", codes)
+            code = 1
     finally:
         for s in socks:
             s.close()
