@@ -3,8 +3,11 @@
 Each round runs ``tandem bench throughput`` (offline, ``LLM``) and then ``tandem serve`` +
 ``tandem bench serve --request-rate inf`` (random prompts of the same lengths, EOS
 ignored) with the same engine flags, and records requests/s of both and the server's
-median TPOT; prints the per-round ratios and their median and spread, and writes them as
-JSON. Engine flags after ``--`` go to both (model, dtype, limits, parallel layout).
+median TPOT and inter-token latency, and the front end's CPU time per output token; prints
+the per-round ratios and their median and spread, and writes them as JSON. Engine flags after ``--`` go to both (model, dtype, limits, parallel layout);
+``--server-args`` (one shell-quoted string) go to ``tandem serve`` only; repeated, each
+round runs one served run per value (side by side, same offline figure), e.g.
+``--server-args "" --server-args "--api-server-count 4"``.
 
 Example (CPU, tiny model)::
 
@@ -17,11 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+import httpx
+import psutil
 
 from tandem.entrypoints.openai.testing import RemoteServer
 
@@ -36,18 +43,49 @@ def offline(engine: list[str], a: argparse.Namespace) -> float:
         return json.load(open(f.name))["requests_per_s"]
 
 
-def served(engine: list[str], a: argparse.Namespace) -> tuple[float, float]:
+def frontend_pids(srv: RemoteServer) -> list[int]:
+    """The server's front-end processes: the launching process and every API server (each
+    found through ``/debug/engine_stats`` on new connections)."""
+    pids = {srv.proc.pid}
+    first = httpx.get(f"{srv.url}/debug/engine_stats", timeout=60).json()["api_server"]
+    seen = {first["index"]: first["pid"]}
+    deadline = time.monotonic() + 60
+    while len(seen) < first["count"] and time.monotonic() < deadline:
+        info = httpx.get(f"{srv.url}/debug/engine_stats", timeout=60).json()["api_server"]
+        seen[info["index"]] = info["pid"]
+    return sorted(pids | set(seen.values()))
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of the processes so far (their threads included)."""
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def served(engine: list[str], server_args: str, a: argparse.Namespace) -> dict:
+    """One served run: requests/s, median TPOT, median and P99 ITL, and the front end's CPU
+    time per output token (the launching process and every API server; the cores left out)."""
     model, rest = (engine[0], engine[1:]) if engine and not engine[0].startswith("-") else (None, engine)
-    with RemoteServer(([model] if model else []) + rest, timeout=1800) as srv, tempfile.TemporaryDirectory() as d:
+    with RemoteServer(([model] if model else []) + rest + shlex.split(server_args), timeout=1800) as srv, \
+            tempfile.TemporaryDirectory() as d:
         tok = ["--tokenizer", rest[rest.index("--tokenizer") + 1]] if "--tokenizer" in rest else []
+        pids = frontend_pids(srv)
+        cpu0 = cpu_seconds(pids)
         subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve", "--base-url", srv.url,
                         "--dataset", "random", "--random-input-len", str(a.input_len), "--random-output-len",
                         str(a.output_len), "--random-range-ratio", "0", "--num-prompts", str(a.num_prompts),
                         "--request-rate", "inf", "--ignore-eos", *tok, *(["--max-concurrency", str(a.max_concurrency)]
                                                                          if a.max_concurrency else []),
                         "--save-result", "--result-dir", d, "--result-filename", "r.json"], check=True)
+        cpu = cpu_seconds(pids) - cpu0
         r = json.load(open(os.path.join(d, "r.json")))
-        return r["request_throughput"], r["median_tpot_ms"]
+        return {"serve_req_s": r["request_throughput"], "serve_median_tpot_ms": r["median_tpot_ms"],
+                "serve_median_itl_ms": r.get("median_itl_ms"), "serve_p99_itl_ms": r.get("p99_itl_ms"),
+                "frontend_cpu_us_per_token": 1e6 * cpu / max(1, r["total_output_tokens"]),
+                "frontend_processes": len(pids)}
 
 
 def main() -> None:
@@ -58,19 +96,25 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None, help="JSON file for the rounds")
+    p.add_argument("--server-args", action="append", default=None,
+                   help="flags for tandem serve only (one quoted string); repeat it to compare servers: each "
+                        "round then runs one served run per value, in order, after the offline run")
     p.add_argument("engine", nargs=argparse.REMAINDER, help="-- then engine flags for both")
     a = p.parse_args()
     engine = a.engine[1:] if a.engine[:1] == ["--"] else a.engine
+    variants = a.server_args or [""]
     rows = []
     for i in range(a.rounds):
         off = offline(engine, a)
-        srv, tpot = served(engine, a)
-        rows.append({"round": i, "offline_req_s": off, "serve_req_s": srv, "ratio": srv / off, "serve_median_tpot_ms": tpot,
-                     "time": time.time()})
-        print(json.dumps(rows[-1]), flush=True)
-    ratios = [r["ratio"] for r in rows]
-    print(f"serve / offline requests/s: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
-          f"max {max(ratios):.3f} over {len(ratios)} rounds")
+        for v in variants:
+            res = served(engine, v, a)
+            rows.append({"round": i, "server_args": v, "offline_req_s": off, **res,
+                         "ratio": res["serve_req_s"] / off, "time": time.time()})
+            print(json.dumps(rows[-1]), flush=True)
+    for v in variants:
+        ratios = [r["ratio"] for r in rows if r["server_args"] == v]
+        print(f"[{v or 'default server'}] serve / offline requests/s: median {statistics.median(ratios):.3f}, "
+              f"min {min(ratios):.3f}, max {max(ratios):.3f} over {len(ratios)} rounds")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=2)

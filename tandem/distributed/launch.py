@@ -76,7 +76,7 @@ def host_store(rdv: Rendezvous, world_size: int,
 
 
 def spawn_ranks(target: Callable[..., None], world_size: int, args_of_rank: Callable[[int], Sequence],
-                daemon: bool = True) -> list[mp.Process]:
+                daemon: bool = True, name: str = "tandem-rank") -> list[mp.Process]:
     """Start ``world_size`` processes ``target(*args_of_rank(rank))`` (spawn start method).
 
     ``target`` and its arguments must come from importable modules, never from the
@@ -84,13 +84,14 @@ def spawn_ranks(target: Callable[..., None], world_size: int, args_of_rank: Call
     :func:`_without_main_module`), so ``LLM(data_parallel_size=2)`` works from ``python -``,
     a notebook or a script without an ``if __name__ == "__main__"`` guard.
 
-    Returns the started processes (the caller joins them, or kills them by their handles).
+    Returns the started processes, named ``f"{name}{rank}"`` (the caller joins them, or kills
+    them by their handles).
     """
     ctx = mp.get_context("spawn")
     procs = []
     with _without_main_module():
         for rank in range(world_size):
-            p = ctx.Process(target=target, args=tuple(args_of_rank(rank)), daemon=daemon, name=f"tandem-rank{rank}")
+            p = ctx.Process(target=target, args=tuple(args_of_rank(rank)), daemon=daemon, name=f"{name}{rank}")
             p.start()
             procs.append(p)
     return procs

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.config import EngineConfig
-from tandem.engine.core_client import AsyncMPClient, EngineDeadError
+from tandem.engine.core_client import AsyncMPClient, EngineClientConfig, EngineDeadError
 from tandem.engine.messages import EngineCoreOutputs
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.processor import Processor
@@ -67,6 +67,9 @@ class StatListener(Protocol):
     def on_inter_token(self, itl: float) -> None: ...
 
     def on_request_finished(self, stats: RequestStats) -> None: ...
+
+    def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """Tokens of requests accepted / generated since the last call."""
 
 
 @dataclass(eq=False)
@@ -153,18 +156,20 @@ class AsyncLLM:
     Args:
         config: engine configuration; ``tensor_parallel_size * data_parallel_size`` rank
             processes are spawned (``data_parallel_size`` engine cores).
+        client_config: attach to cores another process launched (one of several API
+            servers) instead of spawning them.
 
     Raises:
         EngineDeadError: a core failed to start.
         ValueError: the configuration is invalid.
     """
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, client_config: EngineClientConfig | None = None) -> None:
         config = config or EngineConfig()
         # The tokenizer loads here while the cores load the model.
         with ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer-load") as pool:
             tok = pool.submit(load_tokenizer, config.tokenizer or config.model)
-            self.client = AsyncMPClient(config)
+            self.client = AsyncMPClient(config, attach=client_config)
             self.tokenizer = tok.result()
         ready = self.client.ready
         self.config = EngineConfig(**ready.config)
@@ -179,6 +184,10 @@ class AsyncLLM:
         self.stat_listeners: list[StatListener] = []
         self._streams: dict[str, RequestStream] = {}
         self._counter = itertools.count()
+        # Engine-side ids must not collide with another API server's on the shared cores.
+        self._id_tag = f"{client_config.client_index}." if client_config is not None else ""
+        self._tokens_reported = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.num_requests = 0  # accepted by this front end since start
         self._stopped = False
         self._scheduler_stats: dict[int, dict] = {}
 
@@ -256,12 +265,13 @@ class AsyncLLM:
         self._check_running()
         self.start()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        rid = f"{request_id}#{next(self._counter)}"
+        rid = f"{request_id}#{self._id_tag}{next(self._counter)}"
         text, reqs = self.processor.process_inputs(rid, list(prompt_token_ids), params, arrival)
         stream = RequestStream(rid, request_id, self, arrival, len(prompt_token_ids))
         self.output_processor.add_request(rid, text, reqs)
         self._streams[rid] = stream
         self.client.add_requests(reqs)
+        self.num_requests += 1
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
@@ -279,6 +289,17 @@ class AsyncLLM:
                 yield out
         finally:
             stream.abort()
+
+    def abort_all(self, reason: str) -> None:
+        """End every live request with ``EngineDeadError(reason)`` and abort its sequences in
+        the cores (the server is stopping)."""
+        err = EngineDeadError(reason)
+        for rid, stream in list(self._streams.items()):
+            core_ids = self.output_processor.abort(rid)
+            stream.queue.put_nowait(err)
+            if core_ids and self.is_running:
+                self.client.abort_requests(core_ids)
+        self._streams.clear()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the cores; live requests end with ``EngineDeadError``."""
@@ -318,6 +339,15 @@ class AsyncLLM:
                 stream.queue.put_nowait(EngineDeadError(f"request failed in its engine core: {err}"))
         if res.reqs_to_abort:
             self.client.abort_requests(res.reqs_to_abort)
+        self._report_tokens()
+
+    def _report_tokens(self) -> None:
+        st, done = self.output_processor.stats, self._tokens_reported
+        dp, dg = st["prompt_tokens"] - done["prompt_tokens"], st["generation_tokens"] - done["generation_tokens"]
+        if dp or dg:
+            done.update(st)
+            for ls in self.stat_listeners:
+                ls.on_tokens(dp, dg)
 
     def _on_dead(self, err: BaseException) -> None:
         self._fail_all(err if isinstance(err, EngineDeadError) else EngineDeadError(repr(err)))

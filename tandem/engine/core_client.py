@@ -12,9 +12,21 @@ As vLLM V1's ``EngineCoreClient``:
   outstanding sequences (then the lowest KV cache usage reported); its ``n`` sequences stay
   together (shared prompt blocks). The async client is for an asyncio front end (the server).
 
-A rank process that dies is detected (its process sentinel) and reported as
-:class:`EngineDeadError` to every caller; the others are then killed. Rank processes are
-daemonic and also exit on their own when the front end's process is gone.
+Several API-server processes (``tandem serve --api-server-count N``, vLLM's layout): the
+launching process spawns the cores with sockets for ``N + 1`` clients
+(``api_server_count=N``; it is the last client: it waits for the cores, watches them and
+stops them), and each API server attaches an :class:`AsyncMPClient` to its own sockets
+(:class:`EngineClientConfig`). A core sends a request's outputs to the client that sent it,
+and its scheduler stats after every step to all of them. An attached client balances on
+those stats: a replica's load is its running + waiting sequences at its last report, plus
+what this client sent it since (each client sees every replica's load and its own recent
+sends; vLLM gets the same from a coordinator process that publishes the cores' queue
+lengths, which the per-step reports make unnecessary here).
+
+A rank process that dies is detected (its process sentinel; an attached client opens a
+pidfd on it) and reported as :class:`EngineDeadError` to every caller; the launching client
+then kills the others. Rank processes are daemonic and also exit on their own when the
+launching process is gone.
 """
 
 from __future__ import annotations
@@ -24,11 +36,13 @@ import atexit
 import itertools
 import logging
 import os
+import select
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_sentinels
 
 import zmq
@@ -90,6 +104,56 @@ class InprocClient:
         self.core.shutdown()
 
 
+@dataclass(frozen=True)
+class EngineZmqAddresses:
+    """The zmq endpoints between the front ends (clients) and the engine cores (vLLM's name).
+
+    Client ``c`` binds ``inputs[c][e]`` (PUSH; replica ``e``'s driver connects a PULL) and
+    ``outputs[c]`` (PULL; every driver connects a PUSH).
+    """
+
+    inputs: list[list[str]]
+    outputs: list[str]
+
+    @classmethod
+    def in_dir(cls, ipc_dir: str, num_clients: int, dp_size: int) -> "EngineZmqAddresses":
+        return cls([[f"ipc://{ipc_dir}/input{c}_{e}" for e in range(dp_size)] for c in range(num_clients)],
+                   [f"ipc://{ipc_dir}/output{c}" for c in range(num_clients)])
+
+
+@dataclass(frozen=True)
+class EngineClientConfig:
+    """What an API-server process needs to attach to cores launched by another process
+    (vLLM's ``client_config``): the endpoints, its client index, the rank processes' pids."""
+
+    addresses: EngineZmqAddresses
+    client_index: int
+    core_pids: list[int]
+
+
+class _ForeignProcess:
+    """A rank process launched by another process, watched through a pidfd (Linux >= 5.3):
+    the subset of ``multiprocessing.Process`` the clients use. It is not ours to kill."""
+
+    exitcode = None  # only the launching process can read it
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self.sentinel = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise EngineDeadError(f"engine core process {pid} is gone") from None
+
+    def is_alive(self) -> bool:
+        return not select.select([self.sentinel], [], [], 0)[0]
+
+    def join(self, timeout: float | None = None) -> None:
+        select.select([self.sentinel], [], [], timeout)
+
+    def kill(self) -> None:
+        pass
+
+
 class MPClient:
     """Spawns the rank processes and owns the sockets (base of the two clients below).
 
@@ -97,33 +161,41 @@ class MPClient:
         config: engine configuration (``world_size`` processes are spawned).
         startup_timeout: seconds for every rank to load the model (default:
             ``TANDEM_STARTUP_TIMEOUT_S``, else 1800).
+        api_server_count: API-server processes that will attach to the cores
+            (:meth:`api_server_configs`); this client is then the last of
+            ``api_server_count + 1`` and only launches, watches and stops the cores.
+        attach: attach to cores launched by another process instead of spawning them.
+        wait_ready: wait for the cores' handshakes here; False: the caller calls
+            :meth:`wait_ready` (the launcher of API servers starts them meanwhile).
 
     Raises:
         EngineDeadError: a rank failed to start (its traceback is in the message).
     """
 
-    def __init__(self, config: EngineConfig, startup_timeout: float | None = None, asyncio_mode: bool = False) -> None:
-        from tandem.distributed.launch import host_store, resolve_rendezvous, spawn_ranks
-        from tandem.engine.core_proc import run_engine_core
-
-        if startup_timeout is None:
-            startup_timeout = envs.TANDEM_STARTUP_TIMEOUT_S
+    def __init__(self, config: EngineConfig, startup_timeout: float | None = None, asyncio_mode: bool = False,
+                 api_server_count: int = 0, attach: EngineClientConfig | None = None, wait_ready: bool = True) -> None:
         self.config = config
         self.dp_size = config.data_parallel_size
         self.lockstep = config.data_parallel_size > 1 and config.enable_expert_parallel
-        self._dir = tempfile.mkdtemp(prefix="tandem-ipc-")
+        self.owns_cores = attach is None
+        self._dir = tempfile.mkdtemp(prefix="tandem-ipc-") if attach is None else None
+        self.addresses = attach.addresses if attach is not None else \
+            EngineZmqAddresses.in_dir(self._dir, api_server_count + 1, self.dp_size)
+        self.client_index = attach.client_index if attach is not None else api_server_count
+        # Cores shared with other clients: balance on the load they report.
+        self.shared = len(self.addresses.outputs) > 1
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(CoreMessage)
         self.ctx = zmq.Context(io_threads=1)
         self.inputs = []
-        for i in range(self.dp_size):
+        for addr in self.addresses.inputs[self.client_index]:
             s = self.ctx.socket(zmq.PUSH)
-            s.bind(f"ipc://{self._dir}/input{i}")
+            s.setsockopt(zmq.SNDHWM, 0)  # a busy core never blocks the front end's event loop
+            s.bind(addr)
             self.inputs.append(s)
-        output_addr = f"ipc://{self._dir}/output"
         self.actx = zmq.asyncio.Context.shadow(self.ctx) if asyncio_mode else None
         self.output = (self.actx or self.ctx).socket(zmq.PULL)
-        self.output.bind(output_addr)
+        self.output.bind(self.addresses.outputs[self.client_index])
         self.dead_error: EngineDeadError | None = None
         self._closed = False
         self._stopping = False
@@ -132,21 +204,52 @@ class MPClient:
         self.outstanding = [0] * self.dp_size
         self.engine_of: dict[str, int] = {}
         self.kv_usage = [0.0] * self.dp_size
+        # Shared cores: each replica's running + waiting sequences at its last report, and
+        # the sequences this client sent it since.
+        self.reported_load = [0] * self.dp_size
+        self.sent_since_report = [0] * self.dp_size
         self._call_ids = itertools.count()
-        rdv = resolve_rendezvous(config.master_addr, config.master_port) if config.world_size > 1 else None
-        # Served from here until every rank has exited (see host_store).
-        self._store = host_store(rdv, config.world_size) if rdv is not None else None
-        addrs = [f"ipc://{self._dir}/input{i}" for i in range(self.dp_size)]
-        self.procs = spawn_ranks(run_engine_core, config.world_size, lambda r: (
-            config, r, config.world_size, rdv and rdv.master_addr, rdv and rdv.master_port, addrs, output_addr,
-            os.getpid()))
+        self._store = None
+        self.procs: list = []
         atexit.register(self.shutdown)
         try:
-            self.readies = self._wait_ready(startup_timeout)
+            self.procs = self._spawn(config) if attach is None else [_ForeignProcess(pid) for pid in attach.core_pids]
+        except BaseException:
+            self._kill()
+            raise
+        if wait_ready:
+            self.wait_ready(startup_timeout)
+
+    def wait_ready(self, startup_timeout: float | None = None) -> None:
+        """Wait for every replica's handshake (``readies``, ``ready``).
+
+        Raises:
+            EngineDeadError: a rank failed to start, or not within the timeout.
+        """
+        try:
+            self.readies = self._wait_ready(envs.TANDEM_STARTUP_TIMEOUT_S if startup_timeout is None
+                                            else startup_timeout)
         except BaseException:
             self._kill()
             raise
         self.ready = self.readies[0]
+
+    def _spawn(self, config: EngineConfig) -> list:
+        from tandem.distributed.launch import host_store, resolve_rendezvous, spawn_ranks
+        from tandem.engine.core_proc import run_engine_core
+
+        rdv = resolve_rendezvous(config.master_addr, config.master_port) if config.world_size > 1 else None
+        # Served from here until every rank has exited (see host_store).
+        self._store = host_store(rdv, config.world_size) if rdv is not None else None
+        addrs = self.addresses
+        return spawn_ranks(run_engine_core, config.world_size, lambda r: (
+            config, r, config.world_size, rdv and rdv.master_addr, rdv and rdv.master_port, addrs.inputs,
+            addrs.outputs, os.getpid()))
+
+    def api_server_configs(self) -> list[EngineClientConfig]:
+        """What each API server needs to attach (``api_server_count`` of them)."""
+        pids = [p.pid for p in self.procs]
+        return [EngineClientConfig(self.addresses, c, pids) for c in range(self.client_index)]
 
     # ------------------------------------------------------------------ startup
     def _recv_sync(self, timeout_s: float) -> CoreMessage | None:
@@ -173,7 +276,8 @@ class MPClient:
     def _check_procs(self) -> None:
         dead = [i for i, p in enumerate(self.procs) if not p.is_alive() and (p.exitcode != 0 or not self._stopping)]
         if dead and not self._closed:
-            self._fail(f"engine core process(es) {dead} exited (codes {[self.procs[i].exitcode for i in dead]})")
+            self._fail(f"engine core process(es) {dead} exited (pids {[self.procs[i].pid for i in dead]}, "
+                       f"codes {[self.procs[i].exitcode for i in dead]})")
 
     def _fail(self, message: str) -> None:
         if self.dead_error is None:
@@ -198,14 +302,22 @@ class MPClient:
                 self._check_procs()
                 time.sleep(0.001)
 
+    def _load(self, engine: int) -> int:
+        """Live sequences of a replica, as this client knows them (see the module docstring)."""
+        if self.shared:
+            return self.reported_load[engine] + self.sent_since_report[engine]
+        return self.outstanding[engine]
+
     def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
         """Send the sequences of one request to the least loaded replica."""
-        e = min(range(self.dp_size), key=lambda i: (self.outstanding[i], self.kv_usage[i], i))
-        idle = self.lockstep and not any(self.outstanding)
+        e = min(range(self.dp_size), key=lambda i: (self._load(i), self.kv_usage[i], i))
+        idle = self.lockstep and not any(self._load(i) for i in range(self.dp_size))
         for r in reqs:
+            r.client_index = self.client_index
             self._send(e, EngineCoreRequestType.ADD, r)
             self.engine_of[r.request_id] = e
         self.outstanding[e] += len(reqs)
+        self.sent_since_report[e] += len(reqs)
         if idle:  # lockstep replicas step together: wake the idle ones now
             for other in range(self.dp_size):
                 if other != e:
@@ -228,8 +340,11 @@ class MPClient:
                 e = self.engine_of.pop(o.request_id, None)
                 if e is not None:
                     self.outstanding[e] -= 1
-        if outs.scheduler_stats is not None:
-            self.kv_usage[outs.engine_index] = outs.scheduler_stats.kv_cache_usage
+        st = outs.scheduler_stats
+        if st is not None:
+            self.kv_usage[outs.engine_index] = st.kv_cache_usage
+            self.reported_load[outs.engine_index] = st.num_running + st.num_waiting
+            self.sent_since_report[outs.engine_index] = 0
         if outs.utility_output is not None and outs.utility_output.call_id == -1 and outs.engine_index == 0:
             self.final_stats = outs.utility_output.result
         if outs.engine_dead and not self._stopping:
@@ -247,10 +362,19 @@ class MPClient:
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop every core (waits for them, then kills stragglers); removes the sockets."""
+        """Stop every core (waits for them, then kills stragglers); removes the sockets.
+        An attached client aborts its live sequences instead and leaves the cores running."""
         if self._closed:
             return
         self._stopping = True
+        if not self.owns_cores:
+            if self.dead_error is None and self.engine_of:
+                try:
+                    self.abort_requests(list(self.engine_of))
+                except (EngineDeadError, zmq.ZMQError) as e:
+                    logger.warning("abort at shutdown: %s", e)
+            self._kill(linger_ms=1000)
+            return
         if self.dead_error is None:
             try:
                 for e in range(self.dp_size):
@@ -270,19 +394,21 @@ class MPClient:
             p.join(timeout=max(1.0, timeout / 4) if self.dead_error is None else 0.1)
         self._kill()
 
-    def _kill(self) -> None:
+    def _kill(self, linger_ms: int = 0) -> None:
         if self._closed:
             return
         self._closed = True
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-        for p in self.procs:
-            p.join(timeout=5)
+        if self.owns_cores:
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+            for p in self.procs:
+                p.join(timeout=5)
         for s in [*self.inputs, self.output]:
-            s.close(linger=0)
+            s.close(linger=linger_ms)
         self.ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
         self._store = None  # every rank is gone: the rendezvous store may close
         atexit.unregister(self.shutdown)
 
@@ -290,8 +416,9 @@ class MPClient:
 class SyncMPClient(MPClient):
     """Blocking client of spawned cores (offline ``LLM`` with several ranks)."""
 
-    def __init__(self, config: EngineConfig, startup_timeout: float | None = None) -> None:
-        super().__init__(config, startup_timeout)
+    def __init__(self, config: EngineConfig, startup_timeout: float | None = None, api_server_count: int = 0,
+                 wait_ready: bool = True) -> None:
+        super().__init__(config, startup_timeout, api_server_count=api_server_count, wait_ready=wait_ready)
         self._backlog: list[EngineCoreOutputs] = []
 
     def get_output(self) -> EngineCoreOutputs:
@@ -310,13 +437,24 @@ class SyncMPClient(MPClient):
                 self._account(msg)
                 return msg
 
+    def poll_outputs(self) -> None:
+        """Take in what the cores sent, without blocking (the launching client of API
+        servers keeps its socket drained with this).
+
+        Raises:
+            EngineDeadError: a core died or failed.
+        """
+        while (msg := self._recv_sync(0)) is not None:
+            if isinstance(msg, EngineCoreOutputs):
+                self._account(msg)
+
     def debug_stats(self) -> list[dict]:
         """Every replica's ``EngineCore.debug_stats()``, by replica."""
         ids = {}
         for e in range(self.dp_size):
             cid = next(self._call_ids)
             ids[cid] = e
-            self._send(e, EngineCoreRequestType.UTILITY, (cid, "debug_stats"))
+            self._send(e, EngineCoreRequestType.UTILITY, (self.client_index, cid, "debug_stats"))
         res: dict[int, dict] = {}
         while len(res) < len(ids):
             msg = self.get_output()
@@ -333,12 +471,13 @@ class AsyncMPClient(MPClient):
     output loop on the running event loop: ``on_outputs(msg)`` for every core message with
     outputs or stats, ``on_dead(error)`` once when a core dies."""
 
-    def __init__(self, config: EngineConfig, startup_timeout: float | None = None) -> None:
+    def __init__(self, config: EngineConfig, startup_timeout: float | None = None,
+                 attach: EngineClientConfig | None = None) -> None:
         self._task: asyncio.Task | None = None
         self._dead_reported = False
         self._calls: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        super().__init__(config, startup_timeout, asyncio_mode=True)
+        super().__init__(config, startup_timeout, asyncio_mode=True, attach=attach)
 
     def start(self, on_outputs: Callable[[EngineCoreOutputs], None], on_dead: Callable[[BaseException], None]) -> None:
         """Run the output loop on the running event loop (again, if an earlier loop ended)."""
@@ -428,7 +567,7 @@ class AsyncMPClient(MPClient):
             cid = next(self._call_ids)
             fut = asyncio.get_running_loop().create_future()
             self._calls[cid] = fut
-            self._send(e, EngineCoreRequestType.UTILITY, (cid, "debug_stats"))
+            self._send(e, EngineCoreRequestType.UTILITY, (self.client_index, cid, "debug_stats"))
             futs.append(fut)
         return list(await asyncio.gather(*futs))
 
@@ -455,4 +594,5 @@ def make_client(config: EngineConfig, asyncio_mode: bool = False):
     return InprocClient(config)
 
 
-__all__ = ["AsyncMPClient", "EngineDeadError", "InprocClient", "MPClient", "SyncMPClient", "make_client"]
+__all__ = ["AsyncMPClient", "EngineClientConfig", "EngineDeadError", "EngineZmqAddresses", "InprocClient", "MPClient",
+           "SyncMPClient", "make_client"]

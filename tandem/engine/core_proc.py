@@ -6,6 +6,13 @@ own input socket between two steps and pushes one :class:`EngineCoreOutputs` per
 front end's output socket; the other TP ranks (followers) run each step the driver
 broadcasts (:func:`tandem.engine.dp_engine.run_tp_follower`).
 
+Several front ends (``tandem serve --api-server-count N``, as vLLM's) share the cores: a
+driver pulls from every front end's input socket and has one output socket per front end.
+A request's outputs (and the answer to a utility call) go to the front end that sent it
+(``client_index``); what every front end needs goes to all of them: the startup handshake,
+each step's scheduler stats (the load the front ends balance on), a fatal error and the
+final stats.
+
 Under expert parallelism the replicas' forwards meet in collectives, so the drivers step in
 lockstep: once per loop iteration they all-reduce (MAX, over the gloo DP control group) a
 "has work" flag and a "stop" flag, and every driver steps (a replica without requests runs a
@@ -58,28 +65,55 @@ class EngineCoreProc:
 
     Args:
         core: the replica's :class:`tandem.engine.core.EngineCore`.
-        input_addr / output_addr: zmq addresses bound by the front end (PUSH -> our PULL,
-            our PUSH -> its PULL).
+        input_addrs / output_addrs: zmq addresses bound by the front ends, one of each per
+            front end, by client index (their PUSH -> our PULL, our PUSH -> their PULL).
         lockstep_group: the gloo DP control group when replicas must step together
             (expert parallelism), else None.
     """
 
-    def __init__(self, core, input_addr: str, output_addr: str, lockstep_group=None) -> None:
+    def __init__(self, core, input_addrs: list[str], output_addrs: list[str], lockstep_group=None) -> None:
         self.core = core
         self.ctx = zmq.Context(io_threads=1)
         self.input = self.ctx.socket(zmq.PULL)
-        self.input.connect(input_addr)
-        self.output = self.ctx.socket(zmq.PUSH)
-        self.output.connect(output_addr)
+        for addr in input_addrs:
+            self.input.connect(addr)
+        self.outputs = []
+        for addr in output_addrs:
+            s = self.ctx.socket(zmq.PUSH)
+            # No high-water mark (as vLLM's sockets): a front end that is slow or gone (an
+            # API server that stopped first) queues, it never blocks the core's loop.
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.connect(addr)
+            self.outputs.append(s)
+        # The front end of each live request, when there are several.
+        self.client_of: dict[str, int] = {}
         self.encoder = MsgpackEncoder()
         self.add_decoder = MsgpackDecoder(EngineCoreRequest)
         self.ids_decoder = MsgpackDecoder(list[str])
-        self.utility_decoder = MsgpackDecoder(tuple[int, str])
+        self.utility_decoder = MsgpackDecoder(tuple[int, int, str])
         self.lockstep_group = lockstep_group
         self.stop_requested = False
 
-    def send(self, msg) -> None:
-        self.output.send(self.encoder.encode(msg), copy=False)
+    def send(self, msg, client: int | None = None) -> None:
+        """Send ``msg`` to front end ``client``, or to every front end (None)."""
+        data = self.encoder.encode(msg)
+        for s in self.outputs if client is None else (self.outputs[client],):
+            s.send(data, copy=False)
+
+    def send_step(self, outs: list[EngineCoreOutput], stats) -> None:
+        """One step's outputs, each to its request's front end; the stats to every one."""
+        idx = self.core.engine_index
+        if len(self.outputs) == 1:
+            self.send(EngineCoreOutputs(idx, outs, stats))
+            return
+        per: list[list[EngineCoreOutput]] = [[] for _ in self.outputs]
+        for o in outs:
+            c = self.client_of.pop(o.request_id, None) if o.finish_reason is not None else \
+                self.client_of.get(o.request_id)
+            if c is not None:  # None: aborted by its front end meanwhile, which wants nothing more
+                per[c].append(o)
+        for c, client_outs in enumerate(per):
+            self.send(EngineCoreOutputs(idx, client_outs, stats), c)
 
     def _handle(self, frames: list) -> bool:
         """Apply one message; returns True when it asked for work (or a wake-up)."""
@@ -91,12 +125,19 @@ class EngineCoreProc:
                 core.add_request(req)
             except Exception as e:  # noqa: BLE001 - reported to the request's client, the core goes on
                 self.send(EngineCoreOutputs(core.engine_index, [EngineCoreOutput(
-                    req.request_id, [], finish_reason="abort", error=f"{type(e).__name__}: {e}")]))
+                    req.request_id, [], finish_reason="abort", error=f"{type(e).__name__}: {e}")]),
+                    req.client_index)
+                return True
+            if len(self.outputs) > 1:
+                self.client_of[req.request_id] = req.client_index
         elif kind == EngineCoreRequestType.ABORT:
-            core.abort_requests(self.ids_decoder.decode(frames[1]))
+            ids = self.ids_decoder.decode(frames[1])
+            core.abort_requests(ids)
+            for rid in ids:
+                self.client_of.pop(rid, None)
         elif kind == EngineCoreRequestType.UTILITY:
-            call_id, name = self.utility_decoder.decode(frames[1])
-            self.send(EngineCoreOutputs(core.engine_index, utility_output=self._utility(call_id, name)))
+            client, call_id, name = self.utility_decoder.decode(frames[1])
+            self.send(EngineCoreOutputs(core.engine_index, utility_output=self._utility(call_id, name)), client)
         elif kind == EngineCoreRequestType.SHUTDOWN:
             self.stop_requested = True
         return True
@@ -151,7 +192,7 @@ class EngineCoreProc:
                 outs = core.step() if step else []
                 if outs or (got and not step) or (was_busy and not core.has_unfinished_requests()):
                     # Every step with news, and the state after the last one (the gauges).
-                    self.send(EngineCoreOutputs(core.engine_index, outs, core.scheduler_stats()))
+                    self.send_step(outs, core.scheduler_stats())
                 was_busy = step
         except Exception:
             self.send(EngineCoreOutputs(core.engine_index, engine_dead=True, error=traceback.format_exc()))
@@ -161,20 +202,26 @@ class EngineCoreProc:
 
     def close(self) -> None:
         self.input.close(linger=0)
-        self.output.close(linger=1000)
+        for s in self.outputs:
+            s.close(linger=1000)
         self.ctx.term()
 
 
 def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_addr: str | None,
-                    master_port: int | None, input_addrs: list[str], output_addr: str, parent_pid: int) -> None:
+                    master_port: int | None, input_addrs: list[list[str]], output_addrs: list[str],
+                    parent_pid: int) -> None:
     """Entry of a spawned rank process: build the core, then serve (driver) or follow (TP).
 
-    ``input_addrs[dp_rank]`` is the input socket of each replica's driver.
+    ``input_addrs[c][dp_rank]`` is front end ``c``'s input socket of each replica's driver;
+    ``output_addrs[c]`` its output socket.
     """
     exit_with_parent(parent_pid)
-    # Ctrl-C in a terminal reaches every process of the group: the front end alone handles
-    # it (it stops the cores); a rank interrupted mid-collective would print a traceback.
+    # Ctrl-C in a terminal (and SIGTERM from `timeout`, `kill -- -PGID`, systemd's default
+    # KillMode) reaches every process of the group: the front end alone handles it (it
+    # stops the cores); a rank interrupted mid-collective would print a traceback, and one
+    # killed would read as a crash.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if envs.TANDEM_DUMP_STACKS_AFTER_S is not None:  # debugging a hang: every rank prints its stacks
         import faulthandler
 
@@ -198,7 +245,7 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
         if info.tp_size > 1:
             core.step_broadcast = make_tp_broadcaster()
         lockstep = ps.get_dp_control_group() if info.dp_size > 1 and info.ep_size > 1 else None
-        proc = EngineCoreProc(core, input_addrs[info.dp_rank], output_addr, lockstep)
+        proc = EngineCoreProc(core, [a[info.dp_rank] for a in input_addrs], output_addrs, lockstep)
         try:
             proc.run()
         finally:
@@ -207,11 +254,13 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
     except BaseException:
         if proc is None:  # failed while loading: tell the front end which rank and why
             ctx = zmq.Context()
-            sock = ctx.socket(zmq.PUSH)
-            sock.connect(output_addr)
-            sock.send(MsgpackEncoder().encode(EngineCoreOutputs(
-                rank, engine_dead=True, error=f"rank {rank} failed to start:\n{traceback.format_exc()}")))
-            sock.close(linger=2000)
+            data = MsgpackEncoder().encode(EngineCoreOutputs(
+                rank, engine_dead=True, error=f"rank {rank} failed to start:\n{traceback.format_exc()}"))
+            for addr in output_addrs:
+                sock = ctx.socket(zmq.PUSH)
+                sock.connect(addr)
+                sock.send(data)
+                sock.close(linger=2000)
             ctx.term()
         raise
     finally:

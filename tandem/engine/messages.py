@@ -24,7 +24,7 @@ class EngineCoreRequestType(bytes, enum.Enum):
 
     ADD = b"\x00"
     ABORT = b"\x01"
-    UTILITY = b"\x02"  # a call answered by UtilityOutput: "stats", "ping"
+    UTILITY = b"\x02"  # (client_index, call_id, name), answered by UtilityOutput: "debug_stats", "ping"
     WAKEUP = b"\x03"  # data-parallel lockstep: another replica got work
     SHUTDOWN = b"\x04"
 
@@ -35,7 +35,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     ``request_id``: unique among the core's live requests; ``prompt_token_ids``: validated
     against the vocabulary and the context by the front end; ``max_tokens``: resolved
-    against the context length; ``arrival_time``: ``time.monotonic()`` of the front end.
+    against the context length; ``arrival_time``: ``time.monotonic()`` of the front end;
+    ``client_index``: the front end (API server) that sent it, which gets its outputs.
     """
 
     request_id: str
@@ -43,6 +44,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params: SamplingParams
     max_tokens: int
     arrival_time: float
+    client_index: int = 0
 
 
 class PromptLogprobsData(msgspec.Struct, array_like=True, gc=False):

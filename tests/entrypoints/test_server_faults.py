@@ -2,7 +2,8 @@
 core killed mid-request fails every in-flight request (HTTP 500 with an OpenAI-style body;
 a stream ends with an error event, then ``[DONE]``), ``/health`` answers 503, the server
 exits non-zero and leaves no process behind; a server killed with SIGKILL leaves no engine
-core behind either."""
+core behind either; SIGTERM sent to the server's whole process group (``timeout``, systemd)
+is a clean stop (exit 0), not an engine death."""
 
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ def model(tmp_path) -> str:
     return str(tmp_path)
 
 
-def _start(model: str):
+def _start(model: str, new_session: bool = False):
     from tandem.config import embedded_default_model
     from tandem.entrypoints.openai.testing import RemoteServer
 
     return RemoteServer([model, "--tokenizer", embedded_default_model(), "--load-format", "dummy", "--num-kv-blocks",
                          "2048", "--max-model-len", str(CONTEXT), "--dtype", "float32", "--device", "cpu",
-                         "--data-parallel-size", "2"], env={"TANDEM_STARTUP_TIMEOUT_S": "300"})
+                         "--data-parallel-size", "2"], env={"TANDEM_STARTUP_TIMEOUT_S": "300"},
+                        new_session=new_session)
 
 
 def _gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
@@ -96,5 +98,17 @@ def test_sigkilled_server_leaves_no_engine_core(model):
         srv.proc.kill()
         srv.proc.wait(10)
         assert _gone(children, 15) == []
+    finally:
+        srv.stop()
+
+
+def test_sigterm_to_the_process_group_is_a_clean_stop(model):
+    srv = _start(model, new_session=True)
+    try:
+        children = psutil.Process(srv.proc.pid).children(recursive=True)
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.log()[-3000:]
+        assert "died" not in srv.log() and "exited" not in srv.log()
+        assert _gone(children, 10) == []
     finally:
         srv.stop()

@@ -4,6 +4,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``,
 ``GET /tokenizer_info``, ``GET /version``, ``GET /debug/engine_stats``.
 
+``--api-server-count N`` (N > 1) runs N such servers in their own processes on the one
+port, in front of the shared engine cores (:mod:`tandem.entrypoints.openai.api_server_manager`).
+
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``. User input
 never yields a 500: invalid JSON, validation failures (FastAPI's 422 included), unknown
 models, out-of-range values, over-long prompts and out-of-vocabulary token ids are 400;
@@ -15,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import errno
 import os
+import signal
 import socket
+import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -143,13 +149,17 @@ class _RequestIdHeader:
 
 
 def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, api_server_index: int = 0, api_server_count: int = 1,
+              metrics_dir: str | None = None) -> FastAPI:
     """The FastAPI application around a running ``AsyncLLM``.
 
     ``app.state`` holds ``llm``, ``serving`` (``OpenAIServing``) and ``metrics``.
+    ``api_server_index`` / ``api_server_count``: which of several API-server processes this
+    is; ``metrics_dir``: their shared Prometheus multiprocess folder (``/metrics`` then sums
+    over all of them).
     """
     serving = OpenAIServing(llm, served_model_names, tool_call_parser)
-    metrics = ServerMetrics(llm, served_model_names[0])
+    metrics = ServerMetrics(llm, served_model_names[0], metrics_dir)
 
     async def watch_engine() -> None:
         while llm.is_running:
@@ -159,6 +169,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()
         llm.start()  # the output loop runs from the start: a core's death is seen without traffic
         watch = asyncio.create_task(watch_engine())
         yield
@@ -255,15 +266,20 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
 
     @app.get("/debug/engine_stats")
     async def engine_stats():
-        """Engine state read in every engine core between two steps (tests, debugging)."""
-        return JSONResponse(await llm.engine_stats())
+        """Engine state read in every engine core between two steps, and which API server
+        answered (tests, debugging)."""
+        stats = await llm.engine_stats()
+        stats["api_server"] = {"index": api_server_index, "count": api_server_count, "pid": os.getpid(),
+                               "num_requests": llm.num_requests}
+        return JSONResponse(stats)
 
     return app
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """Bind the server's socket before the model loads (as vLLM does), so that a busy
-    port is reported at once, not after loading.
+    port is reported at once, not after loading. ``reuse_port``: ``SO_REUSEPORT``, for
+    several API-server processes listening on one port.
 
     Raises:
         ConnectionError: the address cannot be bound (port in use, address not local).
@@ -271,6 +287,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -285,25 +303,71 @@ def bind_socket(host: str, port: int) -> socket.socket:
 DEAD_ENGINE_EXIT_DELAY_S = 2.0
 
 
+def _uvicorn_server(config, app: FastAPI):
+    """uvicorn's server that, on SIGINT/SIGTERM, also ends every live request at once (HTTP
+    500; a stream with an error event, then ``[DONE]``), so that stopping never waits for
+    long generations (uvicorn alone waits for every response to finish), and then returns:
+    the stop asked for is a clean exit (uvicorn alone raises the signal again once it has
+    stopped, and the process ends killed by it, status 143)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            loop = getattr(app.state, "loop", None)
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(app.state.llm.abort_all, f"the server is stopping (signal {sig})")
+
+    return Server(config)
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Bind the address, start the engine cores, and serve until interrupted (SIGINT/SIGTERM:
     exit 0) or until an engine core dies (exit 1, after failing every live request).
+    ``--api-server-count N`` > 1: :func:`tandem.entrypoints.openai.api_server_manager.run_multi_api_server`.
 
     Raises:
         ValueError: a bad engine flag (before anything loads).
         ConnectionError: the address cannot be bound (before anything loads).
         SystemExit: 1 when an engine core died.
     """
-    import uvicorn
-
     from tandem.entrypoints.cli import engine_config_from_args
 
     cfg = engine_config_from_args(args)
-    names = served_names(args)
+    if args.api_server_count > 1:
+        from tandem.entrypoints.openai.api_server_manager import run_multi_api_server
+
+        return run_multi_api_server(args, cfg)
     sock = bind_socket(args.host, args.port)
-    host, port = sock.getsockname()[:2]
     logger.info("loading %s", cfg.model)
-    llm = AsyncLLM(cfg)
+    serve_http(AsyncLLM(cfg), sock, args)
+
+
+def serve_http(llm: AsyncLLM, sock: socket.socket, args: argparse.Namespace, api_server_index: int = 0,
+               metrics_dir: str | None = None) -> None:
+    """Serve ``llm`` on the bound socket until interrupted or until an engine core dies
+    (then exit 1 after failing every live request); shuts ``llm`` down.
+
+    Raises:
+        SystemExit: 1 when an engine core died.
+    """
+    import uvicorn
+
+    cfg = llm.config
+    names = served_names(args)
+    host, port = sock.getsockname()[:2]
     server = None
 
     def on_engine_dead() -> None:
@@ -311,16 +375,19 @@ def run_server(args: argparse.Namespace) -> None:
         asyncio.get_running_loop().call_later(DEAD_ENGINE_EXIT_DELAY_S, setattr, server, "should_exit", True)
 
     try:
-        app = build_app(llm, names, model_root=cfg.model, tool_call_parser=args.tool_call_parser)
+        app = build_app(llm, names, model_root=cfg.model, tool_call_parser=args.tool_call_parser,
+                        api_server_index=api_server_index, api_server_count=args.api_server_count,
+                        metrics_dir=metrics_dir)
         app.state.on_engine_dead = on_engine_dead
         usable = llm.num_kv_blocks - cfg.data_parallel_size  # one null block per replica
-        logger.info("listening on http://%s:%d: model %s (served as %s), max_model_len %d, KV cache %d tokens "
-                    "(%d blocks of %d) over %d replica(s), pid %d", host, port, cfg.model, ", ".join(names),
+        who = f"API server {api_server_index} of {args.api_server_count}, " if args.api_server_count > 1 else ""
+        logger.info("%slistening on http://%s:%d: model %s (served as %s), max_model_len %d, KV cache %d tokens "
+                    "(%d blocks of %d) over %d replica(s), pid %d", who, host, port, cfg.model, ", ".join(names),
                     llm.max_model_len, usable * cfg.block_size, usable, cfg.block_size, cfg.data_parallel_size,
                     os.getpid())
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=args.timeout_keep_alive)
-        server = uvicorn.Server(config)
+        server = _uvicorn_server(config, app)
         server.run(sockets=[sock])
     finally:
         dead = llm.client.dead_error is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.entrypoints.arg_types import port_number
+from tandem.entrypoints.arg_types import port_number, positive_int
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
@@ -24,6 +24,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log each request")
     p.add_argument("--timeout-keep-alive", type=int, default=5)
+    p.add_argument("--api-server-count", type=positive_int, default=1,
+                   help="API-server processes (HTTP, tokenization, detokenization, SSE) on the one port, in front of "
+                        "the shared engine cores (default 1: one process)")
     p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                    help="format of tool calls in chat outputs with tool_choice auto (default: from the chat "
                         "template: llama3_json for Llama 3's, else hermes as Qwen2.5 uses)")

@@ -3,15 +3,22 @@
 Latency histograms (seconds) are observed by the front end as outputs arrive:
 ``time_to_first_token_seconds`` (arrival -> first token), ``inter_token_latency_seconds``
 (between two streamed outputs), ``time_per_output_token_seconds`` (per request:
-(e2e - ttft) / (tokens - 1)), ``e2e_request_latency_seconds``. Engine state (running and
-waiting requests, KV cache usage, prefix-cache hits, token counters, preemptions) is read
-from the engine thread's latest snapshot at scrape time.
+(e2e - ttft) / (tokens - 1)), ``e2e_request_latency_seconds``; so are the prompt and
+generation token counters. Engine state (running and waiting requests, KV cache usage,
+prefix-cache hits, preemptions) is read at scrape time from the latest stats every engine
+core sent.
+
+With several API servers (``--api-server-count``) each process writes its histograms and
+counters to files in a shared folder (prometheus_client's multiprocess mode, as vLLM) and
+``/metrics`` of any of them sums them all; the engine state is the same in every one of
+them (every core sends its stats to every API server).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from tandem.engine.async_llm import AsyncLLM, RequestStats
 
@@ -57,19 +64,29 @@ class _EngineCollector:
                     h / q if q else 0.0)
         yield counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", q)
         yield counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", h)
-        yield counter("tandem:prompt_tokens", "Prompt tokens of accepted requests.", s.get("prompt_tokens", 0))
-        yield counter("tandem:generation_tokens", "Generated tokens.", s.get("generation_tokens", 0))
         yield counter("tandem:num_preemptions", "Preemptions (recompute).", s.get("num_preemptions", 0))
 
 
 class ServerMetrics:
-    """The server's Prometheus registry; a ``StatListener`` of ``AsyncLLM``."""
+    """The server's Prometheus registry (``registry``, what ``/metrics`` exports); a
+    ``StatListener`` of ``AsyncLLM``.
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+    Args:
+        multiprocess_dir: the ``PROMETHEUS_MULTIPROC_DIR`` shared by several API-server
+            processes (set before prometheus_client was imported): export the sum over all
+            of them. None: this process's own values.
+    """
+
+    def __init__(self, llm: AsyncLLM, model_name: str, multiprocess_dir: str | None = None) -> None:
+        own = CollectorRegistry(auto_describe=False)
+        if multiprocess_dir is None:
+            self.registry = own
+        else:
+            self.registry = CollectorRegistry(auto_describe=False)
+            MultiProcessCollector(self.registry, path=multiprocess_dir)
         self.model_name = model_name
         lab = ["model_name"]
-        r = self.registry
+        r = own
         self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token (s).", lab,
                               buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between two streamed outputs (s).", lab,
@@ -84,7 +101,11 @@ class ServerMetrics:
                                  buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
         self._success = Counter("tandem:request_success", "Finished requests by finish reason.",
                                 lab + ["finished_reason"], registry=r)
-        r.register(_EngineCollector(llm, model_name))
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of accepted requests.", lab,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens.", lab,
+                                         registry=r).labels(model_name)
+        self.registry.register(_EngineCollector(llm, model_name))
         llm.stat_listeners.append(self)
 
     # StatListener
@@ -101,3 +122,7 @@ class ServerMetrics:
         self.prompt_len.observe(st.num_prompt_tokens)
         self.gen_len.observe(st.num_generation_tokens)
         self._success.labels(self.model_name, st.finish_reason or "unknown").inc()
+
+    def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generation_tokens)

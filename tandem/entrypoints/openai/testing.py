@@ -22,20 +22,22 @@ class RemoteServer:
     """Start ``tandem serve`` with ``args`` on 127.0.0.1 and wait until ``/health`` answers.
 
     Use as a context manager; ``url`` is ``http://127.0.0.1:PORT`` and ``log()`` returns
-    the server's output so far.
+    the server's output so far. ``new_session``: in a process group of its own (signals
+    sent to its group reach no one else).
 
     Raises:
         RuntimeError: the server exited or did not become healthy within ``timeout`` s.
     """
 
-    def __init__(self, args: list[str], timeout: float = 240.0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], timeout: float = 240.0, env: dict[str, str] | None = None,
+                 new_session: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="tandem-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "serve", *args, "--host", "127.0.0.1",
                "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=new_session)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
