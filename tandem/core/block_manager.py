@@ -176,9 +176,13 @@ class KVCacheManager:
         ``computed_blocks`` (first scheduling only) are prefix-cache hits to take a
         reference on. Returns False, changing nothing, when too few blocks are free.
         """
-        computed_blocks = computed_blocks or []
         blocks = self.req_blocks.get(req.seq_id, [])
         total = req.num_computed_tokens + num_new_tokens
+        if not computed_blocks and total <= len(blocks) * self.block_size:
+            # Most decode steps: room in the last block, no list to rebuild.
+            self._cache_full_blocks(req, blocks, total)
+            return True
+        computed_blocks = computed_blocks or []
         num_needed = -(-total // self.block_size) - len(blocks) - len(computed_blocks)
         # Cached hits that are idle sit in the free queue and count as free.
         idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -190,15 +194,16 @@ class KVCacheManager:
         if num_needed > 0:
             blocks += self.pool.allocate(num_needed)
         self.req_blocks[req.seq_id] = blocks
-        if self.enable_caching:
-            self._cache_full_blocks(req, blocks, total)
+        self._cache_full_blocks(req, blocks, total)
         return True
 
     def _cache_full_blocks(self, req: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         # Only tokens known on the host can be hashed (not one-step-ahead placeholders).
-        self._update_hashes(req)
         num_full = min(num_tokens, req.num_tokens) // self.block_size
         start = self.num_cached_hashed.get(req.seq_id, 0)
+        if not self.enable_caching or num_full <= start:
+            return  # no block filled up since the last call: nothing to hash
+        self._update_hashes(req)
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], req.block_hashes[i])
         self.num_cached_hashed[req.seq_id] = max(start, num_full)
