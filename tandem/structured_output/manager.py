@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept for reuse (most recently used first out).
 _CACHE_SIZE = 256
+# Bitmask rows per fill thread. xgrammar starts its threads at every batched fill, which
+# costs about what filling a few rows in typical states does: small batches fill on
+# fewer threads (vLLM fills in parallel from 128 rows, 16 rows per task).
+_ROWS_PER_THREAD = 16
 
 
 class StructuredOutputRequest:
@@ -99,7 +103,8 @@ class StructuredOutputManager:
         self.stop_token_ids = sorted(stop_token_ids)
         self._pool: ThreadPoolExecutor | None = None
         self._compiler = None
-        self._batch_matcher: xgr.BatchGrammarMatcher | None = None
+        # Batched fillers by thread count.
+        self._batch_matchers: dict[int, xgr.BatchGrammarMatcher] = {}
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pending: list[Request] = []
 
@@ -156,7 +161,8 @@ class StructuredOutputManager:
 
     def grammar_bitmask(self, seq_ids: list[int], requests: dict[int, "Request"]) -> GrammarBitmask:
         """The bitmask rows of ``seq_ids`` (``int32 [len(seq_ids), ceil(V / 32)]``, host),
-        filled in one xgrammar call over ``TANDEM_STRUCTURED_OUTPUT_THREADS`` threads.
+        filled in one xgrammar call over up to ``TANDEM_STRUCTURED_OUTPUT_THREADS`` threads
+        (one per 16 rows).
 
         A sequence no longer in ``requests`` (finished by the step processed meanwhile),
         or whose grammar is finished, gets an all-allowed row: its sampled token is
@@ -172,9 +178,11 @@ class StructuredOutputManager:
                 matchers.append(req.structured_output.matcher)
                 rows.append(row)
         if matchers:
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher(envs.TANDEM_STRUCTURED_OUTPUT_THREADS)
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            threads = max(1, min(envs.TANDEM_STRUCTURED_OUTPUT_THREADS, len(matchers) // _ROWS_PER_THREAD))
+            filler = self._batch_matchers.get(threads)
+            if filler is None:
+                filler = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
+            filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return GrammarBitmask(seq_ids, bitmask)
 
     def shutdown(self) -> None:
