@@ -161,23 +161,28 @@ class _Seqs:
 
 def per_sequence_step(seqs: _Seqs, toks: list[int]):
     """Tandem's grammar work per step before the batched calls: the scheduler's
-    per-sequence accept, then one fill per row (the previous ``grammar_bitmask``)."""
+    per-sequence accept, then a fresh bitmask and one fill per row (the previous
+    ``grammar_bitmask``). Returns the bitmask and the accept's seconds."""
     import xgrammar as xgr
 
+    t = time.perf_counter()
     for req, tok in zip(seqs.reqs, toks):
         m = req.structured_output.matcher
         if not m.accept_token(tok) or m.is_terminated():
             req.structured_output.finished = True
+    t_accept = time.perf_counter() - t
     bitmask = xgr.allocate_token_bitmask(len(seqs.reqs), seqs.manager.vocab_size)
     for row, req in enumerate(seqs.reqs):
         if not req.structured_output.matcher.is_terminated():
             req.structured_output.matcher.fill_next_token_bitmask(bitmask, row)
-    return bitmask
+    return bitmask, t_accept
 
 
 def batched_step(seqs: _Seqs, toks: list[int]):
     """The same through the engine's path: ``Scheduler.advance_grammars``'s gathering
-    and one batched accept, then one batched fill (``StructuredOutputManager``)."""
+    and one batched accept, then one batched fill into the reused buffer
+    (``StructuredOutputManager``)."""
+    t = time.perf_counter()
     requests = {r.seq_id: r for r in seqs.reqs}
     reqs, batch_toks = [], []
     for sid, tok in zip(requests, toks):
@@ -186,7 +191,8 @@ def batched_step(seqs: _Seqs, toks: list[int]):
             reqs.append(req)
             batch_toks.append(tok)
     seqs.manager.accept_tokens(reqs, batch_toks)
-    return seqs.manager.grammar_bitmask(list(requests), requests).bitmask
+    t_accept = time.perf_counter() - t
+    return seqs.manager.grammar_bitmask(list(requests), requests).bitmask, t_accept
 
 
 def _draw(bitmask, vocab: int, rng) -> list[int]:
@@ -202,10 +208,11 @@ def _mask(seqs: _Seqs):
 
 
 def host_step_run(tok, vocab: int, n: int, steps: int, output_len: int, threads: int, seed: int,
-                  document: bool) -> tuple[list[float], list[float]]:
-    """Seconds per step of the per-sequence and of the batched grammar work for ``n``
-    sequences over ``steps`` steps, after a staggered start (untimed). Tokens: uniform
-    over the allowed ones, or (``document``) those of a valid document, then EOS."""
+                  document: bool) -> dict[str, list[tuple[float, float]]]:
+    """Seconds per step (total, of which the accept) of the per-sequence and of the
+    batched grammar work for ``n`` sequences over ``steps`` steps, after a staggered start
+    (untimed). Tokens: uniform over the allowed ones, or (``document``) those of a valid
+    document, then EOS."""
     import numpy as np
     import torch
 
@@ -240,16 +247,17 @@ def host_step_run(tok, vocab: int, n: int, steps: int, output_len: int, threads:
         for i in idx:
             produced[i] += 1
         restart_done(False)
-    t_old, t_new = [], []
+    times = {"per-sequence": [], "batched": []}  # (total, accept) seconds per step
     mask = _mask(new)
     for step in range(steps):
         toks = draw(mask)
-        runs = [(old, per_sequence_step, t_old), (new, batched_step, t_new)]
+        runs = [(old, per_sequence_step, times["per-sequence"]), (new, batched_step, times["batched"])]
         masks = []
-        for seqs, fn, times in (runs if step % 2 == 0 else runs[::-1]):
+        for seqs, fn, out in (runs if step % 2 == 0 else runs[::-1]):
             t = time.perf_counter()
-            masks.append(fn(seqs, toks))
-            times.append(time.perf_counter() - t)
+            bitmask, t_accept = fn(seqs, toks)
+            out.append((time.perf_counter() - t, t_accept))
+            masks.append(bitmask)
         assert torch.equal(*masks), f"the two ways' bitmasks differ at step {step}"
         produced = [p + 1 for p in produced]
         restart_done(True)
@@ -258,7 +266,7 @@ def host_step_run(tok, vocab: int, n: int, steps: int, output_len: int, threads:
         mask = _mask(new)
     for seqs in (old, new):
         seqs.manager.shutdown()
-    return t_old, t_new
+    return times
 
 
 def host_step_main(args, tok, vocab: int) -> None:
@@ -269,23 +277,26 @@ def host_step_main(args, tok, vocab: int) -> None:
     for n in args.seqs:
         for threads in args.threads:
             used = max(1, min(threads, n // manager._ROWS_PER_THREAD))
-            olds, news, ratios, rep_medians = [], [], [], []
-            for r in range(args.repeats):
-                t_old, t_new = host_step_run(tok, vocab, n, args.steps, args.output_len, threads, r,
-                                             args.draw == "document")
-                olds += t_old
-                news += t_new
-                ratios += [o / b for o, b in zip(t_old, t_new)]
-                rep_medians.append((statistics.median(t_old) * 1e3, statistics.median(t_new) * 1e3))
-            ms = lambda xs: (f"median {statistics.median(xs) * 1e3:7.3f} ms (p10 {pct(xs, 0.1) * 1e3:.3f}, "  # noqa: E731
-                             f"p90 {pct(xs, 0.9) * 1e3:.3f}), mean {statistics.mean(xs) * 1e3:7.3f} ms")
-            print(f"N={n:4d} TANDEM_STRUCTURED_OUTPUT_THREADS={threads} (fill threads {used}):")
-            print(f"    per-sequence {ms(olds)}")
-            print(f"    batched      {ms(news)}")
-            print(f"    per-sequence / batched per step: median {statistics.median(ratios):.2f}x "
-                  f"(p10 {pct(ratios, 0.1):.2f}, p90 {pct(ratios, 0.9):.2f}), of the means "
-                  f"{statistics.mean(olds) / statistics.mean(news):.2f}x; repeat medians (ms, per-sequence/batched) "
-                  + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in rep_medians) + f"; load average {os.getloadavg()}")
+            runs = [host_step_run(tok, vocab, n, args.steps, args.output_len, threads, r, args.draw == "document")
+                    for r in range(args.repeats)]
+            print(f"N={n:4d} TANDEM_STRUCTURED_OUTPUT_THREADS={threads} (fill threads {used}), ms per step, "
+                  f"median (p10-p90) / mean; load average {os.getloadavg()}:")
+            for way in ("per-sequence", "batched"):
+                total = [t for run in runs for t, _ in run[way]]
+                accept = [a for run in runs for _, a in run[way]]
+                mask = [t - a for run in runs for t, a in run[way]]
+                reps = ", ".join(f"{statistics.median([t for t, _ in run[way]]) * 1e3:.3f}" for run in runs)
+                print(f"    {way:12s} total {_ms(total)}; accept {_ms(accept)}; mask {_ms(mask)}; "
+                      f"repeat medians {reps}")
+            ratios = [o / b for run in runs for (o, _), (b, _) in zip(run["per-sequence"], run["batched"])]
+            means = [statistics.mean([t for run in runs for t, _ in run[way]]) for way in ("per-sequence", "batched")]
+            print(f"    per-sequence / batched, per step: median {statistics.median(ratios):.2f}x "
+                  f"(p10 {pct(ratios, 0.1):.2f}, p90 {pct(ratios, 0.9):.2f}); of the means {means[0] / means[1]:.2f}x")
+
+
+def _ms(xs: list[float]) -> str:
+    return (f"{statistics.median(xs) * 1e3:.3f} ({pct(xs, 0.1) * 1e3:.3f}-{pct(xs, 0.9) * 1e3:.3f}) / "
+            f"{statistics.mean(xs) * 1e3:.3f}")
 
 
 def main() -> None:

@@ -98,7 +98,8 @@ class EngineCore:
         # turned into each step's bitmask before sampling.
         self.structured_output = StructuredOutputManager(
             config.tokenizer or config.model, self.vocab_size,
-            self.eos_token_ids | set(load_generation_defaults(config.model, config.generation_config).eos_token_ids))
+            self.eos_token_ids | set(load_generation_defaults(config.model, config.generation_config).eos_token_ids),
+            pin_memory=device.type == "cuda")
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill, self.structured_output)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
