@@ -291,9 +291,9 @@ class EngineCore:
             if prev is not None:
                 result = prev[1].result()
                 self._advance_grammars(prev[0], result)
-                handle = handle or self._sample_constrained(so)
-                outputs += self._take(prev[0], result, grammars_advanced=True)
             handle = handle or self._sample_constrained(so)
+            if prev is not None:
+                outputs += self._take(prev[0], result, grammars_advanced=True)
             if so.is_empty:
                 # Nothing to process later, but an idle DP rank's dummy batch can fail: wait.
                 handle.result()

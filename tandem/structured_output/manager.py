@@ -110,6 +110,8 @@ class StructuredOutputManager:
         self._bitmask: torch.Tensor | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._compiler = None
+        # The tokens that end a grammar (set with the compiler).
+        self._grammar_stop_ids: frozenset[int] = frozenset()
         # Batched fillers by thread count.
         self._batch_matchers: dict[int, xgr.BatchGrammarMatcher] = {}
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
@@ -163,7 +165,7 @@ class StructuredOutputManager:
             if not ok:
                 logger.warning("request %s: token %d does not match its grammar; finishing it", req.request_id, tok)
                 req.structured_output.finished = True
-            elif matcher.is_terminated():
+            elif tok in self._grammar_stop_ids and matcher.is_terminated():  # only a stop token ends a grammar
                 req.structured_output.finished = True
 
     def grammar_bitmask(self, seq_ids: list[int], requests: dict[int, "Request"]) -> GrammarBitmask:
@@ -238,5 +240,6 @@ class StructuredOutputManager:
                 stop.add(self.tokenizer.eos_token_id)
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=sorted(stop) or None)
+            self._grammar_stop_ids = frozenset(info.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=envs.TANDEM_STRUCTURED_OUTPUT_THREADS)
         return self._compiler
