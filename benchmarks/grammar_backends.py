@@ -22,7 +22,9 @@ checked equal. Tokens are drawn uniformly from each row's allowed set (what a mo
 random weights does under the mask, as in the GPU benchmark of RESULTS.md; a sequence
 restarts, as a new request, after ``--output-len`` tokens) or (``--draw document``) are
 those of a valid profile document and EOS; a sequence also restarts when its grammar
-ends, and the sequences start at staggered points of their life.
+ends, and the sequences start at staggered points of their life. Also printed: the time
+the engine core takes to decode one request constrained to that schema (per request, on
+the core's loop thread), parsing its schema every time vs once per process.
 
     python benchmarks/grammar_backends.py --host-step [--tokenizer PATH --vocab V] \
         [--seqs 8 64 256] [--steps 60] [--repeats 3] [--threads 1 2]
@@ -208,8 +210,8 @@ def _mask(seqs: _Seqs):
 
 
 def host_step_run(tok, vocab: int, n: int, steps: int, output_len: int, threads: int, seed: int,
-                  document: bool) -> dict[str, list[tuple[float, float]]]:
-    """Seconds per step (total, of which the accept) of the per-sequence and of the
+                  document: bool) -> dict[str, list[tuple[float, float, float]]]:
+    """Seconds per step (wall, wall of the accept, CPU time of the process) of the per-sequence and of the
     batched grammar work for ``n`` sequences over ``steps`` steps, after a staggered start
     (untimed). Tokens: uniform over the allowed ones, or (``document``) those of a valid
     document, then EOS."""
@@ -247,16 +249,16 @@ def host_step_run(tok, vocab: int, n: int, steps: int, output_len: int, threads:
         for i in idx:
             produced[i] += 1
         restart_done(False)
-    times = {"per-sequence": [], "batched": []}  # (total, accept) seconds per step
+    times = {"per-sequence": [], "batched": []}  # (wall, wall of the accept, CPU of all threads) s per step
     mask = _mask(new)
     for step in range(steps):
         toks = draw(mask)
         runs = [(old, per_sequence_step, times["per-sequence"]), (new, batched_step, times["batched"])]
         masks = []
         for seqs, fn, out in (runs if step % 2 == 0 else runs[::-1]):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             bitmask, t_accept = fn(seqs, toks)
-            out.append((time.perf_counter() - t, t_accept))
+            out.append((time.perf_counter() - t, t_accept, time.process_time() - c))
             masks.append(bitmask)
         assert torch.equal(*masks), f"the two ways' bitmasks differ at step {step}"
         produced = [p + 1 for p in produced]
@@ -269,8 +271,35 @@ def host_step_run(tok, vocab: int, n: int, steps: int, output_len: int, threads:
     return times
 
 
+def request_decode_timing(repeats: int = 20) -> None:
+    """The engine core's decode of one request constrained to the profile schema (msgspec
+    runs the params' parse): with the process's memory of parsed constraints cleared
+    before each decode (every decode parses, as before that memory) and kept, alternated."""
+    from tandem.engine.messages import EngineCoreRequest, MsgpackDecoder, MsgpackEncoder
+    from tandem.sampling_params import SamplingParams
+    from tandem.structured_output import StructuredOutputsParams, params
+
+    schema, _ = user_profile()
+    msg = MsgpackEncoder().encode(EngineCoreRequest(
+        "r", [1] * 128, SamplingParams(max_tokens=256, structured_outputs=StructuredOutputsParams(json=schema)), 256, 0.0))
+    decoder = MsgpackDecoder(EngineCoreRequest)
+    times = {"parse every time": [], "parsed once": []}
+    for r in range(repeats):
+        for name in (list(times) if r % 2 == 0 else list(times)[::-1]):
+            if name == "parse every time":
+                params._PARSED.clear()
+            t = time.perf_counter()
+            decoder.decode(msg)
+            times[name].append(time.perf_counter() - t)
+    print("engine core decode of one profile-schema request: " + "; ".join(
+        f"{k} median {statistics.median(v) * 1e3:.3f} ms (min {min(v) * 1e3:.3f}, max {max(v) * 1e3:.3f})"
+        for k, v in times.items()))
+
+
 def host_step_main(args, tok, vocab: int) -> None:
     from tandem.structured_output import manager
+
+    request_decode_timing()
 
     print(f"host work per step, user-profile schema, tokens: {args.draw}, {args.steps} timed steps x {args.repeats} "
           f"repeats; per-sequence vs batched, alternated every step")
@@ -282,15 +311,16 @@ def host_step_main(args, tok, vocab: int) -> None:
             print(f"N={n:4d} TANDEM_STRUCTURED_OUTPUT_THREADS={threads} (fill threads {used}), ms per step, "
                   f"median (p10-p90) / mean; load average {os.getloadavg()}:")
             for way in ("per-sequence", "batched"):
-                total = [t for run in runs for t, _ in run[way]]
-                accept = [a for run in runs for _, a in run[way]]
-                mask = [t - a for run in runs for t, a in run[way]]
-                reps = ", ".join(f"{statistics.median([t for t, _ in run[way]]) * 1e3:.3f}" for run in runs)
-                print(f"    {way:12s} total {_ms(total)}; accept {_ms(accept)}; mask {_ms(mask)}; "
-                      f"repeat medians {reps}")
-            ratios = [o / b for run in runs for (o, _), (b, _) in zip(run["per-sequence"], run["batched"])]
-            means = [statistics.mean([t for run in runs for t, _ in run[way]]) for way in ("per-sequence", "batched")]
-            print(f"    per-sequence / batched, per step: median {statistics.median(ratios):.2f}x "
+                total = [t for run in runs for t, _, _ in run[way]]
+                accept = [a for run in runs for _, a, _ in run[way]]
+                mask = [t - a for run in runs for t, a, _ in run[way]]
+                cpu = [c for run in runs for _, _, c in run[way]]
+                reps = ", ".join(f"{statistics.median([t for t, _, _ in run[way]]) * 1e3:.3f}" for run in runs)
+                print(f"    {way:12s} wall {_ms(total)}; accept {_ms(accept)}; mask {_ms(mask)}; CPU {_ms(cpu)}; "
+                      f"wall repeat medians {reps}")
+            ratios = [o / b for run in runs for (o, _, _), (b, _, _) in zip(run["per-sequence"], run["batched"])]
+            means = [statistics.mean([t for run in runs for t, _, _ in run[way]]) for way in ("per-sequence", "batched")]
+            print(f"    per-sequence / batched wall, per step: median {statistics.median(ratios):.2f}x "
                   f"(p10 {pct(ratios, 0.1):.2f}, p90 {pct(ratios, 0.9):.2f}); of the means {means[0] / means[1]:.2f}x")
 
 
