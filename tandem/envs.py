@@ -5,24 +5,27 @@ as vLLM's ``envs.py`` does, so a variable set after import (a test's ``monkeypat
 spawned rank) takes effect. A value outside its choices raises ``ValueError`` naming the
 variable.
 
-=============================  =========  ==================================================
-variable                       default    meaning
-=============================  =========  ==================================================
-TANDEM_LOGGING_LEVEL           unset      log level of the CLI and of spawned rank processes
-                                          (unset: WARNING; INFO for ``tandem serve``)
-TANDEM_MOE_IMPL                auto       pins what the MoE expert compute's ``auto`` means
-                                          (auto, grouped_mm, padded_bmm, triton, loop)
-TANDEM_FUSED_OPS               auto       fused norm/activation kernels: auto (Triton on
-                                          CUDA tensors), triton, torch
-TANDEM_STARTUP_TIMEOUT_S       1800       seconds spawned ranks may take to build engines
-TANDEM_DUMP_STACKS_AFTER_S     unset      every spawned rank prints its stacks after this
-                                          many seconds (debugging a hang)
-TANDEM_EVAL_CACHE              unset      folder for downloaded evaluation data
-TANDEM_MMLU_FILE               unset      an MMLU jsonl file to use instead of downloading
-TANDEM_ASDIV_FILE              unset      an ASDiv jsonl file to use instead of downloading
-TANDEM_QWEN_GGUF               unset      (tests) a Qwen GGUF file for the opt-in
-                                          real-weights tests
-=============================  =========  ==================================================
+==================================  =========  ==================================================
+variable                            default    meaning
+==================================  =========  ==================================================
+TANDEM_LOGGING_LEVEL                unset      log level of the CLI and of spawned rank processes
+                                               (unset: WARNING; INFO for ``tandem serve``)
+TANDEM_MOE_IMPL                     auto       pins what the MoE expert compute's ``auto`` means
+                                               (auto, grouped_mm, padded_bmm, triton, loop)
+TANDEM_FUSED_OPS                    auto       fused norm/activation kernels: auto (Triton on
+                                               CUDA tensors), triton, torch
+TANDEM_STARTUP_TIMEOUT_S            1800       seconds spawned ranks may take to build engines
+TANDEM_DUMP_STACKS_AFTER_S          unset      every spawned rank prints its stacks after this
+                                               many seconds (debugging a hang)
+TANDEM_STRUCTURED_OUTPUT_THREADS    min(8,     threads xgrammar uses in an engine core to fill
+                                    CPUs / 2)  each step's grammar bitmask and to compile
+                                               grammars (a positive integer)
+TANDEM_EVAL_CACHE                   unset      folder for downloaded evaluation data
+TANDEM_MMLU_FILE                    unset      an MMLU jsonl file to use instead of downloading
+TANDEM_ASDIV_FILE                   unset      an ASDiv jsonl file to use instead of downloading
+TANDEM_QWEN_GGUF                    unset      (tests) a Qwen GGUF file for the opt-in
+                                               real-weights tests
+==================================  =========  ==================================================
 """
 
 from __future__ import annotations
@@ -69,6 +72,29 @@ def _float(name: str, default: float | None) -> Callable[[], float | None]:
     return read
 
 
+def _positive_int(name: str, default: Callable[[], int]) -> Callable[[], int]:
+    def read() -> int:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            return default()
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{name}={raw!r}: expected a positive integer")
+        return value
+
+    return read
+
+
+def _half_the_cpus_up_to_8() -> int:
+    """vLLM's default for its structured-output fill pool: the mask fill shares the host
+    with the engine loop, the front end and the tokenizer."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cpus // 2))
+
+
 def _path(name: str) -> Callable[[], str | None]:
     return lambda: os.environ.get(name) or None
 
@@ -79,6 +105,7 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_FUSED_OPS": _choice("TANDEM_FUSED_OPS", "auto", FUSED_OPS_MODES),
     "TANDEM_STARTUP_TIMEOUT_S": _float("TANDEM_STARTUP_TIMEOUT_S", 1800.0),
     "TANDEM_DUMP_STACKS_AFTER_S": _float("TANDEM_DUMP_STACKS_AFTER_S", None),
+    "TANDEM_STRUCTURED_OUTPUT_THREADS": _positive_int("TANDEM_STRUCTURED_OUTPUT_THREADS", _half_the_cpus_up_to_8),
     "TANDEM_EVAL_CACHE": _path("TANDEM_EVAL_CACHE"),
     "TANDEM_MMLU_FILE": _path("TANDEM_MMLU_FILE"),
     "TANDEM_ASDIV_FILE": _path("TANDEM_ASDIV_FILE"),

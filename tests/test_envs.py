@@ -16,8 +16,19 @@ def test_read_at_access_time_with_defaults(monkeypatch):
     assert envs.TANDEM_MOE_IMPL == "triton"
 
 
+def test_structured_output_threads_default_is_half_the_cpus_up_to_8(monkeypatch):
+    monkeypatch.delenv("TANDEM_STRUCTURED_OUTPUT_THREADS", raising=False)
+    for cpus, threads in ((1, 1), (2, 1), (16, 8), (64, 8)):
+        monkeypatch.setattr(envs.os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert envs.TANDEM_STRUCTURED_OUTPUT_THREADS == threads
+    monkeypatch.setenv("TANDEM_STRUCTURED_OUTPUT_THREADS", "3")
+    assert envs.TANDEM_STRUCTURED_OUTPUT_THREADS == 3
+
+
 @pytest.mark.parametrize("name,value", [("TANDEM_MOE_IMPL", "fastest"), ("TANDEM_FUSED_OPS", "cuda"),
-                                        ("TANDEM_STARTUP_TIMEOUT_S", "soon"), ("TANDEM_LOGGING_LEVEL", "loud")])
+                                        ("TANDEM_STARTUP_TIMEOUT_S", "soon"), ("TANDEM_LOGGING_LEVEL", "loud"),
+                                        ("TANDEM_STRUCTURED_OUTPUT_THREADS", "0"),
+                                        ("TANDEM_STRUCTURED_OUTPUT_THREADS", "many")])
 def test_bad_values_name_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):

@@ -14,8 +14,8 @@ host yet, so step N+1 can be scheduled before step N's outputs are processed.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 from tandem.core.block_manager import KVCacheManager
 from tandem.core.sched_output import NewRequestData, ScheduledSequence, SchedulerOutput
@@ -23,19 +23,8 @@ from tandem.engine.messages import EngineCoreOutput, PromptLogprobsData
 from tandem.outputs import ModelRunnerOutput
 from tandem.request import Request, RequestStatus
 
-logger = logging.getLogger(__name__)
-
-
-def _grammar_done(req: Request, tok: int) -> bool:
-    """Advance a constrained sequence's grammar by ``tok``. True when the output is
-    complete (the grammar accepted its stop token) or ``tok`` broke it: the runner
-    masks disallowed tokens, so the latter only happens past the end (e.g. min_tokens
-    forbidding the stop token)."""
-    g = req.structured_output
-    if not g.accept_token(tok):
-        logger.warning("request %s: token %d does not match its grammar; finishing it", req.request_id, tok)
-        return True
-    return g.is_terminated()
+if TYPE_CHECKING:
+    from tandem.structured_output.manager import StructuredOutputManager
 
 
 class Scheduler:
@@ -47,11 +36,15 @@ class Scheduler:
         max_num_batched_tokens: token budget of one step.
         max_model_len: context length; no sequence grows past it.
         enable_chunked_prefill: split prompts longer than the remaining budget.
+        structured_output_manager: advances the grammars of constrained sequences (needed
+            once one is added).
     """
 
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True) -> None:
+                 max_model_len: int, enable_chunked_prefill: bool = True,
+                 structured_output_manager: "StructuredOutputManager | None" = None) -> None:
         self.kv = kv_manager
+        self.structured_output_manager = structured_output_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -185,16 +178,34 @@ class Scheduler:
         """A sampled token of ``req`` reached the host: it stops being a placeholder."""
         req.num_output_placeholders -= 1
 
-    def update_from_output(self, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def advance_grammars(self, result: ModelRunnerOutput) -> None:
+        """Advance the grammars of ``result``'s live constrained sequences by their sampled
+        tokens, in one batched call (the first part of taking in a step's outputs: the
+        engine core runs it alone before filling the next step's bitmask, then
+        ``update_from_output(result, grammars_advanced=True)``)."""
+        reqs, toks = [], []
+        for sid, tok in zip(result.seq_ids, result.sampled_token_ids):
+            req = self.requests.get(sid)
+            if req is not None and req.structured_output is not None:
+                reqs.append(req)
+                toks.append(tok)
+        if reqs:
+            self.structured_output_manager.accept_tokens(reqs, toks)
+
+    def update_from_output(self, result: ModelRunnerOutput, grammars_advanced: bool = False) -> list[EngineCoreOutput]:
         """Take in one step's sampled tokens: placeholder accounting, token-id stop checks
         (EOS, ``stop_token_ids``, ``max_tokens``, ``min_tokens``, the context length), the
-        advance of constrained sequences' grammars by their token (a completed grammar
-        finishes the sequence as "stop") and freeing of finished sequences.
+        advance of constrained sequences' grammars by their token (unless
+        ``grammars_advanced``: :meth:`advance_grammars` already ran on ``result``; a
+        completed or broken grammar finishes the sequence as "stop") and freeing of
+        finished sequences.
 
         Returns one output per live sequence that got a token (a token of a sequence that
         finished or was aborted before its step was processed is dropped), plus prompt
         logprobs of sequences that computed some without sampling.
         """
+        if not grammars_advanced:
+            self.advance_grammars(result)
         outputs: dict[int, EngineCoreOutput] = {}
         for sid, pl in result.prompt_logprobs.items():
             req = self.requests.get(sid)
@@ -222,7 +233,7 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.sampling_params
-        grammar_done = req.structured_output is not None and _grammar_done(req, tok)
+        grammar_done = req.structured_output is not None and req.structured_output.finished
         if req.num_output_tokens >= p.min_tokens:
             if tok in p.stop_token_ids:
                 req.stop_reason = tok

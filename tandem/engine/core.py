@@ -93,8 +93,15 @@ class EngineCore:
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, config.max_model_len)
             config.max_model_len = capacity
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.eos_token_ids = self._eos_token_ids()
+        # Grammars of constrained requests: compiled here, advanced by the scheduler, and
+        # turned into each step's bitmask before sampling.
+        self.structured_output = StructuredOutputManager(
+            config.tokenizer or config.model, self.vocab_size,
+            self.eos_token_ids | set(load_generation_defaults(config.model, config.generation_config).eos_token_ids),
+            pin_memory=device.type == "cuda")
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.enable_chunked_prefill)
+                                   config.max_model_len, config.enable_chunked_prefill, self.structured_output)
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
                                   max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
                                   dbo=DBOPolicy(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold,
@@ -107,12 +114,6 @@ class EngineCore:
         if config.enable_dbo and config.dbo_measure_split:
             # The largest step, as profiled for memory above.
             self.runner.measure_prefill_split(min(config.max_num_batched_tokens, config.max_model_len))
-        self.eos_token_ids = self._eos_token_ids()
-        # Grammars of constrained requests: compiled here, advanced by the scheduler's
-        # output update, and turned into each step's bitmask before sampling.
-        self.structured_output = StructuredOutputManager(
-            config.tokenizer or config.model, self.vocab_size,
-            self.eos_token_ids | set(load_generation_defaults(config.model, config.generation_config).eos_token_ids))
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.async_output_proc = config.async_output_proc
         # Live sequences by request id (the front end's per-sequence id).
@@ -282,12 +283,17 @@ class EngineCore:
             if not self.async_output_proc:
                 handle = handle or self._sample_constrained(so)
                 return outputs + self._take(so, handle.result())
-            # Step N's outputs are processed while step N+1 (just launched) runs.
+            # Step N's outputs are processed while step N+1 (just launched) runs. Constrained
+            # sequences of step N+1 sample once step N's tokens advanced their grammars, so
+            # that advance and N+1's bitmask come first, as soon as N's tokens are on the
+            # host, while N+1's forward runs; the rest of N's processing (every row's stop
+            # checks and output) then overlaps N+1's sampling instead of delaying it.
             if prev is not None:
-                outputs += self._take(prev[0], prev[1].result())
-            # Constrained sequences of step N+1 sample once step N's tokens advanced their
-            # grammars (in _take): the forward of N+1 still overlaps that processing.
+                result = prev[1].result()
+                self._advance_grammars(prev[0], result)
             handle = handle or self._sample_constrained(so)
+            if prev is not None:
+                outputs += self._take(prev[0], result, grammars_advanced=True)
             if so.is_empty:
                 # Nothing to process later, but an idle DP rank's dummy batch can fail: wait.
                 handle.result()
@@ -319,9 +325,15 @@ class EngineCore:
                                             error=f"grammar compilation failed: {err}"))
         return outputs
 
-    def _take(self, so: SchedulerOutput, result) -> list[EngineCoreOutput]:
+    def _advance_grammars(self, so: SchedulerOutput, result) -> None:
         t0 = time.perf_counter()
-        outs = self.scheduler.update_from_output(result)
+        self.scheduler.advance_grammars(result)
+        if self.step_times is not None and result.seq_ids:
+            self.step_times.add(so.step_id, "process", time.perf_counter() - t0)
+
+    def _take(self, so: SchedulerOutput, result, grammars_advanced: bool = False) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
+        outs = self.scheduler.update_from_output(result, grammars_advanced)
         for o in outs:
             if o.finish_reason is not None:
                 del self._seq_ids[o.request_id]

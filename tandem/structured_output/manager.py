@@ -15,22 +15,28 @@ bitmask is built; the front end only validates the constraint and sends its fiel
    :meth:`StructuredOutputsParams.cache_key`). The scheduler leaves the request waiting
    until ``is_ready()`` (vLLM's ``WAITING_FOR_FSM``), so a new schema never stalls the
    requests already running.
-2. ``grammar_bitmask`` (core thread) fills one bitmask row per constrained sequence
-   of a step from its matcher's state, after the previous step's tokens were accepted.
-3. ``StructuredOutputRequest.accept_token`` (``Scheduler.update_from_output``, the core's
-   output update) advances the matcher by each sampled token.
+2. ``accept_tokens`` (``Scheduler.advance_grammars``, core thread) advances the matchers
+   of a step's constrained sequences by their sampled tokens, all in one xgrammar call.
+3. ``grammar_bitmask`` (core thread) fills the bitmask rows of the next step's
+   constrained sequences, all in one xgrammar call.
+
+Both calls run in C++ without the GIL; the fill spreads its rows over
+``TANDEM_STRUCTURED_OUTPUT_THREADS`` threads (:mod:`tandem.envs`). With every sequence
+constrained this is the host work that stands between a step's tokens reaching the host
+and the next step's sampling (``EngineCore.step``): one Python call per sequence made it
+exposed on a GPU (benchmarks/RESULTS.md, "Session 6 — structured outputs host cost").
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
 
+from tandem import envs
 from tandem.structured_output.bitmask import GrammarBitmask
 from tandem.structured_output.params import StructuredOutputsParams, xgrammar_error
 
@@ -43,6 +49,10 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept for reuse (most recently used first out).
 _CACHE_SIZE = 256
+# Bitmask rows per fill thread. xgrammar starts its threads at every batched fill, which
+# costs about what filling a few rows in typical states does: small batches fill on
+# fewer threads (vLLM fills in parallel from 128 rows, 16 rows per task).
+_ROWS_PER_THREAD = 16
 
 
 class StructuredOutputRequest:
@@ -55,6 +65,9 @@ class StructuredOutputRequest:
     def __init__(self, compiled: Future) -> None:
         self._compiled = compiled
         self._matcher: xgr.GrammarMatcher | None = None
+        # The grammar takes no more tokens: it accepted its stop token, or refused the
+        # last sampled one (set by StructuredOutputManager.accept_tokens).
+        self.finished = False
 
     def is_ready(self) -> bool:
         """Compiled without error: the sequence may be scheduled."""
@@ -74,18 +87,6 @@ class StructuredOutputRequest:
             self._matcher = xgr.GrammarMatcher(self._compiled.result())
         return self._matcher
 
-    def accept_token(self, token_id: int) -> bool:
-        """Advance by a sampled token; False if the grammar does not allow it."""
-        return self.matcher.accept_token(token_id)
-
-    def is_terminated(self) -> bool:
-        """The grammar accepted a complete output (and its stop token)."""
-        return self.matcher.is_terminated()
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if not self.matcher.is_terminated():
-            self.matcher.fill_next_token_bitmask(bitmask, row)
-
 
 class StructuredOutputManager:
     """Compiles constraints off the engine loop and builds each step's bitmask.
@@ -96,14 +97,23 @@ class StructuredOutputManager:
         vocab_size: logits width (may exceed the tokenizer's size: padded vocabularies).
         stop_token_ids: tokens that end a complete output (the model's EOS ids; the
             tokenizer's EOS is added).
+        pin_memory: build the bitmasks in pinned memory (a CUDA device copies them
+            without blocking).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], pin_memory: bool = False) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.pin_memory = pin_memory
+        # The bitmask rows of every step (grown as needed).
+        self._bitmask: torch.Tensor | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._compiler = None
+        # The tokens that end a grammar (set with the compiler).
+        self._grammar_stop_ids: frozenset[int] = frozenset()
+        # Batched fillers by thread count.
+        self._batch_matchers: dict[int, xgr.BatchGrammarMatcher] = {}
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pending: list[Request] = []
 
@@ -135,20 +145,67 @@ class StructuredOutputManager:
         self._pending = pending
         return failed
 
-    def grammar_bitmask(self, seq_ids: list[int], requests: dict[int, "Request"]) -> GrammarBitmask:
-        """The bitmask rows of ``seq_ids`` (``int32 [len(seq_ids), ceil(V / 32)]``, host).
+    def accept_tokens(self, reqs: list["Request"], token_ids: list[int]) -> None:
+        """Advance each sequence's matcher by its sampled token (one xgrammar call).
 
-        A sequence no longer in ``requests`` (finished by the step processed meanwhile)
-        gets an all-allowed row: its sampled token is discarded.
+        A sequence whose grammar accepted its stop token, or refused its token, gets
+        ``structured_output.finished`` set (the scheduler then finishes it as "stop"). A
+        refusal only happens past the grammar's end (e.g. ``min_tokens`` masking the stop
+        token leaves no allowed token): the runner samples within the bitmask.
+
+        Args:
+            reqs: live sequences with a compiled grammar, at most one entry each.
+            token_ids: ``token_ids[i]`` was sampled for ``reqs[i]``.
         """
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(seq_ids), self.vocab_size)
+        matchers = [r.structured_output.matcher for r in reqs]
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, token_ids)
+        for req, matcher, tok, ok in zip(reqs, matchers, token_ids, accepted):
+            if not ok:
+                logger.warning("request %s: token %d does not match its grammar; finishing it", req.request_id, tok)
+                req.structured_output.finished = True
+            elif tok in self._grammar_stop_ids and matcher.is_terminated():  # only a stop token ends a grammar
+                req.structured_output.finished = True
+
+    def grammar_bitmask(self, seq_ids: list[int], requests: dict[int, "Request"]) -> GrammarBitmask:
+        """The bitmask rows of ``seq_ids`` (``int32 [len(seq_ids), ceil(V / 32)]``, host),
+        filled in one xgrammar call over up to ``TANDEM_STRUCTURED_OUTPUT_THREADS`` threads
+        (one per 16 rows).
+
+        A sequence no longer in ``requests`` (finished by the step processed meanwhile),
+        or whose grammar is finished, gets an all-allowed row: its sampled token is
+        discarded.
+
+        The rows live in one buffer that the next call overwrites: a step's bitmask is
+        read by that step's sampling, and the next step's fill waits for that step's
+        tokens (``EngineCore.step``), so no copy and no fresh 4 MB per step (256 rows of
+        a 128K vocabulary).
+        """
+        import xgrammar as xgr
+
+        bitmask = self._rows(len(seq_ids))
+        matchers, rows = [], []
         for row, sid in enumerate(seq_ids):
             req = requests.get(sid)
-            if req is not None:
-                req.structured_output.fill_bitmask(bitmask, row)
+            if req is not None and not req.structured_output.finished:
+                matchers.append(req.structured_output.matcher)
+                rows.append(row)
+        if matchers:
+            threads = max(1, min(envs.TANDEM_STRUCTURED_OUTPUT_THREADS, len(matchers) // _ROWS_PER_THREAD))
+            filler = self._batch_matchers.get(threads)
+            if filler is None:
+                filler = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
+            filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return GrammarBitmask(seq_ids, bitmask)
+
+    def _rows(self, n: int) -> torch.Tensor:
+        """``n`` all-allowed rows of the reused bitmask buffer."""
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = torch.empty(n, -(-self.vocab_size // 32), dtype=torch.int32, pin_memory=self.pin_memory)
+        rows = self._bitmask[:n]
+        rows.fill_(-1)
+        return rows
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -183,5 +240,6 @@ class StructuredOutputManager:
                 stop.add(self.tokenizer.eos_token_id)
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=sorted(stop) or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1))
+            self._grammar_stop_ids = frozenset(info.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=envs.TANDEM_STRUCTURED_OUTPUT_THREADS)
         return self._compiler

@@ -4,16 +4,18 @@ Exactly one constraint per request: ``json`` (a JSON schema, dict or string),
 ``json_object`` (any JSON object), ``regex``, ``choice`` (one of some strings),
 ``grammar`` (EBNF/GBNF, xgrammar's dialect) or ``structural_tag`` (xgrammar's structural
 tag JSON). The constraint is parsed when the params are built (xgrammar's tokenizer-free
-parsers, well under a millisecond for a typical schema), so an invalid one is a
-``ValueError`` naming the field before anything reaches the engine; compiling it against
-the tokenizer happens later, off the engine loop
-(:class:`tandem.structured_output.manager.StructuredOutputManager`).
+parsers, plus a meta-schema check of a JSON schema: milliseconds for a nested schema,
+once per process for equal constraints), so an invalid one is a ``ValueError`` naming the
+field before anything reaches the engine; compiling it against the tokenizer happens
+later, off the engine loop (:class:`tandem.structured_output.manager.StructuredOutputManager`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,10 @@ if TYPE_CHECKING:
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# Cache keys of the constraints parsed in this process (most recently used last).
+_PARSED: OrderedDict[tuple, None] = OrderedDict()
+_PARSED_SIZE = 256
+_PARSED_LOCK = threading.Lock()
 
 
 def xgrammar_error(e: Exception) -> str:
@@ -69,7 +75,7 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None:
             raise ValueError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "
                              "use disable_any_whitespace.")
-        self.to_grammar()  # parse once: an invalid constraint fails here
+        _parse_once(self)  # an invalid constraint fails here
 
     @property
     def kind(self) -> str:
@@ -134,6 +140,33 @@ class StructuredOutputsParams:
             raise ValueError(f"{field} is invalid: {e}") from None
         except Exception as e:  # xgrammar's parse errors (RuntimeError, InvalidStructuralTagError, ...)
             raise ValueError(f"{field} is invalid: {xgrammar_error(e)}") from None
+
+
+def _parse_once(params: StructuredOutputsParams) -> None:
+    """``params.to_grammar()`` unless an equal constraint parsed in this process already.
+
+    Every request's constraint is parsed twice: by the front end, and by the engine core
+    when msgspec decodes the request (it runs ``__post_init__``), on the core's loop
+    thread, ahead of the next step. For a schema like the bench's user profile that is
+    milliseconds (meta-schema check and xgrammar's parse); requests sharing a schema pay
+    it once per process. Invalid constraints are never remembered.
+    """
+    try:
+        key = params.cache_key()
+        hash(key)
+    except (TypeError, ValueError):  # e.g. a schema JSON cannot encode: to_grammar names the field
+        key = None
+    if key is not None:
+        with _PARSED_LOCK:
+            if key in _PARSED:
+                _PARSED.move_to_end(key)
+                return
+    params.to_grammar()
+    if key is not None:
+        with _PARSED_LOCK:
+            _PARSED[key] = None
+            while len(_PARSED) > _PARSED_SIZE:
+                _PARSED.popitem(last=False)
 
 
 def _check_schema(schema: dict | bool) -> None:

@@ -165,39 +165,67 @@ def test_compiling_requests_keep_fcfs_order():
 
 class _Matcher:
     """Stands in for StructuredOutputRequest: accepts ``allowed`` in order, then is
-    terminated."""
+    finished; a refused token finishes it too."""
 
     def __init__(self, allowed: list[int]) -> None:
-        self.allowed, self.accepted = allowed, []
+        self.allowed, self.accepted, self.finished = allowed, [], False
 
     def is_ready(self) -> bool:
         return True
 
-    def accept_token(self, tok: int) -> bool:
-        if len(self.accepted) >= len(self.allowed) or self.allowed[len(self.accepted)] != tok:
-            return False
-        self.accepted.append(tok)
-        return True
 
-    def is_terminated(self) -> bool:
-        return self.accepted == self.allowed
+class _Manager:
+    """Stands in for StructuredOutputManager: records each batched accept."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[str, int]]] = []
+
+    def accept_tokens(self, reqs, toks) -> None:
+        self.calls.append([(r.request_id, t) for r, t in zip(reqs, toks)])
+        for r, t in zip(reqs, toks):
+            g = r.structured_output
+            if len(g.accepted) < len(g.allowed) and g.allowed[len(g.accepted)] == t:
+                g.accepted.append(t)
+                g.finished = g.accepted == g.allowed
+            else:
+                g.finished = True
 
 
 def test_update_from_output_advances_grammars_and_stops_when_complete():
-    """The core's output update advances each constrained sequence's grammar by its token;
-    a complete grammar (or a token it refuses) finishes the sequence as "stop" and frees it,
-    even with ignore_eos and max_tokens left."""
-    s = _sched()
+    """The core's output update advances the constrained sequences' grammars by their
+    tokens, all of a step in one batched call (free sequences left out); a complete
+    grammar (or a token it refuses) finishes the sequence as "stop" and frees it, even
+    with ignore_eos and max_tokens left."""
+    manager = _Manager()
+    s = Scheduler(KVCacheManager(64, 4), 8, 16, 1024, True, manager)
     a = Request("a", [5, 6], SamplingParams(ignore_eos=True), 0.0, max_tokens=8)
     b = Request("b", [5, 7], SamplingParams(), 0.0, max_tokens=8)
+    free = Request("free", [5, 8], SamplingParams(), 0.0, max_tokens=8)
     a.structured_output, b.structured_output = _Matcher([3, 4]), _Matcher([3, 4])
-    for r in (a, b):
+    for r in (a, free, b):
         s.add_request(r)
     assert s.schedule().structured_output_seq_ids == [a.seq_id, b.seq_id]
-    outs = s.update_from_output(_result([a, b], [3, 9]))
-    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", None), ("b", "stop")]
+    outs = s.update_from_output(_result([a, free, b], [3, 1, 9]))
+    assert manager.calls == [[("a", 3), ("b", 9)]]
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", None), ("free", None), ("b", "stop")]
     assert a.structured_output.accepted == [3]
     s.schedule()
-    outs = s.update_from_output(_result([a], [4]))
-    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [("a", [4], "stop")]
-    assert not s.requests and not s.kv.req_blocks
+    outs = s.update_from_output(_result([a, free], [4, 1]))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [("a", [4], "stop"), ("free", [1], None)]
+    assert list(s.requests) == [free.seq_id]
+
+
+def test_grammars_advanced_first_are_not_advanced_again():
+    """The engine core advances a step's grammars before filling the next bitmask, then
+    takes in the rest of the step: each token reaches its grammar once."""
+    manager = _Manager()
+    s = Scheduler(KVCacheManager(64, 4), 8, 16, 1024, True, manager)
+    a = Request("a", [5, 6], SamplingParams(), 0.0, max_tokens=8)
+    a.structured_output = _Matcher([3, 4])
+    s.add_request(a)
+    s.schedule()
+    result = _result([a], [3])
+    s.advance_grammars(result)
+    outs = s.update_from_output(result, grammars_advanced=True)
+    assert manager.calls == [[("a", 3)]] and a.structured_output.accepted == [3]
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([3], None)]

@@ -14,6 +14,7 @@ import pytest
 
 from tandem.sampling_params import SamplingParams
 from tandem.structured_output import StructuredOutputsParams
+from tandem.structured_output.bitmask import GrammarBitmask
 from tests.conftest import assert_all_blocks_free, make_llm
 
 PERSON = {
@@ -216,3 +217,70 @@ def test_grammar_compile_failure_finishes_only_that_request(engines, caplog):
     assert "request bad dropped by its engine core: grammar compilation failed: simulated failure" in caplog.text
     assert len(done["free"].outputs[0].token_ids) == 4
     assert_all_blocks_free(engine)
+
+
+def _one_call_per_sequence(manager, monkeypatch) -> None:
+    """Make ``manager`` advance and fill with one xgrammar call per sequence (the path
+    before the batched calls), as a reference."""
+    import xgrammar as xgr
+
+    def accept_tokens(reqs, toks):
+        for req, tok in zip(reqs, toks):
+            m = req.structured_output.matcher
+            if not m.accept_token(tok) or m.is_terminated():
+                req.structured_output.finished = True
+
+    def grammar_bitmask(seq_ids, requests):
+        bitmask = xgr.allocate_token_bitmask(len(seq_ids), manager.vocab_size)
+        for row, sid in enumerate(seq_ids):
+            req = requests.get(sid)
+            if req is not None and not req.structured_output.finished:
+                req.structured_output.matcher.fill_next_token_bitmask(bitmask, row)
+        return GrammarBitmask(seq_ids, bitmask)
+
+    monkeypatch.setattr(manager, "accept_tokens", accept_tokens)
+    monkeypatch.setattr(manager, "grammar_bitmask", grammar_bitmask)
+
+
+def test_batched_grammar_calls_give_the_tokens_of_one_call_per_sequence(engines, monkeypatch):
+    """A mixed batch (constrained, greedy and seeded random, and free requests): the
+    batched accept and fill over 2 threads, with async output processing (the next
+    bitmask filled before the step's other processing), give the tokens of one xgrammar
+    call per sequence without async output processing."""
+    tok = engines[True].get_tokenizer()
+    cases = _cases(tok)[:5]
+    free = SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True)
+    prompts = [_chat(tok, "Write a short poem.")] + [c[0] for c in cases] + [_chat(tok, "What is 2+2?")]
+    params = [free] + [c[1] for c in cases] + [free]
+    _one_call_per_sequence(engines[False].engine.core.structured_output, monkeypatch)
+    reference = _run(engines[False], prompts, params)
+    manager = engines[True].engine.core.structured_output
+    monkeypatch.setenv("TANDEM_STRUCTURED_OUTPUT_THREADS", "2")
+    monkeypatch.setattr("tandem.structured_output.manager._ROWS_PER_THREAD", 2)  # 2 threads from 4 rows
+    assert _run(engines[True], prompts, params) == reference
+    assert 2 in manager._batch_matchers
+    for (ids, text, finish), check in zip(reference[1:-1], [c[2] for c in cases]):
+        assert finish == "stop", text
+        check(text)
+
+
+@pytest.mark.parametrize("async_output_proc", [True, False])
+def test_a_refused_token_finishes_only_its_request(engines, async_output_proc, caplog):
+    """A grammar that refuses its sequence's token in a batched accept (here: min_tokens
+    masks the stop token a complete choice allows, so the sampled token is outside the
+    grammar) finishes that request as "stop" after that token, with a warning; the
+    constrained and free requests batched with it give the tokens they give without it."""
+    llm = engines[async_output_proc]
+    tok = llm.get_tokenizer()
+    cases = _cases(tok)[3:5]
+    refused = SamplingParams(temperature=0, max_tokens=12, min_tokens=6,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    others_prompts = [c[0] for c in cases] + [_chat(tok, "What is 2+2?")]
+    others_params = [c[1] for c in cases] + [free]
+    without = _run(llm, others_prompts, others_params)
+    got = _run(llm, [_chat(tok, "Say yes or no.")] + others_prompts, [refused] + others_params)
+    ids, text, finish = got[0]
+    assert finish == "stop" and text in ("yes", "no") and len(ids) < 6, got[0]
+    assert "does not match its grammar; finishing it" in caplog.text
+    assert got[1:] == without

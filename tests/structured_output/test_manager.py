@@ -1,6 +1,7 @@
 """StructuredOutputManager with the embedded SmolLM2 tokenizer: compiles every kind of
 constraint off the calling thread, caches equal ones, builds bitmask rows that allow a
-valid continuation and forbid an invalid one, and ends at the stop token."""
+valid continuation and forbid an invalid one, and ends at the stop token; its batched
+accept and fill give what one xgrammar call per sequence gives."""
 
 from __future__ import annotations
 
@@ -53,10 +54,12 @@ def test_walk_a_valid_output(manager, smol_tokenizer, kwargs, text, bad):
     assert not _allowed(manager, req)[bad_id]
     for tok in smol_tokenizer.encode(text, add_special_tokens=False):
         assert _allowed(manager, req)[tok], (text, tok)
-        assert req.structured_output.accept_token(tok)
+        manager.accept_tokens([req], [tok])
+        assert not req.structured_output.finished
     eos = smol_tokenizer.eos_token_id
     assert _allowed(manager, req)[eos]
-    assert req.structured_output.accept_token(eos) and req.structured_output.is_terminated()
+    manager.accept_tokens([req], [eos])
+    assert req.structured_output.finished and req.structured_output.matcher.is_terminated()
 
 
 def test_equal_constraints_share_one_compile(manager):
@@ -70,3 +73,51 @@ def test_equal_constraints_share_one_compile(manager):
 def test_missing_sequence_gets_an_all_allowed_row(manager):
     out = manager.grammar_bitmask([12345], {})
     assert out.seq_ids == [12345] and bool((out.bitmask == -1).all())
+
+
+def _ready(manager, **kwargs) -> Request:
+    req = _req(**kwargs)
+    manager.init_request(req)
+    req.structured_output._compiled.result(timeout=120)
+    return req
+
+
+def test_a_refused_token_finishes_only_its_sequence(manager, smol_tokenizer, caplog):
+    """One batched accept where one grammar refuses its token: that sequence is finished
+    (with a warning naming it), its matcher unchanged; the others advanced."""
+    enc = lambda t: smol_tokenizer.encode(t, add_special_tokens=False)[0]  # noqa: E731
+    reqs = [_ready(manager, regex="[ab]+"), _ready(manager, regex="[ab]+"), _ready(manager, choice=["xy", "zz"])]
+    reqs[1].request_id = "refuses"
+    manager.accept_tokens(reqs, [enc("a"), enc("q"), enc("z")])
+    assert [r.structured_output.finished for r in reqs] == [False, True, False]
+    assert "request refuses: token" in caplog.text
+    assert _allowed(manager, reqs[1])[enc("a")]  # still at its start
+    assert _allowed(manager, reqs[2])[enc("z")] and not _allowed(manager, reqs[2])[enc("y")]
+
+
+def test_batched_bitmask_equals_one_fill_per_sequence(manager, smol_tokenizer):
+    """The one-call fill of a step's rows equals xgrammar's per-matcher fill row by row,
+    for sequences in different states; rows of a missing sequence and of a finished
+    grammar allow everything."""
+    import xgrammar as xgr
+
+    reqs = [_ready(manager, json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+            _ready(manager, regex="[a-c]{2}-[0-9]"), _ready(manager, json_object=True),
+            _ready(manager, choice=["alpha", "beta"]), _ready(manager, regex="[a-c]{2}-[0-9]")]
+    prefixes = ['{"a": 1', "ab", '{"k": [', "", "ab-1"]
+    for req, text in zip(reqs, prefixes):
+        for tok in smol_tokenizer.encode(text, add_special_tokens=False):
+            manager.accept_tokens([req], [tok])
+    manager.accept_tokens([reqs[4]], [smol_tokenizer.eos_token_id])
+    assert reqs[4].structured_output.finished
+    live = {r.seq_id: r for r in reqs}
+    seq_ids = [reqs[2].seq_id, 999_999, reqs[0].seq_id, reqs[4].seq_id, reqs[3].seq_id, reqs[1].seq_id]
+    got = manager.grammar_bitmask(seq_ids, live)
+    assert got.seq_ids == seq_ids
+    want = xgr.allocate_token_bitmask(len(seq_ids), VOCAB)
+    for row, sid in enumerate(seq_ids):
+        if sid in live and not live[sid].structured_output.finished:
+            live[sid].structured_output.matcher.fill_next_token_bitmask(want, row)
+    assert torch.equal(got.bitmask, want)
+    assert bool((got.bitmask[1] == -1).all()) and bool((got.bitmask[3] == -1).all())
+    assert not bool((got.bitmask[0] == -1).all())

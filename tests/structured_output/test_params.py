@@ -1,4 +1,5 @@
-"""StructuredOutputsParams: one constraint, parsed up front, errors naming the field."""
+"""StructuredOutputsParams: one constraint, parsed up front (once per process for equal
+constraints, the engine core's decode of a request included), errors naming the field."""
 
 from __future__ import annotations
 
@@ -63,3 +64,45 @@ def test_json_schema_cache_key_ignores_dict_vs_text():
     b = StructuredOutputsParams(json='{"type": "object"}')
     assert a.cache_key() == b.cache_key()
     assert a.cache_key() != StructuredOutputsParams(json=schema, disable_any_whitespace=True).cache_key()
+
+
+@pytest.fixture
+def parses(monkeypatch):
+    """Counts the parses of constraints, starting from an empty per-process memory."""
+    from tandem.structured_output import params
+
+    monkeypatch.setattr(params, "_PARSED", params.OrderedDict())
+    calls = []
+    to_grammar = params.StructuredOutputsParams.to_grammar
+    monkeypatch.setattr(params.StructuredOutputsParams, "to_grammar", lambda self: calls.append(self.kind) or
+                        to_grammar(self))
+    return calls
+
+
+def test_equal_constraints_parse_once_per_process(parses):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    StructuredOutputsParams(json=schema)
+    StructuredOutputsParams(json=dict(schema))
+    StructuredOutputsParams(json='{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    StructuredOutputsParams(regex="[ab]+")
+    assert parses == ["json", "regex"]
+    for _ in range(2):  # an invalid constraint is never remembered
+        with pytest.raises(ValueError, match="structured_outputs.regex"):
+            StructuredOutputsParams(regex="(")
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        StructuredOutputsParams(regex=["unhashable"])
+    assert parses == ["json", "regex", "regex", "regex", "regex"]
+
+
+def test_engine_core_decode_of_a_request_does_not_parse_again(parses):
+    """The core decodes every request (msgspec runs __post_init__) on its loop thread: a
+    constraint the process parsed already costs no second parse."""
+    from tandem.engine.messages import EngineCoreRequest, MsgpackDecoder, MsgpackEncoder
+
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+        json={"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}}))
+    msg = MsgpackEncoder().encode(EngineCoreRequest("r", [1, 2], params, 4, 0.0))
+    decoder = MsgpackDecoder(EngineCoreRequest)
+    for _ in range(3):
+        assert decoder.decode(msg).sampling_params.structured_outputs == params.structured_outputs
+    assert parses == ["json"]
