@@ -85,6 +85,28 @@ def test_flags_round_trip_into_the_nested_config():
     assert flat == asdict(args)
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Every (nested) subcommand parser by its prog, e.g. ``tandem bench throughput``."""
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found[sub.prog] = sub
+                found.update(_subparsers(sub))
+    return found
+
+
+@pytest.mark.parametrize("prog", ["tandem generate", "tandem serve", "tandem bench throughput", "tandem eval",
+                                  "tandem eval-parity"])
+def test_every_engine_command_takes_every_engine_flag(prog):
+    from tandem.entrypoints.cli import build_parser
+
+    parser = _subparsers(build_parser())[prog]
+    dests = {a.dest: a for a in parser._actions}
+    for f in fields(EngineArgs):
+        assert f.name in dests and dests[f.name].help, (prog, f.name)
+
+
 def test_unknown_llm_keyword_is_a_type_error():
     from tandem.entrypoints.llm import LLM
 
