@@ -94,4 +94,5 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1 (or unset), got {self.max_model_len}.")
         from tandem.model_loader.generation_config import load_generation_defaults
 
-        load_generation_defaults(self.model, self.generation_config)  # a bad file or folder fails here, not after loading
+        # A bad file or folder fails here, not after loading.
+        load_generation_defaults(self.model, self.generation_config)

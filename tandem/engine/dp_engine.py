@@ -1,8 +1,9 @@
 """The torchrun launch of a data/tensor-parallel deployment, and its lockstep DP loop.
 
-A rank's core and the TP driver/followers: :mod:`tandem.engine.rank_core`. Tandem's own launcher spawns one process per rank, each a core process
-(:mod:`tandem.engine.core_proc`, driven by :mod:`tandem.engine.core_client`). Under
-torchrun / env:// (``RANK``, ``WORLD_SIZE`` set) this process *is* a rank:
+A rank's core and the TP driver/followers: :mod:`tandem.engine.rank_core`. Tandem's own
+launcher spawns one process per rank, each a core process (:mod:`tandem.engine.core_proc`,
+driven by :mod:`tandem.engine.core_client`). Under torchrun / env:// (``RANK``,
+``WORLD_SIZE`` set) this process *is* a rank:
 :func:`make_parallel_engine` gives global rank 0 an :class:`InProcessEngineClient` (the
 front end plus the coordinator of a lockstep loop, :class:`DPRankLoop`, whose outputs are
 gathered over the gloo DP control group), and every other rank serves until rank 0 shuts

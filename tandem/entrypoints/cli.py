@@ -47,7 +47,7 @@ def _generate(args: argparse.Namespace) -> None:
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos)
     engine_args = EngineArgs.from_cli_args(args)
-    model_cfg = engine_args.create_engine_config().model_config  # bad values fail before loading
+    model_cfg = engine_args.create_engine_config().model_config  # checked, and the model path resolved
     start = time.perf_counter()
     llm = LLM(**asdict(engine_args))
     load_s = time.perf_counter() - start

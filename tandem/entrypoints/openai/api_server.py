@@ -384,8 +384,7 @@ def serve_http(llm: AsyncLLM, sock: socket.socket, args: argparse.Namespace, api
         logger.info("%slistening on http://%s:%d: model %s (served as %s), max_model_len %d, KV cache %d tokens "
                     "(%d blocks of %d) over %d replica(s), pid %d", who, host, port, cfg.model_config.model,
                     ", ".join(names), llm.max_model_len, usable * cfg.cache_config.block_size, usable,
-                    cfg.cache_config.block_size, cfg.parallel_config.data_parallel_size,
-                    os.getpid())
+                    cfg.cache_config.block_size, cfg.parallel_config.data_parallel_size, os.getpid())
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=args.timeout_keep_alive)
         server = _uvicorn_server(config, app)
