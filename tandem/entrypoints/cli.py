@@ -92,9 +92,16 @@ def generation_summary(outs: list, load_s: float) -> str:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from tandem.entrypoints.openai.api_server import run_server
+    # Chosen here, as vLLM's serve command does: the API-server processes import the server
+    # module, which therefore cannot import their manager back.
+    if args.api_server_count > 1:
+        from tandem.entrypoints.openai.api_server_manager import run_multi_api_server
 
-    run_server(args)
+        run_multi_api_server(args, EngineArgs.from_cli_args(args).create_engine_config())
+    else:
+        from tandem.entrypoints.openai.api_server import run_server
+
+        run_server(args)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

@@ -335,8 +335,9 @@ def _uvicorn_server(config, app: FastAPI):
 
 def run_server(args: argparse.Namespace) -> None:
     """Bind the address, start the engine cores, and serve until interrupted (SIGINT/SIGTERM:
-    exit 0) or until an engine core dies (exit 1, after failing every live request).
-    ``--api-server-count N`` > 1: :func:`tandem.entrypoints.openai.api_server_manager.run_multi_api_server`.
+    exit 0) or until an engine core dies (exit 1, after failing every live request). One API
+    server: ``tandem serve --api-server-count N`` > 1 runs
+    :func:`tandem.entrypoints.openai.api_server_manager.run_multi_api_server` instead.
 
     Raises:
         ValueError: a bad engine flag (before anything loads).
@@ -346,10 +347,6 @@ def run_server(args: argparse.Namespace) -> None:
     from tandem.engine.arg_utils import EngineArgs
 
     cfg = EngineArgs.from_cli_args(args).create_engine_config()
-    if args.api_server_count > 1:
-        from tandem.entrypoints.openai.api_server_manager import run_multi_api_server
-
-        return run_multi_api_server(args, cfg)
     sock = bind_socket(args.host, args.port)
     logger.info("loading %s", cfg.model_config.model)
     serve_http(AsyncLLM(cfg), sock, args)
