@@ -54,7 +54,7 @@ class SamplingParams:
 
     ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` default to
     None, "unset": the engine fills them from the model's ``generation_config.json``
-    (``EngineConfig.generation_config``), else with vLLM's defaults (``UNSET_DEFAULTS``:
+    (``ModelConfig.generation_config``), else with vLLM's defaults (``UNSET_DEFAULTS``:
     1.0, 1.0, 0, 0.0, 1.0), as vLLM's OpenAI server does (:meth:`with_defaults`).
 
     ``structured_outputs`` constrains the output (JSON schema, regex, choice, grammar; a

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandem import platform
-from tandem.config import EngineConfig
+from tandem.engine.arg_utils import EngineArgs
 
 CPU = torch.device("cpu")
 
@@ -34,9 +34,10 @@ def test_cpu_auto_dtype_follows_checkpoint_and_cpu(tmp_path, monkeypatch, native
 @pytest.mark.parametrize("native", [True, False])
 def test_gguf_on_cpu_is_bf16_only_with_native_bf16(embedded_model_path, monkeypatch, native):
     monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: native)
-    cfg = EngineConfig(model=embedded_model_path, device="cpu")
+    cfg = EngineArgs(model=embedded_model_path, device="cpu").create_engine_config()
     assert cfg.torch_dtype == (torch.bfloat16 if native else torch.float32)
-    assert EngineConfig(model=embedded_model_path, device="cpu", dtype="float32").torch_dtype == torch.float32
+    cfg = EngineArgs(model=embedded_model_path, device="cpu", dtype="float32").create_engine_config()
+    assert cfg.torch_dtype == torch.float32
 
 
 def test_cuda_auto_is_bf16(tmp_path):

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from tandem.engine.arg_utils import EngineArgs
 from tandem.entrypoints.arg_types import positive_int
 
 
 def add_bench_parser(sub) -> None:
-    from tandem.entrypoints.cli import add_engine_args
-
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     t = bench.add_parser("throughput", help="offline throughput on random prompts")
-    add_engine_args(t)
+    EngineArgs.add_cli_args(t)
     t.add_argument("--input-len", type=positive_int, default=128)
     t.add_argument("--output-len", type=positive_int, default=128)
     t.add_argument("--num-prompts", type=positive_int, default=100)

@@ -62,7 +62,8 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     # hits later) through chunked prefill, mixed and decode steps, so that first-call
     # allocations and kernels compiled on first use (Triton specialises on tile configs
     # that follow the token count, and on each size's divisibility) are not timed.
-    warm = random_prompts(min(num_prompts, llm.engine.config.max_num_seqs), input_len, llm.engine.vocab_size, seed + 1)
+    max_num_seqs = llm.engine.config.scheduler_config.max_num_seqs
+    warm = random_prompts(min(num_prompts, max_num_seqs), input_len, llm.engine.vocab_size, seed + 1)
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     pre = _preemptions(llm)
     # Step timing needs the in-process runner; the DP/TP front-ends run the steps in other processes.
@@ -119,11 +120,10 @@ def _gpu_step_stats(events, res: ThroughputResult) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from tandem.entrypoints.cli import engine_config_from_args
+    from tandem.engine.arg_utils import EngineArgs
     from tandem.entrypoints.llm import LLM
 
-    cfg = engine_config_from_args(args)
-    llm = LLM(**vars(cfg))
+    llm = LLM(**asdict(EngineArgs.from_cli_args(args)))
     res = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.ignore_eos, args.seed)
     print(f"Throughput: {res.requests_per_s:.2f} requests/s, {res.total_tokens_per_s:.1f} total tokens/s, "
           f"{res.input_tokens_per_s:.1f} input tokens/s, {res.output_tokens_per_s:.1f} output tokens/s "
@@ -146,7 +146,9 @@ def main(args: argparse.Namespace) -> None:
               f"{res.prefill_steps_s:.2f} s in {res.num_prefill_steps} steps with prefill tokens")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump(asdict(res) | {"async_output_proc": cfg.async_output_proc, "model": cfg.model}, f, indent=2)
+            cfg = llm.engine.config
+            json.dump(asdict(res) | {"async_output_proc": cfg.scheduler_config.async_output_proc,
+                                     "model": cfg.model_config.model}, f, indent=2)
     llm.engine.shutdown()
 
 

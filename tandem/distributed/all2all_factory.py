@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import get_args
 
 import torch.distributed as dist
 
+from tandem.config.parallel import All2AllBackend
 from tandem.distributed.all2all import All2AllBackend, ExpertPlacement, LocalAll2All, SimulatedAll2All
 from tandem.distributed.ep_all2all import AllGatherReduceScatterAll2All, AllToAllAll2All, EPBufferPool
 
 logger = logging.getLogger(__name__)
 
-ALL2ALL_BACKENDS = ("local", "simulated", "allgather_reducescatter", "all_to_all")
+ALL2ALL_BACKENDS = tuple(name for name in get_args(All2AllBackend) if name != "auto")
 EP_BACKENDS = {"allgather_reducescatter": AllGatherReduceScatterAll2All, "all_to_all": AllToAllAll2All}
 
 

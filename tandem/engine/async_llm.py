@@ -168,13 +168,14 @@ class AsyncLLM:
         config = config or EngineConfig()
         # The tokenizer loads here while the cores load the model.
         with ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer-load") as pool:
-            tok = pool.submit(load_tokenizer, config.tokenizer or config.model)
+            tok = pool.submit(load_tokenizer, config.model_config.tokenizer or config.model_config.model)
             self.client = AsyncMPClient(config, attach=client_config)
             self.tokenizer = tok.result()
         ready = self.client.ready
-        self.config = EngineConfig(**ready.config)
+        self.config = EngineConfig.from_dict(ready.config)
         self.processor = Processor(self.tokenizer, ready,
-                                   load_generation_defaults(self.config.model, self.config.generation_config))
+                                   load_generation_defaults(self.config.model_config.model,
+                                                            self.config.model_config.generation_config))
         # Its own copy: prompts are tokenized on a worker thread while outputs are
         # detokenized on the event loop, and a Rust tokenizer is not shared across threads.
         self.output_processor = OutputProcessor(copy.deepcopy(self.tokenizer))

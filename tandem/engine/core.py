@@ -54,68 +54,72 @@ class EngineCore:
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         self.config = config
         self.engine_index = engine_index
-        if config.world_size != ps.get_world_size():
-            raise ValueError(f"tensor_parallel_size x data_parallel_size = {config.world_size} ranks, but this process "
+        model_cfg, cache_cfg, sched_cfg, dbo_cfg = (config.model_config, config.cache_config, config.scheduler_config,
+                                                    config.dbo_config)
+        world_size = config.parallel_config.world_size
+        if world_size != ps.get_world_size():
+            raise ValueError(f"tensor_parallel_size x data_parallel_size = {world_size} ranks, but this process "
                              f"is not one of them: build the engine through tandem.entrypoints.llm.LLM or "
                              f"tandem.engine.core_client (they launch the ranks)")
-        device, dtype = config.torch_device, config.torch_dtype
-        self.hf_config = load_hf_config(config.model)
+        device, dtype = config.device_config.torch_device, config.torch_dtype
+        self.hf_config = load_hf_config(model_cfg.model)
         model_max = getattr(self.hf_config, "max_position_embeddings", 2048)
         config.resolve_limits(model_max)
-        if config.max_model_len > model_max:
-            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context length ({model_max}).")
-        backend = get_attention_backend(device, config.max_model_len)
-        quant_config = get_quantization_config(self.hf_config, config.quantization, config.load_format)
+        if model_cfg.max_model_len > model_max:
+            raise ValueError(f"max_model_len ({model_cfg.max_model_len}) exceeds the model's context length "
+                             f"({model_max}).")
+        backend = get_attention_backend(device, model_cfg.max_model_len)
+        quant_config = get_quantization_config(self.hf_config, model_cfg.quantization, config.load_config.load_format)
         if quant_config is not None:
             check_fp8_supported(device, f"quantization={quant_config.method!r}")
         kv_dtype = config.kv_cache_torch_dtype
         if kv_dtype != dtype:
-            check_fp8_supported(device, f"kv_cache_dtype={config.kv_cache_dtype!r}")
-        self.model = build_model(self.hf_config, config.model, config.load_format, backend, dtype, device,
-                                 max_positions=config.max_model_len, seed=config.seed, quant_config=quant_config,
+            check_fp8_supported(device, f"kv_cache_dtype={cache_cfg.kv_cache_dtype!r}")
+        self.model = build_model(self.hf_config, model_cfg.model, config.load_config.load_format, backend, dtype, device,
+                                 max_positions=model_cfg.max_model_len, seed=model_cfg.seed, quant_config=quant_config,
                                  **self._moe_kwargs())
-        torch.manual_seed(config.seed)
+        torch.manual_seed(model_cfg.seed)
         self.vocab_size = self.hf_config.vocab_size
         num_kv_heads, head_dim = self.model.kv_cache_shape_per_block
         # Planes per layer cache: 2 (keys, values); 1 for models caching one compressed
         # latent per token (MLA: [1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]).
         planes = getattr(self.model, "kv_cache_num_planes", 2)
         num_layers = len(self.model.layers)
-        num_blocks = config.num_kv_blocks or self._num_kv_blocks(num_layers, num_kv_heads, head_dim, kv_dtype, device,
-                                                                 planes)
+        num_blocks = cache_cfg.num_kv_blocks or self._num_kv_blocks(num_layers, num_kv_heads, head_dim, kv_dtype,
+                                                                    device, planes)
         # The TP ranks of one replica share the driver's block ids: agree on the smallest cache.
         num_blocks = ps.tp_min(num_blocks)
         self.num_kv_blocks = num_blocks
-        kv_caches = [torch.zeros(planes, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=kv_dtype,
+        kv_caches = [torch.zeros(planes, num_blocks, cache_cfg.block_size, num_kv_heads, head_dim, dtype=kv_dtype,
                                  device=device) for _ in range(num_layers)]
-        capacity = (num_blocks - 1) * config.block_size
-        if capacity < config.max_model_len:
-            logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, config.max_model_len)
-            config.max_model_len = capacity
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        capacity = (num_blocks - 1) * cache_cfg.block_size
+        if capacity < model_cfg.max_model_len:
+            logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, model_cfg.max_model_len)
+            model_cfg.max_model_len = capacity
+        self.kv_manager = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.eos_token_ids = self._eos_token_ids()
         # Grammars of constrained requests: compiled here, advanced by the scheduler, and
         # turned into each step's bitmask before sampling.
+        generation_eos = load_generation_defaults(model_cfg.model, model_cfg.generation_config).eos_token_ids
         self.structured_output = StructuredOutputManager(
-            config.tokenizer or config.model, self.vocab_size,
-            self.eos_token_ids | set(load_generation_defaults(config.model, config.generation_config).eos_token_ids),
+            model_cfg.tokenizer or model_cfg.model, self.vocab_size, self.eos_token_ids | set(generation_eos),
             pin_memory=device.type == "cuda")
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.enable_chunked_prefill, self.structured_output)
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.vocab_size, config.max_num_seqs, device,
-                                  max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
-                                  dbo=DBOPolicy(config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold,
-                                                config.dbo_measure_split)
-                                  if config.enable_dbo else None)
+        self.scheduler = Scheduler(self.kv_manager, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
+                                   model_cfg.max_model_len, sched_cfg.enable_chunked_prefill, self.structured_output)
+        self.runner = ModelRunner(self.model, kv_caches, cache_cfg.block_size, self.vocab_size, sched_cfg.max_num_seqs,
+                                  device, max_model_len=model_cfg.max_model_len, enforce_eager=model_cfg.enforce_eager,
+                                  dbo=DBOPolicy(dbo_cfg.dbo_decode_token_threshold, dbo_cfg.dbo_prefill_token_threshold,
+                                                dbo_cfg.dbo_measure_split)
+                                  if dbo_cfg.enable_dbo else None)
         if ps.get_ep_size() > 1:
             # Expert parallelism: every DP rank's forward takes part in the EP collectives, so
             # the runner agrees on each step (and runs dummy batches) over the DP group.
             self.runner.dp_group = ps.get_dp_group()
-        if config.enable_dbo and config.dbo_measure_split:
+        if dbo_cfg.enable_dbo and dbo_cfg.dbo_measure_split:
             # The largest step, as profiled for memory above.
-            self.runner.measure_prefill_split(min(config.max_num_batched_tokens, config.max_model_len))
+            self.runner.measure_prefill_split(min(sched_cfg.max_num_batched_tokens, model_cfg.max_model_len))
         self._inflight: tuple[SchedulerOutput, object] | None = None
-        self.async_output_proc = config.async_output_proc
+        self.async_output_proc = sched_cfg.async_output_proc
         # Live sequences by request id (the front end's per-sequence id).
         self._seq_ids: dict[str, int] = {}
         # Outputs for requests the core dropped itself (a failed step), sent with the next step.
@@ -133,11 +137,11 @@ class EngineCore:
         cfg = self.config
         if not getattr(self.hf_config, "num_experts", None) and not getattr(self.hf_config, "n_routed_experts", None) \
                 and not getattr(self.hf_config, "num_local_experts", None):
-            if cfg.enable_dbo:
+            if cfg.dbo_config.enable_dbo:
                 logger.warning("--enable-dbo has no effect on the dense model %s", self.hf_config.model_type)
             return {}
         ep = ps.get_ep_size()
-        name = cfg.all2all_backend
+        name = cfg.parallel_config.all2all_backend
         if name == "auto":
             name = "local" if ep == 1 else "allgather_reducescatter"
         if ep > 1 or name in ("allgather_reducescatter", "all_to_all"):
@@ -147,12 +151,13 @@ class EngineCore:
         if name == "simulated":
             from tandem.distributed.all2all import LinkModel, SimulatedAll2All
 
-            link = LinkModel(cfg.simulated_link_gbps, cfg.simulated_link_latency_us, cfg.simulated_ep_size)
-            if cfg.simulated_ep_rank_experts:
+            sim = cfg.simulated_link_config
+            link = LinkModel(sim.simulated_link_gbps, sim.simulated_link_latency_us, sim.simulated_ep_size)
+            if sim.simulated_ep_rank_experts:
                 logger.warning("--simulated-ep-rank-experts: MoE layers compute one EP rank's share of the experts; "
                                "outputs are not the model's (timing only)")
             return {"all2all": lambda num_experts: SimulatedAll2All(num_experts, link=link, record=False,
-                                                                    rank_experts=cfg.simulated_ep_rank_experts)}
+                                                                    rank_experts=sim.simulated_ep_rank_experts)}
         from tandem.distributed.all2all_factory import get_all2all_backend
 
         return {"all2all": lambda num_experts: get_all2all_backend(name, num_experts)}
@@ -165,17 +170,18 @@ class EngineCore:
 
     def _num_kv_blocks(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                        planes: int = 2) -> int:
-        bytes_per_block = planes * num_layers * self.config.block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        cache_cfg = self.config.cache_config
+        bytes_per_block = planes * num_layers * cache_cfg.block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
         if device.type == "cuda":
             activations = self._profile_activation_bytes(num_layers, kv_heads, head_dim, dtype, device, planes)
             free, total = torch.cuda.mem_get_info(device)
             non_torch = total - free - torch.cuda.memory_reserved(device)
             weights = torch.cuda.memory_allocated(device)
-            budget = total * self.config.gpu_memory_utilization - non_torch - weights - activations
+            budget = total * cache_cfg.gpu_memory_utilization - non_torch - weights - activations
             logger.info("GPU memory: %.1f GiB weights, %.1f GiB peak activations, %.1f GiB for the KV cache",
                         weights / 2**30, activations / 2**30, budget / 2**30)
         else:
-            budget = self.config.kv_cache_memory_gib * 1024**3
+            budget = cache_cfg.kv_cache_memory_gib * 1024**3
         n = int(budget // bytes_per_block)
         if n < 2:
             raise ValueError("not enough memory for the KV cache; lower the model size or raise the memory limits")
@@ -189,8 +195,8 @@ class EngineCore:
         from tandem.attention.metadata import AttentionMetadata
 
         cfg = self.config
-        t = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-        bs = cfg.block_size
+        t = min(cfg.scheduler_config.max_num_batched_tokens, cfg.model_config.max_model_len)
+        bs = cfg.cache_config.block_size
         nb = -(-t // bs) + 1
         caches = [torch.zeros(planes, nb, bs, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         i32 = dict(dtype=torch.int32, device=device)
@@ -209,7 +215,7 @@ class EngineCore:
         with forward_context(ForwardContext(max_tokens_per_rank=t)):
             hidden = self.model(torch.zeros(t, dtype=torch.long, device=device), torch.arange(t, device=device), caches,
                                 meta)
-        rows = min(cfg.max_num_seqs, t)
+        rows = min(cfg.scheduler_config.max_num_seqs, t)
         logits = self.model.compute_logits(hidden[:rows])
         logits.sort(dim=-1)  # top-k/top-p sort, the sampler's largest temporary
         torch.cuda.synchronize(device)
@@ -225,8 +231,8 @@ class EngineCore:
 
         info = ps.get_parallel_info()
         return EngineCoreReady(
-            engine_index=self.engine_index, max_model_len=self.config.max_model_len,
-            max_num_batched_tokens=self.config.max_num_batched_tokens, vocab_size=self.vocab_size,
+            engine_index=self.engine_index, max_model_len=self.config.model_config.max_model_len,
+            max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens, vocab_size=self.vocab_size,
             num_kv_blocks=self.num_kv_blocks, eos_token_ids=sorted(self.eos_token_ids),
             kv_cache_shape_per_block=tuple(self.model.kv_cache_shape_per_block), parallel=asdict(info),
             config=asdict(self.config))

@@ -175,8 +175,8 @@ class MPClient:
     def __init__(self, config: EngineConfig, startup_timeout: float | None = None, asyncio_mode: bool = False,
                  api_server_count: int = 0, attach: EngineClientConfig | None = None, wait_ready: bool = True) -> None:
         self.config = config
-        self.dp_size = config.data_parallel_size
-        self.lockstep = config.data_parallel_size > 1 and config.enable_expert_parallel
+        self.dp_size = config.parallel_config.data_parallel_size
+        self.lockstep = self.dp_size > 1 and config.parallel_config.enable_expert_parallel
         self.owns_cores = attach is None
         self._dir = tempfile.mkdtemp(prefix="tandem-ipc-") if attach is None else None
         self.addresses = attach.addresses if attach is not None else \
@@ -238,12 +238,13 @@ class MPClient:
         from tandem.distributed.launch import host_store, resolve_rendezvous, spawn_ranks
         from tandem.engine.core_proc import run_engine_core
 
-        rdv = resolve_rendezvous(config.master_addr, config.master_port) if config.world_size > 1 else None
+        parallel = config.parallel_config
+        rdv = resolve_rendezvous(parallel.master_addr, parallel.master_port) if parallel.world_size > 1 else None
         # Served from here until every rank has exited (see host_store).
-        self._store = host_store(rdv, config.world_size) if rdv is not None else None
+        self._store = host_store(rdv, parallel.world_size) if rdv is not None else None
         addrs = self.addresses
-        return spawn_ranks(run_engine_core, config.world_size, lambda r: (
-            config, r, config.world_size, rdv and rdv.master_addr, rdv and rdv.master_port, addrs.inputs,
+        return spawn_ranks(run_engine_core, parallel.world_size, lambda r: (
+            config, r, parallel.world_size, rdv and rdv.master_addr, rdv and rdv.master_port, addrs.inputs,
             addrs.outputs, os.getpid()))
 
     def api_server_configs(self) -> list[EngineClientConfig]:
@@ -589,7 +590,7 @@ def make_client(config: EngineConfig, asyncio_mode: bool = False):
     core in this process."""
     if asyncio_mode:
         return AsyncMPClient(config)
-    if config.world_size > 1:
+    if config.parallel_config.world_size > 1:
         return SyncMPClient(config)
     return InprocClient(config)
 

@@ -4,7 +4,7 @@ One process per rank of the deployment: the driver (tensor-parallel rank 0) of e
 data-parallel replica runs :class:`EngineCoreProc` — it pulls requests and aborts from its
 own input socket between two steps and pushes one :class:`EngineCoreOutputs` per step to the
 front end's output socket; the other TP ranks (followers) run each step the driver
-broadcasts (:func:`tandem.engine.dp_engine.run_tp_follower`).
+broadcasts (:func:`tandem.engine.rank_core.run_tp_follower`).
 
 Several front ends (``tandem serve --api-server-count N``, as vLLM's) share the cores: a
 driver pulls from every front end's input socket and has one output socket per front end.
@@ -227,7 +227,7 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
 
         faulthandler.dump_traceback_later(envs.TANDEM_DUMP_STACKS_AFTER_S, exit=False)
     from tandem.distributed import parallel_state as ps
-    from tandem.engine.dp_engine import build_rank_core, make_tp_broadcaster, run_tp_follower
+    from tandem.engine.rank_core import build_rank_core, make_tp_broadcaster, run_tp_follower
     from tandem.logging_config import configure_logging
 
     configure_logging()

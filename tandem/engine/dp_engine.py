@@ -1,16 +1,9 @@
-"""Tensor-parallel followers, rank building, and the torchrun launch.
+"""The torchrun launch of a data/tensor-parallel deployment, and its lockstep DP loop.
 
-Layout (:mod:`tandem.distributed.parallel_state`): ``dp_size`` replicas x ``tp_size`` shards.
-In every replica the **driver** (TP rank 0) owns an :class:`EngineCore` (scheduler, KV
-cache); before running a step it broadcasts the step's ``SchedulerOutput`` over the TP
-group's gloo group (``EngineCore.step_broadcast``), and the other TP ranks (**followers**)
-run the same step on their shards (the all-reduces after row-parallel layers pair up).
-Sampling runs on every TP rank on identical logits with the same seed; only the driver's
-tokens are emitted.
-
-Tandem's own launcher spawns one process per rank, each a core process
-(:mod:`tandem.engine.core_proc`, driven by :mod:`tandem.engine.core_client`). Under
-torchrun / env:// (``RANK``, ``WORLD_SIZE`` set) this process *is* a rank:
+A rank's core and the TP driver/followers: :mod:`tandem.engine.rank_core`. Tandem's own
+launcher spawns one process per rank, each a core process (:mod:`tandem.engine.core_proc`,
+driven by :mod:`tandem.engine.core_client`). Under torchrun / env:// (``RANK``,
+``WORLD_SIZE`` set) this process *is* a rank:
 :func:`make_parallel_engine` gives global rank 0 an :class:`InProcessEngineClient` (the
 front end plus the coordinator of a lockstep loop, :class:`DPRankLoop`, whose outputs are
 gathered over the gloo DP control group), and every other rank serves until rank 0 shuts
@@ -25,43 +18,15 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
+from tandem.engine.rank_core import build_rank_core, run_tp_follower
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------- TP
-def make_tp_broadcaster():
-    """The driver's ``EngineCore.step_broadcast``: sends a ``SchedulerOutput`` (or None to
-    stop) to the other ranks of its TP group."""
-    group, src = ps.get_tp_cpu_group(), ps.get_rank()
-
-    def broadcast(so) -> None:
-        dist.broadcast_object_list([so], src=src, group=group)
-
-    return broadcast
-
-
-def run_tp_follower(core) -> None:
-    """A follower's loop: run every ``SchedulerOutput`` the driver broadcasts, until None."""
-    group, src = ps.get_tp_cpu_group(), ps.get_tp_src_rank()
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=src, group=group)
-        so = box[0]
-        if so is None:
-            return
-        handle = core.runner.execute_model(so)
-        if handle is None:  # constrained sequences: the driver sends their bitmask next
-            dist.broadcast_object_list(box, src=src, group=group)
-            handle = core.runner.sample_tokens(box[0])
-        handle.result()
 
 
 # ----------------------------------------------------------------------------- DP loop
@@ -184,29 +149,6 @@ class DPRankLoop:
             self.iteration()
 
 
-# ----------------------------------------------------------------------------- ranks
-def build_rank_core(config: EngineConfig, rank: int | None, world_size: int | None, local_rank: int | None,
-                    master_addr: str | None, master_port: int | None, store_hosted: bool = False):
-    """Join the deployment as a rank and build its :class:`EngineCore`; returns
-    ``(core, ParallelInfo)``. ``store_hosted``: the launching process serves the
-    rendezvous store (:func:`tandem.distributed.launch.host_store`)."""
-    from tandem.engine.core import EngineCore
-
-    if torch.cuda.is_available() and config.device in ("auto", "cuda"):
-        lr = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", rank or 0))
-        config.device = f"cuda:{lr}"
-    elif config.torch_device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
-    info = ps.init_distributed(config.tensor_parallel_size, config.data_parallel_size, config.enable_expert_parallel,
-                               rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr,
-                               master_port=master_port, device=config.torch_device, store_hosted=store_hosted)
-    core = EngineCore(config, engine_index=info.dp_rank)
-    dist.barrier()  # every rank built its core
-    if info.is_driver and info.tp_size > 1:
-        core.step_broadcast = make_tp_broadcaster()
-    return core, info
-
-
 class InProcessEngineClient:
     """Front end in the process of global rank 0 under torchrun / env:// (see the module
     docstring); ``step()`` runs one lockstep iteration of the coordinator. Duck-types the
@@ -295,10 +237,11 @@ def make_parallel_engine(config: EngineConfig):
 
     if not ps.env_rendezvous():
         return LLMEngine(config)
-    if int(os.environ["WORLD_SIZE"]) != config.world_size:
+    parallel = config.parallel_config
+    if int(os.environ["WORLD_SIZE"]) != parallel.world_size:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel_size x data_parallel_size = "
-                         f"{config.world_size}")
-    core, info = build_rank_core(config, None, None, None, config.master_addr, config.master_port)
+                         f"{parallel.world_size}")
+    core, info = build_rank_core(config, None, None, None, parallel.master_addr, parallel.master_port)
     if info.rank == 0:
         return InProcessEngineClient(LLMEngine(config, InprocClient(core=core)), info)
     try:
@@ -315,5 +258,4 @@ def make_parallel_engine(config: EngineConfig):
     sys.exit(0)
 
 
-__all__ = ["DPRankLoop", "InProcessEngineClient", "IterationResult", "build_rank_core", "make_parallel_engine",
-           "make_tp_broadcaster", "run_tp_follower"]
+__all__ = ["DPRankLoop", "InProcessEngineClient", "IterationResult", "make_parallel_engine"]

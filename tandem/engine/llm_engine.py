@@ -48,11 +48,12 @@ class LLMEngine:
             client = make_client(config)
         self.client = client
         ready = client.ready
-        config = EngineConfig(**{**ready.config})
+        config = EngineConfig.from_dict(ready.config)
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer or config.model_config.model)
         self.processor = Processor(self.tokenizer, ready,
-                                   load_generation_defaults(config.model, config.generation_config))
+                                   load_generation_defaults(config.model_config.model,
+                                                            config.model_config.generation_config))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_kv_blocks

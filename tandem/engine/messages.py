@@ -122,7 +122,7 @@ class EngineCoreReady(msgspec.Struct, array_like=True, gc=False, tag=True):
     tokenizer's; stop tokens unless ``ignore_eos``);
     ``kv_cache_shape_per_block``: ``(num_kv_heads, head_dim)`` on this rank;
     ``parallel``: the rank's ``ParallelInfo`` fields; ``config``: the resolved
-    ``EngineConfig`` fields.
+    ``EngineConfig`` as ``dataclasses.asdict`` gives it (``EngineConfig.from_dict`` reads it).
     """
 
     engine_index: int

@@ -5,81 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING
-from dataclasses import fields
+from dataclasses import asdict
 
+from tandem.engine.arg_utils import EngineArgs
 from tandem.entrypoints.arg_types import non_negative_int, positive_int
 from tandem.logging_config import configure_logging
 from tandem.version import tandem_version
-
-if TYPE_CHECKING:
-    from tandem.config import EngineConfig
-
-
-def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    """Engine flags, named as vLLM's (``--max-num-seqs``, ``--enable-prefix-caching``, ...)."""
-    if model_positional:
-        p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model (HF folder, GGUF file); default: embedded SmolLM2")
-    p.add_argument("--model", default=None, help="HF folder, .gguf file, or config.json with --load-format dummy; default: embedded SmolLM2-135M-Instruct")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer folder or .gguf if not the model's (needed with a bare config.json; the embedded "
-                        "default's: python -c 'from tandem.config import embedded_default_model as m; print(m())')")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy", "gguf", "safetensors"])
-    p.add_argument("--generation-config", default="auto",
-                   help="auto: EOS ids and default sampling values from the model's generation_config.json (as vLLM); "
-                        "vllm: EOS ids only, vLLM's sampling defaults; or a folder holding a generation_config.json")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="CPU KV cache size")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=positive_int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--async-output-proc", action=argparse.BooleanOptionalAction, default=True,
-                   help="process step N's outputs while step N+1 runs")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enable-dbo", action="store_true", help="dual-batch overlap for MoE models")
-    p.add_argument("--dbo-decode-token-threshold", type=int, default=32)
-    p.add_argument("--dbo-prefill-token-threshold", type=int, default=512)
-    p.add_argument("--dbo-measure-split", action=argparse.BooleanOptionalAction, default=True,
-                   help="split only where measured faster at startup: each decode CUDA graph size, and one step of "
-                        "max-num-batched-tokens prefill tokens for steps with prefill")
-    p.add_argument("--all2all-backend", default="auto",
-                   choices=["auto", "local", "simulated", "allgather_reducescatter", "all_to_all"],
-                   help="MoE dispatch/combine (auto: local without EP, allgather_reducescatter with EP)")
-    p.add_argument("--simulated-link-gbps", type=float, default=40.0, help="simulated all2all bandwidth, GB/s")
-    p.add_argument("--simulated-link-latency-us", type=float, default=20.0, help="simulated all2all latency, us")
-    p.add_argument("--simulated-ep-size", type=int, default=8, help="EP size the simulated link models")
-    p.add_argument("--simulated-ep-rank-experts", action="store_true",
-                   help="simulated backend: hold and compute only one EP rank's share of the experts (timing only; "
-                        "outputs are not the model's)")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="ranks sharding each layer (TP)")
-    p.add_argument("--data-parallel-size", type=positive_int, default=1,
-                   help="engine replicas with their own scheduler and KV cache (DP attention)")
-    p.add_argument("--enable-expert-parallel", action="store_true", help="shard MoE experts over all DP x TP ranks")
-    p.add_argument("--master-addr", default=None, help="rendezvous address of the ranks (default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=None, help="rendezvous port of the ranks (default: a free one)")
-    p.add_argument("--quantization", "-q", default=None, choices=["fp8", "compressed-tensors"],
-                   help="fp8: FP8 checkpoint, or online FP8 (W8A8) quantization of a bf16/fp16 model; default: "
-                        "the checkpoint's quantization_config (needs CUDA compute capability >= 8.9, or the CPU)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                   help="paged KV cache dtype: auto (model dtype) or fp8 (e4m3; per-layer scales from the "
-                        "checkpoint, else 1.0)")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
-    """The EngineConfig of the flags (validated: ValueError naming the field)."""
-    from tandem.config import EngineConfig
-
-    kw = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    if getattr(args, "model_pos", None):
-        kw["model"] = args.model_pos
-    return EngineConfig(**kw)
 
 
 DEFAULT_MAX_TOKENS = 256
@@ -115,14 +46,15 @@ def _generate(args: argparse.Namespace) -> None:
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos)
-    cfg = engine_config_from_args(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    model_cfg = engine_args.create_engine_config().model_config  # checked, and the model path resolved
     start = time.perf_counter()
-    llm = LLM(**vars(cfg))
+    llm = LLM(**asdict(engine_args))
     load_s = time.perf_counter() - start
     try:
         # From the config, not the engine: under torchrun rank 0's engine is a rank client.
         if params.temperature is None and "temperature" not in load_generation_defaults(
-                cfg.model, cfg.generation_config).sampling:
+                model_cfg.model, model_cfg.generation_config).sampling:
             params = params.clone(temperature=0.0)  # the command's default: greedy
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
@@ -160,9 +92,16 @@ def generation_summary(outs: list, load_s: float) -> str:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from tandem.entrypoints.openai.api_server import run_server
+    # Chosen here, as vLLM's serve command does: the API-server processes import the server
+    # module, which therefore cannot import their manager back.
+    if args.api_server_count > 1:
+        from tandem.entrypoints.openai.api_server_manager import run_multi_api_server
 
-    run_server(args)
+        run_multi_api_server(args, EngineArgs.from_cli_args(args).create_engine_config())
+    else:
+        from tandem.entrypoints.openai.api_server import run_server
+
+        run_server(args)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -181,12 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate completions offline and print them")
     g.add_argument("prompt", nargs="+")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    add_engine_args(g)
+    EngineArgs.add_cli_args(g)
     add_sampling_args(g)
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
-    add_engine_args(s, model_positional=True)
+    EngineArgs.add_cli_args(s, model_positional=True)
     from tandem.entrypoints.openai.cli_args import add_serve_args
 
     add_serve_args(s)

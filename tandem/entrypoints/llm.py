@@ -8,7 +8,7 @@ from dataclasses import fields
 
 from tqdm import tqdm
 
-from tandem.config import EngineConfig
+from tandem.engine.arg_utils import EngineArgs
 from tandem.engine.llm_engine import LLMEngine
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
@@ -22,7 +22,7 @@ class LLM:
     Args:
         model: HF folder, GGUF file, or config (with ``load_format="dummy"``); None for
             the embedded default (SmolLM2-135M-Instruct).
-        **kwargs: any ``EngineConfig`` field (block_size, max_num_seqs,
+        **kwargs: any :class:`tandem.engine.arg_utils.EngineArgs` field (block_size, max_num_seqs,
             enable_prefix_caching, async_output_proc, ...). With ``data_parallel_size *
             tensor_parallel_size > 1`` the ranks are launched as engine-core processes
             (``tandem.engine.core_client``; under torchrun this process is one of them,
@@ -30,15 +30,16 @@ class LLM:
 
     Raises:
         TypeError: an unknown keyword argument.
+        ValueError: a bad value, naming the field (before anything loads).
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        known = {f.name for f in fields(EngineConfig)}
+        known = {f.name for f in fields(EngineArgs)}
         unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
-        config = EngineConfig(model=model, **kwargs)
-        if config.world_size > 1:  # data / tensor parallel: launch (or join) the ranks
+        config = EngineArgs(model=model, **kwargs).create_engine_config()
+        if config.parallel_config.world_size > 1:  # data / tensor parallel: launch (or join) the ranks
             from tandem.engine.dp_engine import make_parallel_engine
 
             self.engine = make_parallel_engine(config)

@@ -85,7 +85,7 @@ class OfflineBackend:
 
     @property
     def max_model_len(self) -> int:
-        return self.llm.engine.config.max_model_len
+        return self.llm.engine.config.model_config.max_model_len
 
     def _fit(self, ids: list[int], room: int) -> tuple[list[int], int]:
         keep = self.max_model_len - room

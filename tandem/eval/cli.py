@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tandem.engine.arg_utils import EngineArgs
 from tandem.entrypoints.arg_types import non_negative_int, positive_int
 from tandem.eval.tasks import TASKS
 
@@ -27,8 +28,6 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
 
 def add_eval_parser(sub) -> None:
     """Add ``eval`` and ``eval-parity`` to the ``tandem`` subcommands."""
-    from tandem.entrypoints.cli import add_engine_args
-
     e = sub.add_parser("eval", help="accuracy evaluation (MMLU, ASDiv, GSM-Symbolic) offline or against a server")
     _add_task_args(e)
     e.add_argument("--base-url", default=None,
@@ -40,7 +39,7 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--parity", action="store_true", help="run the overlap parity check instead (as eval-parity)")
     e.add_argument("--variants", default=None, help="with --parity: comma-separated overlap variants (default all)")
     e.add_argument("--logprob-atol", type=float, default=1e-3, help="with --parity: logprob tolerance (multiple choice)")
-    add_engine_args(e)
+    EngineArgs.add_cli_args(e)
     e.set_defaults(func=_run_eval)
 
     p = sub.add_parser("eval-parity", help="a task with every overlap feature on and then off; fails on any difference")
@@ -48,7 +47,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--variants", default=None, help="comma-separated overlap variants (default all: async_output_proc, dbo)")
     p.add_argument("--logprob-atol", type=float, default=1e-3,
                    help="largest |logprob on - logprob off| allowed for multiple choice (default 1e-3)")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_parity, base_url=None)
 
 
@@ -59,12 +58,12 @@ def _task(args):
 
 
 def _engine_kwargs(args) -> dict:
+    """The engine flags as ``LLM`` keyword arguments, checked (ValueError naming the field)."""
     from dataclasses import asdict
 
-    from tandem.entrypoints.cli import engine_config_from_args
-
-    cfg = asdict(engine_config_from_args(args))
-    return cfg
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.create_engine_config()
+    return asdict(engine_args)
 
 
 def _log(msg: str) -> None:

@@ -15,7 +15,7 @@ Variants are named engine-option sets: a variant flips its feature's switch and 
 other engine options as given, so ``--all2all-backend simulated --dbo-decode-token-threshold
 4`` and the like apply to both of its runs. After the "on" run a variant may say whether the
 feature acted at all (``dbo``: how many steps were split; none on a dense model, whose
-parity is then vacuous). A variant whose options ``EngineConfig`` does not have is reported
+parity is then vacuous). A variant whose options ``EngineArgs`` does not have is reported
 as skipped with the reason. To cover a new feature, append an ``OverlapVariant`` to
 ``OVERLAP_VARIANTS``.
 """
@@ -41,9 +41,9 @@ class OverlapVariant:
     activity: Callable[[object], str | None] | None = None
 
     def missing_options(self) -> list[str]:
-        from tandem.config import EngineConfig
+        from tandem.engine.arg_utils import EngineArgs
 
-        known = {f.name for f in fields(EngineConfig)}
+        known = {f.name for f in fields(EngineArgs)}
         return sorted((set(self.on) | set(self.off)) - known)
 
 
@@ -149,7 +149,7 @@ def run_parity(task, engine_kwargs: dict, num_fewshot: int | None = None, limit:
     """Evaluate ``task`` with each variant on, then off; compare.
 
     Args:
-        engine_kwargs: ``EngineConfig`` fields shared by all runs (a variant's own options
+        engine_kwargs: ``EngineArgs`` fields shared by all runs (a variant's own options
             override them).
         variants: names to run (None: all of ``OVERLAP_VARIANTS``).
         make_backend: ``engine_kwargs -> backend``; default: Tandem's offline engine.
@@ -169,7 +169,7 @@ def run_parity(task, engine_kwargs: dict, num_fewshot: int | None = None, limit:
         missing = v.missing_options()
         if missing:
             reports.append(VariantReport(v.name, v.description, "skipped",
-                                         f"not in this engine yet (EngineConfig has no {', '.join(missing)}); "
+                                         f"not in this engine yet (EngineArgs has no {', '.join(missing)}); "
                                          "it joins the parity run once the engine has it"))
             if log:
                 log(f"[parity] {v.name}: skipped ({reports[-1].reason})")

@@ -95,7 +95,7 @@ def test_eval_backend_through_the_dp_front_end(model_dir):
                                               data_parallel_size=2, **{**ENGINE, "max_model_len": None})
     try:
         assert backend.max_model_len == CONFIGS["llama"]["max_position_embeddings"]
-        assert backend.describe()["engine_config"]["max_model_len"] == backend.max_model_len
+        assert backend.describe()["engine_config"]["model_config"]["max_model_len"] == backend.max_model_len
         gen = backend.generate(["1+1="], max_tokens=3, stop=[])
         assert len(gen[0].token_ids) == 3 and gen[0].truncated_prompt_tokens == 0
         scores = backend.choice_logprobs(["1+1="], ["1", "2"])

@@ -104,11 +104,11 @@ def test_parallel_state_defaults_without_distributed():
 
 
 def test_engine_refuses_parallel_config_outside_the_ranks():
-    from tandem.config import EngineConfig
+    from tandem.engine.arg_utils import EngineArgs
     from tandem.engine.core import EngineCore
 
     # The front end (LLMEngine) launches the ranks; a core must be one of them.
     with pytest.raises(ValueError, match="not one of them"):
-        EngineCore(EngineConfig(tensor_parallel_size=2))
+        EngineCore(EngineArgs(tensor_parallel_size=2).create_engine_config())
     with pytest.raises(ValueError, match="all2all_backend"):
-        EngineConfig(all2all_backend="nccl")
+        EngineArgs(all2all_backend="nccl").create_engine_config()

@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from tandem.config import EngineConfig
+from tandem.engine.arg_utils import EngineArgs
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = AsyncLLM(EngineConfig(num_kv_blocks=256, max_model_len=1024, device="cpu"))
+    llm = AsyncLLM(EngineArgs(num_kv_blocks=256, max_model_len=1024, device="cpu").create_engine_config())
     yield llm
     llm.shutdown()
 
@@ -106,7 +106,7 @@ def test_engine_core_sleeps_when_idle(llm):
 def test_death_found_by_a_liveness_check_fails_live_requests():
     """Whichever path notices a dead core first (here a liveness check; the sentinel
     monitor is switched off), every live request ends with ``EngineDeadError``."""
-    own = AsyncLLM(EngineConfig(num_kv_blocks=256, max_model_len=1024, device="cpu"))
+    own = AsyncLLM(EngineArgs(num_kv_blocks=256, max_model_len=1024, device="cpu").create_engine_config())
     own.client._monitor = lambda: None
     try:
         async def main():

@@ -27,8 +27,8 @@ def _check_pass(reports):
     a = by["async_output_proc"]
     assert a.status == "pass", format_parity(reports)
     assert a.on.n == a.off.n > 0 and a.on.metrics == a.off.metrics and not a.answer_diffs
-    assert a.on.backend["engine_config"]["async_output_proc"] is True
-    assert a.off.backend["engine_config"]["async_output_proc"] is False
+    assert a.on.backend["engine_config"]["scheduler_config"]["async_output_proc"] is True
+    assert a.off.backend["engine_config"]["scheduler_config"]["async_output_proc"] is False
     return a
 
 
@@ -67,7 +67,8 @@ def test_parity_dbo_on_a_moe_model(tmp_path, asdiv_file, embedded_model_path):
     r = reports[0]
     assert r.status == "pass", format_parity(reports)
     assert r.activity.startswith("DBO split") and "vacuous" not in r.activity
-    assert r.on.backend["engine_config"]["enable_dbo"] is True and r.off.backend["engine_config"]["enable_dbo"] is False
+    assert r.on.backend["engine_config"]["dbo_config"]["enable_dbo"] is True
+    assert r.off.backend["engine_config"]["dbo_config"]["enable_dbo"] is False
     assert sum(s["num_output_tokens"] for s in r.on.samples) > 4
 
 

@@ -335,23 +335,20 @@ def _uvicorn_server(config, app: FastAPI):
 
 def run_server(args: argparse.Namespace) -> None:
     """Bind the address, start the engine cores, and serve until interrupted (SIGINT/SIGTERM:
-    exit 0) or until an engine core dies (exit 1, after failing every live request).
-    ``--api-server-count N`` > 1: :func:`tandem.entrypoints.openai.api_server_manager.run_multi_api_server`.
+    exit 0) or until an engine core dies (exit 1, after failing every live request). One API
+    server: ``tandem serve --api-server-count N`` > 1 runs
+    :func:`tandem.entrypoints.openai.api_server_manager.run_multi_api_server` instead.
 
     Raises:
         ValueError: a bad engine flag (before anything loads).
         ConnectionError: the address cannot be bound (before anything loads).
         SystemExit: 1 when an engine core died.
     """
-    from tandem.entrypoints.cli import engine_config_from_args
+    from tandem.engine.arg_utils import EngineArgs
 
-    cfg = engine_config_from_args(args)
-    if args.api_server_count > 1:
-        from tandem.entrypoints.openai.api_server_manager import run_multi_api_server
-
-        return run_multi_api_server(args, cfg)
+    cfg = EngineArgs.from_cli_args(args).create_engine_config()
     sock = bind_socket(args.host, args.port)
-    logger.info("loading %s", cfg.model)
+    logger.info("loading %s", cfg.model_config.model)
     serve_http(AsyncLLM(cfg), sock, args)
 
 
@@ -375,16 +372,16 @@ def serve_http(llm: AsyncLLM, sock: socket.socket, args: argparse.Namespace, api
         asyncio.get_running_loop().call_later(DEAD_ENGINE_EXIT_DELAY_S, setattr, server, "should_exit", True)
 
     try:
-        app = build_app(llm, names, model_root=cfg.model, tool_call_parser=args.tool_call_parser,
+        app = build_app(llm, names, model_root=cfg.model_config.model, tool_call_parser=args.tool_call_parser,
                         api_server_index=api_server_index, api_server_count=args.api_server_count,
                         metrics_dir=metrics_dir)
         app.state.on_engine_dead = on_engine_dead
-        usable = llm.num_kv_blocks - cfg.data_parallel_size  # one null block per replica
+        usable = llm.num_kv_blocks - cfg.parallel_config.data_parallel_size  # one null block per replica
         who = f"API server {api_server_index} of {args.api_server_count}, " if args.api_server_count > 1 else ""
         logger.info("%slistening on http://%s:%d: model %s (served as %s), max_model_len %d, KV cache %d tokens "
-                    "(%d blocks of %d) over %d replica(s), pid %d", who, host, port, cfg.model, ", ".join(names),
-                    llm.max_model_len, usable * cfg.block_size, usable, cfg.block_size, cfg.data_parallel_size,
-                    os.getpid())
+                    "(%d blocks of %d) over %d replica(s), pid %d", who, host, port, cfg.model_config.model,
+                    ", ".join(names), llm.max_model_len, usable * cfg.cache_config.block_size, usable,
+                    cfg.cache_config.block_size, cfg.parallel_config.data_parallel_size, os.getpid())
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=args.timeout_keep_alive)
         server = _uvicorn_server(config, app)

@@ -71,13 +71,13 @@ def run_api_server_worker(args: argparse.Namespace, sock: socket.socket, client_
     """Entry of one API-server process: attach to the cores and serve on ``sock``."""
     from tandem.engine.async_llm import AsyncLLM
     from tandem.engine.core_proc import exit_with_parent
-    from tandem.entrypoints.cli import engine_config_from_args
+    from tandem.engine.arg_utils import EngineArgs
     from tandem.entrypoints.openai.api_server import serve_http
     from tandem.logging_config import configure_logging
 
     exit_with_parent(parent_pid)
     configure_logging(default_level="INFO")
-    llm = AsyncLLM(engine_config_from_args(args), client_config)
+    llm = AsyncLLM(EngineArgs.from_cli_args(args).create_engine_config(), client_config)
     serve_http(llm, sock, args, api_server_index=client_config.client_index, metrics_dir=metrics_dir)
 
 
@@ -180,7 +180,7 @@ def run_multi_api_server(args: argparse.Namespace, cfg: EngineConfig) -> None:
     servers = None
     code = 1
     try:
-        logger.info("loading %s", cfg.model)
+        logger.info("loading %s", cfg.model_config.model)
         client = SyncMPClient(cfg, api_server_count=n, wait_ready=False)
         try:
             servers = APIServerProcessManager(args, socks, client.api_server_configs(), metrics_dir)

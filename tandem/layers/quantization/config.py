@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+QuantizationMethods = Literal["fp8", "compressed-tensors"]
+QUANTIZATION_METHODS = get_args(QuantizationMethods)
 
 
 @dataclass(frozen=True)

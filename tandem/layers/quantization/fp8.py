@@ -26,10 +26,8 @@ import functools
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
-# Smallest dynamic scale (vLLM's MIN_SCALING_FACTOR): an all-zero row quantizes to zeros.
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+from tandem.layers.quantization.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
 # torch._scaled_mm needs both GEMM dims of the weight to be multiples of 16 on CUDA.
 _CUDA_ALIGN = 16
 

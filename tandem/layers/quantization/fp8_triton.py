@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from tandem.layers.quantization.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
 @triton.jit

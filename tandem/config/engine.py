@@ -1,0 +1,79 @@
+"""The whole engine configuration: one group per concern (vLLM's ``VllmConfig``).
+
+Built from flat keyword arguments or flags by :class:`tandem.engine.arg_utils.EngineArgs`;
+each group validates its own fields, this class the rules that span groups.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from tandem.config.cache import CacheConfig
+from tandem.config.dbo import DBOConfig
+from tandem.config.device import DeviceConfig
+from tandem.config.load import LoadConfig
+from tandem.config.model import ModelConfig, resolve_dtype
+from tandem.config.parallel import ParallelConfig
+from tandem.config.scheduler import SchedulerConfig
+from tandem.config.simulated_link import SimulatedLinkConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the engine, in groups (``config.cache_config.block_size``)."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    dbo_config: DBOConfig = field(default_factory=DBOConfig)
+    simulated_link_config: SimulatedLinkConfig = field(default_factory=SimulatedLinkConfig)
+
+    def __post_init__(self) -> None:
+        if self.simulated_link_config.simulated_ep_rank_experts and self.parallel_config.all2all_backend != "simulated":
+            raise ValueError("simulated_ep_rank_experts needs all2all_backend='simulated'.")
+
+    @classmethod
+    def group_types(cls) -> dict[str, type]:
+        """Group field name -> its config class, in declaration order."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: hints[f.name] for f in fields(cls)}
+
+    @classmethod
+    def from_dict(cls, groups: dict[str, dict[str, Any]]) -> EngineConfig:
+        """The config of ``dataclasses.asdict(config)`` (as a core's ready message carries it),
+        validated again.
+
+        Raises:
+            ValueError: a field's value is invalid here (e.g. a CUDA device this process cannot see).
+        """
+        return cls(**{name: tp(**groups[name]) for name, tp in cls.group_types().items()})
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """dtype of weights and activations on this config's device."""
+        return resolve_dtype(self.model_config.dtype, self.device_config.torch_device, self.model_config.model)
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """dtype of the paged KV cache: the model dtype, or float8_e4m3fn."""
+        import torch
+
+        return self.torch_dtype if self.cache_config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+    def resolve_limits(self, model_max_len: int) -> None:
+        """Fill ``max_model_len`` and ``max_num_batched_tokens`` from the model's context.
+
+        Raises:
+            ValueError: the limits are inconsistent (a prompt could never be scheduled).
+        """
+        if self.model_config.max_model_len is None:
+            self.model_config.max_model_len = model_max_len
+        self.scheduler_config.resolve_token_budget(self.model_config.max_model_len)

@@ -1,0 +1,126 @@
+"""Flat engine arguments and their flags (vLLM's ``vllm/engine/arg_utils.py``).
+
+:class:`EngineArgs` holds one field per field of the config groups (same name, same default):
+it is what ``LLM(**kwargs)`` takes and what every ``tandem`` command's engine flags parse
+into; :meth:`EngineArgs.create_engine_config` routes the fields into the nested
+:class:`tandem.config.EngineConfig`. The flags are generated from the groups' fields: the
+name (``--max-num-seqs``), type, choices (``Literal`` fields), default and help (the field's
+doc) come from the dataclass, so a new config field is a new flag without editing this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import MISSING, Field, dataclass, fields
+from typing import Any
+
+from tandem.config import (CacheConfig, CacheDType, DBOConfig, DeviceConfig, EngineConfig, LoadConfig, LoadFormat,
+                           ModelConfig, ModelDType, ParallelConfig, SchedulerConfig, SimulatedLinkConfig,
+                           get_attr_docs)
+from tandem.config.parallel import All2AllBackend
+from tandem.config.utils import literal_choices, unwrap_optional
+from tandem.layers.quantization.config import QuantizationMethods
+
+# Short forms kept from vLLM's CLI.
+_FLAG_ALIASES = {"quantization": ("-q",)}
+
+
+@dataclass
+class EngineArgs:
+    """Every engine argument, flat (``LLM(model=..., max_num_seqs=..., dtype=...)``); each
+    field's doc is that of the config field it fills (:mod:`tandem.config`)."""
+
+    # ModelConfig
+    model: str | None = ModelConfig.model
+    tokenizer: str | None = ModelConfig.tokenizer
+    generation_config: str = ModelConfig.generation_config
+    dtype: ModelDType = ModelConfig.dtype
+    max_model_len: int | None = ModelConfig.max_model_len
+    quantization: QuantizationMethods | None = ModelConfig.quantization
+    seed: int = ModelConfig.seed
+    enforce_eager: bool = ModelConfig.enforce_eager
+    # LoadConfig
+    load_format: LoadFormat = LoadConfig.load_format
+    # DeviceConfig
+    device: str = DeviceConfig.device
+    # CacheConfig
+    block_size: int = CacheConfig.block_size
+    num_kv_blocks: int | None = CacheConfig.num_kv_blocks
+    kv_cache_memory_gib: float = CacheConfig.kv_cache_memory_gib
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    kv_cache_dtype: CacheDType = CacheConfig.kv_cache_dtype
+    # SchedulerConfig
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    async_output_proc: bool = SchedulerConfig.async_output_proc
+    # ParallelConfig
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    data_parallel_size: int = ParallelConfig.data_parallel_size
+    enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
+    all2all_backend: All2AllBackend = ParallelConfig.all2all_backend
+    master_addr: str | None = ParallelConfig.master_addr
+    master_port: int | None = ParallelConfig.master_port
+    # DBOConfig
+    enable_dbo: bool = DBOConfig.enable_dbo
+    dbo_decode_token_threshold: int = DBOConfig.dbo_decode_token_threshold
+    dbo_prefill_token_threshold: int = DBOConfig.dbo_prefill_token_threshold
+    dbo_measure_split: bool = DBOConfig.dbo_measure_split
+    # SimulatedLinkConfig
+    simulated_link_gbps: float = SimulatedLinkConfig.simulated_link_gbps
+    simulated_link_latency_us: float = SimulatedLinkConfig.simulated_link_latency_us
+    simulated_ep_size: int = SimulatedLinkConfig.simulated_ep_size
+    simulated_ep_rank_experts: bool = SimulatedLinkConfig.simulated_ep_rank_experts
+
+    def create_engine_config(self) -> EngineConfig:
+        """The nested config of these arguments, every group validated.
+
+        Raises:
+            ValueError: a bad value, naming the field.
+        """
+        return EngineConfig(**{name: group(**{f.name: getattr(self, f.name) for f in fields(group)})
+                               for name, group in EngineConfig.group_types().items()})
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+        """Add one flag per field, in one argument group per config group (``--help``
+        lists them under ``ModelConfig``, ``CacheConfig``, ...). ``model_positional``: also
+        take the model as an optional positional argument (``tandem serve MODEL``)."""
+        if model_positional:
+            parser.add_argument("model_pos", nargs="?", metavar="MODEL",
+                                help="the model, as --model (default: the embedded SmolLM2-135M-Instruct)")
+        for group in EngineConfig.group_types().values():
+            arg_group = parser.add_argument_group(group.__name__, (group.__doc__ or "").strip())
+            hints = typing.get_type_hints(group)
+            docs = get_attr_docs(group)
+            for f in fields(group):
+                flags = ("--" + f.name.replace("_", "-"), *_FLAG_ALIASES.get(f.name, ()))
+                arg_group.add_argument(*flags, dest=f.name, **_flag_kwargs(f, hints[f.name], docs[f.name]))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The arguments parsed by a parser that :meth:`add_cli_args` filled (not yet validated)."""
+        kwargs = {f.name: getattr(args, f.name) for f in fields(cls)}
+        if getattr(args, "model_pos", None):
+            kwargs["model"] = args.model_pos
+        return cls(**kwargs)
+
+
+def _flag_kwargs(f: Field, tp: Any, doc: str) -> dict[str, Any]:
+    """``add_argument`` keywords of a config field: BooleanOptionalAction for a bool
+    (``--x`` / ``--no-x``), ``choices`` for a ``Literal``, else the field's scalar type."""
+    default = f.default
+    assert default is not MISSING, f"config field {f.name} needs a default (a flag may be left out)"
+    help_text = doc.replace("%", "%%") + ("" if default is None else f" (default: {default})")
+    kwargs: dict[str, Any] = {"default": default, "help": help_text}
+    base, _ = unwrap_optional(tp)
+    choices = literal_choices(tp)
+    if base is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif choices is not None:
+        kwargs["choices"] = choices
+    else:
+        kwargs["type"] = base
+    return kwargs
