@@ -288,7 +288,9 @@ class EngineCore:
             handle = self.runner.execute_model(so)
             if not self.async_output_proc:
                 handle = handle or self._sample_constrained(so)
-                return outputs + self._take(so, handle.result())
+                result = handle.result()
+                self._advance_grammars(so, result)
+                return outputs + self._take(so, result, grammars_advanced=True)
             # Step N's outputs are processed while step N+1 (just launched) runs. Constrained
             # sequences of step N+1 sample once step N's tokens advanced their grammars, so
             # that advance and N+1's bitmask come first, as soon as N's tokens are on the
@@ -332,6 +334,8 @@ class EngineCore:
         return outputs
 
     def _advance_grammars(self, so: SchedulerOutput, result) -> None:
+        if not so.structured_output_seq_ids:
+            return  # no constrained row sampled in this step: no per-row scan of the batch
         t0 = time.perf_counter()
         self.scheduler.advance_grammars(result)
         if self.step_times is not None and result.seq_ids:
