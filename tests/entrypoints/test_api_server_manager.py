@@ -24,7 +24,8 @@ import psutil
 import pytest
 
 from tests.distributed.conftest import CONFIGS, PROMPTS
-from tests.entrypoints.test_server_parallel import LAYOUTS, MAX_TOKENS, _engine_args, _offline_texts
+from tests.entrypoints.test_server_parallel import (LAYOUTS, MAX_TOKENS, _engine_args, _offline_texts,
+                                                     cut_streams_and_wait_freed)
 
 FLAGS = ["--data-parallel-size", "2", "--api-server-count", "2"]
 ENV = {"TANDEM_STARTUP_TIMEOUT_S": "300"}
@@ -128,23 +129,7 @@ def test_two_api_servers_equal_offline_and_share_the_load(tmp_path, layout):
 
         # Streams cut after their first chunk, on new connections (both API servers): every
         # replica's KV blocks come back.
-        async def cut() -> None:
-            async def one(p) -> None:
-                async with httpx.AsyncClient(timeout=120) as c:
-                    body = {"prompt": p, "max_tokens": 100, "stream": True, "ignore_eos": True, "model": name}
-                    async with c.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
-                        async for _ in r.aiter_lines():
-                            break
-
-            await asyncio.gather(*(one(p) for p in prompts))
-
-        asyncio.run(cut())
-        deadline = time.monotonic() + 60
-        while True:
-            s = httpx.get(f"{srv.url}/debug/engine_stats", timeout=30).json()
-            if s["num_seqs_with_blocks"] == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        s = cut_streams_and_wait_freed(srv.url, name, prompts)
         assert s["num_unfinished_seqs"] == 0 and s["num_seqs_with_blocks"] == 0, s
         assert all(r["num_free_blocks"] == r["num_usable_blocks"] for r in s["replicas"]), s
         assert all(st["num_live_requests"] == 0 for st in _per_api_server(srv.url).values())

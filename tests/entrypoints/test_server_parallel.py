@@ -84,26 +84,32 @@ def test_parallel_serve_equals_single_process(tmp_path, layout, monkeypatch):
         assert "".join(c.choices[0].text for c in stream if c.choices) == want[3]
 
         # Streams cut after their first chunk: every replica's blocks come back.
-        async def cut() -> None:
-            async with httpx.AsyncClient(timeout=120) as c:
-                async def one(p):
-                    body = {"prompt": p, "max_tokens": 100, "stream": True, "ignore_eos": True,
-                            "model": srv_model(client)}
-                    async with c.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
-                        async for _ in r.aiter_lines():
-                            break
-
-                await asyncio.gather(*(one(p) for p in prompts))
-
-        asyncio.run(cut())
-        deadline = time.monotonic() + 60
-        while True:
-            s = _stats(srv.url)
-            if (s["num_live_requests"] == 0 and s["num_seqs_with_blocks"] == 0) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        s = cut_streams_and_wait_freed(srv.url, srv_model(client), prompts)
         assert s["num_unfinished_seqs"] == 0 and s["num_seqs_with_blocks"] == 0, s
         assert all(r["num_free_blocks"] == r["num_usable_blocks"] for r in s["replicas"]), s
+
+
+def cut_streams_and_wait_freed(url: str, model: str, prompts: list[str]) -> dict:
+    """Stream each prompt on its own connection (so several API servers each get some) and
+    cut it after its first chunk; returns ``/debug/engine_stats`` once nothing is live and no
+    sequence holds blocks, or after 60 s."""
+    async def one(p) -> None:
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"prompt": p, "max_tokens": 100, "stream": True, "ignore_eos": True, "model": model}
+            async with c.stream("POST", f"{url}/v1/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    break
+
+    async def cut() -> None:
+        await asyncio.gather(*(one(p) for p in prompts))
+
+    asyncio.run(cut())
+    deadline = time.monotonic() + 60
+    while True:
+        s = _stats(url)
+        if (s["num_live_requests"] == 0 and s["num_seqs_with_blocks"] == 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
 
 
 def srv_model(client: openai.OpenAI) -> str:
