@@ -16,7 +16,10 @@ dense FP8 tensor-core peak plus the KV read.
 ``--shape deepseek-v2-lite`` runs the DeepSeek-V2-Lite shape instead (FP8 experts in the
 fused-MoE kernel; no ``fp8-kv``: the MLA latent cache stays bf16; no floors printed).
 
-    python benchmarks/gpu_fp8.py --out DIR [--num-prompts 1000] [--max-num-seqs 256 512] [--repeats 2]
+``--max-num-seqs default`` leaves the batch limits to the engine (sized for the GPU).
+Host time per engine step and the GPU's idle share are printed beside each run.
+
+    python benchmarks/gpu_fp8.py --out DIR [--num-prompts 1000] [--max-num-seqs 256 default] [--repeats 2]
     python benchmarks/gpu_fp8.py --out DIR --shape deepseek-v2-lite --variants bf16 fp8
 """
 
@@ -37,8 +40,12 @@ VARIANTS = {"bf16": (), "fp8": ("--quantization", "fp8"),
             "fp8-kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8")}
 
 
-def run(cfg_dir: str, out: str, variant: str, max_num_seqs: int, rep: int, num_prompts: int) -> dict:
-    path = os.path.join(out, f"{variant}_seqs{max_num_seqs}_rep{rep}.json")
+def seqs_arg(text: str) -> int | None:
+    return None if text == "default" else int(text)
+
+
+def run(cfg_dir: str, out: str, variant: str, max_num_seqs: int | None, rep: int, num_prompts: int) -> dict:
+    path = os.path.join(out, f"{variant}_seqs{max_num_seqs or 'default'}_rep{rep}.json")
     cmd = seed_workload_command(cfg_dir, path, *VARIANTS[variant], num_prompts=num_prompts, max_num_seqs=max_num_seqs)
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -67,7 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-prompts", type=int, default=1000)
-    ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[256])
+    ap.add_argument("--max-num-seqs", type=seqs_arg, nargs="+", default=[256], help="numbers, or default")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--shape", default="llama31-8b", choices=["llama31-8b", "deepseek-v2-lite"])
@@ -75,7 +82,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     llama = args.shape == "llama31-8b"
     cfg_dir = write_config_dir(LLAMA_31_8B if llama else DEEPSEEK_V2_LITE, os.path.join(args.out, args.shape))
-    res: dict[str, dict[int, list[dict]]] = {v: {s: [] for s in args.max_num_seqs} for v in args.variants}
+    res: dict[str, dict[int | None, list[dict]]] = {v: {s: [] for s in args.max_num_seqs} for v in args.variants}
     for seqs in args.max_num_seqs:
         for rep in range(args.repeats):
             order = args.variants if rep % 2 == 0 else list(reversed(args.variants))
@@ -85,8 +92,8 @@ def main() -> None:
         json.dump({v: {str(s): runs for s, runs in d.items()} for v, d in res.items()}, f, indent=2)
 
     print("\n| run | max-num-seqs | requests/s median (min-max) | x bf16 | output tok/s | decode step (batch) "
-          "| HBM floor | FP8 matmul-at-peak + KV floor |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| HBM floor | FP8 matmul-at-peak + KV floor | host ms/step median (p99) | GPU idle |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for seqs in args.max_num_seqs:
         base = statistics.median(r["requests_per_s"] for r in res["bf16"][seqs]) if "bf16" in res else None
         for v in args.variants:
@@ -96,10 +103,13 @@ def main() -> None:
             best = max(runs, key=lambda r: r["requests_per_s"])
             hbm, compute = floors_ms(best, v == "fp8-kv") if v != "bf16" and llama else (float("nan"),) * 2
             ratio = f"{med / base:.3f}x" if base else ""
-            print(f"| {v} | {seqs} | {med:.2f} ({min(rps):.2f}-{max(rps):.2f}) | {ratio} | "
+            host = " / ".join(f"{r.get('host_step_ms_median') or 0:.2f} ({r.get('host_step_ms_p99') or 0:.1f})"
+                              for r in runs)
+            idle = " / ".join(f"{100 * (r.get('gpu_idle_fraction') or 0):.1f} %" for r in runs)
+            print(f"| {v} | {seqs or 'default'} | {med:.2f} ({min(rps):.2f}-{max(rps):.2f}) | {ratio} | "
                   f"{statistics.median(r['output_tokens_per_s'] for r in runs):.0f} | "
                   f"{best.get('decode_step_ms_at_max_batch') or 0:.2f} ms ({best.get('max_decode_batch')}) | "
-                  f"{hbm:.2f} ms | {compute:.2f} ms |")
+                  f"{hbm:.2f} ms | {compute:.2f} ms | {host} | {idle} |")
 
 
 if __name__ == "__main__":

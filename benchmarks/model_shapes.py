@@ -74,14 +74,16 @@ def tokenizer_dir() -> str:
 
 
 def seed_workload_command(model_dir: str, output_json: str, *extra: str, num_prompts: int = 1000,
-                          max_num_seqs: int = 256) -> list[str]:
+                          max_num_seqs: int | None = 256) -> list[str]:
     """``tandem bench throughput`` on the seed workload: ``num_prompts`` random prompts, input
     128, output 256, greedy, EOS ignored, bf16 dummy weights, results to ``output_json``;
+    ``max_num_seqs`` None: the engine's defaults for the GPU (batch limits not given);
     ``extra`` flags appended."""
+    limits = [] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]
     return [sys.executable, "-m", "tandem.entrypoints.cli", "bench", "throughput", "--model", model_dir,
             "--tokenizer", tokenizer_dir(), "--load-format", "dummy", "--dtype", "bfloat16",
             "--num-prompts", str(num_prompts), "--input-len", "128", "--output-len", "256",
-            "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs), "--output-json", output_json, *extra]
+            "--max-model-len", "2048", *limits, "--output-json", output_json, *extra]
 
 
 def main(argv: list[str] | None = None) -> None:

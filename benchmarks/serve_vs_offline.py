@@ -7,7 +7,11 @@ median TPOT and inter-token latency, and the front end's CPU time per output tok
 the per-round ratios and their median and spread, and writes them as JSON. Engine flags after ``--`` go to both (model, dtype, limits, parallel layout);
 ``--server-args`` (one shell-quoted string) go to ``tandem serve`` only; repeated, each
 round runs one served run per value (side by side, same offline figure), e.g.
-``--server-args "" --server-args "--api-server-count 4"``.
+``--server-args "" --server-args "--api-server-count 4"``. ``--extra-bench`` (one quoted
+string of ``tandem bench serve`` flags, repeatable) runs more loads against each server
+after the main one, e.g. ``--extra-bench "--max-concurrency 256" --extra-bench
+"--request-rate 20 --num-prompts 300"``; each records requests/s, median TPOT and TTFT
+percentiles.
 
 Example (CPU, tiny model)::
 
@@ -65,27 +69,39 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def bench_serve(url: str, tok: list[str], a: argparse.Namespace, load: list[str], d: str, name: str) -> dict:
+    """``tandem bench serve`` of the random workload at ``load`` (later flags win); its result JSON."""
+    subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve", "--base-url", url,
+                    "--dataset", "random", "--random-input-len", str(a.input_len), "--random-output-len",
+                    str(a.output_len), "--random-range-ratio", "0", "--num-prompts", str(a.num_prompts),
+                    "--request-rate", "inf", "--ignore-eos", *tok, *load,
+                    "--save-result", "--result-dir", d, "--result-filename", name], check=True)
+    return json.load(open(os.path.join(d, name)))
+
+
 def served(engine: list[str], server_args: str, a: argparse.Namespace) -> dict:
     """One served run: requests/s, median TPOT, median and P99 ITL, and the front end's CPU
-    time per output token (the launching process and every API server; the cores left out)."""
+    time per output token (the launching process and every API server; the cores left out);
+    then each ``--extra-bench`` load against the same server."""
     model, rest = (engine[0], engine[1:]) if engine and not engine[0].startswith("-") else (None, engine)
     with RemoteServer(([model] if model else []) + rest + shlex.split(server_args), timeout=1800) as srv, \
             tempfile.TemporaryDirectory() as d:
         tok = ["--tokenizer", rest[rest.index("--tokenizer") + 1]] if "--tokenizer" in rest else []
         pids = frontend_pids(srv)
         cpu0 = cpu_seconds(pids)
-        subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve", "--base-url", srv.url,
-                        "--dataset", "random", "--random-input-len", str(a.input_len), "--random-output-len",
-                        str(a.output_len), "--random-range-ratio", "0", "--num-prompts", str(a.num_prompts),
-                        "--request-rate", "inf", "--ignore-eos", *tok, *(["--max-concurrency", str(a.max_concurrency)]
-                                                                         if a.max_concurrency else []),
-                        "--save-result", "--result-dir", d, "--result-filename", "r.json"], check=True)
+        r = bench_serve(srv.url, tok, a, ["--max-concurrency", str(a.max_concurrency)] if a.max_concurrency else [],
+                        d, "r.json")
         cpu = cpu_seconds(pids) - cpu0
-        r = json.load(open(os.path.join(d, "r.json")))
+        extra = {}
+        for i, load in enumerate(a.extra_bench or []):
+            x = bench_serve(srv.url, tok, a, shlex.split(load), d, f"x{i}.json")
+            extra[load] = {"req_s": x["request_throughput"], "median_tpot_ms": x["median_tpot_ms"],
+                           "median_ttft_ms": x.get("median_ttft_ms"), "p99_ttft_ms": x.get("p99_ttft_ms"),
+                           "p99_itl_ms": x.get("p99_itl_ms")}
         return {"serve_req_s": r["request_throughput"], "serve_median_tpot_ms": r["median_tpot_ms"],
                 "serve_median_itl_ms": r.get("median_itl_ms"), "serve_p99_itl_ms": r.get("p99_itl_ms"),
                 "frontend_cpu_us_per_token": 1e6 * cpu / max(1, r["total_output_tokens"]),
-                "frontend_processes": len(pids)}
+                "frontend_processes": len(pids), "extra": extra}
 
 
 def main() -> None:
@@ -99,6 +115,8 @@ def main() -> None:
     p.add_argument("--server-args", action="append", default=None,
                    help="flags for tandem serve only (one quoted string); repeat it to compare servers: each "
                         "round then runs one served run per value, in order, after the offline run")
+    p.add_argument("--extra-bench", action="append", default=None,
+                   help="tandem bench serve flags (one quoted string) of a further load on each server; repeatable")
     p.add_argument("engine", nargs=argparse.REMAINDER, help="-- then engine flags for both")
     a = p.parse_args()
     engine = a.engine[1:] if a.engine[:1] == ["--"] else a.engine

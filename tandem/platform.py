@@ -1,6 +1,7 @@
-"""What the device computes natively, and the model dtype ``dtype="auto"`` resolves to.
+"""What the device computes natively and holds, and the defaults that follow from it: the
+model dtype ``dtype="auto"`` resolves to, and the batch limits left unset.
 
-One place for the decision (read by ``EngineConfig.torch_dtype``):
+The model dtype (read by ``EngineConfig.torch_dtype``):
 
 - CUDA: bfloat16.
 - CPU with native bfloat16 matrix arithmetic (AMX-BF16 or AVX512-BF16, where oneDNN runs
@@ -10,6 +11,12 @@ One place for the decision (read by ``EngineConfig.torch_dtype``):
   that declares no dtype (the tiny random models of the tests), stays fp32: exact, and
   what the checkpoint asked for.
 - Any other CPU: float32 (bf16 arithmetic would be emulated, slower than fp32).
+
+The batch limits (read by ``EngineConfig.resolve_limits``), vLLM's defaults for its V1 engine:
+a GPU of >= 70 GiB other than the A100 (H100, H200, B200: memory for a thousand sequences'
+KV and the compute to batch them) takes 1024 sequences and 16384 tokens per step offline,
+8192 when served (shorter prefill steps delay the running streams' next tokens less); a
+smaller GPU 256 sequences and 8192 / 2048 tokens; the CPU 256 and 2048.
 """
 
 from __future__ import annotations
@@ -58,4 +65,20 @@ def auto_dtype(device: torch.device, model: str | None) -> torch.dtype:
     return torch.bfloat16 if declared in _HALF else torch.float32
 
 
-__all__ = ["auto_dtype", "cpu_has_native_bf16", "declared_dtype"]
+_LARGE_GPU_BYTES = 70 * 2**30
+
+
+def default_batch_limits(device: torch.device, usage_context: str) -> tuple[int, int]:
+    """``(max_num_seqs, max_num_batched_tokens)`` for limits left unset on ``device``, used
+    by ``usage_context`` (``"llm_class"`` or ``"openai_api_server"``); see the module
+    docstring. Reads the GPU's properties (initialises CUDA in this process)."""
+    offline = usage_context == "llm_class"
+    if device.type != "cuda":
+        return 256, 2048
+    props = torch.cuda.get_device_properties(device)
+    if props.total_memory >= _LARGE_GPU_BYTES and "A100" not in props.name:
+        return 1024, 16384 if offline else 8192
+    return 256, 8192 if offline else 2048
+
+
+__all__ = ["auto_dtype", "cpu_has_native_bf16", "declared_dtype", "default_batch_limits"]

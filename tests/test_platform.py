@@ -1,5 +1,5 @@
 """``dtype="auto"``: which model dtype each device and checkpoint get, and the CPU bf16
-default checked against transformers in bf16."""
+default checked against transformers in bf16; the batch limits each device gets."""
 
 from __future__ import annotations
 
@@ -70,3 +70,22 @@ def test_bf16_default_prompt_logprobs_match_transformers_bf16(embedded_model_pat
         got = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
         diffs = [abs(g - want[i, ids[i + 1]].item()) for i, g in enumerate(got)]
         assert max(diffs) < 0.3, (out.prompt, max(diffs))
+
+
+@pytest.mark.parametrize("name, gib, usage, want", [
+    ("NVIDIA H200", 139.8, "llm_class", (1024, 16384)),
+    ("NVIDIA H100 80GB HBM3", 79.1, "openai_api_server", (1024, 8192)),
+    ("NVIDIA A100-SXM4-80GB", 79.2, "llm_class", (256, 8192)),
+    ("NVIDIA L4", 22.0, "openai_api_server", (256, 2048)),
+])
+def test_gpu_batch_limits_follow_its_memory_and_use(monkeypatch, name, gib, usage, want):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(name=name, total_memory=int(gib * 2**30)))
+    assert platform.default_batch_limits(torch.device("cuda"), usage) == want
+
+
+@pytest.mark.parametrize("usage", ["llm_class", "openai_api_server"])
+def test_cpu_batch_limits(usage):
+    assert platform.default_batch_limits(CPU, usage) == (256, 2048)

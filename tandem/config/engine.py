@@ -69,11 +69,16 @@ class EngineConfig:
         return self.torch_dtype if self.cache_config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     def resolve_limits(self, model_max_len: int) -> None:
-        """Fill ``max_model_len`` and ``max_num_batched_tokens`` from the model's context.
+        """Fill ``max_model_len`` from the model's context, and the batch limits left unset
+        with the defaults of this device and use (:func:`tandem.platform.default_batch_limits`).
 
         Raises:
             ValueError: the limits are inconsistent (a prompt could never be scheduled).
         """
+        from tandem.platform import default_batch_limits
+
         if self.model_config.max_model_len is None:
             self.model_config.max_model_len = model_max_len
-        self.scheduler_config.resolve_token_budget(self.model_config.max_model_len)
+        sched = self.scheduler_config
+        seqs, tokens = default_batch_limits(self.device_config.torch_device, sched.usage_context)
+        sched.resolve_limits(self.model_config.max_model_len, seqs, tokens)

@@ -6,6 +6,8 @@ into; :meth:`EngineArgs.create_engine_config` routes the fields into the nested
 :class:`tandem.config.EngineConfig`. The flags are generated from the groups' fields: the
 name (``--max-num-seqs``), type, choices (``Literal`` fields), default and help (the field's
 doc) come from the dataclass, so a new config field is a new flag without editing this file.
+A field whose metadata says ``flag: False`` is set by the entry point instead
+(``usage_context``: an argument of :meth:`EngineArgs.create_engine_config`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tandem.config import (CacheConfig, CacheDType, DBOConfig, DeviceConfig, Eng
                            ModelConfig, ModelDType, ParallelConfig, SchedulerConfig, SimulatedLinkConfig,
                            get_attr_docs)
 from tandem.config.parallel import All2AllBackend
+from tandem.config.scheduler import UsageContext
 from tandem.config.utils import literal_choices, unwrap_optional
 from tandem.layers.quantization.config import QuantizationMethods
 
@@ -52,7 +55,7 @@ class EngineArgs:
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     kv_cache_dtype: CacheDType = CacheConfig.kv_cache_dtype
     # SchedulerConfig
-    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_seqs: int | None = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     async_output_proc: bool = SchedulerConfig.async_output_proc
@@ -74,13 +77,15 @@ class EngineArgs:
     simulated_ep_size: int = SimulatedLinkConfig.simulated_ep_size
     simulated_ep_rank_experts: bool = SimulatedLinkConfig.simulated_ep_rank_experts
 
-    def create_engine_config(self) -> EngineConfig:
-        """The nested config of these arguments, every group validated.
+    def create_engine_config(self, usage_context: UsageContext = "llm_class") -> EngineConfig:
+        """The nested config of these arguments, every group validated; ``usage_context``:
+        ``"openai_api_server"`` from ``tandem serve`` (it picks default batch limits).
 
         Raises:
             ValueError: a bad value, naming the field.
         """
-        return EngineConfig(**{name: group(**{f.name: getattr(self, f.name) for f in fields(group)})
+        values = {**{f.name: getattr(self, f.name) for f in fields(self)}, "usage_context": usage_context}
+        return EngineConfig(**{name: group(**{f.name: values[f.name] for f in fields(group)})
                                for name, group in EngineConfig.group_types().items()})
 
     @staticmethod
@@ -95,7 +100,7 @@ class EngineArgs:
             arg_group = parser.add_argument_group(group.__name__, (group.__doc__ or "").strip())
             hints = typing.get_type_hints(group)
             docs = get_attr_docs(group)
-            for f in fields(group):
+            for f in flag_fields(group):
                 flags = ("--" + f.name.replace("_", "-"), *_FLAG_ALIASES.get(f.name, ()))
                 arg_group.add_argument(*flags, dest=f.name, **_flag_kwargs(f, hints[f.name], docs[f.name]))
 
@@ -106,6 +111,11 @@ class EngineArgs:
         if getattr(args, "model_pos", None):
             kwargs["model"] = args.model_pos
         return cls(**kwargs)
+
+
+def flag_fields(group: type) -> list[Field]:
+    """The fields of a config group that are engine arguments (all but ``flag: False`` ones)."""
+    return [f for f in fields(group) if f.metadata.get("flag", True)]
 
 
 def _flag_kwargs(f: Field, tp: Any, doc: str) -> dict[str, Any]:

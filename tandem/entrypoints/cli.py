@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace) -> None:
     if args.api_server_count > 1:
         from tandem.entrypoints.openai.api_server_manager import run_multi_api_server
 
-        run_multi_api_server(args, EngineArgs.from_cli_args(args).create_engine_config())
+        run_multi_api_server(args, EngineArgs.from_cli_args(args).create_engine_config("openai_api_server"))
     else:
         from tandem.entrypoints.openai.api_server import run_server
 

@@ -2,8 +2,8 @@
 
 A decode step (every sequence adds one token) of ``n`` sequences replays the graph captured
 for the capture size its step plan names (:mod:`tandem.worker.step_plan`: the smallest
-capture size ``>= n`` of 1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs``, as vLLM
-does; under data + expert parallelism the size for the largest batch of any rank, and an
+capture size ``>= n`` of 1, 2, 4, multiples of 8 up to 256, then multiples of 16 up to
+``max_num_seqs``, as vLLM does; under data + expert parallelism the size for the largest batch of any rank, and an
 idle rank replays padding only), with the real sequences in its first ``n`` rows and
 padding rows that write their K/V into the null block. Inputs travel
 through persistent device buffers; the graph's output is the final hidden states
@@ -40,7 +40,9 @@ def cuda_median_ms(fn, warmup: int, iters: int) -> float:
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    """Batch sizes captured for ``max_num_seqs`` (module docstring); the largest is ``max_num_seqs``."""
+    sizes = ([s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, min(max_num_seqs, 256) + 1, 8))
+             + list(range(272, max_num_seqs + 1, 16)))
     if not sizes or sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
     return sorted(set(sizes))

@@ -107,6 +107,22 @@ def test_limits_resolve_across_groups():
     cfg = make(max_model_len=512)
     cfg.resolve_limits(4096)
     assert cfg.model_config.max_model_len == 512 and cfg.scheduler_config.max_num_batched_tokens == 2048
+    assert cfg.scheduler_config.max_num_seqs == 256  # the CPU's default (tandem.platform)
+
+
+@pytest.mark.parametrize("usage, tokens", [("llm_class", 16384), ("openai_api_server", 8192)])
+def test_unset_limits_take_the_device_defaults_and_set_ones_stay(monkeypatch, usage, tokens):
+    from tandem import platform
+
+    monkeypatch.setattr(platform, "default_batch_limits",
+                        lambda device, usage_context: (1024, {"llm_class": 16384, "openai_api_server": 8192}[usage_context]))
+    cfg = EngineArgs(model="m").create_engine_config(usage)
+    assert cfg.scheduler_config.usage_context == usage
+    cfg.resolve_limits(4096)
+    assert (cfg.scheduler_config.max_num_seqs, cfg.scheduler_config.max_num_batched_tokens) == (1024, tokens)
+    cfg = EngineArgs(model="m", max_num_seqs=8, max_num_batched_tokens=512).create_engine_config(usage)
+    cfg.resolve_limits(4096)
+    assert (cfg.scheduler_config.max_num_seqs, cfg.scheduler_config.max_num_batched_tokens) == (8, 512)
 
 
 def test_from_dict_round_trips_and_checks_again():

@@ -14,7 +14,7 @@ from dataclasses import MISSING, asdict, fields
 import pytest
 
 from tandem.config import EngineConfig, get_attr_docs
-from tandem.engine.arg_utils import EngineArgs
+from tandem.engine.arg_utils import EngineArgs, flag_fields
 
 
 def _parser(model_positional: bool = False) -> argparse.ArgumentParser:
@@ -26,7 +26,7 @@ def _parser(model_positional: bool = False) -> argparse.ArgumentParser:
 def _group_fields():
     for group in EngineConfig.group_types().values():
         hints = typing.get_type_hints(group)
-        for f in fields(group):
+        for f in flag_fields(group):
             yield group, f, hints[f.name]
 
 
@@ -80,9 +80,11 @@ def test_flags_round_trip_into_the_nested_config():
     assert cfg.scheduler_config.max_num_seqs == 7 and cfg.cache_config.block_size == 32
     assert not cfg.cache_config.enable_prefix_caching and cfg.model_config.enforce_eager
     assert cfg.simulated_link_config.simulated_link_gbps == 12.5 and cfg.parallel_config.master_port == 29555
-    # Every field reaches its group unchanged.
+    # Every field reaches its group unchanged; the usage context comes from the entry point.
     flat = {k: v for group in asdict(cfg).values() for k, v in group.items()}
+    assert flat.pop("usage_context") == "llm_class"
     assert flat == asdict(args)
+    assert args.create_engine_config("openai_api_server").scheduler_config.usage_context == "openai_api_server"
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -346,7 +346,7 @@ def run_server(args: argparse.Namespace) -> None:
     """
     from tandem.engine.arg_utils import EngineArgs
 
-    cfg = EngineArgs.from_cli_args(args).create_engine_config()
+    cfg = EngineArgs.from_cli_args(args).create_engine_config("openai_api_server")
     sock = bind_socket(args.host, args.port)
     logger.info("loading %s", cfg.model_config.model)
     serve_http(AsyncLLM(cfg), sock, args)

@@ -77,7 +77,7 @@ def run_api_server_worker(args: argparse.Namespace, sock: socket.socket, client_
 
     exit_with_parent(parent_pid)
     configure_logging(default_level="INFO")
-    llm = AsyncLLM(EngineArgs.from_cli_args(args).create_engine_config(), client_config)
+    llm = AsyncLLM(EngineArgs.from_cli_args(args).create_engine_config("openai_api_server"), client_config)
     serve_http(llm, sock, args, api_server_index=client_config.client_index, metrics_dir=metrics_dir)
 
 
