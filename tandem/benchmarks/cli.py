@@ -17,6 +17,10 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--num-prompts", type=positive_int, default=100)
     t.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     t.add_argument("--output-json", default=None)
+    t.add_argument("--structured-output-ratio", type=float, default=0.0,
+                   help="share of the requests constrained to a JSON schema (0-1)")
+    t.add_argument("--json-schema-path", default=None,
+                   help="the schema of the constrained requests (default: the serving benchmark's user profile)")
 
     def run(args: argparse.Namespace) -> None:
         from tandem.benchmarks.throughput import main

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import random
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from tandem.benchmarks.datasets import load_json_schema
 from tandem.sampling_params import SamplingParams
+from tandem.structured_output.params import StructuredOutputsParams
 
 
 @dataclass
@@ -54,10 +58,19 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
 
 
 def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignore_eos: bool = True,
-                   seed: int = 0) -> ThroughputResult:
-    """Generate ``num_prompts`` random prompts of ``input_len`` tokens, greedy, ``output_len`` new tokens each."""
+                   seed: int = 0, structured_output_ratio: float = 0.0,
+                   json_schema: dict | None = None) -> ThroughputResult:
+    """Generate ``num_prompts`` random prompts of ``input_len`` tokens, greedy, ``output_len`` new
+    tokens each; a ``structured_output_ratio`` share of them (chosen at random) constrained to
+    ``json_schema`` (default: the serving benchmark's user profile schema), so that what
+    constrained decoding costs per engine step shows in the host time and GPU idle figures.
+
+    Raises:
+        ValueError: ``structured_output_ratio`` outside [0, 1].
+    """
     prompts = random_prompts(num_prompts, input_len, llm.engine.vocab_size, seed)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
+    free = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
+    params = _constrained_params(free, num_prompts, structured_output_ratio, json_schema, seed)
     # Warm-up outside the timed region: one batch of other random prompts (no prefix-cache
     # hits later) through chunked prefill, mixed and decode steps, so that first-call
     # allocations and kernels compiled on first use (Triton specialises on tile configs
@@ -87,6 +100,18 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
         _gpu_step_stats(runner.step_events, res)
         runner.step_events = None
     return res
+
+
+def _constrained_params(free: SamplingParams, num_prompts: int, ratio: float, schema: dict | None,
+                        seed: int) -> SamplingParams | list[SamplingParams]:
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"structured_output_ratio must be in [0, 1], got {ratio}")
+    if ratio == 0.0:
+        return free
+    constrained = dataclasses.replace(free, structured_outputs=StructuredOutputsParams(
+        json=schema if schema is not None else load_json_schema()))
+    chosen = set(random.Random(seed).sample(range(num_prompts), round(ratio * num_prompts)))
+    return [constrained if i in chosen else free for i in range(num_prompts)]
 
 
 def _host_step_stats(times, res: ThroughputResult) -> None:
@@ -124,7 +149,9 @@ def main(args: argparse.Namespace) -> None:
     from tandem.entrypoints.llm import LLM
 
     llm = LLM(**asdict(EngineArgs.from_cli_args(args)))
-    res = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.ignore_eos, args.seed)
+    schema = load_json_schema(args.json_schema_path) if args.json_schema_path else None
+    res = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.ignore_eos, args.seed,
+                         args.structured_output_ratio, schema)
     print(f"Throughput: {res.requests_per_s:.2f} requests/s, {res.total_tokens_per_s:.1f} total tokens/s, "
           f"{res.input_tokens_per_s:.1f} input tokens/s, {res.output_tokens_per_s:.1f} output tokens/s "
           f"({res.num_prompts} prompts, {res.elapsed_s:.2f} s"

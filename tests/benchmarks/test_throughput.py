@@ -71,3 +71,24 @@ def test_run_throughput_reports_host_time_of_the_in_process_core():
     assert res.host_step_ms_p99 >= res.host_step_ms_median
     assert min(res.host_schedule_ms_median, res.host_prepare_ms_median, res.host_process_ms_median) > 0
     assert llm.engine.core.step_times is None and llm.engine.runner.step_times is None
+
+
+def test_run_throughput_constrains_the_asked_share_to_the_schema(monkeypatch):
+    """``--structured-output-ratio``: that share of the requests (chosen at random) carries the
+    schema's constraint, the others none; a ratio outside [0, 1] is a ValueError naming it."""
+    from tandem.benchmarks import throughput
+    from tests.conftest import make_llm
+
+    llm = make_llm(num_kv_blocks=64, max_model_len=256)
+    seen = []
+    generate = llm.generate
+    monkeypatch.setattr(llm, "generate", lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    res = throughput.run_throughput(llm, num_prompts=4, input_len=8, output_len=6, structured_output_ratio=0.5,
+                                    json_schema=schema)
+    timed = seen[-1]
+    assert len(timed) == 4 and sum(p.structured_outputs is not None for p in timed) == 2
+    assert all(p.structured_outputs.json == schema for p in timed if p.structured_outputs is not None)
+    assert res.requests_per_s > 0
+    with pytest.raises(ValueError, match="structured_output_ratio"):
+        throughput.run_throughput(llm, num_prompts=2, input_len=8, output_len=2, structured_output_ratio=1.5)
