@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem import envs
 from tandem.attention.backend import quantize_kv
 from tandem.attention.selector import get_attention_backend
 from tandem.attention.metadata import AttentionMetadata
@@ -106,10 +107,6 @@ class MLAAttention(nn.Module):
     #: or ``None``: the kind of backend ``get_attention_backend`` gives the dense models on
     #: the input's device (Triton on CUDA, torch on the CPU).
     decode_backend: str | None = None
-    #: Prefill attention, the same choice: ``"triton"`` (decompress, then the
-    #: variable-length flash-attention kernel), ``"torch"`` (decompress, then one masked
-    #: SDPA per group: the reference) or ``None``.
-    prefill_backend: str | None = None
 
     def __init__(self, hf_config, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -135,6 +132,11 @@ class MLAAttention(nn.Module):
         self.o_proj = linear(self.num_heads * self.v_dim, h, bias)
         self.rotary = rotary
         self.scale = mla_softmax_scale(c)
+        #: Prefill attention, the same choice: ``"triton"`` (decompress, then the
+        #: variable-length flash-attention kernel), ``"torch"`` (decompress, then one masked
+        #: SDPA per group: the reference) or ``None``; ``TANDEM_MLA_PREFILL`` sets it.
+        mode = envs.TANDEM_MLA_PREFILL
+        self.prefill_backend: str | None = None if mode == "auto" else mode
 
     @property
     def latent_dim(self) -> int:

@@ -218,6 +218,20 @@ def test_default_backends_follow_attention_backend(stage):
         uses_triton(torch.device("cpu"))
 
 
+def test_prefill_backend_from_environment(monkeypatch):
+    cfg = _cfg()
+    make = lambda: MLAAttention(cfg, RotaryEmbedding(cfg, 16, 128))  # noqa: E731
+    assert make().prefill_backend is None
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("TANDEM_MLA_PREFILL", mode)
+        assert make().prefill_backend == mode
+    monkeypatch.setenv("TANDEM_MLA_PREFILL", "auto")
+    assert make().prefill_backend is None
+    monkeypatch.setenv("TANDEM_MLA_PREFILL", "flash")
+    with pytest.raises(ValueError, match="TANDEM_MLA_PREFILL"):
+        make()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_layer_triton_equals_torch(dtype, triton_prefill):
     """A mixed step (decodes at block edges, one of them length 1, then a chunk on a cached
@@ -302,3 +316,40 @@ def test_model_with_triton_kernels_matches_transformers(triton_prefill_cpu):
     bs = 8
     kv = [torch.zeros(1, 64, bs, 1, 32 + 16) for _ in range(2)]
     assert_paged_parity(model, ref, cfg.vocab_size, kv, bs, decode_steps=2)
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (compiled kernels)")
+def test_cuda_prefill_makes_no_host_sync(triton_prefill):
+    """A prefill-only step (fresh prompts, a chunk on a cached prefix, a one-token prefix
+    tail) through the layer on the flash-attention path under torch's sync debug mode
+    "error": nothing reads the device back (the metadata's host lists size everything)."""
+    torch.manual_seed(3)
+    cfg = DeepseekV2Config(hidden_size=256, num_attention_heads=4, kv_lora_rank=128, q_lora_rank=None,
+                           qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=1024)
+    attn = MLAAttention(cfg, RotaryEmbedding(cfg, 64, 1024)).cuda()
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, 0, 0.05)
+    attn = attn.to(torch.bfloat16)
+    attn.prefill_backend = "triton"
+    bs, computed, q_lens = 16, [0, 100, 63, 0], [40, 60, 1, 200]
+    tables, nxt = [], 1
+    for c, q in zip(computed, q_lens):
+        nb = -(-(c + q) // bs)
+        tables.append(list(range(nxt, nxt + nb)))
+        nxt += nb
+    meta = step_metadata(q_lens, computed, tables, bs, "cuda")
+    cache = torch.randn(1, nxt, bs, 1, 128 + 64, device="cuda").to(torch.bfloat16)
+    x = torch.randn(sum(q_lens), 256, device="cuda").to(torch.bfloat16)
+    pos = torch.tensor([p for c, q in zip(computed, q_lens) for p in range(c, c + q)], device="cuda")
+    with torch.no_grad():
+        want = attn(x, pos, cache.clone(), meta)  # compiles the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = attn(x, pos, cache.clone(), meta)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        attn.prefill_backend = "torch"
+        ref = attn(x, pos, cache.clone(), meta)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
