@@ -213,7 +213,9 @@ def flash_attn_varlen_func(
             :data:`LAUNCH_DEFAULTS` for q's dtype.
 
     Returns ``out``, ``[Q, H, DV]`` in q's dtype; softmax and accumulation in fp32. No host
-    sync: the grid is ``(ceil(max_seqlen_q / block_m), B, H)``.
+    sync: the grid is ``(ceil(max_seqlen_q / block_m), B, H)``. Offsets within one
+    sequence are 32-bit: ``k_len`` times k's / v's row stride must stay below 2**31 (524,288
+    keys at 16 heads x 256).
 
     Raises:
         ValueError: mismatched shapes, dtypes or devices, a non-contiguous last dimension,
