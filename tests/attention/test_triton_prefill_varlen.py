@@ -11,6 +11,9 @@ against the fp32 reference over the same bf16 inputs (p is rounded to bf16 befor
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -184,6 +187,47 @@ def test_rejects_bad_inputs():
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
             call(**kw)
+
+
+# Compiles the kernel for sm_90 (Triton's bundled ptxas, no GPU needed) the way a CUDA launch
+# specializes it: pointers and strides divisible by 16, as MLA's are.
+_COMPILE_SM90 = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from tandem.attention.triton_prefill_varlen import LAUNCH_DEFAULTS, _pad, _varlen_prefill_kernel as kernel
+    import torch
+
+    for dtype, name, (d, dr, dv, rope) in [(torch.bfloat16, "bf16", (128, 64, 128, True)),
+                                          (torch.float16, "fp16", (192, 16, 128, False)),
+                                          (torch.float32, "fp32", (24, 16, 20, True))]:
+        block_m, block_n, warps, stages = LAUNCH_DEFAULTS[dtype]
+        const = dict(D=d, D_PAD=_pad(d), DR=dr, DR_PAD=_pad(dr), DV=dv, DV_PAD=_pad(dv), HAS_ROPE=rope,
+                     BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if name == "fp32" else "tf32", UPCAST=False)
+        names = kernel.arg_names
+        sig = {n: "constexpr" if n in const else "fp32" if n == "qk_scale" else
+               ("*i32" if n.startswith("cu_") else "*" + name) if n.endswith("_ptr") else "i32" for n in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] not in ("constexpr", "fp32")}
+        src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+        assert compiled.asm["cubin"], name
+        print(name, "shared", compiled.metadata.shared)
+""")
+
+
+def test_compiles_for_sm90():
+    """The interpreter accepts what the compiler may not (dot shapes, power-of-two blocks):
+    compile the default launches for an H100/H200 in a process without the interpreter."""
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.count("shared") == 3
 
 
 @pytest.mark.skipif(INTERPRET, reason="large case: compiled CUDA only")
