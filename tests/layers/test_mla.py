@@ -23,7 +23,7 @@ from tests.models.paged_parity import assert_paged_parity, random_hf_reference, 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
-DECODE_BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton"]
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_interleaved_rope_matches_transformers():
     torch.testing.assert_close(got_k, want_k[0].transpose(0, 1))
 
 
-@pytest.mark.parametrize("decode_backend", DECODE_BACKENDS)
+@pytest.mark.parametrize("decode_backend", BACKENDS)
 def test_absorbed_decode_equals_decompressed(decode_backend, request):
     if decode_backend == "triton":
         request.getfixturevalue("triton_decode_cpu")
@@ -258,7 +258,7 @@ def test_layer_triton_equals_torch(dtype, triton_prefill):
     pos = torch.tensor([p for c, q in zip(computed, q_lens) for p in range(c, c + q)], device=DEVICE)
     outs, caches = {}, {}
     with torch.no_grad():
-        for backend in DECODE_BACKENDS:
+        for backend in BACKENDS:
             attn.decode_backend = attn.prefill_backend = backend
             caches[backend] = cache.clone()
             outs[backend] = attn(x, pos, caches[backend], meta)
@@ -268,10 +268,10 @@ def test_layer_triton_equals_torch(dtype, triton_prefill):
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=tol, rtol=tol)
 
 
-def test_fp8_latent_cache(triton_decode):
+def test_fp8_latent_cache(triton_prefill):
     """An FP8 (e4m3, scale 1.0) latent cache through the whole layer: the Triton and torch
-    decodes agree on it and write the same bytes, and the output stays within the FP8
-    rounding of the run over an fp32 cache."""
+    paths (decode and prefill) agree on it and write the same bytes, and the output stays
+    within the FP8 rounding of the run over an fp32 cache."""
     torch.manual_seed(2)
     cfg = DeepseekV2Config(hidden_size=80, num_attention_heads=5, kv_lora_rank=64, q_lora_rank=None,
                            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24, max_position_embeddings=256)
@@ -287,8 +287,8 @@ def test_fp8_latent_cache(triton_decode):
     pos = torch.tensor([p for c, q in zip(computed, q_lens) for p in range(c, c + q)], device=DEVICE)
     outs, caches = {}, {}
     with torch.no_grad():
-        for backend in DECODE_BACKENDS:
-            attn.decode_backend = backend
+        for backend in BACKENDS:
+            attn.decode_backend = attn.prefill_backend = backend
             caches[backend] = fp8.clone()
             outs[backend] = attn(x, pos, caches[backend], meta)
         exact = attn(x, pos, fp8.float(), meta)
