@@ -17,7 +17,7 @@ With ``--rank-experts`` the simulated runs compute like one rank of the EP group
 them), the load a rank of a real DP+EP deployment gets.
 
     python benchmarks/gpu_deepseek_v2_lite.py --out DIR [--num-prompts 1000] [--runs local,sim,sim_dbo] [--rank-experts]
-        [--max-num-seqs 256] [--max-num-batched-tokens N] [--mla-prefill auto,torch]
+        [--max-num-seqs 256|default] [--max-num-batched-tokens N] [--mla-prefill auto,torch]
 
 ``--mla-prefill auto,torch`` runs each variant with the flash-attention MLA prefill and
 again with the masked-SDPA reference (``TANDEM_MLA_PREFILL``), one after the other.
@@ -48,7 +48,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-prompts", type=int, default=1000)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=lambda t: None if t == "default" else int(t), default=256,
+                    help="a number, or default (the engine's limits for the GPU)")
     ap.add_argument("--runs", default="local,sim,sim_dbo")
     ap.add_argument("--link-gbps", type=float, default=40.0)
     ap.add_argument("--latency-us", type=float, default=20.0)
