@@ -80,7 +80,8 @@ def reference(q, k, v, q_rope, k_rope, cu_q, cu_k, scale, out_rows):
             qq = torch.cat((qq, q_rope[q0:q1].float().cpu()), -1)
             kk = torch.cat((kk, k_rope[k0:k1].float().cpu().expand(-1, heads, -1)), -1)
         mask = torch.arange(n)[None, :] <= torch.arange(n - m, n)[:, None]
-        o = F.scaled_dot_product_attention(qq.transpose(0, 1), kk.transpose(0, 1), v[k0:k1].float().cpu().transpose(0, 1),
+        vv = v[k0:k1].float().cpu()
+        o = F.scaled_dot_product_attention(qq.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
                                            attn_mask=mask, scale=scale)
         out[q0:q1] = o.transpose(0, 1)
     return out
@@ -209,7 +210,8 @@ _COMPILE_SM90 = textwrap.dedent("""
                ("*i32" if n.startswith("cu_") else "*" + name) if n.endswith("_ptr") else "i32" for n in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] not in ("constexpr", "fp32")}
         src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps, num_stages=stages))
         assert compiled.asm["cubin"], name
         print(name, "shared", compiled.metadata.shared)
 """)
