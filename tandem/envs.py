@@ -14,6 +14,9 @@ TANDEM_MOE_IMPL                     auto       pins what the MoE expert compute'
                                                (auto, grouped_mm, padded_bmm, triton, loop)
 TANDEM_FUSED_OPS                    auto       fused norm/activation kernels: auto (Triton on
                                                CUDA tensors), triton, torch
+TANDEM_MLA_PREFILL                  auto       MLA prefill attention: auto (the Triton flash-
+                                               attention kernel on CUDA), triton, torch (the
+                                               masked-SDPA reference); read when a layer is built
 TANDEM_STARTUP_TIMEOUT_S            1800       seconds spawned ranks may take to build engines
 TANDEM_DUMP_STACKS_AFTER_S          unset      every spawned rank prints its stacks after this
                                                many seconds (debugging a hang)
@@ -37,6 +40,7 @@ from typing import Any
 
 MOE_IMPLS = ("auto", "grouped_mm", "padded_bmm", "triton", "loop")
 FUSED_OPS_MODES = ("auto", "triton", "torch")
+MLA_PREFILL_MODES = ("auto", "triton", "torch")
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
@@ -103,6 +107,7 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_LOGGING_LEVEL": _log_level,
     "TANDEM_MOE_IMPL": _choice("TANDEM_MOE_IMPL", "auto", MOE_IMPLS),
     "TANDEM_FUSED_OPS": _choice("TANDEM_FUSED_OPS", "auto", FUSED_OPS_MODES),
+    "TANDEM_MLA_PREFILL": _choice("TANDEM_MLA_PREFILL", "auto", MLA_PREFILL_MODES),
     "TANDEM_STARTUP_TIMEOUT_S": _float("TANDEM_STARTUP_TIMEOUT_S", 1800.0),
     "TANDEM_DUMP_STACKS_AFTER_S": _float("TANDEM_DUMP_STACKS_AFTER_S", None),
     "TANDEM_STRUCTURED_OUTPUT_THREADS": _positive_int("TANDEM_STRUCTURED_OUTPUT_THREADS", _half_the_cpus_up_to_8),

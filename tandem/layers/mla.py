@@ -17,17 +17,22 @@ separate value plane: the values are decompressed from the same latent.
 
 Attention, as vLLM and FlashMLA split it:
 
-* prefill / chunks (compute-bound, plain torch, batched over requests): the latents of
-  every context token of a group of prefill requests (``K = sum(seq_len)`` tokens,
-  ``[K, kv_lora_rank + qk_rope_head_dim]``) are gathered in one indexing op through flat
-  slot indices built on the device from the block tables, *decompressed* by one
-  ``kv_b_proj`` GEMM into per-head keys ``[heads, K, qk_nope_head_dim + qk_rope_head_dim]``
-  (``[k_nope, k_pe]``) and values ``[heads, K, v_head_dim]``, and the group's packed
-  queries ``[heads, Q = sum(q_len), qk_head_dim]`` run one ``scaled_dot_product_attention``
-  with a ``[Q, K]`` boolean mask (same request, causal over the cached prefix). So the
-  kernel launches per layer do not grow with the number of requests and nothing syncs
-  with the host; groups (consecutive requests, see :func:`prefill_groups`) only keep ``Q
-  * K`` under :data:`MLA_PREFILL_MASK_ELEMENTS` and ``K`` under :data:`MLA_PREFILL_MAX_KEYS`;
+* prefill / chunks (compute-bound, batched over requests): the latents of every context
+  token of the step's prefill requests (``K = sum(seq_len)`` tokens, ``[K, kv_lora_rank +
+  qk_rope_head_dim]``) are gathered in one indexing op through flat slot indices built on
+  the device from the block tables and *decompressed* by one ``kv_b_proj`` GEMM into
+  per-head ``k_nope [K, heads, qk_nope_head_dim]`` and values ``[K, heads, v_head_dim]``.
+  On CUDA (``MLAAttention.prefill_backend``, chosen like the decode's) the
+  variable-length causal flash-attention kernel
+  :func:`tandem.attention.triton_prefill_varlen.flash_attn_varlen_func` then runs each
+  request's queries over its own keys only (the shared ``k_pe`` read in place), as vLLM
+  and FlashMLA do for prefill; the CPU reference instead runs one
+  ``scaled_dot_product_attention`` over the group's packed queries and keys with a
+  ``[Q, K]`` boolean mask (same request, causal over the cached prefix), quadratic in the
+  group's tokens. Either way the kernel launches per layer do not grow with the number of
+  requests and nothing syncs with the host; requests are split into consecutive groups
+  (:func:`prefill_groups`) only to keep ``K`` under :data:`MLA_PREFILL_MAX_KEYS` (and, for
+  the reference, ``Q * K`` under :data:`MLA_PREFILL_MASK_ELEMENTS`);
 * decode (memory-bound): *absorbed* weights — ``kv_b_proj``'s key half is folded into the
   query (a bmm) and its value half applied after attention (a bmm), so attention runs
   directly over the cached latents (multi-query, keys ``[c_kv, k_pe]``, values ``c_kv``);
@@ -52,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem import envs
 from tandem.attention.backend import quantize_kv
 from tandem.attention.selector import get_attention_backend
 from tandem.attention.metadata import AttentionMetadata
@@ -60,14 +66,16 @@ from tandem.layers.linear import ColumnParallelLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_parameters
 
-#: Bound on ``sum(q_len) * sum(seq_len)`` of one batched prefill pass: its mask has that
-#: many elements and its attention scores that many per head (when SDPA materialises them:
-#: 16 heads x 2^24 x bf16 = 512 MiB), so larger steps are split into several passes.
+#: Bound on ``sum(q_len) * sum(seq_len)`` of one masked-SDPA (reference) prefill pass: its
+#: mask has that many elements and its attention scores that many per head (when SDPA
+#: materialises them: 16 heads x 2^24 x bf16 = 512 MiB), so larger steps are split into
+#: several passes. The flash-attention path has no such term.
 MLA_PREFILL_MASK_ELEMENTS = 1 << 24
 #: Bound on ``sum(seq_len)`` of one pass: its decompressed keys and values take ``heads x
-#: K x (qk_head_dim + v_head_dim)`` elements (16 x 2^15 x 320 x bf16 = 320 MiB at the
-#: DeepSeek-V2-Lite shape), so a few chunk tails with long cached contexts do not all expand
-#: at once; one request longer than this still runs alone, as before batching.
+#: K x (qk_nope_head_dim + v_head_dim)`` elements on the flash path (16 x 2^15 x 256 x bf16
+#: = 256 MiB at the DeepSeek-V2-Lite shape; the reference also expands ``k_pe`` per head),
+#: so a few chunk tails with long cached contexts do not all expand at once; one request
+#: longer than this runs alone.
 MLA_PREFILL_MAX_KEYS = 1 << 15
 
 
@@ -124,6 +132,11 @@ class MLAAttention(nn.Module):
         self.o_proj = linear(self.num_heads * self.v_dim, h, bias)
         self.rotary = rotary
         self.scale = mla_softmax_scale(c)
+        #: Prefill attention, the same choice: ``"triton"`` (decompress, then the
+        #: variable-length flash-attention kernel), ``"torch"`` (decompress, then one masked
+        #: SDPA per group: the reference) or ``None``; ``TANDEM_MLA_PREFILL`` sets it.
+        mode = envs.TANDEM_MLA_PREFILL
+        self.prefill_backend: str | None = None if mode == "auto" else mode
 
     @property
     def latent_dim(self) -> int:
@@ -166,34 +179,68 @@ class MLAAttention(nn.Module):
         if nd > 0:
             out[:nd] = self._decode_absorbed(q_nope[:nd], q_pe[:nd], kv_cache, meta)
         qsl = meta.query_start_loc_cpu
+        if self._prefill_uses_triton(q_nope.device):
+            for r0, r1 in prefill_groups(qsl, meta.seq_lens_cpu, nd, meta.num_reqs, None, MLA_PREFILL_MAX_KEYS):
+                self._prefill_flash(q_nope, q_pe, kv_cache, meta, r0, r1, out)
+            return out
         for r0, r1 in prefill_groups(qsl, meta.seq_lens_cpu, nd, meta.num_reqs, MLA_PREFILL_MASK_ELEMENTS,
                                      MLA_PREFILL_MAX_KEYS):
             start, end = qsl[r0], qsl[r1]
             out[start:end] = self._prefill_batched(q_nope[start:end], q_pe[start:end], kv_cache, meta, r0, r1)
         return out
 
-    def _prefill_batched(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                         meta: AttentionMetadata, r0: int, r1: int) -> torch.Tensor:
-        """Decompressed attention of requests ``r0 .. r1-1`` (their packed queries ``q_nope``
-        / ``q_pe``) in one pass over all their context latents. Returns ``[Q, heads,
-        v_head_dim]``."""
-        dev = q_nope.device
-        qsl = meta.query_start_loc_cpu
-        num_q, num_k = qsl[r1] - qsl[r0], sum(meta.seq_lens_cpu[r0:r1])
+    def _gather_context(self, kv_cache: torch.Tensor, meta: AttentionMetadata, r0: int, r1: int,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cached latents of every context token of requests ``r0 .. r1-1``, packed
+        request after request: ``latent [K = sum(seq_len), latent_dim]`` in ``dtype``, with
+        each key's request index ``k_req [K]`` (0-based within the range) and position
+        ``k_pos [K]`` in its sequence. One indexing op through flat slots computed on the
+        device from the block tables; no host sync (K comes from the host lists)."""
+        dev = meta.seq_lens.device
+        num_k = sum(meta.seq_lens_cpu[r0:r1])
         seq_lens = meta.seq_lens[r0:r1]
-        q_ends = meta.query_start_loc[r0 + 1: r1 + 1]
-        reqs = torch.arange(r1 - r0, device=dev)
         # output_size: repeat_interleave would otherwise read the total back from the device.
-        k_req = torch.repeat_interleave(reqs, seq_lens, output_size=num_k)
+        k_req = torch.repeat_interleave(torch.arange(r1 - r0, device=dev), seq_lens, output_size=num_k)
         k_pos = torch.arange(num_k, device=dev) - (torch.cumsum(seq_lens, 0) - seq_lens)[k_req]
         block_size = kv_cache.shape[2]
         blocks = meta.block_tables[r0:r1][k_req, k_pos // block_size]
         slots = blocks.long() * block_size + k_pos % block_size
-        k, v = self.expand_latent(kv_cache[0].view(-1, kv_cache.shape[-1])[slots].to(q_nope.dtype))  # [h, K, *]
-        q_req = torch.repeat_interleave(reqs, q_ends - meta.query_start_loc[r0:r1], output_size=num_q)
+        return kv_cache[0].view(-1, kv_cache.shape[-1])[slots].to(dtype), k_req, k_pos
+
+    def _prefill_flash(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata, r0: int, r1: int, out: torch.Tensor) -> None:
+        """Requests ``r0 .. r1-1`` on the Triton path: their context latents are decompressed
+        by one ``kv_b_proj`` GEMM into ``k_nope`` / ``v`` ``[K, heads, *]`` (views of its
+        output) and the variable-length flash-attention kernel runs each request's queries
+        over its own keys only, with the shared RoPE key ``k_pe [K, 1, rope]`` read in place
+        (no per-head copy). Reads ``q_nope`` / ``q_pe [T, heads, *]`` and writes ``out [T,
+        heads, v_head_dim]`` at the requests' rows."""
+        from tandem.attention.triton_prefill_varlen import flash_attn_varlen_func
+
+        latent, _, _ = self._gather_context(kv_cache, meta, r0, r1, q_nope.dtype)
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(latent.shape[0], self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens[r0:r1], 0, dtype=torch.int32), (1, 0))
+        flash_attn_varlen_func(q_nope, k_nope, v, meta.query_start_loc[r0: r1 + 1], cu_seqlens_k, meta.max_query_len,
+                               self.scale, q_rope=q_pe, k_rope=k_pe[:, None], out=out)
+
+    def _prefill_batched(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: AttentionMetadata, r0: int, r1: int) -> torch.Tensor:
+        """The torch (reference) path: decompressed attention of requests ``r0 .. r1-1``
+        (their packed queries ``q_nope`` / ``q_pe``) in one masked SDPA over all their
+        context latents. Returns ``[Q, heads, v_head_dim]``."""
+        dev = q_nope.device
+        qsl = meta.query_start_loc_cpu
+        num_q = qsl[r1] - qsl[r0]
+        latent, k_req, k_pos = self._gather_context(kv_cache, meta, r0, r1, q_nope.dtype)
+        k, v = self.expand_latent(latent)  # [h, K, *]
+        q_ends = meta.query_start_loc[r0 + 1: r1 + 1]
+        q_req = torch.repeat_interleave(torch.arange(r1 - r0, device=dev), q_ends - meta.query_start_loc[r0:r1],
+                                        output_size=num_q)
         # The queries are the last q_len tokens of their sequence: token t of request r sits
         # at position seq_len_r - (q_end_r - t).
-        q_pos = torch.arange(qsl[r0], qsl[r1], device=dev) + (seq_lens - q_ends)[q_req]
+        q_pos = torch.arange(qsl[r0], qsl[r1], device=dev) + (meta.seq_lens[r0:r1] - q_ends)[q_req]
         mask = (q_req[:, None] == k_req[None, :]) & (k_pos[None, :] <= q_pos[:, None])
         q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)  # [h, Q, qk]
         # 4-D so that CUDA may pick a fused (memory-efficient) kernel, which takes only 4-D
@@ -227,11 +274,10 @@ class MLAAttention(nn.Module):
         return torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _decode_uses_triton(self, device: torch.device) -> bool:
-        if self.decode_backend is not None:
-            if self.decode_backend not in ("triton", "torch"):
-                raise ValueError(f"decode_backend must be 'triton', 'torch' or None, got {self.decode_backend!r}")
-            return self.decode_backend == "triton"
-        return _default_backend_name(device.type) == "triton"
+        return _uses_triton("decode_backend", self.decode_backend, device)
+
+    def _prefill_uses_triton(self, device: torch.device) -> bool:
+        return _uses_triton("prefill_backend", self.prefill_backend, device)
 
     def _decode_attention_torch(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                                 meta: AttentionMetadata) -> torch.Tensor:
@@ -250,6 +296,17 @@ class MLAAttention(nn.Module):
         return o.squeeze(2)
 
 
+def _uses_triton(field: str, choice: str | None, device: torch.device) -> bool:
+    """The one decision between the Triton kernels and the torch reference: ``choice``
+    (``"triton"``, ``"torch"``, or None: the kind of backend the dense models get on
+    ``device``). Raises ValueError naming ``field`` for any other value."""
+    if choice is None:
+        return _default_backend_name(device.type) == "triton"
+    if choice not in ("triton", "torch"):
+        raise ValueError(f"{field} must be 'triton', 'torch' or None, got {choice!r}")
+    return choice == "triton"
+
+
 @functools.cache
 def _default_backend_name(device_type: str) -> str:
     """Name of the attention backend the dense models get on this kind of device."""
@@ -257,18 +314,19 @@ def _default_backend_name(device_type: str) -> str:
 
 
 def prefill_groups(query_start_loc: list[int], seq_lens: list[int], first: int, last: int,
-                   max_elements: int, max_keys: int | None = None) -> list[tuple[int, int]]:
+                   max_elements: int | None, max_keys: int | None = None) -> list[tuple[int, int]]:
     """Split requests ``first .. last-1`` into consecutive ranges ``(r0, r1)``, each one
     batched prefill pass, whose ``sum(q_len) * sum(seq_len)`` stays within
     ``max_elements`` and ``sum(seq_len)`` (the keys decompressed at once) within
-    ``max_keys`` (None: no bound); a request over a bound on its own forms a group.
+    ``max_keys`` (None: no such bound); a request over a bound on its own forms a group.
     Requests without queries belong to no group: their keys would be gathered and
     expanded for nothing."""
     groups: list[tuple[int, int]] = []
     r0, num_q, num_k = first, 0, 0
     for r in range(first, last):
         q_len, seq_len = query_start_loc[r + 1] - query_start_loc[r], seq_lens[r]
-        over = (num_q + q_len) * (num_k + seq_len) > max_elements or (max_keys is not None and num_k + seq_len > max_keys)
+        over = ((max_elements is not None and (num_q + q_len) * (num_k + seq_len) > max_elements)
+                or (max_keys is not None and num_k + seq_len > max_keys))
         if r > r0 and (q_len == 0 or over):
             groups.append((r0, r))
             r0, num_q, num_k = r, 0, 0

@@ -1,9 +1,9 @@
 """MLA pieces: interleaved RoPE == transformers' DeepSeek-V2 rotary; absorbed-weight decode
 (torch reference and the Triton kernel) == decompressed attention, whatever the
-block-table width; the batched prefill (however it is grouped) == per-request attention;
-the whole layer / model with the Triton decode == the torch path / transformers. Without
-CUDA the Triton kernel runs in the interpreter (tests/conftest.py sets
-``TRITON_INTERPRET=1``)."""
+block-table width; the batched prefill (masked SDPA or the flash-attention kernel, however
+it is grouped) == per-request attention; the whole layer / model with the Triton kernels ==
+the torch path / transformers. Without CUDA the Triton kernels run in the interpreter
+(tests/conftest.py sets ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.models.paged_parity import assert_paged_parity, random_hf_reference, 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
-DECODE_BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton"]
 
 
 @pytest.fixture
@@ -48,6 +48,20 @@ def triton_decode_cpu(triton_decode):
         pytest.skip("CPU tensors: needs TRITON_INTERPRET=1")
 
 
+@pytest.fixture
+def triton_prefill(triton_decode):
+    """The prefill kernel as well (compiled on CUDA or interpreted)."""
+    from tandem.attention import triton_prefill_varlen
+
+    if INTERPRET and not triton_prefill_varlen._INTERPRET:
+        pytest.skip("tandem.attention.triton_prefill_varlen was imported before TRITON_INTERPRET was set")
+
+
+@pytest.fixture
+def triton_prefill_cpu(triton_prefill, triton_decode_cpu):
+    """For tests on CPU tensors: both kernels run in the interpreter."""
+
+
 def _cfg():
     return DeepseekV2Config(hidden_size=64, num_attention_heads=4, kv_lora_rank=32, q_lora_rank=None,
                             qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, max_position_embeddings=128)
@@ -67,7 +81,7 @@ def test_interleaved_rope_matches_transformers():
     torch.testing.assert_close(got_k, want_k[0].transpose(0, 1))
 
 
-@pytest.mark.parametrize("decode_backend", DECODE_BACKENDS)
+@pytest.mark.parametrize("decode_backend", BACKENDS)
 def test_absorbed_decode_equals_decompressed(decode_backend, request):
     if decode_backend == "triton":
         request.getfixturevalue("triton_decode_cpu")
@@ -114,18 +128,27 @@ def test_prefill_groups():
     # The key bound: 17+10 keys fit under 30, +61 does not; 61 alone is over it and runs alone.
     assert prefill_groups(qsl, seqs, 2, 7, 1 << 26, max_keys=30) == [(2, 4), (4, 5), (5, 6), (6, 7)]
     assert prefill_groups(qsl, seqs, 2, 7, 1 << 26, max_keys=10**6) == [(2, 7)]
+    # No Q x K bound (the flash-attention path): only the keys split.
+    assert prefill_groups(qsl, seqs, 2, 7, None, max_keys=30) == [(2, 4), (4, 5), (5, 6), (6, 7)]
+    assert prefill_groups(qsl, seqs, 2, 7, None, max_keys=None) == [(2, 7)]
 
 
-@pytest.mark.parametrize("bound,num_groups", [(1 << 26, 1), (3000, 3), (1, 5)])
-def test_batched_prefill_equals_per_request(bound, num_groups, monkeypatch):
+@pytest.mark.parametrize("backend,bound_name,bound,num_groups", [
+    ("torch", "MLA_PREFILL_MASK_ELEMENTS", 1 << 26, 1), ("torch", "MLA_PREFILL_MASK_ELEMENTS", 3000, 3),
+    ("torch", "MLA_PREFILL_MASK_ELEMENTS", 1, 5), ("triton", "MLA_PREFILL_MAX_KEYS", 1 << 15, 1),
+    ("triton", "MLA_PREFILL_MAX_KEYS", 30, 4)])
+def test_batched_prefill_equals_per_request(backend, bound_name, bound, num_groups, monkeypatch, request):
     """Two decodes and five prefill rows (1-64 queries, some on a cached prefix, contexts
     across 8-token blocks in shuffled order) through ``_attend``: every row equals
     attention over that request's own decompressed latents with the causal-prefix mask,
-    whether the prefill rows run as one pass or split into groups."""
+    whether the prefill rows run as one pass or split into groups, through the masked SDPA
+    or the flash-attention kernel (the key budget alone groups the kernel's passes)."""
+    if backend == "triton":
+        request.getfixturevalue("triton_prefill_cpu")
     torch.manual_seed(2)
     cfg = _cfg()
     attn = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 128))
-    attn.decode_backend = "torch"
+    attn.decode_backend, attn.prefill_backend = "torch", backend
     for p in attn.parameters():
         torch.nn.init.normal_(p, 0, 0.2)
     bs, nblocks = 8, 40
@@ -138,22 +161,31 @@ def test_batched_prefill_equals_per_request(bound, num_groups, monkeypatch):
         i += nb
     meta = step_metadata(q_lens, computed, tables, bs)
     assert meta.num_decode_reqs == 2
-    assert prefill_groups(meta.query_start_loc_cpu, meta.seq_lens_cpu, 2, 7, bound) == prefill_groups(
-        [0, 1, 2, 19, 20, 60, 63, 127], [14, 31, 17, 10, 61, 3, 69], 2, 7, bound)
+    bounds = dict(max_elements=None, max_keys=bound) if backend == "triton" else dict(max_elements=bound)
+    assert prefill_groups(meta.query_start_loc_cpu, meta.seq_lens_cpu, 2, 7, **bounds) == prefill_groups(
+        [0, 1, 2, 19, 20, 60, 63, 127], [14, 31, 17, 10, 61, 3, 69], 2, 7, **bounds)
     cache = torch.randn(1, nblocks, bs, 1, 48)
     q_nope, q_pe = torch.randn(sum(q_lens), 4, 24), torch.randn(sum(q_lens), 4, 16)
 
-    sdpa, calls = F.scaled_dot_product_attention, []
+    calls = {"sdpa": 0, "flash": 0}
 
-    def counting_sdpa(*args, **kwargs):
-        calls.append(args[0].shape)
-        return sdpa(*args, **kwargs)
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
 
-    monkeypatch.setattr(mla_module, "MLA_PREFILL_MASK_ELEMENTS", bound)
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(mla_module, bound_name, bound)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting("sdpa", F.scaled_dot_product_attention))
+    if backend == "triton":
+        from tandem.attention import triton_prefill_varlen
+
+        monkeypatch.setattr(triton_prefill_varlen, "flash_attn_varlen_func",
+                            counting("flash", triton_prefill_varlen.flash_attn_varlen_func))
     got = attn._attend(q_nope, q_pe, cache, meta)
     monkeypatch.undo()
-    assert len(calls) == 1 + num_groups  # the decode batch, then one pass per group
+    # The decode batch, then one pass per group.
+    assert calls == ({"sdpa": 1, "flash": num_groups} if backend == "triton" else {"sdpa": 1 + num_groups, "flash": 0})
 
     flat = cache[0].view(-1, 48)
     qsl = meta.query_start_loc_cpu
@@ -167,27 +199,44 @@ def test_batched_prefill_equals_per_request(bound, num_groups, monkeypatch):
         torch.testing.assert_close(got[qsl[r]: qsl[r + 1]], want, atol=1e-5, rtol=1e-5)
 
 
-def test_default_decode_backend_follows_attention_backend():
-    """Triton kernel wherever get_attention_backend picks the Triton backend (CUDA)."""
+@pytest.mark.parametrize("stage", ["decode", "prefill"])
+def test_default_backends_follow_attention_backend(stage):
+    """Triton kernels wherever get_attention_backend picks the Triton backend (CUDA)."""
     from tandem.attention.selector import get_attention_backend
 
     cfg = _cfg()
     attn = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 128))
+    uses_triton = getattr(attn, f"_{stage}_uses_triton")
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     for dev in devices:
-        assert attn._decode_uses_triton(dev) == (get_attention_backend(dev).name == "triton")
-    assert not attn._decode_uses_triton(torch.device("cpu"))
-    attn.decode_backend = "triton"
-    assert attn._decode_uses_triton(torch.device("cpu"))
-    attn.decode_backend = "flash"
-    with pytest.raises(ValueError, match="decode_backend"):
-        attn._decode_uses_triton(torch.device("cpu"))
+        assert uses_triton(dev) == (get_attention_backend(dev).name == "triton")
+    assert not uses_triton(torch.device("cpu"))
+    setattr(attn, f"{stage}_backend", "triton")
+    assert uses_triton(torch.device("cpu"))
+    setattr(attn, f"{stage}_backend", "flash")
+    with pytest.raises(ValueError, match=f"{stage}_backend"):
+        uses_triton(torch.device("cpu"))
+
+
+def test_prefill_backend_from_environment(monkeypatch):
+    cfg = _cfg()
+    make = lambda: MLAAttention(cfg, RotaryEmbedding(cfg, 16, 128))  # noqa: E731
+    assert make().prefill_backend is None
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("TANDEM_MLA_PREFILL", mode)
+        assert make().prefill_backend == mode
+    monkeypatch.setenv("TANDEM_MLA_PREFILL", "auto")
+    assert make().prefill_backend is None
+    monkeypatch.setenv("TANDEM_MLA_PREFILL", "flash")
+    with pytest.raises(ValueError, match="TANDEM_MLA_PREFILL"):
+        make()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_layer_triton_decode_equals_torch(dtype, triton_decode):
+def test_layer_triton_equals_torch(dtype, triton_prefill):
     """A mixed step (decodes at block edges, one of them length 1, then a chunk on a cached
-    prefix and a fresh prompt) through the whole layer: same output and cache either way."""
+    prefix and a fresh prompt) through the whole layer, decode and prefill both on the
+    Triton kernels or both on the torch references: same output and cache either way."""
     torch.manual_seed(1)
     cfg = DeepseekV2Config(hidden_size=80, num_attention_heads=5, kv_lora_rank=64, q_lora_rank=24, qk_rope_head_dim=16,
                            qk_nope_head_dim=32, v_head_dim=24, max_position_embeddings=256)
@@ -209,8 +258,8 @@ def test_layer_triton_decode_equals_torch(dtype, triton_decode):
     pos = torch.tensor([p for c, q in zip(computed, q_lens) for p in range(c, c + q)], device=DEVICE)
     outs, caches = {}, {}
     with torch.no_grad():
-        for backend in DECODE_BACKENDS:
-            attn.decode_backend = backend
+        for backend in BACKENDS:
+            attn.decode_backend = attn.prefill_backend = backend
             caches[backend] = cache.clone()
             outs[backend] = attn(x, pos, caches[backend], meta)
     assert meta.num_decode_reqs == 4
@@ -219,10 +268,10 @@ def test_layer_triton_decode_equals_torch(dtype, triton_decode):
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=tol, rtol=tol)
 
 
-def test_fp8_latent_cache(triton_decode):
+def test_fp8_latent_cache(triton_prefill):
     """An FP8 (e4m3, scale 1.0) latent cache through the whole layer: the Triton and torch
-    decodes agree on it and write the same bytes, and the output stays within the FP8
-    rounding of the run over an fp32 cache."""
+    paths (decode and prefill) agree on it and write the same bytes, and the output stays
+    within the FP8 rounding of the run over an fp32 cache."""
     torch.manual_seed(2)
     cfg = DeepseekV2Config(hidden_size=80, num_attention_heads=5, kv_lora_rank=64, q_lora_rank=None,
                            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24, max_position_embeddings=256)
@@ -238,8 +287,8 @@ def test_fp8_latent_cache(triton_decode):
     pos = torch.tensor([p for c, q in zip(computed, q_lens) for p in range(c, c + q)], device=DEVICE)
     outs, caches = {}, {}
     with torch.no_grad():
-        for backend in DECODE_BACKENDS:
-            attn.decode_backend = backend
+        for backend in BACKENDS:
+            attn.decode_backend = attn.prefill_backend = backend
             caches[backend] = fp8.clone()
             outs[backend] = attn(x, pos, caches[backend], meta)
         exact = attn(x, pos, fp8.float(), meta)
@@ -248,9 +297,9 @@ def test_fp8_latent_cache(triton_decode):
     assert ((outs["torch"] - exact).norm() / exact.norm()) < 0.05
 
 
-def test_model_with_triton_decode_matches_transformers(triton_decode_cpu):
-    """Tiny random DeepSeek-V2 with the Triton decode in every layer: transformers' logits
-    for a ragged prefill, decode steps and a chunked step (fp32, 1e-4)."""
+def test_model_with_triton_kernels_matches_transformers(triton_prefill_cpu):
+    """Tiny random DeepSeek-V2 with the Triton decode and prefill in every layer:
+    transformers' logits for a ragged prefill, decode steps and a chunked step (fp32, 1e-4)."""
     from tandem.models.registry import get_model_class
 
     cfg = DeepseekV2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -263,7 +312,44 @@ def test_model_with_triton_decode_matches_transformers(triton_decode_cpu):
     mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
     assert len(mla) == 2
     for m in mla:
-        m.decode_backend = "triton"
+        m.decode_backend = m.prefill_backend = "triton"
     bs = 8
     kv = [torch.zeros(1, 64, bs, 1, 32 + 16) for _ in range(2)]
     assert_paged_parity(model, ref, cfg.vocab_size, kv, bs, decode_steps=2)
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (compiled kernels)")
+def test_cuda_prefill_makes_no_host_sync(triton_prefill):
+    """A prefill-only step (fresh prompts, a chunk on a cached prefix, a one-token prefix
+    tail) through the layer on the flash-attention path under torch's sync debug mode
+    "error": nothing reads the device back (the metadata's host lists size everything)."""
+    torch.manual_seed(3)
+    cfg = DeepseekV2Config(hidden_size=256, num_attention_heads=4, kv_lora_rank=128, q_lora_rank=None,
+                           qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=1024)
+    attn = MLAAttention(cfg, RotaryEmbedding(cfg, 64, 1024)).cuda()
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, 0, 0.05)
+    attn = attn.to(torch.bfloat16)
+    attn.prefill_backend = "triton"
+    bs, computed, q_lens = 16, [0, 100, 63, 0], [40, 60, 1, 200]
+    tables, nxt = [], 1
+    for c, q in zip(computed, q_lens):
+        nb = -(-(c + q) // bs)
+        tables.append(list(range(nxt, nxt + nb)))
+        nxt += nb
+    meta = step_metadata(q_lens, computed, tables, bs, "cuda")
+    cache = torch.randn(1, nxt, bs, 1, 128 + 64, device="cuda").to(torch.bfloat16)
+    x = torch.randn(sum(q_lens), 256, device="cuda").to(torch.bfloat16)
+    pos = torch.tensor([p for c, q in zip(computed, q_lens) for p in range(c, c + q)], device="cuda")
+    with torch.no_grad():
+        want = attn(x, pos, cache.clone(), meta)  # compiles the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = attn(x, pos, cache.clone(), meta)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        attn.prefill_backend = "torch"
+        ref = attn(x, pos, cache.clone(), meta)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
