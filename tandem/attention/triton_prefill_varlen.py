@@ -30,11 +30,12 @@ import triton.language as tl
 from tandem.triton_utils import INTERPRET as _INTERPRET
 from tandem.triton_utils import dot as _dot
 
-#: ``(block_m, block_n, num_warps, num_stages)`` per input dtype, chosen from ptxas's report
-#: for sm_90 at DeepSeek-V2's widths (benchmarks/RESULTS.md, session 7; not yet timed): the
-#: 16-bit tiles run on wgmma with cp.async pipelining and no spills; fp32 (exact "ieee" dots
-#: on FMA units, used by parity tests) needs small tiles to stay near the register file.
-LAUNCH_DEFAULTS = {torch.float16: (128, 64, 8, 2), torch.bfloat16: (128, 64, 8, 2), torch.float32: (32, 16, 4, 2)}
+#: ``(block_m, block_n, num_warps, num_stages)`` per input dtype. 16-bit: the fastest launch
+#: timed on an H200 for the long prefill steps the GPU defaults make (benchmarks/RESULTS.md,
+#: session 7, "MLA prefill on the H200"), wgmma with a 3-deep cp.async pipeline, no spills;
+#: fp32 (exact "ieee" dots on FMA units, used by parity tests) needs small tiles to stay
+#: near the register file.
+LAUNCH_DEFAULTS = {torch.float16: (128, 64, 8, 3), torch.bfloat16: (128, 64, 8, 3), torch.float32: (32, 16, 4, 2)}
 
 
 @triton.jit
