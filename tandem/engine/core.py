@@ -14,6 +14,7 @@ or in its own (:mod:`tandem.engine.core_proc`).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -131,6 +132,7 @@ class EngineCore:
         # Host time per step (schedule, the runner's input preparation, update_from_output)
         # while a benchmark records it (start_host_timing).
         self.step_times: StepHostTimes | None = None
+        freeze_startup_heap()
 
     def _moe_kwargs(self) -> dict:
         """The dispatch/combine backend of MoE layers (dense models take none)."""
@@ -385,6 +387,8 @@ class EngineCore:
     def shutdown(self) -> None:
         self.runner.shutdown()
         self.structured_output.shutdown()
+        # The frozen heap's unreachable cycles (this engine's, once released) can be freed again.
+        gc.unfreeze()
 
     def scheduler_stats(self) -> SchedulerStats:
         s, kv = self.scheduler, self.kv_manager
@@ -403,4 +407,14 @@ class EngineCore:
         return s
 
 
-__all__ = ["EngineCore"]
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object alive (the model, the libraries' modules and
+    caches) out of the collector's generations, as vLLM's engine core does: a full
+    collection while serving otherwise traverses all of them, a pause of hundreds of ms
+    in one step at a thousand sequences (benchmarks/RESULTS.md, session 7). Undone by
+    :meth:`EngineCore.shutdown`."""
+    gc.collect()
+    gc.freeze()
+
+
+__all__ = ["EngineCore", "freeze_startup_heap"]

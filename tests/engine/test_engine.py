@@ -245,3 +245,19 @@ def test_prompt_logprobs_with_n(llm):
                          use_tqdm=False)[0]
     assert len(three.outputs) == 3
     assert three.prompt_logprobs == one.prompt_logprobs
+
+
+def test_startup_heap_is_frozen_while_the_engine_runs():
+    """A full collection would otherwise traverse the model and every library object each
+    time it runs while serving (a pause of hundreds of ms per step at large batches); the
+    freeze is undone at shutdown so the released engine can be collected."""
+    import gc
+
+    gc.unfreeze()
+    m = make_llm(num_kv_blocks=64, max_model_len=256)
+    try:
+        assert gc.get_freeze_count() > 10_000
+        m.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        m.engine.shutdown()
+    assert gc.get_freeze_count() == 0
