@@ -1,17 +1,40 @@
 """Helpers for running Triton kernels in the interpreter on CPU-only machines.
 
-A test module that runs kernels does, before importing anything that decorates them::
+A test module that runs kernels calls :func:`triton_test_setup` before importing anything
+that decorates them::
 
-    import os, torch
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    from tests.triton_interpreter import patch_interpreter_bf16_rounding, patch_interpreter_for_numpy_2_4
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        patch_interpreter_for_numpy_2_4()
-        patch_interpreter_bf16_rounding()  # where bf16 results are compared tightly
+    from tests.triton_interpreter import triton_test_setup
+    DEVICE, INTERPRET = triton_test_setup("tandem.attention.triton_mla")
+    from tandem.attention.triton_mla import mla_decode_attention  # noqa: E402
 """
 
 from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+
+def triton_test_setup(kernel_module: str | None = None, bf16_rounding: bool = False) -> tuple[torch.device, bool]:
+    """Without CUDA, set ``TRITON_INTERPRET=1`` (the interpreter is chosen per ``@triton.jit``
+    at decoration time) and patch the interpreter (``bf16_rounding``: also its fp32 -> bf16
+    rounding, where bf16 results are compared tightly). Skip the calling test module when
+    Triton is missing, or when ``kernel_module`` was imported, so decorated, before the flag
+    was set (run such a module on its own). Returns ``(device, interpreting)``."""
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    pytest.importorskip("triton")
+    if interpret:
+        patch_interpreter_for_numpy_2_4()
+        if bf16_rounding:
+            patch_interpreter_bf16_rounding()
+        if kernel_module is not None and not importlib.import_module(kernel_module)._INTERPRET:
+            pytest.skip(f"{kernel_module} was imported before TRITON_INTERPRET was set; run this module on its own",
+                        allow_module_level=True)
+    return torch.device("cpu" if interpret else "cuda"), interpret
 
 
 def patch_interpreter_for_numpy_2_4() -> None:

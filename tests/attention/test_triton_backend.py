@@ -8,36 +8,17 @@ run too. Force the interpreter on a GPU machine with ``TRITON_INTERPRET=1 pytest
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from tests.triton_interpreter import triton_test_setup
 
-pytest.importorskip("triton")
-
-
-from tests.triton_interpreter import patch_interpreter_for_numpy_2_4 as _patch_interpreter_for_numpy_2_4  # noqa: E402
-
-if INTERPRET:
-    _patch_interpreter_for_numpy_2_4()
+DEVICE, INTERPRET = triton_test_setup("tandem.attention.triton_backend")
 
 from tandem.attention import triton_backend  # noqa: E402
 from tandem.attention.metadata import AttentionMetadata  # noqa: E402
 from tandem.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tandem.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
-
-if INTERPRET and not triton_backend._INTERPRET:
-    pytest.skip(
-        "tandem.attention.triton_backend was imported before TRITON_INTERPRET was set; "
-        "run this module on its own (or first)",
-        allow_module_level=True,
-    )
 
 cuda_only = pytest.mark.skipif(INTERPRET, reason="large case: compiled CUDA only")
 

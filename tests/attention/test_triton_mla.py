@@ -7,30 +7,15 @@ the interpreter fast, plus DeepSeek-V2's real 512 / 64 at short lengths.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from tests.triton_interpreter import triton_test_setup
 
-pytest.importorskip("triton")
-
-from tests.triton_interpreter import patch_interpreter_for_numpy_2_4  # noqa: E402
-
-if INTERPRET:
-    patch_interpreter_for_numpy_2_4()
+DEVICE, INTERPRET = triton_test_setup("tandem.attention.triton_mla")
 
 from tandem.attention import triton_mla  # noqa: E402
 from tandem.attention.triton_mla import mla_decode_attention, mla_num_splits  # noqa: E402
-
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
-
-if INTERPRET and not triton_mla._INTERPRET:
-    pytest.skip("tandem.attention.triton_mla was imported before TRITON_INTERPRET was set; run this module on its own",
-                allow_module_level=True)
 
 cuda_only = pytest.mark.skipif(INTERPRET, reason="large case: compiled CUDA only")
 

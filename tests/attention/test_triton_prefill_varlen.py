@@ -19,25 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from tests.triton_interpreter import triton_test_setup
 
-pytest.importorskip("triton")
-
-from tests.triton_interpreter import patch_interpreter_for_numpy_2_4  # noqa: E402
-
-if INTERPRET:
-    patch_interpreter_for_numpy_2_4()
+DEVICE, INTERPRET = triton_test_setup("tandem.attention.triton_prefill_varlen")
 
 from tandem.attention import triton_prefill_varlen  # noqa: E402
 from tandem.attention.triton_prefill_varlen import flash_attn_varlen_func  # noqa: E402
-
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
-
-if INTERPRET and not triton_prefill_varlen._INTERPRET:
-    pytest.skip("tandem.attention.triton_prefill_varlen was imported before TRITON_INTERPRET was set; "
-                "run this module on its own", allow_module_level=True)
 
 TOL = {torch.float32: 2e-5 if INTERPRET else 2e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 SENTINEL = 7.0

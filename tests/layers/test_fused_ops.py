@@ -7,22 +7,13 @@ before any kernel is decorated: :mod:`tandem.layers.fused_ops` jits them on firs
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from tests.triton_interpreter import triton_test_setup
 
-pytest.importorskip("triton")
-
-from tests.triton_interpreter import patch_interpreter_bf16_rounding, patch_interpreter_for_numpy_2_4  # noqa: E402
-
-if INTERPRET:
-    patch_interpreter_for_numpy_2_4()
-    patch_interpreter_bf16_rounding()  # the interpreter truncates fp32 -> bf16; GPUs round to nearest even
+# bf16 rounding: the interpreter truncates fp32 -> bf16; GPUs round to nearest even.
+DEVICE, INTERPRET = triton_test_setup(bf16_rounding=True)
 
 from transformers import LlamaConfig, Qwen3Config  # noqa: E402
 
@@ -33,7 +24,6 @@ from tandem.layers.rotary import RotaryEmbedding  # noqa: E402
 from tandem.models.llama import LlamaForCausalLM  # noqa: E402
 
 fused_ops._kernel.cache_clear()  # jit again now that TRITON_INTERPRET is settled
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 
