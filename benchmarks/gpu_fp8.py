@@ -89,7 +89,7 @@ def main() -> None:
             for v in order:
                 res[v][seqs].append(run(cfg_dir, args.out, v, seqs, rep, args.num_prompts))
     with open(os.path.join(args.out, "gpu_fp8.json"), "w") as f:
-        json.dump({v: {str(s): runs for s, runs in d.items()} for v, d in res.items()}, f, indent=2)
+        json.dump({v: {str(s or "default"): runs for s, runs in d.items()} for v, d in res.items()}, f, indent=2)
 
     print("\n| run | max-num-seqs | requests/s median (min-max) | x bf16 | output tok/s | decode step (batch) "
           "| HBM floor | FP8 matmul-at-peak + KV floor | host ms/step median (p99) | GPU idle |")

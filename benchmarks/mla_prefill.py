@@ -33,7 +33,7 @@ TINY = dict(hidden_size=64, num_attention_heads=4, kv_lora_rank=32, qk_rope_head
             v_head_dim=32, q_lora_rank=None)
 VARIANTS = [dict(), dict(block_m=64, block_n=64, num_warps=4, num_stages=2),
             dict(block_m=128, block_n=32, num_warps=4, num_stages=2),
-            dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
+            dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
             dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
             dict(block_m=64, block_n=32, num_warps=4, num_stages=3)]
 

@@ -76,7 +76,8 @@ def bench_serve(url: str, tok: list[str], a: argparse.Namespace, load: list[str]
                     str(a.output_len), "--random-range-ratio", "0", "--num-prompts", str(a.num_prompts),
                     "--request-rate", "inf", "--ignore-eos", *tok, *load,
                     "--save-result", "--result-dir", d, "--result-filename", name], check=True)
-    return json.load(open(os.path.join(d, name)))
+    with open(os.path.join(d, name)) as f:
+        return json.load(f)
 
 
 def served(engine: list[str], server_args: str, a: argparse.Namespace) -> dict:

@@ -12,11 +12,13 @@ The model dtype (read by ``EngineConfig.torch_dtype``):
   what the checkpoint asked for.
 - Any other CPU: float32 (bf16 arithmetic would be emulated, slower than fp32).
 
-The batch limits (read by ``EngineConfig.resolve_limits``), vLLM's defaults for its V1 engine:
-a GPU of >= 70 GiB other than the A100 (H100, H200, B200: memory for a thousand sequences'
-KV and the compute to batch them) takes 1024 sequences and 16384 tokens per step offline,
-8192 when served (shorter prefill steps delay the running streams' next tokens less); a
-smaller GPU 256 sequences and 8192 / 2048 tokens; the CPU 256 and 2048.
+The batch limits (read by ``EngineConfig.resolve_limits``): on CUDA vLLM's defaults for its
+V1 engine: a GPU of >= 70 GiB other than the A100 (H100, H200, B200: memory for a thousand
+sequences' KV and the compute to batch them) takes 1024 sequences and 16384 tokens per step
+offline, 8192 when served (shorter prefill steps delay the running streams' next tokens
+less); a smaller GPU 256 sequences and 8192 / 2048 tokens. The CPU keeps Tandem's 256
+sequences and 2048 tokens in both uses (vLLM's CPU backend takes 4096 offline and 128
+sequences served; here a 2048-token prefill step already takes seconds on a few cores).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from tandem.config.scheduler import UsageContext
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -68,7 +72,7 @@ def auto_dtype(device: torch.device, model: str | None) -> torch.dtype:
 _LARGE_GPU_BYTES = 70 * 2**30
 
 
-def default_batch_limits(device: torch.device, usage_context: str) -> tuple[int, int]:
+def default_batch_limits(device: torch.device, usage_context: UsageContext) -> tuple[int, int]:
     """``(max_num_seqs, max_num_batched_tokens)`` for limits left unset on ``device``, used
     by ``usage_context`` (``"llm_class"`` or ``"openai_api_server"``); see the module
     docstring. Reads the GPU's properties (initialises CUDA in this process)."""

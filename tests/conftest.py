@@ -7,6 +7,18 @@ import os
 import pytest
 import torch
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _unfreeze_heap_after_module():
+    """Engine cores freeze the heap (tandem.engine.core.freeze_startup_heap) and unfreeze it
+    when the last one shuts down; tests that drop an engine without shutting it down would
+    keep every later engine's reference cycles frozen, so memory would grow over the run."""
+    yield
+    import gc
+
+    gc.unfreeze()
+
+
 if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on the CPU; it is chosen when a kernel is
     # defined, so it must be set before any test module imports one.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tandem.engine.arg_utils import EngineArgs
-from tandem.entrypoints.arg_types import positive_int
+from tandem.entrypoints.arg_types import positive_int, unit_fraction
 
 
 def add_bench_parser(sub) -> None:
@@ -17,7 +17,7 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--num-prompts", type=positive_int, default=100)
     t.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     t.add_argument("--output-json", default=None)
-    t.add_argument("--structured-output-ratio", type=float, default=0.0,
+    t.add_argument("--structured-output-ratio", type=unit_fraction, default=0.0,
                    help="share of the requests constrained to a JSON schema (0-1)")
     t.add_argument("--json-schema-path", default=None,
                    help="the schema of the constrained requests (default: the serving benchmark's user profile)")

@@ -212,16 +212,25 @@ def json_schema_requests(num_prompts: int, tokenizer: BenchTokenizer, output_len
     return reqs
 
 
-def constrain_requests(reqs: list[SampleRequest], schema: dict, ratio: float, seed: int = 0) -> None:
-    """Constrain a ``ratio`` share of ``reqs`` (chosen at random) to ``schema`` with
-    ``response_format`` ``json_schema``, in place.
+def constrained_indices(num_requests: int, ratio: float, seed: int = 0) -> list[int]:
+    """Which of ``num_requests`` requests a ``--structured-output-ratio`` of ``ratio``
+    constrains: ``round(ratio * num_requests)`` of them, drawn with ``seed``.
 
     Raises:
         ValueError: ``ratio`` outside [0, 1].
     """
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"--structured-output-ratio must be in [0, 1], got {ratio}")
-    chosen = random.Random(seed).sample(range(len(reqs)), round(ratio * len(reqs)))
-    for i in chosen:
+    return random.Random(seed).sample(range(num_requests), round(ratio * num_requests))
+
+
+def constrain_requests(reqs: list[SampleRequest], schema: dict, ratio: float, seed: int = 0) -> None:
+    """Constrain a ``ratio`` share of ``reqs`` (:func:`constrained_indices`) to ``schema``
+    with ``response_format`` ``json_schema``, in place.
+
+    Raises:
+        ValueError: ``ratio`` outside [0, 1].
+    """
+    for i in constrained_indices(len(reqs), ratio, seed):
         reqs[i].extra_body = {"response_format": {"type": "json_schema",
                                                   "json_schema": {"name": "profile", "schema": schema}}}

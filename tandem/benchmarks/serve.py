@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from tandem.benchmarks.datasets import (LocalTokenizer, RemoteTokenizer, SampleRequest, constrain_requests,
                                         json_schema_requests, load_json_schema, random_requests, sharegpt_requests)
-from tandem.entrypoints.arg_types import port_number, positive_int
+from tandem.entrypoints.arg_types import port_number, positive_int, unit_fraction
 from tandem.entrypoints.openai.client import served_models
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -282,7 +282,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-schema-path", default=None,
                    help="schema of the json-schema dataset and of constrained requests (default: "
                         "tandem/benchmarks/user_profile_schema.json, a nested user profile)")
-    p.add_argument("--structured-output-ratio", type=float, default=None,
+    p.add_argument("--structured-output-ratio", type=unit_fraction, default=None,
                    help="share of the requests (any dataset) constrained to the schema with response_format "
                         "json_schema; the others are free (default: 1 for json-schema, else 0)")
     p.add_argument("--num-prompts", type=positive_int, default=100)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from tandem.benchmarks.datasets import load_json_schema
+from tandem.benchmarks.datasets import constrained_indices, load_json_schema
 from tandem.sampling_params import SamplingParams
 from tandem.structured_output.params import StructuredOutputsParams
 
@@ -63,7 +62,8 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     """Generate ``num_prompts`` random prompts of ``input_len`` tokens, greedy, ``output_len`` new
     tokens each; a ``structured_output_ratio`` share of them (chosen at random) constrained to
     ``json_schema`` (default: the serving benchmark's user profile schema), so that what
-    constrained decoding costs per engine step shows in the host time and GPU idle figures.
+    constrained decoding costs per engine step shows in the host time and GPU idle figures
+    (the warm-up constrains the same share, so the schema's grammar compiles before timing).
 
     Raises:
         ValueError: ``structured_output_ratio`` outside [0, 1].
@@ -77,7 +77,9 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     # that follow the token count, and on each size's divisibility) are not timed.
     max_num_seqs = llm.engine.config.scheduler_config.max_num_seqs
     warm = random_prompts(min(num_prompts, max_num_seqs), input_len, llm.engine.vocab_size, seed + 1)
-    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    warm_params = _constrained_params(SamplingParams(max_tokens=4, ignore_eos=True), len(warm),
+                                      structured_output_ratio, json_schema, seed)
+    llm.generate(warm, warm_params, use_tqdm=False)
     pre = _preemptions(llm)
     # Step timing needs the in-process runner; the DP/TP front-ends run the steps in other processes.
     runner = getattr(llm.engine, "runner", None)
@@ -104,13 +106,11 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
 
 def _constrained_params(free: SamplingParams, num_prompts: int, ratio: float, schema: dict | None,
                         seed: int) -> SamplingParams | list[SamplingParams]:
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"structured_output_ratio must be in [0, 1], got {ratio}")
-    if ratio == 0.0:
+    chosen = set(constrained_indices(num_prompts, ratio, seed))
+    if not chosen:
         return free
     constrained = dataclasses.replace(free, structured_outputs=StructuredOutputsParams(
         json=schema if schema is not None else load_json_schema()))
-    chosen = set(random.Random(seed).sample(range(num_prompts), round(ratio * num_prompts)))
     return [constrained if i in chosen else free for i in range(num_prompts)]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tandem.config.utils import check_choices
+
 UsageContext = Literal["llm_class", "openai_api_server"]
 
 
@@ -33,6 +35,7 @@ class SchedulerConfig:
     N's sampled ids are taken in (docs/architecture.md)."""
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.selector import get_attention_backend
 from tandem.config import EngineConfig
 from tandem.core.block_manager import KVCacheManager
@@ -133,6 +134,7 @@ class EngineCore:
         # while a benchmark records it (start_host_timing).
         self.step_times: StepHostTimes | None = None
         freeze_startup_heap()
+        self._heap_frozen = True
 
     def _moe_kwargs(self) -> dict:
         """The dispatch/combine backend of MoE layers (dense models take none)."""
@@ -192,31 +194,23 @@ class EngineCore:
     @torch.inference_mode()
     def _profile_activation_bytes(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                                   device: torch.device, planes: int = 2) -> int:
-        """Peak memory of the largest step: a prefill of ``max_num_batched_tokens`` tokens,
-        plus the sampler's working set for ``max_num_seqs`` rows of logits."""
-        from tandem.attention.metadata import AttentionMetadata
-
+        """Peak memory of the largest step: a prefill of ``max_num_batched_tokens`` tokens in
+        sequences of at most ``max_model_len`` (as vLLM's profile run splits it), plus the
+        sampler's working set for ``max_num_seqs`` rows of logits."""
         cfg = self.config
-        t = min(cfg.scheduler_config.max_num_batched_tokens, cfg.model_config.max_model_len)
-        bs = cfg.cache_config.block_size
-        nb = -(-t // bs) + 1
-        caches = [torch.zeros(planes, nb, bs, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        i32 = dict(dtype=torch.int32, device=device)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, t], **i32), seq_lens=torch.tensor([t], **i32),
-            num_computed_tokens=torch.tensor([0], **i32), block_tables=torch.arange(1, nb, **i32)[None],
-            slot_mapping=torch.arange(bs, bs + t, device=device), max_query_len=t, max_seq_len=t,
-            query_start_loc_cpu=[0, t], seq_lens_cpu=[t], num_decode_reqs=0,
-        )
+        t = cfg.scheduler_config.max_num_batched_tokens
+        meta, nb = _profile_step_metadata(t, cfg.model_config.max_model_len, cfg.cache_config.block_size, device)
+        caches = [torch.zeros(planes, nb, cfg.cache_config.block_size, kv_heads, head_dim, dtype=dtype, device=device)
+                  for _ in range(num_layers)]
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         from tandem.distributed.forward_context import ForwardContext, forward_context
 
         # Every rank profiles the same t tokens: expert-parallel exchanges pair up.
+        positions = torch.cat([torch.arange(n, device=device) for n in meta.seq_lens_cpu])
         with forward_context(ForwardContext(max_tokens_per_rank=t)):
-            hidden = self.model(torch.zeros(t, dtype=torch.long, device=device), torch.arange(t, device=device), caches,
-                                meta)
+            hidden = self.model(torch.zeros(t, dtype=torch.long, device=device), positions, caches, meta)
         rows = min(cfg.scheduler_config.max_num_seqs, t)
         logits = self.model.compute_logits(hidden[:rows])
         logits.sort(dim=-1)  # top-k/top-p sort, the sampler's largest temporary
@@ -387,8 +381,9 @@ class EngineCore:
     def shutdown(self) -> None:
         self.runner.shutdown()
         self.structured_output.shutdown()
-        # The frozen heap's unreachable cycles (this engine's, once released) can be freed again.
-        gc.unfreeze()
+        if self._heap_frozen:
+            self._heap_frozen = False
+            unfreeze_startup_heap()
 
     def scheduler_stats(self) -> SchedulerStats:
         s, kv = self.scheduler, self.kv_manager
@@ -407,14 +402,52 @@ class EngineCore:
         return s
 
 
+def _profile_step_metadata(num_tokens: int, max_model_len: int, block_size: int,
+                           device: torch.device) -> tuple[AttentionMetadata, int]:
+    """Metadata of a prefill of ``num_tokens`` fresh tokens in sequences of ``max_model_len``
+    (the last one shorter), each in its own consecutive blocks after the null block 0;
+    and the number of blocks the cache needs."""
+    full, rest = divmod(num_tokens, max_model_len)
+    lens = [max_model_len] * full + ([rest] if rest else [])
+    per_seq = -(-max(lens) // block_size)
+    i32 = dict(dtype=torch.int32, device=device)
+    block_tables = torch.arange(1, 1 + len(lens) * per_seq, **i32).view(len(lens), per_seq)
+    slots = (block_tables.long()[:, :, None] * block_size + torch.arange(block_size, device=device)).view(len(lens), -1)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, **i32), seq_lens=torch.tensor(lens, **i32),
+        num_computed_tokens=torch.zeros(len(lens), **i32), block_tables=block_tables,
+        slot_mapping=torch.cat([slots[i, :n] for i, n in enumerate(lens)]), max_query_len=max(lens),
+        max_seq_len=max(lens), query_start_loc_cpu=starts, seq_lens_cpu=lens, num_decode_reqs=0,
+    )
+    return meta, 1 + len(lens) * per_seq
+
+
+# Engine cores of this process that froze the heap and still run.
+_num_frozen = 0
+
+
 def freeze_startup_heap() -> None:
     """Collect once, then move every object alive (the model, the libraries' modules and
     caches) out of the collector's generations, as vLLM's engine core does: a full
     collection while serving otherwise traverses all of them, a pause of hundreds of ms
     in one step at a thousand sequences (benchmarks/RESULTS.md, session 7). Undone by
-    :meth:`EngineCore.shutdown`."""
+    :func:`unfreeze_startup_heap` when the last engine core of the process shuts down."""
+    global _num_frozen
     gc.collect()
     gc.freeze()
+    _num_frozen += 1
 
 
-__all__ = ["EngineCore", "freeze_startup_heap"]
+def unfreeze_startup_heap() -> None:
+    """One engine core stopped: once none runs, the frozen objects rejoin the collector
+    (a released engine's reference cycles can be freed again)."""
+    global _num_frozen
+    _num_frozen -= 1
+    if _num_frozen == 0:
+        gc.unfreeze()
+
+
+__all__ = ["EngineCore", "freeze_startup_heap", "unfreeze_startup_heap"]

@@ -28,3 +28,11 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {value}")
     return value
+
+
+def unit_fraction(text: str) -> float:
+    """A share in [0, 1]."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value

@@ -95,9 +95,10 @@ def _serve(args: argparse.Namespace) -> None:
     # Chosen here, as vLLM's serve command does: the API-server processes import the server
     # module, which therefore cannot import their manager back.
     if args.api_server_count > 1:
+        from tandem.entrypoints.openai.api_server import serve_engine_config
         from tandem.entrypoints.openai.api_server_manager import run_multi_api_server
 
-        run_multi_api_server(args, EngineArgs.from_cli_args(args).create_engine_config("openai_api_server"))
+        run_multi_api_server(args, serve_engine_config(args))
     else:
         from tandem.entrypoints.openai.api_server import run_server
 

@@ -299,12 +299,22 @@ class MLAAttention(nn.Module):
 def _uses_triton(field: str, choice: str | None, device: torch.device) -> bool:
     """The one decision between the Triton kernels and the torch reference: ``choice``
     (``"triton"``, ``"torch"``, or None: the kind of backend the dense models get on
-    ``device``). Raises ValueError naming ``field`` for any other value."""
+    ``device``). Raises ValueError naming ``field`` for any other value, and for Triton on a
+    CPU without Triton's interpreter (``TRITON_INTERPRET=1``: tests only)."""
     if choice is None:
         return _default_backend_name(device.type) == "triton"
     if choice not in ("triton", "torch"):
         raise ValueError(f"{field} must be 'triton', 'torch' or None, got {choice!r}")
+    if choice == "triton" and device.type == "cpu" and not _triton_interpreting():
+        raise ValueError(f"{field}='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU); "
+                         f"use 'torch' or leave it unset")
     return choice == "triton"
+
+
+def _triton_interpreting() -> bool:
+    from tandem.triton_utils import INTERPRET
+
+    return INTERPRET
 
 
 @functools.cache

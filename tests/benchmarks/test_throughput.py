@@ -75,7 +75,8 @@ def test_run_throughput_reports_host_time_of_the_in_process_core():
 
 def test_run_throughput_constrains_the_asked_share_to_the_schema(monkeypatch):
     """``--structured-output-ratio``: that share of the requests (chosen at random) carries the
-    schema's constraint, the others none; a ratio outside [0, 1] is a ValueError naming it."""
+    schema's constraint, the others none, in the warm-up too; a ratio outside [0, 1] is a
+    ValueError naming it, and the flag rejects it before anything loads."""
     from tandem.benchmarks import throughput
     from tests.conftest import make_llm
 
@@ -86,9 +87,19 @@ def test_run_throughput_constrains_the_asked_share_to_the_schema(monkeypatch):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     res = throughput.run_throughput(llm, num_prompts=4, input_len=8, output_len=6, structured_output_ratio=0.5,
                                     json_schema=schema)
-    timed = seen[-1]
+    warm, timed = seen[-2], seen[-1]
     assert len(timed) == 4 and sum(p.structured_outputs is not None for p in timed) == 2
+    # The warm-up compiles the schema's grammar before the timed run.
+    assert sum(p.structured_outputs is not None for p in warm) == 2
     assert all(p.structured_outputs.json == schema for p in timed if p.structured_outputs is not None)
     assert res.requests_per_s > 0
-    with pytest.raises(ValueError, match="structured_output_ratio"):
+    with pytest.raises(ValueError, match="structured-output-ratio"):
         throughput.run_throughput(llm, num_prompts=2, input_len=8, output_len=2, structured_output_ratio=1.5)
+
+
+def test_bench_throughput_flag_rejects_a_bad_ratio_while_parsing(capsys):
+    from tandem.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "throughput", "--structured-output-ratio", "1.5"])
+    assert "must be in [0, 1]" in capsys.readouterr().err

@@ -247,16 +247,23 @@ def test_prompt_logprobs_with_n(llm):
     assert three.prompt_logprobs == one.prompt_logprobs
 
 
-def test_startup_heap_is_frozen_while_the_engine_runs():
+def test_startup_heap_is_frozen_while_the_engine_runs(monkeypatch):
     """A full collection would otherwise traverse the model and every library object each
     time it runs while serving (a pause of hundreds of ms per step at large batches); the
     freeze is undone at shutdown so the released engine can be collected."""
     import gc
 
+    from tandem.engine import core
+
+    monkeypatch.setattr(core, "_num_frozen", 0)  # engines of other tests left running don't count
     gc.unfreeze()
     m = make_llm(num_kv_blocks=64, max_model_len=256)
     try:
         assert gc.get_freeze_count() > 10_000
+        other = make_llm(num_kv_blocks=64, max_model_len=256)
+        other.engine.shutdown()
+        other.engine.shutdown()  # idempotent
+        assert gc.get_freeze_count() > 10_000, "another engine's shutdown unfroze this one's heap"
         m.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
         m.engine.shutdown()

@@ -128,3 +128,28 @@ def test_bench_serve_and_eval_show_progress(server):
     res = tandem("eval", "--task", "mmlu", "--limit", "2", "--num-fewshot", "0", "--base-url", f"{server.url}/v1")
     assert res.returncode == 0, res.stderr
     assert re.search(r"Requests: 100%\|.*\| 2/2", res.stderr), res.stderr
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_serve_builds_its_engine_for_serving(monkeypatch, count):
+    """``tandem serve`` (one or several API servers) gives the engine the served usage
+    context, which picks the served default token budget (tandem.platform)."""
+    from tandem.config import EngineConfig
+    from tandem.entrypoints import cli
+    from tandem.entrypoints.openai import api_server, api_server_manager
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(*a, **kw):
+        seen.extend(x for x in a if isinstance(x, EngineConfig))
+        raise Stop
+
+    monkeypatch.setattr(api_server, "AsyncLLM", capture)
+    monkeypatch.setattr(api_server_manager, "run_multi_api_server", capture)
+    args = cli.build_parser().parse_args(["serve", "--port", "0", "--api-server-count", str(count)])
+    with pytest.raises(Stop):
+        args.func(args)
+    assert seen[0].scheduler_config.usage_context == "openai_api_server"

@@ -353,3 +353,12 @@ def test_cuda_prefill_makes_no_host_sync(triton_prefill):
         ref = attn(x, pos, cache.clone(), meta)
     assert torch.equal(got, want)
     torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_triton_on_a_cpu_without_the_interpreter_names_the_setting(monkeypatch):
+    from tandem.layers import mla
+
+    monkeypatch.setattr(mla, "_triton_interpreting", lambda: False)
+    with pytest.raises(ValueError, match="prefill_backend='triton' needs a CUDA device"):
+        mla._uses_triton("prefill_backend", "triton", torch.device("cpu"))
+    assert mla._uses_triton("prefill_backend", "torch", torch.device("cpu")) is False

@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.config import EngineConfig
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError
 from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.cli_args import served_names
@@ -333,6 +334,18 @@ def _uvicorn_server(config, app: FastAPI):
     return Server(config)
 
 
+def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config of ``tandem serve``'s flags, for serving (usage context
+    ``"openai_api_server"``: the served default batch limits, tandem.platform).
+
+    Raises:
+        ValueError: a bad engine flag, naming it.
+    """
+    from tandem.engine.arg_utils import EngineArgs
+
+    return EngineArgs.from_cli_args(args).create_engine_config("openai_api_server")
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Bind the address, start the engine cores, and serve until interrupted (SIGINT/SIGTERM:
     exit 0) or until an engine core dies (exit 1, after failing every live request). One API
@@ -344,9 +357,7 @@ def run_server(args: argparse.Namespace) -> None:
         ConnectionError: the address cannot be bound (before anything loads).
         SystemExit: 1 when an engine core died.
     """
-    from tandem.engine.arg_utils import EngineArgs
-
-    cfg = EngineArgs.from_cli_args(args).create_engine_config("openai_api_server")
+    cfg = serve_engine_config(args)
     sock = bind_socket(args.host, args.port)
     logger.info("loading %s", cfg.model_config.model)
     serve_http(AsyncLLM(cfg), sock, args)
@@ -378,9 +389,11 @@ def serve_http(llm: AsyncLLM, sock: socket.socket, args: argparse.Namespace, api
         app.state.on_engine_dead = on_engine_dead
         usable = llm.num_kv_blocks - cfg.parallel_config.data_parallel_size  # one null block per replica
         who = f"API server {api_server_index} of {args.api_server_count}, " if args.api_server_count > 1 else ""
-        logger.info("%slistening on http://%s:%d: model %s (served as %s), max_model_len %d, KV cache %d tokens "
-                    "(%d blocks of %d) over %d replica(s), pid %d", who, host, port, cfg.model_config.model,
-                    ", ".join(names), llm.max_model_len, usable * cfg.cache_config.block_size, usable,
+        sched = cfg.scheduler_config
+        logger.info("%slistening on http://%s:%d: model %s (served as %s), max_model_len %d, max_num_seqs %d, "
+                    "max_num_batched_tokens %d, KV cache %d tokens (%d blocks of %d) over %d replica(s), pid %d", who,
+                    host, port, cfg.model_config.model, ", ".join(names), llm.max_model_len, sched.max_num_seqs,
+                    sched.max_num_batched_tokens, usable * cfg.cache_config.block_size, usable,
                     cfg.cache_config.block_size, cfg.parallel_config.data_parallel_size, os.getpid())
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=args.timeout_keep_alive)

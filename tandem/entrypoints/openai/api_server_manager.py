@@ -71,13 +71,12 @@ def run_api_server_worker(args: argparse.Namespace, sock: socket.socket, client_
     """Entry of one API-server process: attach to the cores and serve on ``sock``."""
     from tandem.engine.async_llm import AsyncLLM
     from tandem.engine.core_proc import exit_with_parent
-    from tandem.engine.arg_utils import EngineArgs
-    from tandem.entrypoints.openai.api_server import serve_http
+    from tandem.entrypoints.openai.api_server import serve_engine_config, serve_http
     from tandem.logging_config import configure_logging
 
     exit_with_parent(parent_pid)
     configure_logging(default_level="INFO")
-    llm = AsyncLLM(EngineArgs.from_cli_args(args).create_engine_config("openai_api_server"), client_config)
+    llm = AsyncLLM(serve_engine_config(args), client_config)
     serve_http(llm, sock, args, api_server_index=client_config.client_index, metrics_dir=metrics_dir)
 
 
