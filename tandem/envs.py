@@ -23,7 +23,11 @@ TANDEM_DUMP_STACKS_AFTER_S          unset      every spawned rank prints its sta
 TANDEM_STRUCTURED_OUTPUT_THREADS    min(8,     threads xgrammar uses in an engine core to fill
                                     CPUs / 2)  each step's grammar bitmask and to compile
                                                grammars (a positive integer)
+TANDEM_CACHE_ROOT                   see        folder of Tandem's caches (converted GGUF files,
+                                    meaning    evaluation data): ``$XDG_CACHE_HOME/tandem``, else
+                                               ``~/.cache/tandem`` (vLLM's VLLM_CACHE_ROOT)
 TANDEM_EVAL_CACHE                   unset      folder for downloaded evaluation data
+                                               (unset: ``$TANDEM_CACHE_ROOT/eval``)
 TANDEM_MMLU_FILE                    unset      an MMLU jsonl file to use instead of downloading
 TANDEM_ASDIV_FILE                   unset      an ASDiv jsonl file to use instead of downloading
 TANDEM_QWEN_GGUF                    unset      (tests) a Qwen GGUF file for the opt-in
@@ -99,6 +103,14 @@ def _half_the_cpus_up_to_8() -> int:
     return max(1, min(8, cpus // 2))
 
 
+def _cache_root() -> str:
+    root = os.environ.get("TANDEM_CACHE_ROOT")
+    if root:
+        return os.path.expanduser(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tandem")
+
+
 def _path(name: str) -> Callable[[], str | None]:
     return lambda: os.environ.get(name) or None
 
@@ -111,6 +123,7 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_STARTUP_TIMEOUT_S": _float("TANDEM_STARTUP_TIMEOUT_S", 1800.0),
     "TANDEM_DUMP_STACKS_AFTER_S": _float("TANDEM_DUMP_STACKS_AFTER_S", None),
     "TANDEM_STRUCTURED_OUTPUT_THREADS": _positive_int("TANDEM_STRUCTURED_OUTPUT_THREADS", _half_the_cpus_up_to_8),
+    "TANDEM_CACHE_ROOT": _cache_root,
     "TANDEM_EVAL_CACHE": _path("TANDEM_EVAL_CACHE"),
     "TANDEM_MMLU_FILE": _path("TANDEM_MMLU_FILE"),
     "TANDEM_ASDIV_FILE": _path("TANDEM_ASDIV_FILE"),

@@ -35,6 +35,7 @@ from tandem.model_loader.loader import build_model, load_hf_config
 from tandem.request import Request, RequestStatus
 from tandem.step_timing import StepHostTimes
 from tandem.structured_output.manager import StructuredOutputManager
+from tandem.worker.kv_cache import allocate_kv_caches
 from tandem.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 from tandem.worker.step_plan import DBOPolicy
 
@@ -92,8 +93,8 @@ class EngineCore:
         # The TP ranks of one replica share the driver's block ids: agree on the smallest cache.
         num_blocks = ps.tp_min(num_blocks)
         self.num_kv_blocks = num_blocks
-        kv_caches = [torch.zeros(planes, num_blocks, cache_cfg.block_size, num_kv_heads, head_dim, dtype=kv_dtype,
-                                 device=device) for _ in range(num_layers)]
+        kv_caches = allocate_kv_caches(num_layers, (planes, num_blocks, cache_cfg.block_size, num_kv_heads, head_dim),
+                                       kv_dtype, device)
         capacity = (num_blocks - 1) * cache_cfg.block_size
         if capacity < model_cfg.max_model_len:
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, model_cfg.max_model_len)

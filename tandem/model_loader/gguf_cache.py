@@ -13,7 +13,9 @@ checkpoint; every later load reads that folder:
   larger files are dequantized from the GGUF file at every load instead;
 * ``source.json``: what the entry was made from.
 
-Location: ``$XDG_CACHE_HOME/tandem/gguf/<key>`` (``~/.cache`` without XDG_CACHE_HOME).
+Location: ``$TANDEM_CACHE_ROOT/gguf/<key>`` (``~/.cache/tandem/gguf/<key>`` by default, see
+:mod:`tandem.envs`). The entry also holds the model's parameters as loaded, per dtype
+(:mod:`tandem.model_loader.param_cache`).
 The key hashes the file's real path, size, modification time (ns) and content (all of it
 up to :data:`FULL_HASH_MAX_BYTES`, else its first and last 64 MiB), the versions of
 tandem, transformers and gguf, and :data:`CACHE_FORMAT`: a changed file, or a converter
@@ -35,6 +37,7 @@ import shutil
 import tempfile
 from importlib import metadata
 
+from tandem import envs
 from tandem.model_loader.gguf_weights import dequantized_bytes, iterate_gguf_weights, open_gguf
 
 logger = logging.getLogger(__name__)
@@ -51,8 +54,7 @@ SOURCE_FILE = "source.json"
 
 def cache_root() -> str:
     """The folder holding the converted GGUF files."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tandem", "gguf")
+    return os.path.join(envs.TANDEM_CACHE_ROOT, "gguf")
 
 
 def _version(dist: str) -> str:

@@ -3,7 +3,8 @@
 GGUF: config, tokenizer and chat template come from the file's metadata through
 transformers' GGUF support; weights are dequantized to fp32 with the ``gguf`` library and
 renamed to HF names (:mod:`tandem.model_loader.gguf_weights`). The first load converts the
-file into a cached HF folder (:mod:`tandem.model_loader.gguf_cache`); later loads read it.
+file into a cached HF folder (:mod:`tandem.model_loader.gguf_cache`); later loads read it,
+and map the model's parameters as loaded from it (:mod:`tandem.model_loader.param_cache`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import torch
 from torch import nn
 
 from tandem.attention.backend import AttentionBackend
+from tandem.distributed import parallel_state as ps
 from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_scales, prepare_fp8_model,
                                               rename_checkpoint_scales)
 from tandem.layers.quantization.config import Fp8Config
 from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
 from tandem.model_loader.gguf_weights import iterate_gguf_weights
+from tandem.model_loader.param_cache import load_cached_parameters, save_parameters
 from tandem.models.registry import get_model_class
 
 
@@ -47,7 +50,7 @@ def load_hf_config(model: str):
     if is_gguf(model):
         cached = converted_folder(model)
         if cached is not None:
-            return AutoConfig.from_pretrained(cached)
+            return converted_config(cached)
         folder, name = _split_gguf_path(model)
         return AutoConfig.from_pretrained(folder, gguf_file=name)
     if os.path.isfile(model) and model.endswith(".json"):
@@ -59,6 +62,22 @@ def load_hf_config(model: str):
     if os.path.isdir(model):
         return AutoConfig.from_pretrained(model)
     raise ValueError(f"model must be a Hugging Face folder, a config.json or a .gguf file; {model!r} is none of them.")
+
+
+def converted_config(folder: str):
+    """The config of a converted GGUF folder as a generic ``PretrainedConfig``, without
+    importing its model's config class.
+
+    The folder's config.json was saved from the full class (:mod:`tandem.model_loader.gguf_cache`),
+    and saving keeps every attribute that differs from the generic class's defaults, so the
+    generic class reads back the same values. The specific classes' modules import
+    transformers' model-loading stack (``torch.distributed.tensor`` among others): the
+    largest import of a CLI start, for values this file already holds.
+    """
+    from transformers import PretrainedConfig
+
+    with open(os.path.join(folder, "config.json")) as f:
+        return PretrainedConfig.from_dict(json.load(f))
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -77,8 +96,8 @@ def load_tokenizer(path: str):
 
     if is_gguf(path):
         cached = converted_folder(path)
-        if cached is not None:
-            return AutoTokenizer.from_pretrained(cached)
+        if cached is not None:  # given the config, AutoTokenizer does not import its class
+            return AutoTokenizer.from_pretrained(cached, config=converted_config(cached))
         folder, name = _split_gguf_path(path)
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if os.path.isfile(path) or (os.path.isdir(path)
@@ -96,6 +115,22 @@ def iterate_gguf_weights_cached(path: str, hf_config) -> Iterator[tuple[str, tor
     if cached is not None and os.path.isfile(os.path.join(cached, WEIGHTS_FILE)):
         return iterate_safetensors_weights(cached)
     return iterate_gguf_weights(path, hf_config)
+
+
+def load_gguf_weights(model: nn.Module, path: str, hf_config, dtype: torch.dtype, cache_parameters: bool = True) -> None:
+    """Load a GGUF file's weights into ``model`` (built in ``dtype``): mapped from the
+    parameter cache of its converted folder when that holds them, else loaded from the
+    folder's (or the file's) tensors and then cached (with ``cache_parameters``). Sharded
+    (tensor- or expert-parallel) models are never cached: their parameters depend on the
+    layout; nor are quantized ones (pass ``cache_parameters=False``): theirs are rewritten
+    after loading."""
+    folder = converted_folder(path)
+    cacheable = cache_parameters and folder is not None and ps.get_tp_size() == 1 and ps.get_ep_size() == 1
+    if cacheable and load_cached_parameters(model, folder, dtype):
+        return
+    model.load_weights(iterate_gguf_weights_cached(path, hf_config))
+    if cacheable:
+        save_parameters(model, folder, dtype)
 
 
 def iterate_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -168,7 +203,7 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif is_gguf(model_path):
-        model.load_weights(iterate_gguf_weights_cached(model_path, hf_config))
+        load_gguf_weights(model, model_path, hf_config, dtype, cache_parameters=quant_config is None)
     elif os.path.isdir(model_path):
         weights = load_kv_cache_scales(model, iterate_safetensors_weights(model_path))
         model.load_weights(rename_checkpoint_scales(weights, quant_config) if quant_config else weights)

@@ -153,11 +153,15 @@ class LlamaForCausalLM(nn.Module):
         spec = DecoderSpec.from_hf_config(hf_config)
         self.spec = spec
         rotary = RotaryEmbedding(hf_config, spec.head_dim, max_positions or spec.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # Uninitialised (as every other parameter): loading overwrites them, and drawing
+        # random vocab x hidden values first costs a CLI start a noticeable share.
+        self.embed_tokens = nn.utils.skip_init(nn.Embedding, spec.vocab_size, spec.hidden_size,
+                                               device=torch.get_default_device())
         self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = nn.utils.skip_init(nn.Linear, spec.hidden_size, spec.vocab_size, bias=False,
+                                              device=torch.get_default_device())
 
     @property
     def kv_cache_shape_per_block(self) -> tuple[int, int]:

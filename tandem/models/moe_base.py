@@ -159,11 +159,13 @@ class MoECausalLM(nn.Module):
     """
 
     def _init_common(self, vocab_size: int, hidden_size: int, eps: float, tie_word_embeddings: bool) -> None:
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        # Uninitialised, as in tandem.models.llama: loading overwrites them.
+        self.embed_tokens = nn.utils.skip_init(nn.Embedding, vocab_size, hidden_size, device=torch.get_default_device())
         self.norm = RMSNorm(hidden_size, eps)
         self.tie_word_embeddings = tie_word_embeddings
         if not tie_word_embeddings:
-            self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+            self.lm_head = nn.utils.skip_init(nn.Linear, hidden_size, vocab_size, bias=False,
+                                              device=torch.get_default_device())
 
     def forward_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                       meta: AttentionMetadata) -> Generator[str, None, torch.Tensor]:

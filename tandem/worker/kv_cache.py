@@ -1,0 +1,38 @@
+"""Allocation of the paged KV cache tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+# Vector loads and the GEMM kernels' packing want cache-line-aligned rows.
+_ALIGN_BYTES = 64
+
+
+def _zeros_on_demand(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages are zeroed by the kernel when first touched.
+
+    ``torch.zeros`` writes every byte up front: for a 1 GiB CPU cache that is a page fault
+    and a memset per page at start-up, for blocks most runs never use. ``calloc`` (numpy's
+    ``zeros``) hands out fresh anonymous pages for large sizes, which read as zero and cost
+    nothing until written.
+    """
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buf = np.zeros(nbytes + _ALIGN_BYTES, dtype=np.uint8)
+    offset = -buf.ctypes.data % _ALIGN_BYTES
+    return torch.from_numpy(buf[offset:offset + nbytes]).view(dtype).view(tuple(shape))
+
+
+def allocate_kv_caches(num_layers: int, shape: Sequence[int], dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One zeroed KV cache tensor of ``shape`` (``[planes, num_blocks, block_size,
+    num_kv_heads, head_dim]``) and ``dtype`` per layer, on ``device``.
+
+    Zeroed because attention kernels may read a block's unwritten slots before masking
+    them, and uninitialised memory can hold NaN (NaN times a zero weight is NaN).
+    """
+    if device.type == "cpu":
+        return [_zeros_on_demand(shape, dtype) for _ in range(num_layers)]
+    return [torch.zeros(*shape, dtype=dtype, device=device) for _ in range(num_layers)]
