@@ -1,0 +1,37 @@
+"""The KV cache tensors: zero, of the asked shape and dtype, aligned, one per layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.worker.kv_cache import allocate_kv_caches
+
+SHAPE = (2, 5, 16, 3, 24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_cpu_caches_are_zero_aligned_and_separate(dtype):
+    caches = allocate_kv_caches(3, SHAPE, dtype, torch.device("cpu"))
+    assert len(caches) == 3
+    for c in caches:
+        assert c.shape == SHAPE and c.dtype == dtype and c.is_contiguous() and c.device.type == "cpu"
+        assert c.data_ptr() % 64 == 0
+        assert not c.view(torch.uint8).any()
+    caches[0][1, 2] = 1
+    assert caches[0].float().sum() == 16 * 3 * 24 and not caches[1].view(torch.uint8).any()
+
+
+def test_large_cpu_cache_is_zero():
+    """Large enough for calloc to hand out fresh pages (glibc's mmap threshold is 32 MiB at
+    most; this is 40 MiB): still zero, and writable."""
+    (cache,) = allocate_kv_caches(1, (2, 640, 16, 8, 128), torch.bfloat16, torch.device("cpu"))
+    assert not cache.view(torch.uint8).any()
+    cache.fill_(1)
+    assert cache.float().mean() == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_caches_are_zero():
+    caches = allocate_kv_caches(2, SHAPE, torch.bfloat16, torch.device("cuda"))
+    assert all(c.device.type == "cuda" and c.shape == SHAPE and not c.view(torch.uint8).any() for c in caches)
