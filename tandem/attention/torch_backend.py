@@ -11,6 +11,10 @@ element by element while ``index_select`` copies rows):
   the query heads sharing a KV head are packed as that head's queries (``[num_decode,
   num_kv_heads, group, head_dim]``, as transformers' ``pack_gqa``), so no K/V head is
   repeated.
+* A single decode request (latency: one sequence) attends to exactly its ``seq_len`` keys
+  with no mask (the flash kernel's unmasked path, as transformers' contiguous cache
+  gives), read in place when its blocks are consecutive in the cache (the block pool
+  hands out consecutive ids to a lone sequence) and gathered otherwise.
 * A prefill with nothing cached before it attends to its own new keys and values (no
   gather) with ``is_causal``.
 * A chunk on top of a cached prefix gathers its blocks and uses a bottom-right causal mask.
@@ -72,6 +76,8 @@ class TorchAttentionBackend:
         # Decode K/V gathers of every layer land here: a fresh multi-MB tensor per layer
         # costs page faults and cold cache lines on every step.
         self._gather_buf: torch.Tensor | None = None
+        # A lone decode request's first block when its blocks are consecutive (else None).
+        self._first_block: int | None = None
 
     def forward(
         self,
@@ -105,6 +111,8 @@ class TorchAttentionBackend:
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """``q [nd, Hq, D]`` of the leading ``nd`` decode requests -> ``[nd, Hq, D]``."""
         nd, hq, d = q.shape
+        if nd == 1:
+            return self._decode_one(q, kv_cache, meta, scale)
         hk, bs = kv_cache.shape[3], kv_cache.shape[2]
         nb = -(-max(meta.seq_lens_cpu[:nd]) // bs)
         if self._step_meta is not meta:
@@ -122,6 +130,26 @@ class TorchAttentionBackend:
                                            attn_mask=self._decode_mask, scale=scale)
         return o.view(nd, hq, d)
 
+    def _decode_one(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+        """``q [1, Hq, D]`` of a lone decode request -> ``[1, Hq, D]``."""
+        _, hq, d = q.shape
+        hk, bs = kv_cache.shape[3], kv_cache.shape[2]
+        seq_len = meta.seq_lens_cpu[0]
+        nb = -(-seq_len // bs)
+        if self._step_meta is not meta:
+            self._step_meta = meta
+            self._first_block = _first_of_consecutive(meta.block_tables[0, :nb])
+        if self._first_block is not None and kv_cache.dtype == q.dtype:
+            first = self._first_block
+            kc = kv_cache[0, first:first + nb].view(1, nb * bs, hk, d)
+            vc = kv_cache[1, first:first + nb].view(1, nb * bs, hk, d)
+        else:
+            kc, vc = gather_kv(kv_cache, meta.block_tables[:1], nb, q.dtype)
+        o = F.scaled_dot_product_attention(q.reshape(1, hk, hq // hk, d), kc[:, :seq_len].transpose(1, 2),
+                                           vc[:, :seq_len].transpose(1, 2), scale=scale)
+        return o.view(1, hq, d)
+
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, r: int, scale: float) -> torch.Tensor:
         """Request ``r``'s ``q_len`` new tokens (``q [q_len, Hq, D]``, its new ``k``/``v``)."""
@@ -138,6 +166,15 @@ class TorchAttentionBackend:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
                                            attn_mask=mask, scale=scale, enable_gqa=gqa)
         return o[0].transpose(0, 1)
+
+
+def _first_of_consecutive(blocks: torch.Tensor) -> int | None:
+    """The first id of ``blocks`` (a block-table row) when the ids are consecutive, else
+    None; always None for a table on an accelerator (reading it would synchronise)."""
+    if blocks.device.type != "cpu":
+        return None
+    ids = blocks.tolist()
+    return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
 
 
 def _bottom_right_causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor:

@@ -9,13 +9,15 @@ from tandem.attention.torch_backend import TorchAttentionBackend, gather_kv, ref
 from tests.models.paged_parity import step_metadata
 
 
-def run_case(reqs, num_heads, num_kv_heads, head_dim=32, block_size=16, dtype=torch.float32, seed=0):
+def run_case(reqs, num_heads, num_kv_heads, head_dim=32, block_size=16, dtype=torch.float32, seed=0,
+             shuffled=True):
     """``reqs[r] = (num_computed_tokens, query_len)``, decode requests (query_len 1) first;
-    blocks shuffled over the cache. Returns (backend output, reference output)."""
+    blocks shuffled over the cache (else consecutive). Returns (backend output, reference
+    output)."""
     g = torch.Generator().manual_seed(seed)
     nblocks = [-(-(c + n) // block_size) for c, n in reqs]
     num_blocks = 1 + sum(nblocks) + 2
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist() if shuffled else list(range(2, num_blocks))
     tables = []
     for nb in nblocks:
         tables.append(perm[:nb])
@@ -36,6 +38,9 @@ CASES = {
     "prefill_only": [(0, 37), (0, 1), (0, 16), (0, 17)],
     "mixed": [(20, 1), (63, 1), (0, 21), (0, 5)],
     "chunk_on_cached_prefix": [(9, 1), (32, 7), (0, 12), (17, 16)],
+    "one_decode": [(47, 1)],
+    "one_decode_full_blocks": [(15, 1)],
+    "one_decode_and_prefill": [(20, 1), (0, 21)],
 }
 
 
@@ -45,6 +50,14 @@ CASES = {
 def test_matches_reference(case, heads, block_size):
     out, ref = run_case(CASES[case], *heads, block_size=block_size, seed=block_size)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["one_decode", "one_decode_full_blocks", "one_decode_and_prefill", "decode_only"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_consecutive_blocks_match_reference(case, dtype, tol):
+    """A lone decode request reads its consecutive blocks in place."""
+    out, ref = run_case(CASES[case], 9, 3, block_size=4, dtype=dtype, shuffled=False)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
 def test_bf16_matches_reference():
