@@ -39,3 +39,17 @@ def test_unknown_attribute():
     with pytest.raises(AttributeError):
         envs.TANDEM_NOT_A_VARIABLE  # noqa: B018
     assert "TANDEM_MOE_IMPL" in dir(envs)
+
+
+def test_cache_root_default_and_override(monkeypatch, tmp_path):
+    monkeypatch.delenv("TANDEM_CACHE_ROOT", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert envs.TANDEM_CACHE_ROOT == str(tmp_path / "xdg" / "tandem")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert envs.TANDEM_CACHE_ROOT == str(tmp_path / "home" / ".cache" / "tandem")
+    monkeypatch.setenv("TANDEM_CACHE_ROOT", str(tmp_path / "mine"))
+    assert envs.TANDEM_CACHE_ROOT == str(tmp_path / "mine")
+    from tandem.model_loader.gguf_cache import cache_root
+
+    assert cache_root() == str(tmp_path / "mine" / "gguf")

@@ -15,6 +15,7 @@ from tandem.model_loader import gguf_cache
 
 @pytest.fixture
 def cache_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("TANDEM_CACHE_ROOT", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     gguf_cache._converted_folder.cache_clear()
     yield tmp_path / "cache" / "tandem" / "gguf"
