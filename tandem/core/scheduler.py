@@ -65,29 +65,31 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def _remaining_new_tokens(self, req: Request) -> int:
-        return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
-
-    def _at_length_limit(self, req: Request) -> bool:
-        """All tokens it may produce are already sampled (some maybe not yet on the host)."""
-        produced = req.num_output_tokens + req.num_output_placeholders
-        return produced >= req.max_tokens or req.num_tokens + req.num_output_placeholders >= self.max_model_len
-
-    def _schedule_seq(self, req: Request, num_new: int) -> ScheduledSequence:
+    def _schedule_seq(self, req: Request, num_new: int, num_tokens: int,
+                      so_seq_ids: list[int]) -> ScheduledSequence:
+        """``req``'s share of the step (``num_tokens``: its host-known tokens); a sampling
+        constrained sequence's id is appended to ``so_seq_ids``."""
         c = req.num_computed_tokens
         end = c + num_new
-        known_end = min(end, req.num_tokens)
-        uses_prev = end > req.num_tokens
+        known_end = min(end, num_tokens)
         assert end - known_end <= 1, "at most one not-yet-known token (the previous step's sample)"
-        sample = end == req.num_tokens + req.num_output_placeholders
-        tokens = req.token_slice(c, known_end)
+        sample = end == num_tokens + req.num_output_placeholders
         req.num_computed_tokens = end
         if sample:
             req.num_output_placeholders += 1
-        blocks = self.kv.req_blocks.get(req.seq_id, [])
-        sent = self._num_sent_blocks.get(req.seq_id, 0)
-        self._num_sent_blocks[req.seq_id] = len(blocks)
-        return ScheduledSequence(req.seq_id, c, num_new, tokens, uses_prev, sample, [b.block_id for b in blocks[sent:]])
+            if req.structured_output is not None:
+                so_seq_ids.append(req.seq_id)
+        seq_id = req.seq_id
+        blocks = self.kv.req_blocks.get(seq_id, ())
+        sent = self._num_sent_blocks.get(seq_id, 0)
+        if len(blocks) != sent:
+            self._num_sent_blocks[seq_id] = len(blocks)
+            new_blocks = [b.block_id for b in blocks[sent:]]
+        else:
+            new_blocks = []  # most decode steps: the last block has room
+        # A decode step whose input is the previous step's sample has no host-known token.
+        tokens = req.token_slice(c, known_end) if c < known_end else []
+        return ScheduledSequence(seq_id, c, num_new, tokens, end > num_tokens, sample, new_blocks)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -103,27 +105,31 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Request] = []
-        scheduled_ids: set[int] = set()
 
+        so_seq_ids: list[int] = []  # sampling constrained sequences, in step order
+        running, kv, max_model_len = self.running, self.kv, self.max_model_len
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if self._at_length_limit(req):
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_output = len(req.output_token_ids)
+            num_tokens = len(req.prompt_token_ids) + num_output
+            placeholders = req.num_output_placeholders
+            if num_output + placeholders >= req.max_tokens or num_tokens + placeholders >= max_model_len:
+                # At its length limit: all it may produce is sampled (maybe not yet on the host).
                 i += 1
                 continue
-            num_new = min(self._remaining_new_tokens(req), budget)
+            num_new = min(num_tokens + placeholders - req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, num_new):
-                victim = self.running.pop()
+            while not kv.allocate_slots(req, num_new):
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             else:
-                scheduled.append(self._schedule_seq(req, num_new))
-                scheduled_ids.add(req.seq_id)
+                scheduled.append(self._schedule_seq(req, num_new, num_tokens, so_seq_ids))
                 budget -= num_new
                 i += 1
                 continue
@@ -155,7 +161,7 @@ class Scheduler:
                     self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                seq = self._schedule_seq(req, num_new)
+                seq = self._schedule_seq(req, num_new, req.num_tokens, so_seq_ids)
                 seq.new_request = NewRequestData.from_request(req)
                 scheduled.append(seq)
                 budget -= num_new
@@ -168,14 +174,14 @@ class Scheduler:
             num_scheduled_tokens=self.max_num_batched_tokens - budget,
             preempted_seq_ids=[r.seq_id for r in preempted],
             finished_seq_ids=self._finished_since_last_step,
-            structured_output_seq_ids=[s.seq_id for s in scheduled
-                                       if s.sample and self.requests[s.seq_id].structured_output is not None],
+            structured_output_seq_ids=so_seq_ids,
         )
         self._finished_since_last_step = []
         return out
 
     def on_token(self, req: Request) -> None:
-        """A sampled token of ``req`` reached the host: it stops being a placeholder."""
+        """A sampled token of ``req`` reached the host: it stops being a placeholder
+        (what :meth:`update_from_output` does for each row, inline)."""
         req.num_output_placeholders -= 1
 
     def advance_grammars(self, result: ModelRunnerOutput) -> None:
@@ -212,19 +218,22 @@ class Scheduler:
             if req is not None:
                 outputs[sid] = EngineCoreOutput(req.request_id, [], new_prompt_logprobs=PromptLogprobsData(
                     pl.start, pl.token_ids, pl.logprobs, pl.ranks))
+        requests, logprobs = self.requests, result.logprobs
         for row, (sid, tok) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
-            req = self.requests.get(sid)
+            req = requests.get(sid)
             if req is None:
                 continue
-            self.on_token(req)
+            req.num_output_placeholders -= 1  # the token reached the host
             req.output_token_ids.append(tok)
             out = outputs.get(sid)
             if out is None:
-                out = outputs[sid] = EngineCoreOutput(req.request_id, [])
-            out.new_token_ids.append(tok)
-            out.num_cached_tokens = max(req.num_cached_tokens, 0)
+                out = outputs[sid] = EngineCoreOutput(req.request_id, [tok])
+            else:
+                out.new_token_ids.append(tok)
+            if req.num_cached_tokens > 0:
+                out.num_cached_tokens = req.num_cached_tokens
             if req.sampling_params.logprobs is not None:
-                out.new_logprobs = [result.logprobs[row]]
+                out.new_logprobs = [logprobs[row]]
             status = self._check_stop(req, tok)
             if status is not None:
                 self.finish_request(sid, status)
@@ -233,16 +242,16 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.sampling_params
-        grammar_done = req.structured_output is not None and req.structured_output.finished
-        if req.num_output_tokens >= p.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= p.min_tokens:
             if tok in p.stop_token_ids:
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
             if tok in p.all_stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if grammar_done:
+        if req.structured_output is not None and req.structured_output.finished:
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or len(req.prompt_token_ids) + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

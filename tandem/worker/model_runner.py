@@ -222,31 +222,44 @@ class ModelRunner:
         for seq in so.scheduled:
             if seq.new_request is not None:
                 ib.add_request(seq.new_request)
-            ib.append_blocks(seq.seq_id, seq.new_block_ids)
+            if seq.new_block_ids:  # most decode steps append none
+                ib.append_blocks(seq.seq_id, seq.new_block_ids)
         ib.flush()
 
     # ----------------------------------------------------------------- 2. inputs
     def _prepare_inputs(self, seqs: list[ScheduledSequence]) -> StepInputs:
-        n = len(seqs)
-        q_lens = np.fromiter((s.num_new_tokens for s in seqs), dtype=np.int64, count=n)
-        computed = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
-        qsl = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        ids: list[int] = []
+        # One pass over the sequences for every per-sequence value; the rest is numpy.
+        states, prev_rows = self.input_batch.states, self.prev_rows
+        q_list, computed_list, row_list, ids = [], [], [], []
         prev_dst, prev_src = [], []
-        for s, end in zip(seqs, qsl[1:].tolist()):
+        width = end = 0
+        for s in seqs:
+            st = states[s.seq_id]
+            row_list.append(st.row)
+            if st.num_blocks > width:
+                width = st.num_blocks
+            q_list.append(s.num_new_tokens)
+            computed_list.append(s.num_computed_tokens)
+            end += s.num_new_tokens
             ids += s.token_ids
             if s.uses_prev_sample:
                 ids.append(0)  # filled on the device from the previous step's samples
                 prev_dst.append(end - 1)
-                prev_src.append(self.prev_rows[s.seq_id])
-        rows = self.input_batch.rows_of([s.seq_id for s in seqs])
-        req_of_token = np.repeat(np.arange(n), q_lens)
-        positions = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat(computed - qsl[:-1], q_lens)
+                prev_src.append(prev_rows[s.seq_id])
+        n = len(seqs)
+        q_lens = np.array(q_list, dtype=np.int64)
+        computed = np.array(computed_list, dtype=np.int64)
+        rows = np.array(row_list, dtype=np.int64)
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        if end == n:  # decode only: one token per sequence, at its first uncomputed position
+            row_of_token, positions = rows, computed.copy()
+        else:
+            row_of_token = rows[np.repeat(np.arange(n), q_lens)]
+            positions = np.arange(end, dtype=np.int64) + np.repeat(computed - qsl[:-1], q_lens)
         bs = self.block_size
-        slot_mapping = (self.input_batch.block_table_np[rows[req_of_token], positions // bs].astype(np.int64) * bs
+        slot_mapping = (self.input_batch.block_table_np[row_of_token, positions // bs].astype(np.int64) * bs
                         + positions % bs)
-        width = max(self.input_batch.states[s.seq_id].num_blocks for s in seqs)
         block_table = self.input_batch.block_table[self._h2d(rows, torch.long), :width]
         return StepInputs(np.array(ids, dtype=np.int64), positions, slot_mapping, qsl, computed, computed + q_lens,
                           block_table, prev_dst, prev_src)
