@@ -13,7 +13,7 @@ the step's row indices).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -120,6 +120,9 @@ class InputBatch:
         # Penalty tables [rows, vocab], allocated when a penalised sequence first arrives.
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
+        # The parts of the last step's SamplingBatch fixed by its rows' parameters, and those
+        # rows (bytes of the int64 array): reused while the batch's rows stay the same.
+        self._fixed_batch: tuple[bytes, SamplingBatch] | None = None
         # Host updates not yet on the device.
         self._new_rows: list[int] = []
         self._new_block_cells: list[tuple[int, int, int]] = []
@@ -133,6 +136,7 @@ class InputBatch:
         """Give a sequence a row (replacing any it had) and stage its parameters."""
         self.remove_request(data.seq_id)
         row = self._free_rows.pop()
+        self._fixed_batch = None  # a row's parameters change
         p = data.sampling_params
         self.states[data.seq_id] = CachedRequestState(data.seq_id, row, p, data.prompt_token_ids,
                                                       data.compute_prompt_logprobs)
@@ -207,7 +211,22 @@ class InputBatch:
         return np.fromiter((self.states[s].row for s in seq_ids), dtype=np.int64, count=len(seq_ids))
 
     def sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
-        """The sampler's inputs for sequences in ``rows`` (batch row ``i`` = ``rows[i]``)."""
+        """The sampler's inputs for sequences in ``rows`` (batch row ``i`` = ``rows[i]``).
+
+        What only the rows' parameters decide is built once for a set of rows and reused
+        while a step's rows are the same as the previous one's (decode steps between two
+        admissions or finishes); the seeds and the bias follow each row's token count."""
+        key = rows.tobytes()
+        if self._fixed_batch is None or self._fixed_batch[0] != key:
+            self._fixed_batch = (key, self._fixed_sampling_batch(rows))
+        fixed = self._fixed_batch[1]
+        seeded = [(int(i), token_seed(self.seed[rows[i]], int(self.num_sampled_np[rows[i]])))
+                  for i in np.flatnonzero(~self.greedy_np[rows]) if self.seed[rows[i]] is not None]
+        bias = self._bias(rows)
+        return replace(fixed, seeded=seeded, bias=bias) if seeded or bias is not None else fixed
+
+    def _fixed_sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
+        """A SamplingBatch of ``rows`` without seeds or bias."""
         rows_t = self._h2d(rows, torch.long)
         p = self.params[rows_t]
         greedy = self.greedy_np[rows]
@@ -215,8 +234,6 @@ class InputBatch:
         random = ~greedy
         pen = np.flatnonzero(self.has_penalty_np[rows])
         pen_t = self._h2d(pen, torch.long) if len(pen) else None
-        seeded = [(int(i), token_seed(self.seed[rows[i]], int(self.num_sampled_np[rows[i]])))
-                  for i in np.flatnonzero(random) if self.seed[rows[i]] is not None]
         return SamplingBatch(
             temperature=p[:, _TEMPERATURE],
             top_k=p[:, _TOP_K].long(),
@@ -233,8 +250,8 @@ class InputBatch:
             presence=p[pen_t, _PRESENCE] if pen_t is not None else None,
             frequency=p[pen_t, _FREQUENCY] if pen_t is not None else None,
             repetition=p[pen_t, _REPETITION] if pen_t is not None else None,
-            bias=self._bias(rows),
-            seeded=seeded,
+            bias=None,
+            seeded=[],
             max_num_logprobs=int(self.num_logprobs_np[rows].max()) if len(rows) else -1,
             allowed=self._allowed(rows),
         )

@@ -75,6 +75,7 @@ class _ForwardedStep:
 
     step_id: int
     seq_ids: list[int]  # the sampling sequences, one per row of ``logits``
+    rows: np.ndarray  # [len(seq_ids)] int64: their input-batch rows
     logits: torch.Tensor | None  # [len(seq_ids), V] float; None when none samples
     prompt_lp: dict[int, int]  # {seq_id: first scored prompt index}
     host_src: dict[str, torch.Tensor]  # prompt logprob tensors to copy to the host
@@ -189,7 +190,7 @@ class ModelRunner:
         self._update_states(so)
         # Decode sequences (one new token) first: backends batch them uniformly.
         seqs = sorted(so.scheduled, key=lambda s: s.num_new_tokens != 1)
-        inputs = self._prepare_inputs(seqs) if seqs else None
+        inputs, rows = self._prepare_inputs(seqs) if seqs else (None, None)
         t_prep = time.perf_counter() - t_prep
         decode_only = inputs is not None and inputs.num_decode_reqs() == inputs.num_reqs
         plan = self.planner.plan(inputs.num_tokens if inputs is not None else 0, decode_only)
@@ -207,7 +208,7 @@ class ModelRunner:
             ev_start.record()
             timing = (ev_start, inputs.num_reqs, decode_only, int(inputs.seq_lens.sum()))
         hidden = self._forward(inputs, self._input_ids(inputs), plan)
-        fwd = self._logits(so.step_id, seqs, inputs, hidden, t_prep, timing)
+        fwd = self._logits(so.step_id, seqs, rows, inputs, hidden, t_prep, timing)
         if so.structured_output_seq_ids:
             return fwd  # sampled by sample_tokens
         return self._sample_step(fwd, None)
@@ -227,7 +228,8 @@ class ModelRunner:
         ib.flush()
 
     # ----------------------------------------------------------------- 2. inputs
-    def _prepare_inputs(self, seqs: list[ScheduledSequence]) -> StepInputs:
+    def _prepare_inputs(self, seqs: list[ScheduledSequence]) -> tuple[StepInputs, np.ndarray]:
+        """The step's inputs, and the input-batch rows ``[len(seqs)]`` int64 of ``seqs``."""
         # One pass over the sequences for every per-sequence value; the rest is numpy.
         states, prev_rows = self.input_batch.states, self.prev_rows
         q_list, computed_list, row_list, ids = [], [], [], []
@@ -262,7 +264,7 @@ class ModelRunner:
                         + positions % bs)
         block_table = self.input_batch.block_table[self._h2d(rows, torch.long), :width]
         return StepInputs(np.array(ids, dtype=np.int64), positions, slot_mapping, qsl, computed, computed + q_lens,
-                          block_table, prev_dst, prev_src)
+                          block_table, prev_dst, prev_src), rows
 
     def _input_ids(self, inputs: StepInputs) -> torch.Tensor:
         """``[num_tokens]`` on the device, with the previous step's samples filled in."""
@@ -298,16 +300,18 @@ class ModelRunner:
             self._forward(empty_step_inputs(), torch.empty(0, dtype=torch.long, device=self.device), plan)
 
     # ----------------------------------------------------------------- 5. sample
-    def _logits(self, step_id: int, seqs: list[ScheduledSequence], inputs: StepInputs, hidden: torch.Tensor,
-                t_prep: float, timing: tuple | None) -> _ForwardedStep:
-        """Logits of the sequences whose step ends their known tokens, and prompt logprobs."""
+    def _logits(self, step_id: int, seqs: list[ScheduledSequence], rows: np.ndarray, inputs: StepInputs,
+                hidden: torch.Tensor, t_prep: float, timing: tuple | None) -> _ForwardedStep:
+        """Logits of the sequences whose step ends their known tokens, and prompt logprobs
+        (``rows``: the input-batch rows of ``seqs``)."""
         sample_idx = [r for r, s in enumerate(seqs) if s.sample]
         seq_ids = [seqs[r].seq_id for r in sample_idx]
+        sample_rows = rows if len(sample_idx) == len(seqs) else rows[sample_idx]
         prompt_lp, host_src = self._prompt_logprobs(seqs, inputs.query_start_loc, hidden)
         logits = None
         if sample_idx:
             logits = self.model.compute_logits(hidden[self._h2d(inputs.query_start_loc[1:][sample_idx] - 1, torch.long)])
-        return _ForwardedStep(step_id, seq_ids, logits, prompt_lp, host_src, t_prep, timing)
+        return _ForwardedStep(step_id, seq_ids, sample_rows, logits, prompt_lp, host_src, t_prep, timing)
 
     @torch.inference_mode()
     def _sample_step(self, fwd: _ForwardedStep, grammar: GrammarBitmask | None) -> AsyncModelRunnerOutput:
@@ -320,7 +324,7 @@ class ModelRunner:
             if grammar is not None:
                 self._apply_bitmask(logits, seq_ids, grammar)
             t0 = time.perf_counter()
-            rows = self.input_batch.rows_of(seq_ids)
+            rows = fwd.rows
             batch = self.input_batch.sampling_batch(rows)
             t_batch = time.perf_counter() - t0
             out: SamplerOutput = sample(logits, batch, self.input_batch.output_counts, self.input_batch.prompt_mask)

@@ -69,6 +69,26 @@ def test_sampling_batch_gathers_each_rows_parameters():
     assert ib.prompt_mask[rows[0], [1, 2, 3]].all() and ib.output_counts[rows[0], 4] == 2
 
 
+def test_sampling_batch_of_the_same_rows_follows_token_counts_and_new_sequences():
+    """Decode steps over the same rows reuse what the rows' parameters fix, with seeds
+    following each row's token count; a row given to a new sequence, even at the same place
+    in the batch, samples with the new sequence's parameters."""
+    ib = _batch()
+    rows = ib.rows_of([10, 11])
+    first = ib.sampling_batch(rows)
+    ib.record_sampled(rows, torch.tensor([1, 2]))
+    again = ib.sampling_batch(rows)
+    assert first.seeded == [(1, token_seed(11, 0))] and again.seeded == [(1, token_seed(11, 1))]
+    torch.testing.assert_close(again.temperature, first.temperature)
+    ib.remove_request(10)
+    ib.add_request(_new(13, SamplingParams(temperature=0.9, top_p=0.5)))
+    ib.flush()
+    assert np.array_equal(ib.rows_of([13, 11]), rows)
+    b = ib.sampling_batch(rows)
+    torch.testing.assert_close(b.temperature, torch.tensor([0.9, 0.7]))
+    assert b.all_random and b.need_top_p and b.greedy_mask is None
+
+
 def test_min_tokens_masks_stop_ids_until_reached():
     ib = InputBatch(2, 2, V, torch.device("cpu"))
     ib.add_request(_new(1, SamplingParams(min_tokens=2, stop_token_ids=[7])))
