@@ -73,24 +73,26 @@ def run(args: argparse.Namespace) -> dict:
     """One run of the workload in this process; returns the summary."""
     import torch
 
-    from tandem.config import (CacheConfig, DeviceConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig,
-                               embedded_default_model)
+    from tandem.config import embedded_default_model
+    from tandem.engine.arg_utils import EngineArgs
     from tandem.engine.core import EngineCore
     from tandem.engine.messages import EngineCoreRequest
     from tandem.sampling_params import SamplingParams
     from tandem.step_timing import PHASES
 
     torch.set_num_threads(1)
-    folder = tempfile.mkdtemp(prefix="host_step_")
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA | {"vocab_size": args.vocab_size}, f)
-    per_seq = -(-(args.input_len + args.output_len) // 16)
-    limits = dict(max_model_len=args.max_model_len, num_kv_blocks=args.max_num_seqs * per_seq + 64,
-                  max_num_seqs=args.max_num_seqs, async_output_proc=args.async_output_proc)
+    folder = args.model
+    if folder is None:
+        folder = tempfile.mkdtemp(prefix="host_step_")
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(TINY_LLAMA | {"vocab_size": args.vocab_size}, f)
+    engine_args = dict(model=folder, tokenizer=args.tokenizer or embedded_default_model(), load_format="dummy",
+                       dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                       max_num_seqs=args.max_num_seqs, async_output_proc=args.async_output_proc)
+    if args.device == "cpu":  # else as `tandem bench throughput`: CUDA graphs, the KV cache sized by memory
+        per_seq = -(-(args.input_len + args.output_len) // 16)
+        engine_args.update(enforce_eager=True, num_kv_blocks=args.max_num_seqs * per_seq + 64)
     g = torch.Generator().manual_seed(args.seed)
-
-    def prompts(n: int) -> list[list[int]]:
-        return torch.randint(1000, args.vocab_size, (n, args.input_len), generator=g).tolist()
 
     def params(out_len: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
@@ -98,21 +100,14 @@ def run(args: argparse.Namespace) -> dict:
     if args.front_end:
         from tandem.entrypoints.llm import LLM
 
-        llm = LLM(model=folder, tokenizer=embedded_default_model(), load_format="dummy", enforce_eager=True,
-                  device="cpu", **limits)
+        llm = LLM(**engine_args)
         core = llm.engine.client.core
 
         def drain(n: int, out_len: int) -> dict[str, list[int]]:
             outs = llm.generate(prompts(n), params(out_len), use_tqdm=False)
             return {str(i): o.outputs[0].token_ids for i, o in enumerate(outs)}
     else:
-        cfg = EngineConfig(
-            model_config=ModelConfig(model=folder, tokenizer=embedded_default_model(),
-                                     max_model_len=args.max_model_len, enforce_eager=True),
-            load_config=LoadConfig(load_format="dummy"), cache_config=CacheConfig(num_kv_blocks=limits["num_kv_blocks"]),
-            scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs, async_output_proc=args.async_output_proc),
-            device_config=DeviceConfig(device="cpu"))
-        core = EngineCore(cfg)
+        core = EngineCore(EngineArgs(**engine_args).create_engine_config())
 
         def drain(n: int, out_len: int) -> dict[str, list[int]]:
             for i, p in enumerate(prompts(n)):
@@ -123,6 +118,9 @@ def run(args: argparse.Namespace) -> dict:
                 for o in core.step():
                     out.setdefault(o.request_id, []).extend(o.new_token_ids)
             return out
+
+    def prompts(n: int) -> list[list[int]]:
+        return torch.randint(1000, core.vocab_size, (n, args.input_len), generator=g).tolist()
 
     drain(args.max_num_seqs, 4)  # first-call allocations, not timed
     steps: dict[int, tuple[int, int, int]] = {}  # step id -> (sequences, tokens, KV blocks appended)
@@ -238,6 +236,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--model", default=None,
+                    help="a model folder (config.json; dummy weights), e.g. benchmarks/model_shapes.py's llama-3.1-8b "
+                         "(default: a tiny Llama written to a temporary folder)")
+    ap.add_argument("--tokenizer", default=None, help="default: the embedded SmolLM2's")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--vocab-size", type=int, default=4096, help="the tiny model's (small: the lm head and the sampler are not timed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async-output-proc", action="store_true", help="the engine's pipelining (default: off)")
