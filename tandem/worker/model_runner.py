@@ -47,7 +47,7 @@ from tandem.outputs import ModelRunnerOutput, PromptLogprobs
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
 from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
 from tandem.worker.input_batch import InputBatch
-from tandem.worker.sampler import SamplerOutput, sample
+from tandem.worker.sampler import SamplerOutput, SamplingBatch, sample
 from tandem.worker.step_plan import DBOPolicy, StepMode, StepPlan, StepPlanner, ubatch_slices
 from tandem.worker.ubatching import StepInputs, empty_step_inputs, forward_step, pad_step_inputs
 
@@ -70,12 +70,22 @@ def _empty_output() -> AsyncModelRunnerOutput:
 
 
 @dataclass
+class _StepSampling:
+    """Who samples in a step, and the sampler's inputs for them (built with the step's
+    inputs, before its forward is launched)."""
+
+    index: list[int]  # positions in the step's sequences (decode first)
+    seq_ids: list[int]  # one per row of the step's logits
+    rows: np.ndarray  # [len(seq_ids)] int64: their input-batch rows
+    batch: SamplingBatch | None  # None when none samples
+
+
+@dataclass
 class _ForwardedStep:
     """A step run up to its logits, waiting to be sampled."""
 
     step_id: int
-    seq_ids: list[int]  # the sampling sequences, one per row of ``logits``
-    rows: np.ndarray  # [len(seq_ids)] int64: their input-batch rows
+    sampling: _StepSampling
     logits: torch.Tensor | None  # [len(seq_ids), V] float; None when none samples
     prompt_lp: dict[int, int]  # {seq_id: first scored prompt index}
     host_src: dict[str, torch.Tensor]  # prompt logprob tensors to copy to the host
@@ -191,6 +201,9 @@ class ModelRunner:
         # Decode sequences (one new token) first: backends batch them uniformly.
         seqs = sorted(so.scheduled, key=lambda s: s.num_new_tokens != 1)
         inputs, rows = self._prepare_inputs(seqs) if seqs else (None, None)
+        # Before the forward is launched: building them launches small copies and gathers,
+        # which would otherwise queue behind the forward's kernels.
+        sampling = self._sampling_inputs(seqs, rows) if seqs else None
         t_prep = time.perf_counter() - t_prep
         decode_only = inputs is not None and inputs.num_decode_reqs() == inputs.num_reqs
         plan = self.planner.plan(inputs.num_tokens if inputs is not None else 0, decode_only)
@@ -208,7 +221,7 @@ class ModelRunner:
             ev_start.record()
             timing = (ev_start, inputs.num_reqs, decode_only, int(inputs.seq_lens.sum()))
         hidden = self._forward(inputs, self._input_ids(inputs), plan)
-        fwd = self._logits(so.step_id, seqs, rows, inputs, hidden, t_prep, timing)
+        fwd = self._logits(so.step_id, seqs, sampling, inputs, hidden, t_prep, timing)
         if so.structured_output_seq_ids:
             return fwd  # sampled by sample_tokens
         return self._sample_step(fwd, None)
@@ -300,35 +313,36 @@ class ModelRunner:
             self._forward(empty_step_inputs(), torch.empty(0, dtype=torch.long, device=self.device), plan)
 
     # ----------------------------------------------------------------- 5. sample
-    def _logits(self, step_id: int, seqs: list[ScheduledSequence], rows: np.ndarray, inputs: StepInputs,
+    def _sampling_inputs(self, seqs: list[ScheduledSequence], rows: np.ndarray) -> _StepSampling:
+        """The sequences of ``seqs`` (input-batch ``rows``) whose step ends their known
+        tokens, so that they sample, and their sampler inputs."""
+        index = [r for r, s in enumerate(seqs) if s.sample]
+        sample_rows = rows if len(index) == len(seqs) else rows[index]
+        batch = self.input_batch.sampling_batch(sample_rows) if index else None
+        return _StepSampling(index, [seqs[r].seq_id for r in index], sample_rows, batch)
+
+    def _logits(self, step_id: int, seqs: list[ScheduledSequence], sampling: _StepSampling, inputs: StepInputs,
                 hidden: torch.Tensor, t_prep: float, timing: tuple | None) -> _ForwardedStep:
-        """Logits of the sequences whose step ends their known tokens, and prompt logprobs
-        (``rows``: the input-batch rows of ``seqs``)."""
-        sample_idx = [r for r, s in enumerate(seqs) if s.sample]
-        seq_ids = [seqs[r].seq_id for r in sample_idx]
-        sample_rows = rows if len(sample_idx) == len(seqs) else rows[sample_idx]
+        """Logits of the sampling sequences, and prompt logprobs."""
         prompt_lp, host_src = self._prompt_logprobs(seqs, inputs.query_start_loc, hidden)
         logits = None
-        if sample_idx:
-            logits = self.model.compute_logits(hidden[self._h2d(inputs.query_start_loc[1:][sample_idx] - 1, torch.long)])
-        return _ForwardedStep(step_id, seq_ids, sample_rows, logits, prompt_lp, host_src, t_prep, timing)
+        if sampling.index:
+            qsl = inputs.query_start_loc
+            logits = self.model.compute_logits(hidden[self._h2d(qsl[1:][sampling.index] - 1, torch.long)])
+        return _ForwardedStep(step_id, sampling, logits, prompt_lp, host_src, t_prep, timing)
 
     @torch.inference_mode()
     def _sample_step(self, fwd: _ForwardedStep, grammar: GrammarBitmask | None) -> AsyncModelRunnerOutput:
         """Sample a forwarded step (``grammar``'s bitmask applied to its rows first), record
         its timing and start the copy of its results to the host."""
-        seq_ids, host_src = fwd.seq_ids, fwd.host_src
-        t_batch = 0.0
+        seq_ids, host_src = fwd.sampling.seq_ids, fwd.host_src
         if fwd.logits is not None:
             logits = fwd.logits
             if grammar is not None:
                 self._apply_bitmask(logits, seq_ids, grammar)
-            t0 = time.perf_counter()
-            rows = fwd.rows
-            batch = self.input_batch.sampling_batch(rows)
-            t_batch = time.perf_counter() - t0
-            out: SamplerOutput = sample(logits, batch, self.input_batch.output_counts, self.input_batch.prompt_mask)
-            self.input_batch.record_sampled(rows, out.sampled)
+            out: SamplerOutput = sample(logits, fwd.sampling.batch, self.input_batch.output_counts,
+                                        self.input_batch.prompt_mask)
+            self.input_batch.record_sampled(fwd.sampling.rows, out.sampled)
             host_src["sampled"] = out.sampled
             if out.logprobs is not None:
                 host_src.update(logprobs=out.logprobs, logprob_token_ids=out.logprob_token_ids, ranks=out.sampled_ranks)
@@ -342,7 +356,7 @@ class ModelRunner:
             ev_end.record()
             self.step_events.append((ev_start, ev_end, num_reqs, decode_only, context))
         if self.step_times is not None:
-            self.step_times.add(fwd.step_id, "prepare", fwd.t_prep + t_batch)
+            self.step_times.add(fwd.step_id, "prepare", fwd.t_prep)
         return self._copy_to_host(seq_ids, host_src, fwd.prompt_lp)
 
     def _apply_bitmask(self, logits: torch.Tensor, seq_ids: list[int], grammar: GrammarBitmask) -> None:
