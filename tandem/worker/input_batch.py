@@ -95,6 +95,8 @@ class InputBatch:
         self.vocab_size = vocab_size
         self.device = device
         self.states: dict[int, CachedRequestState] = {}
+        # Sequences that compute their prompt's logprobs (most steps have none to look at).
+        self.prompt_logprobs_seq_ids: set[int] = set()
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.block_table_np = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
         self.block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -140,6 +142,8 @@ class InputBatch:
         p = data.sampling_params
         self.states[data.seq_id] = CachedRequestState(data.seq_id, row, p, data.prompt_token_ids,
                                                       data.compute_prompt_logprobs)
+        if data.compute_prompt_logprobs:
+            self.prompt_logprobs_seq_ids.add(data.seq_id)
         self.block_table_np[row] = 0
         self.params_np[row] = (p.temperature, min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size, p.top_p, p.min_p,
                                p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
@@ -183,6 +187,7 @@ class InputBatch:
         st = self.states.pop(seq_id, None)
         if st is not None:
             self._free_rows.append(st.row)
+            self.prompt_logprobs_seq_ids.discard(seq_id)
 
     def append_blocks(self, seq_id: int, block_ids: list[int]) -> None:
         """Append KV blocks to a sequence's block table (staged for the device)."""

@@ -375,6 +375,8 @@ class ModelRunner:
         ``plp_{ids,vals,ranks}_{seq_id}``), copied to the host with the sampled ids (no sync).
         """
         starts, tensors = {}, {}
+        if not self.input_batch.prompt_logprobs_seq_ids:
+            return starts, tensors
         for r, s in enumerate(seqs):
             st = self.input_batch.states[s.seq_id]
             if not st.compute_prompt_logprobs or s.num_computed_tokens >= st.prompt_len:
