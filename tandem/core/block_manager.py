@@ -179,8 +179,10 @@ class KVCacheManager:
         blocks = self.req_blocks.get(req.seq_id, [])
         total = req.num_computed_tokens + num_new_tokens
         if not computed_blocks and total <= len(blocks) * self.block_size:
-            # Most decode steps: room in the last block, no list to rebuild.
-            self._cache_full_blocks(req, blocks, total)
+            # Most decode steps: room in the last block, no list to rebuild, and (checked
+            # here, before a call per sequence) no block filled up since the last hashing.
+            if self.enable_caching and total // self.block_size > self.num_cached_hashed.get(req.seq_id, 0):
+                self._cache_full_blocks(req, blocks, total)
             return True
         computed_blocks = computed_blocks or []
         num_needed = -(-total // self.block_size) - len(blocks) - len(computed_blocks)

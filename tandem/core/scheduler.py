@@ -71,7 +71,7 @@ class Scheduler:
         constrained sequence's id is appended to ``so_seq_ids``."""
         c = req.num_computed_tokens
         end = c + num_new
-        known_end = min(end, num_tokens)
+        known_end = end if end < num_tokens else num_tokens
         assert end - known_end <= 1, "at most one not-yet-known token (the previous step's sample)"
         sample = end == num_tokens + req.num_output_placeholders
         req.num_computed_tokens = end
@@ -118,7 +118,9 @@ class Scheduler:
                 # At its length limit: all it may produce is sampled (maybe not yet on the host).
                 i += 1
                 continue
-            num_new = min(num_tokens + placeholders - req.num_computed_tokens, budget)
+            num_new = num_tokens + placeholders - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 i += 1
                 continue
