@@ -198,8 +198,10 @@ class ModelRunner:
         """Run a step; a step with constrained sequences only up to its logits."""
         t_prep = time.perf_counter()
         self._update_states(so)
-        # Decode sequences (one new token) first: backends batch them uniformly.
-        seqs = sorted(so.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decode sequences (one new token) first: backends batch them uniformly. (A step of
+        # as many tokens as sequences is all decode: nothing to sort.)
+        seqs = so.scheduled if so.num_scheduled_tokens == len(so.scheduled) else \
+            sorted(so.scheduled, key=lambda s: s.num_new_tokens != 1)
         inputs, rows = self._prepare_inputs(seqs) if seqs else (None, None)
         # Before the forward is launched: building them launches small copies and gathers,
         # which would otherwise queue behind the forward's kernels.
