@@ -1,20 +1,22 @@
-"""Host time per engine step on the CPU: the engine core's loop alone, phase by phase.
+"""Host time per engine step: the engine core's loop, phase by phase, per step.
 
-Drives an :class:`~tandem.engine.core.EngineCore` directly (no front end, no detokenization)
-on a tiny random Llama over the seed workload's request shape (default: 1000 random
-prompts, 128 in / 256 out, greedy, EOS ignored, ``max_num_seqs`` 256) and records the three
-phases of :mod:`tandem.step_timing` per step: ``schedule``, ``prepare`` (the runner's
-input building) and ``process`` (``update_from_output``). Steps are split into decode
-steps (every scheduled sequence computes one token) and steps with prefill tokens; the
-slowest 1 % of steps are matched against the Python garbage collector's collections that
-ran inside them (``gc.callbacks``), which is what a p99 spike of the loop usually is.
+Drives an :class:`~tandem.engine.core.EngineCore` directly (no front end; ``--front-end``:
+through ``tandem.LLM``, whose detokenization runs between core steps, as in ``tandem bench
+throughput``) over the seed workload's request shape (default: 1000 random prompts, 128 in /
+256 out, greedy, EOS ignored, ``max_num_seqs`` 256) and records the three phases of
+:mod:`tandem.step_timing` per step: ``schedule``, ``prepare`` (the runner's input building)
+and ``process`` (``update_from_output``). Decode steps (every scheduled sequence computes
+one token) are reported apart from steps with prefill tokens, and the slowest 1 % of steps
+with what they scheduled and the garbage collections that ran inside them
+(``gc.callbacks``).
 
-The model's forward and sampling are not in the phases, so the model is as small as can be
-(``hidden_size`` 64, one layer): the phases are the same Python and numpy work as with
-Llama-3.1-8B at the same batch (they depend on the batch, the block size and the sequence
-lengths, not on the layer sizes). The default is synchronous output processing, so each
-phase runs alone; ``--async-output-proc`` measures the engine's default pipelining (on a
-CPU the step thread then competes with the loop for the GIL).
+The default model is a tiny random Llama on the CPU: the phases do not run the forward or
+the sampler, and their Python and numpy work depends on the batch, the block size and the
+sequence lengths, not on the layer sizes. ``--model DIR --device cuda`` runs any model
+folder (e.g. ``benchmarks/model_shapes.py llama-3.1-8b``) as the seed workload does (CUDA
+graphs, the KV cache sized by memory). The default is synchronous output processing, so
+each phase runs alone; ``--async-output-proc`` is the engine's default pipelining (on a CPU
+the step thread then competes with the loop for the GIL).
 
 One tree (the ``tandem`` on ``PYTHONPATH``), JSON summary on stdout::
 
@@ -217,6 +219,10 @@ def compare(args: argparse.Namespace, argv: list[str]) -> None:
                   f"schedule {ph['schedule']:.3f} prepare {ph['prepare']:.3f} process {ph['process']:.3f} | "
                   f"all steps p99 {res['all_steps']['p99_ms']:.3f} | gen2 GCs {res['gc_collections']['2']} | "
                   f"load {load:.1f} | digest {res['output_digest']}", flush=True)
+            print("  slowest steps (ms, seqs, tokens, GC ms inside, schedule/prepare/process ms): " + "; ".join(
+                f"{x['ms']:.1f} {x['seqs']} {x['tokens']} {x['gc_ms']:.1f} "
+                f"{x['schedule']:.1f}/{x['prepare']:.1f}/{x['process']:.1f}" for x in res["slowest_1pct"][:5]),
+                flush=True)
     for tree, runs in per_tree.items():
         med = [r["decode_steps"]["median_ms"] for r in runs]
         p99 = [r["all_steps"]["p99_ms"] for r in runs]
@@ -242,11 +248,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokenizer", default=None, help="default: the embedded SmolLM2's")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--vocab-size", type=int, default=4096, help="the tiny model's (small: the lm head and the sampler are not timed)")
+    ap.add_argument("--vocab-size", type=int, default=4096,
+                    help="the tiny model's (small: the lm head and the sampler are not timed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async-output-proc", action="store_true", help="the engine's pipelining (default: off)")
     ap.add_argument("--front-end", action="store_true",
-                    help="through tandem.LLM (in-process core, detokenization between steps), as `tandem bench throughput`")
+                    help="through tandem.LLM (in-process core, detokenization between steps), "
+                         "as `tandem bench throughput`")
     ap.add_argument("--compare", nargs="+", metavar="TREE", help="trees to run alternately (PYTHONPATH each)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
