@@ -35,7 +35,6 @@ from tandem.engine.core_client import AsyncMPClient, EngineClientConfig, EngineD
 from tandem.engine.messages import EngineCoreOutputs
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.processor import Processor
-from tandem.gc_utils import freeze_gc_heap
 from tandem.model_loader.generation_config import load_generation_defaults
 from tandem.model_loader.loader import load_tokenizer
 from tandem.outputs import RequestOutput
@@ -192,7 +191,6 @@ class AsyncLLM:
         self.num_requests = 0  # accepted by this front end since start
         self._stopped = False
         self._scheduler_stats: dict[int, dict] = {}
-        freeze_gc_heap()  # startup objects live until shutdown (tandem.gc_utils)
 
     # ----------------------------------------------------------- front end API
     @property

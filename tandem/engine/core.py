@@ -28,7 +28,6 @@ from tandem.core.sched_output import SchedulerOutput
 from tandem.core.scheduler import Scheduler
 from tandem.distributed import parallel_state as ps
 from tandem.engine.messages import EngineCoreOutput, EngineCoreReady, EngineCoreRequest, SchedulerStats
-from tandem.gc_utils import freeze_gc_heap
 from tandem.layers.quantization.config import get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.model_loader.generation_config import load_generation_defaults
@@ -137,9 +136,6 @@ class EngineCore:
         self.step_times: StepHostTimes | None = None
         freeze_startup_heap()
         self._heap_frozen = True
-        # The startup heap (modules, model, caches) lives until shutdown: keep it out of
-        # the oldest generation's collections, which would otherwise stall some steps.
-        freeze_gc_heap()
 
     def _moe_kwargs(self) -> dict:
         """The dispatch/combine backend of MoE layers (dense models take none)."""

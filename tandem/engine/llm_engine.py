@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from tandem.config import EngineConfig
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.processor import MAX_LOGPROBS, Processor
-from tandem.gc_utils import freeze_gc_heap
 from tandem.model_loader.generation_config import load_generation_defaults
 from tandem.model_loader.loader import load_tokenizer
 from tandem.outputs import RequestOutput
@@ -62,7 +61,6 @@ class LLMEngine:
         # Rank 0's handshake, for tests and logs (``parallel``: its ParallelInfo fields).
         self.rank0_info = {"parallel": _Info(ready.parallel), "kv_cache_shape_per_block": ready.kv_cache_shape_per_block,
                            "max_model_len": ready.max_model_len, "num_kv_blocks": ready.num_kv_blocks}
-        freeze_gc_heap()  # the front end's startup heap too (the tokenizer), as the core's
 
     @property
     def generation_defaults(self):
