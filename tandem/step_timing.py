@@ -9,6 +9,13 @@ finished sequences). Their sum is the host time a step costs the engine core's l
 part that a faster GPU step exposes; the front end's detokenization runs beside the core
 (another process, or between two core steps in process) and is not counted. Recorded by
 ``EngineCore.start_host_timing`` (``LLMEngine.start_host_timing`` with an in-process core).
+
+Steps that sample constrained sequences also record :data:`GRAMMAR_PHASES`: ``grammar``
+(the core thread's xgrammar work: advancing the matchers by the previous step's tokens and
+filling this step's bitmask) and ``bitmask`` (the runner's copy and application of the
+bitmask to the logits: on a GPU the launch, on the CPU the kernel itself). They are
+reported beside the three phases, not in their sum: on a GPU both overlap the step's
+forward.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PHASES = ("schedule", "prepare", "process")
+GRAMMAR_PHASES = ("grammar", "bitmask")
 
 
 @dataclass
@@ -31,26 +39,33 @@ class StepHostTimes:
         """Record (accumulate) ``seconds`` of ``phase`` for step ``step_id``.
 
         Raises:
-            ValueError: ``phase`` is not one of :data:`PHASES`.
+            ValueError: ``phase`` is not one of :data:`PHASES` or :data:`GRAMMAR_PHASES`.
         """
-        if phase not in PHASES:
-            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        if phase not in PHASES and phase not in GRAMMAR_PHASES:
+            raise ValueError(f"phase must be one of {PHASES + GRAMMAR_PHASES}, got {phase!r}")
         row = self.times[step_id]
         row[phase] = row.get(phase, 0.0) + seconds
 
     def totals_ms(self, complete_only: bool = True) -> list[float]:
         """Per step: the sum of its phases in ms (only steps with every phase recorded when
         ``complete_only``; steps that sampled nothing have no ``process`` phase)."""
-        return [1e3 * sum(r.values()) for r in self.times.values() if not complete_only or len(r) == len(PHASES)]
+        return [1e3 * sum(r.get(p, 0.0) for p in PHASES) for r in self.times.values()
+                if not complete_only or all(p in r for p in PHASES)]
 
     def summary(self) -> dict[str, float] | None:
-        """``{"steps", "median_ms", "p99_ms", <phase>_median_ms...}`` over complete steps;
-        None when none was recorded."""
-        rows = [r for r in self.times.values() if len(r) == len(PHASES)]
+        """``{"steps", "median_ms", "p99_ms", <phase>_median_ms...}`` over complete steps
+        (every phase of :data:`PHASES` recorded), plus ``<phase>_median_ms`` of each of
+        :data:`GRAMMAR_PHASES` over the complete steps that recorded it (absent when none
+        did); None when no step is complete."""
+        rows = [r for r in self.times.values() if all(p in r for p in PHASES)]
         if not rows:
             return None
-        tot = np.array([sum(r.values()) for r in rows]) * 1e3
+        tot = np.array([sum(r[p] for p in PHASES) for r in rows]) * 1e3
         out = {"steps": float(len(rows)), "median_ms": float(np.median(tot)), "p99_ms": float(np.percentile(tot, 99))}
         for p in PHASES:
             out[f"{p}_median_ms"] = float(np.median([r[p] for r in rows]) * 1e3)
+        for p in GRAMMAR_PHASES:
+            vals = [r[p] for r in rows if p in r]
+            if vals:
+                out[f"{p}_median_ms"] = float(np.median(vals) * 1e3)
         return out

@@ -47,6 +47,11 @@ class ThroughputResult:
     host_schedule_ms_median: float | None = None
     host_prepare_ms_median: float | None = None
     host_process_ms_median: float | None = None
+    # Steps with constrained sequences (tandem.step_timing.GRAMMAR_PHASES), median ms over
+    # the steps that recorded them: xgrammar's accept + bitmask fill on the core thread, and
+    # the runner's bitmask copy + application; not in host_step_ms.
+    host_grammar_ms_median: float | None = None
+    host_bitmask_ms_median: float | None = None
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -122,6 +127,8 @@ def _host_step_stats(times, res: ThroughputResult) -> None:
     res.host_schedule_ms_median = summary["schedule_median_ms"]
     res.host_prepare_ms_median = summary["prepare_median_ms"]
     res.host_process_ms_median = summary["process_median_ms"]
+    res.host_grammar_ms_median = summary.get("grammar_median_ms")
+    res.host_bitmask_ms_median = summary.get("bitmask_median_ms")
 
 
 def _gpu_step_stats(events, res: ThroughputResult) -> None:
@@ -161,6 +168,9 @@ def main(args: argparse.Namespace) -> None:
               f"median {res.host_step_ms_median:.3f} ms, "
               f"p99 {res.host_step_ms_p99:.3f} ms (medians: schedule {res.host_schedule_ms_median:.3f}, prepare "
               f"{res.host_prepare_ms_median:.3f}, process {res.host_process_ms_median:.3f} ms)")
+    if res.host_grammar_ms_median is not None and res.host_bitmask_ms_median is not None:
+        print(f"Constrained steps, medians: grammar (accept + bitmask fill, core thread) "
+              f"{res.host_grammar_ms_median:.3f} ms, bitmask (copy + apply, runner) {res.host_bitmask_ms_median:.3f} ms")
     if res.gpu_idle_fraction is not None:
         # Without decode-only steps (e.g. --output-len 1) the decode statistics are None.
         line = f"GPU idle between steps: {100 * res.gpu_idle_fraction:.2f}% of wall time"

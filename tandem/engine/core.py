@@ -312,7 +312,10 @@ class EngineCore:
 
     def _sample_constrained(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Build the bitmask of ``so``'s constrained sequences and sample the step."""
+        t0 = time.perf_counter()
         grammar = self.structured_output.grammar_bitmask(so.structured_output_seq_ids, self.scheduler.requests)
+        if self.step_times is not None:
+            self.step_times.add(so.step_id, "grammar", time.perf_counter() - t0)
         if self.step_broadcast is not None:
             self.step_broadcast(grammar)
         return self.runner.sample_tokens(grammar)
@@ -336,7 +339,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self.scheduler.advance_grammars(result)
         if self.step_times is not None and result.seq_ids:
-            self.step_times.add(so.step_id, "process", time.perf_counter() - t0)
+            self.step_times.add(so.step_id, "grammar", time.perf_counter() - t0)
 
     def _take(self, so: SchedulerOutput, result, grammars_advanced: bool = False) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()

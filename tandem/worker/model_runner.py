@@ -341,7 +341,10 @@ class ModelRunner:
         if fwd.logits is not None:
             logits = fwd.logits
             if grammar is not None:
+                t0 = time.perf_counter()
                 self._apply_bitmask(logits, seq_ids, grammar)
+                if self.step_times is not None:
+                    self.step_times.add(fwd.step_id, "bitmask", time.perf_counter() - t0)
             out: SamplerOutput = sample(logits, fwd.sampling.batch, self.input_batch.output_counts,
                                         self.input_batch.prompt_mask)
             self.input_batch.record_sampled(fwd.sampling.rows, out.sampled)
@@ -364,10 +367,13 @@ class ModelRunner:
     def _apply_bitmask(self, logits: torch.Tensor, seq_ids: list[int], grammar: GrammarBitmask) -> None:
         """Mask, in place, the tokens ``grammar`` forbids in the rows of its sequences."""
         row_of = {sid: i for i, sid in enumerate(seq_ids)}
-        rows = self._h2d([row_of[sid] for sid in grammar.seq_ids], torch.long)
+        rows = [row_of[sid] for sid in grammar.seq_ids]
         # Pinned: a pageable copy could wait for the step's forward to finish.
         mask = grammar.bitmask.pin_memory() if self._is_cuda else grammar.bitmask
-        apply_token_bitmask(logits, rows, mask.to(self.device, non_blocking=True))
+        # Every sampling row constrained, in order (all-constrained decode steps): no scatter.
+        in_order = len(rows) == len(seq_ids) and rows == list(range(len(rows)))
+        apply_token_bitmask(logits, None if in_order else self._h2d(rows, torch.long),
+                            mask.to(self.device, non_blocking=True))
 
     def _prompt_logprobs(self, seqs: list[ScheduledSequence], qsl: np.ndarray,
                          hidden: torch.Tensor) -> tuple[dict[int, int], dict[str, torch.Tensor]]:

@@ -59,6 +59,32 @@ def test_host_step_stats_median_and_p99_over_complete_steps():
         t.add(1, "forward", 1.0)
 
 
+def test_host_step_stats_grammar_phases_beside_the_step_sum():
+    """Constrained steps' grammar and bitmask times are reported over the steps that have
+    them, and stay out of the per-step sum of schedule / prepare / process."""
+    from tandem.benchmarks.throughput import _host_step_stats
+    from tandem.step_timing import StepHostTimes
+
+    t = StepHostTimes()
+    for step in range(1, 11):
+        for phase in ("schedule", "prepare", "process"):
+            t.add(step, phase, 1e-3)
+        if step % 2:
+            t.add(step, "grammar", 4e-3)
+            t.add(step, "bitmask", 2e-3)
+    res = ThroughputResult(1, 1, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 0)
+    _host_step_stats(t, res)
+    assert res.host_step_ms_median == pytest.approx(3.0)
+    assert res.host_grammar_ms_median == pytest.approx(4.0) and res.host_bitmask_ms_median == pytest.approx(2.0)
+    assert t.totals_ms() == pytest.approx([3.0] * 10)
+    free = StepHostTimes()
+    for phase in ("schedule", "prepare", "process"):
+        free.add(1, phase, 1e-3)
+    res = ThroughputResult(1, 1, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 0)
+    _host_step_stats(free, res)
+    assert res.host_grammar_ms_median is None and res.host_bitmask_ms_median is None
+
+
 def test_run_throughput_reports_host_time_of_the_in_process_core():
     """LLM's single-rank engine runs its core in process: the core's loop records every
     step's schedule / prepare / update_from_output time, and recording stops afterwards."""
@@ -93,6 +119,8 @@ def test_run_throughput_constrains_the_asked_share_to_the_schema(monkeypatch):
     assert sum(p.structured_outputs is not None for p in warm) == 2
     assert all(p.structured_outputs.json == schema for p in timed if p.structured_outputs is not None)
     assert res.requests_per_s > 0
+    # The constrained steps' grammar work and bitmask application are reported.
+    assert res.host_grammar_ms_median > 0 and res.host_bitmask_ms_median > 0
     with pytest.raises(ValueError, match="structured-output-ratio"):
         throughput.run_throughput(llm, num_prompts=2, input_len=8, output_len=2, structured_output_ratio=1.5)
 

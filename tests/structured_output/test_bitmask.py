@@ -1,4 +1,5 @@
-"""apply_token_bitmask against a per-token reference, with xgrammar's bit layout."""
+"""apply_token_bitmask against a per-token reference, with xgrammar's bit layout: rows in
+batch order or scattered, every logits dtype, a bitmask narrower than the logits."""
 
 from __future__ import annotations
 
@@ -8,21 +9,39 @@ import torch
 from tandem.structured_output.bitmask import apply_token_bitmask
 
 
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed [K, W * 32]`` bool as xgrammar's ``int32 [K, W]`` words."""
+    k, bits = allowed.shape
+    words = (allowed.view(k, bits // 32, 32).long() << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement
+
+
 @pytest.mark.parametrize("vocab", [64, 100, 49152])
-def test_matches_reference(vocab):
+@pytest.mark.parametrize("rows", [[4, 0, 2], None], ids=["scattered", "in_order"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(vocab, rows, dtype):
     g = torch.Generator().manual_seed(vocab)
     n, words = 5, -(-vocab // 32)
-    logits = torch.randn(n, vocab, generator=g)
-    allowed = torch.rand(3, words * 32, generator=g) < 0.3
-    bits = (allowed.view(3, words, 32).long() << torch.arange(32)).sum(-1)
-    bitmask = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)  # two's complement words
-    rows = torch.tensor([4, 0, 2])
+    k = n if rows is None else len(rows)
+    logits = torch.randn(n, vocab, generator=g).to(dtype)
+    allowed = torch.rand(k, words * 32, generator=g) < 0.3
+    allowed[:, -32:] = True  # bits past the vocabulary are ignored
     out = logits.clone()
-    apply_token_bitmask(out, rows, bitmask)
+    apply_token_bitmask(out, None if rows is None else torch.tensor(rows), _bitmask(allowed))
     expect = logits.clone()
-    for i, r in enumerate(rows.tolist()):
+    for i, r in enumerate(range(n) if rows is None else rows):
         expect[r, ~allowed[i, :vocab]] = float("-inf")
     assert torch.equal(out, expect)
+
+
+def test_tokens_past_the_bitmask_are_not_allowed():
+    """Logits wider than the bitmask (a padded vocabulary): the extra tokens are masked in
+    the bitmask's rows only."""
+    logits = torch.zeros(3, 80)
+    allowed = torch.ones(2, 64, dtype=torch.bool)
+    apply_token_bitmask(logits, torch.tensor([2, 0]), _bitmask(allowed))
+    assert torch.isinf(logits[[0, 2], 64:]).all() and torch.isfinite(logits[:, :64]).all()
+    assert torch.isfinite(logits[1]).all()
 
 
 def test_same_layout_as_xgrammar():

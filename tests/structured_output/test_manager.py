@@ -75,6 +75,17 @@ def test_missing_sequence_gets_an_all_allowed_row(manager):
     assert out.seq_ids == [12345] and bool((out.bitmask == -1).all())
 
 
+def test_all_allowed_rows_do_not_keep_an_earlier_step_s_bits(manager):
+    """The buffer is reused: a row filled by one step's grammar, then given to a finished
+    or missing sequence, is all-allowed again."""
+    req = _ready(manager, regex="ab")
+    first = manager.grammar_bitmask([req.seq_id, 777], {req.seq_id: req}).bitmask
+    assert not bool((first[0] == -1).all())
+    req.structured_output.finished = True
+    again = manager.grammar_bitmask([req.seq_id, 777], {req.seq_id: req}).bitmask
+    assert bool((again == -1).all())
+
+
 def _ready(manager, **kwargs) -> Request:
     req = _req(**kwargs)
     manager.init_request(req)
