@@ -1,17 +1,20 @@
 """The token bitmask of a step: built by the engine, applied by the model runner.
 
 Layout is xgrammar's: ``int32 [rows, ceil(vocab / 32)]``, bit ``t % 32`` of word
-``t // 32`` set when token ``t`` is allowed. The mask is applied by xgrammar's in-place
-kernels (a C++ loop on the CPU, a Triton kernel on CUDA: what vLLM applies): unpacking the
-bits with torch ops made ``[K, V]`` int32 temporaries, ~0.5 GB per step at 256 rows of a
-128K vocabulary, the largest cost of a constrained step on the CPU (benchmarks/RESULTS.md,
-"Session 7 — constrained decoding cost per step").
+``t // 32`` set when token ``t`` is allowed. Unpacking the bits with torch shifts made
+``[K, V]`` int32 temporaries, ~0.5 GB per step at 256 rows of a 128K vocabulary, the
+largest cost of a constrained step on the CPU (benchmarks/RESULTS.md, "Session 7 —
+constrained decoding cost per step"). Now a CUDA device applies it with xgrammar's Triton
+kernel (what vLLM uses; one pass, no temporaries), and the CPU unpacks the bits with numpy's
+table-driven ``unpackbits`` into one bool mask (1 byte per token) for one ``masked_fill_``:
+xgrammar's CPU loop is ~3x slower than that on this 128K shape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -35,16 +38,34 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask
         bitmask: ``int32 [K, W]`` on ``logits.device``, contiguous; tokens past ``W * 32``
             are not allowed.
     """
+    v = logits.shape[1]
+    width = min(v, bitmask.shape[1] * 32)
+    if logits.device.type == "cpu":
+        _apply_on_cpu(logits, rows, bitmask, width)
+    else:
+        _apply_with_xgrammar(logits, rows, bitmask, width)
+    if width < v:
+        logits[slice(None) if rows is None else rows, width:] = float("-inf")
+
+
+def _apply_on_cpu(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor, width: int) -> None:
+    # Words of the complement, bytes in memory order: on a little-endian host, bit j of byte
+    # b is token 8 * b + j, which unpackbits(bitorder="little") puts at column 8 * b + j.
+    denied = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=1, bitorder="little")
+    denied = torch.from_numpy(denied.view(np.bool_))[:, :width]
+    if rows is None:
+        logits[:, :width].masked_fill_(denied, float("-inf"))
+    else:
+        logits[rows, :width] = logits[rows, :width].masked_fill(denied, float("-inf"))
+
+
+def _apply_with_xgrammar(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor, width: int) -> None:
     import xgrammar as xgr
 
-    n, v = logits.shape
-    w = bitmask.shape[1]
     if rows is not None:
-        # xgrammar's kernels read bitmask row r for logits row r: scatter the rows into
-        # batch order (a [N, W] int32 copy, 4 MB at 256 rows of a 128K vocabulary).
-        full = bitmask.new_full((n, w), -1)
+        # xgrammar's kernel reads bitmask row r for logits row r: scatter the rows into
+        # batch order (a [N, W] int32 copy on the device, 4 MB at 256 rows of 128K tokens).
+        full = bitmask.new_full((logits.shape[0], bitmask.shape[1]), -1)
         full[rows] = bitmask
         bitmask = full
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(v, w * 32), indices=rows)
-    if w * 32 < v:
-        logits[slice(None) if rows is None else rows, w * 32:] = float("-inf")
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)

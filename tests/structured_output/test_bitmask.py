@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.structured_output import bitmask as bitmask_mod
 from tandem.structured_output.bitmask import apply_token_bitmask
 
 
@@ -19,7 +20,11 @@ def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("vocab", [64, 100, 49152])
 @pytest.mark.parametrize("rows", [[4, 0, 2], None], ids=["scattered", "in_order"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_reference(vocab, rows, dtype):
+@pytest.mark.parametrize("kernel", ["cpu", "xgrammar"])
+def test_matches_reference(vocab, rows, dtype, kernel, monkeypatch):
+    if kernel == "xgrammar":
+        # The CUDA path's code (scatter into batch order, xgrammar's kernel), on its CPU backend.
+        monkeypatch.setattr(bitmask_mod, "_apply_on_cpu", bitmask_mod._apply_with_xgrammar)
     g = torch.Generator().manual_seed(vocab)
     n, words = 5, -(-vocab // 32)
     k = n if rows is None else len(rows)
