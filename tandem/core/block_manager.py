@@ -200,15 +200,11 @@ class KVCacheManager:
         return True
 
     def _cache_full_blocks(self, req: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
-        if not self.enable_caching:
-            return
-        start = self.num_cached_hashed.get(req.seq_id, 0)
-        if num_tokens // self.block_size <= start:
-            return  # no block filled up since the last call (most decode steps): nothing to hash
         # Only tokens known on the host can be hashed (not one-step-ahead placeholders).
         num_full = min(num_tokens, req.num_tokens) // self.block_size
-        if num_full <= start:
-            return
+        start = self.num_cached_hashed.get(req.seq_id, 0)
+        if not self.enable_caching or num_full <= start:
+            return  # no block filled up since the last call: nothing to hash
         self._update_hashes(req)
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], req.block_hashes[i])

@@ -181,11 +181,6 @@ class Scheduler:
         self._finished_since_last_step = []
         return out
 
-    def on_token(self, req: Request) -> None:
-        """A sampled token of ``req`` reached the host: it stops being a placeholder
-        (what :meth:`update_from_output` does for each row, inline)."""
-        req.num_output_placeholders -= 1
-
     def advance_grammars(self, result: ModelRunnerOutput) -> None:
         """Advance the grammars of ``result``'s live constrained sequences by their sampled
         tokens, in one batched call (the first part of taking in a step's outputs: the

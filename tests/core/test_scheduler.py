@@ -37,7 +37,7 @@ def test_one_step_ahead_decode_uses_previous_sample():
     (seq,) = out.scheduled
     assert seq.uses_prev_sample and seq.token_ids == [] and seq.num_computed_tokens == 5
     assert r.num_output_placeholders == 2
-    s.on_token(r)
+    r.num_output_placeholders -= 1  # step 1's token reaches the host
     r.output_token_ids.append(7)
     out = s.schedule()
     (seq,) = out.scheduled
@@ -70,11 +70,11 @@ def test_preemption_frees_blocks_and_requeues_latest():
     s.add_request(b)
     s.schedule()
     for r in (a, b):
-        s.on_token(r)
+        r.num_output_placeholders -= 1  # the token reaches the host
         r.output_token_ids.append(1)
     s.schedule()  # each now needs its 3rd block? 4 tokens -> 2 blocks each: fits
     for r in (a, b):
-        s.on_token(r)
+        r.num_output_placeholders -= 1  # the token reaches the host
         r.output_token_ids.append(1)
     out = s.schedule()  # 5 tokens -> 3 blocks each: one must go
     assert out.preempted_seq_ids == [b.seq_id]
