@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import statistics
 import subprocess
@@ -70,14 +71,22 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def bench_serve(url: str, tok: list[str], a: argparse.Namespace, load: list[str], d: str, name: str) -> dict:
-    """``tandem bench serve`` of the random workload at ``load`` (later flags win); its result JSON."""
+    """``tandem bench serve`` of the random workload at ``load`` (later flags win); its result
+    JSON, with the benchmark client's own CPU time (``client_cpu_s``) and wall time
+    (``client_wall_s``) added: a client near one core would bound the served figure."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve", "--base-url", url,
                     "--dataset", "random", "--random-input-len", str(a.input_len), "--random-output-len",
                     str(a.output_len), "--random-range-ratio", "0", "--num-prompts", str(a.num_prompts),
                     "--request-rate", "inf", "--ignore-eos", *tok, *load,
                     "--save-result", "--result-dir", d, "--result-filename", name], check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(os.path.join(d, name)) as f:
-        return json.load(f)
+        r = json.load(f)
+    r["client_cpu_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    r["client_wall_s"] = time.monotonic() - t0
+    return r
 
 
 def served(engine: list[str], server_args: str, a: argparse.Namespace) -> dict:
@@ -98,11 +107,13 @@ def served(engine: list[str], server_args: str, a: argparse.Namespace) -> dict:
             x = bench_serve(srv.url, tok, a, shlex.split(load), d, f"x{i}.json")
             extra[load] = {"req_s": x["request_throughput"], "median_tpot_ms": x["median_tpot_ms"],
                            "median_ttft_ms": x.get("median_ttft_ms"), "p99_ttft_ms": x.get("p99_ttft_ms"),
-                           "p99_itl_ms": x.get("p99_itl_ms")}
+                           "p99_itl_ms": x.get("p99_itl_ms"),
+                           "client_cpu_s": x["client_cpu_s"], "client_wall_s": x["client_wall_s"]}
         return {"serve_req_s": r["request_throughput"], "serve_median_tpot_ms": r["median_tpot_ms"],
                 "serve_median_itl_ms": r.get("median_itl_ms"), "serve_p99_itl_ms": r.get("p99_itl_ms"),
                 "frontend_cpu_us_per_token": 1e6 * cpu / max(1, r["total_output_tokens"]),
-                "frontend_processes": len(pids), "extra": extra}
+                "frontend_processes": len(pids), "client_cpu_s": r["client_cpu_s"],
+                "client_wall_s": r["client_wall_s"], "extra": extra}
 
 
 def main() -> None:

@@ -83,9 +83,11 @@ def test_bench_serve_random_prints_table(server, tmp_path):
     out = p.stdout
     for label in ("Serving Benchmark Result", "Successful requests:", "Benchmark duration (s):",
                   "Request throughput (req/s):", "Request goodput (req/s):", "Output token throughput (tok/s):",
-                  "Mean TTFT (ms):", "Median TPOT (ms):", "P99 ITL (ms):", "Mean E2EL (ms):"):
+                  "Mean TTFT (ms):", "Median TPOT (ms):", "P99 ITL (ms):", "Mean E2EL (ms):",
+                  "Client CPU (fraction of one core):"):
         assert label in out, out
     res = json.loads((tmp_path / "res.json").read_text())
+    assert 0 < res["client_cpu_fraction"] < 4
     assert res["completed"] == 8 and res["failed"] == 0
     assert res["total_input_tokens"] == 8 * 16 and res["total_output_tokens"] == 8 * 4
     assert res["request_goodput"] > 0 and res["mean_ttft_ms"] > 0 and res["mean_tpot_ms"] > 0
