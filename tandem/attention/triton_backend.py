@@ -49,7 +49,9 @@ from tandem.triton_utils import num_sms
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton.jit
+# The first prefill request's index changes with every step's decode count: specialising on
+# it (== 1, % 16) would compile new variants in the middle of serving.
+@triton.jit(do_not_specialize=["req_offset"])
 def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,
