@@ -1,11 +1,14 @@
-"""FP8 vs bf16 on real weights: the embedded SmolLM2-135M (GGUF, dequantized) quantized
-online to FP8 (W8A8, per-channel / per-token) gives logits close to the bf16 model's,
-with and without an FP8 KV cache (CUDA sm89+: the FP8 GEMMs run on cuBLASLt)."""
+"""FP8 vs bf16 on real weights: the embedded SmolLM2-135M (GGUF, dequantized) and, opt-in
+(``TANDEM_QWEN_GGUF``), Qwen2.5-Coder-0.5B-Instruct quantized online to FP8 (W8A8,
+per-channel / per-token) give logits close to the bf16 model's, with and without an FP8 KV
+cache, and mostly the same greedy tokens (CUDA sm89+: the FP8 GEMMs run on cuBLASLt)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from tandem import envs
 
 from tests.conftest import PROMPTS
 from tests.models.paged_parity import step_metadata
@@ -16,16 +19,21 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 # similarity of the logit rows 0.990, worst 0.88, argmax agreement 0.926 (FP8 KV cache:
 # 0.990 / 0.89 / 0.914). Stated bounds:
 MIN_MEAN_COS, MIN_WORST_COS, MIN_ARGMAX_AGREE = 0.98, 0.8, 0.85
+# Greedy continuations diverge once one near-tie flips; a quarter of the tokens before the
+# first difference is far above what a broken FP8 path gives (a wrong first token).
+MIN_GREEDY_AGREE = 0.25
 
 
-def logits_fp8_vs_reference(device: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
-    """Prefill logits of PROMPTS: (FP8 model, reference model in ``dtype``), both [T, vocab] fp32."""
+def logits_fp8_vs_reference(device: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                            path: str | None = None):
+    """Prefill logits of PROMPTS: (FP8 model, reference model in ``dtype``), both [T, vocab]
+    fp32, of the model at ``path`` (default: the embedded SmolLM2)."""
     from tandem.attention.selector import get_attention_backend
     from tandem.config import embedded_default_model
     from tandem.layers.quantization.config import Fp8Config
     from tandem.model_loader.loader import build_model, load_hf_config, load_tokenizer
 
-    path = embedded_default_model()
+    path = path or embedded_default_model()
     cfg, tok = load_hf_config(path), load_tokenizer(path)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     out = []
@@ -78,3 +86,45 @@ def test_smollm2_fp8_engine_cuda_graphs_equal_eager():
         del llm
         torch.cuda.empty_cache()
     assert runs[0] == runs[1]
+
+
+def greedy_agreement(model: str, num_tokens: int = 64) -> float:
+    """Share of greedy tokens (PROMPTS, ``num_tokens`` each) that the FP8 engine produces
+    identical to the bf16 engine's at the same position, counted up to each request's first
+    difference (after one, the two continue from different text)."""
+    from tandem import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    runs = []
+    for quant in (None, "fp8"):
+        llm = LLM(model=model, quantization=quant, max_model_len=512, gpu_memory_utilization=0.3)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)])
+        llm.engine.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    same = 0
+    for a, b in zip(*runs):
+        same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    return same / (num_tokens * len(PROMPTS))
+
+
+QWEN = envs.TANDEM_QWEN_GGUF
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not QWEN, reason="set TANDEM_QWEN_GGUF to run")
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_qwen_fp8_logits_close_to_bf16(kv):
+    got, want = logits_fp8_vs_reference("cuda", torch.bfloat16,
+                                        torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16, path=QWEN)
+    mean_cos, worst_cos, agree = closeness(got, want)
+    print(f"qwen kv={kv}: mean cos {mean_cos:.4f}, worst {worst_cos:.4f}, argmax agreement {agree:.3f}")
+    assert mean_cos >= MIN_MEAN_COS and worst_cos >= MIN_WORST_COS and agree >= MIN_ARGMAX_AGREE
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not QWEN, reason="set TANDEM_QWEN_GGUF to run")
+def test_qwen_fp8_greedy_agreement():
+    agree = greedy_agreement(QWEN)
+    print(f"qwen FP8 vs bf16 greedy agreement (to the first difference): {agree:.3f}")
+    assert agree >= MIN_GREEDY_AGREE
