@@ -14,6 +14,10 @@ TANDEM_MOE_IMPL                     auto       pins what the MoE expert compute'
                                                (auto, grouped_mm, padded_bmm, triton, loop)
 TANDEM_FUSED_OPS                    auto       fused norm/activation kernels: auto (Triton on
                                                CUDA tensors), triton, torch
+TANDEM_FP8_FUSED_QUANT              on         FP8 layers with dynamic per-token activation
+                                               scales get their input quantized by the norm /
+                                               SiLU-and-mul kernel producing it (on), or by a
+                                               separate kernel (off); read when a model loads
 TANDEM_MLA_PREFILL                  auto       MLA prefill attention: auto (the Triton flash-
                                                attention kernel on CUDA), triton, torch (the
                                                masked-SDPA reference); read when a layer is built
@@ -44,6 +48,7 @@ from typing import Any
 
 MOE_IMPLS = ("auto", "grouped_mm", "padded_bmm", "triton", "loop")
 FUSED_OPS_MODES = ("auto", "triton", "torch")
+ON_OFF = ("on", "off")
 MLA_PREFILL_MODES = ("auto", "triton", "torch")
 
 
@@ -119,6 +124,7 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_LOGGING_LEVEL": _log_level,
     "TANDEM_MOE_IMPL": _choice("TANDEM_MOE_IMPL", "auto", MOE_IMPLS),
     "TANDEM_FUSED_OPS": _choice("TANDEM_FUSED_OPS", "auto", FUSED_OPS_MODES),
+    "TANDEM_FP8_FUSED_QUANT": _choice("TANDEM_FP8_FUSED_QUANT", "on", ON_OFF),
     "TANDEM_MLA_PREFILL": _choice("TANDEM_MLA_PREFILL", "auto", MLA_PREFILL_MODES),
     "TANDEM_STARTUP_TIMEOUT_S": _float("TANDEM_STARTUP_TIMEOUT_S", 1800.0),
     "TANDEM_DUMP_STACKS_AFTER_S": _float("TANDEM_DUMP_STACKS_AFTER_S", None),

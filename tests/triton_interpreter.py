@@ -17,10 +17,12 @@ import pytest
 import torch
 
 
-def triton_test_setup(kernel_module: str | None = None, bf16_rounding: bool = False) -> tuple[torch.device, bool]:
+def triton_test_setup(kernel_module: str | None = None, bf16_rounding: bool = False,
+                      fp8_rounding: bool = False) -> tuple[torch.device, bool]:
     """Without CUDA, set ``TRITON_INTERPRET=1`` (the interpreter is chosen per ``@triton.jit``
     at decoration time) and patch the interpreter (``bf16_rounding``: also its fp32 -> bf16
-    rounding, where bf16 results are compared tightly). Skip the calling test module when
+    rounding, where bf16 results are compared tightly; ``fp8_rounding``: its fp32 -> e4m3
+    rounding, where FP8 results are compared bit for bit). Skip the calling test module when
     Triton is missing, or when ``kernel_module`` was imported, so decorated, before the flag
     was set (run such a module on its own). Returns ``(device, interpreting)``."""
     if not torch.cuda.is_available():
@@ -31,6 +33,8 @@ def triton_test_setup(kernel_module: str | None = None, bf16_rounding: bool = Fa
         patch_interpreter_for_numpy_2_4()
         if bf16_rounding:
             patch_interpreter_bf16_rounding()
+        if fp8_rounding:
+            patch_interpreter_fp8_rounding()
         if kernel_module is not None and not importlib.import_module(kernel_module)._INTERPRET:
             pytest.skip(f"{kernel_module} was imported before TRITON_INTERPRET was set; run this module on its own",
                         allow_module_level=True)
@@ -79,4 +83,29 @@ def patch_interpreter_bf16_rounding() -> None:
         return orig(input, input_dtype, output_dtype, rounding_mode)
 
     convert._tandem_patched = True
+    interpreter._convert_float = convert
+
+
+def patch_interpreter_fp8_rounding() -> None:
+    """Triton 3.6's interpreter converts fp32 to e4m3 (``float8e4nv``) by truncating the
+    mantissa and mishandles mantissa carries (-127.1 -> -64). Convert with torch (round to
+    nearest even, as the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` and ``tensor.to(torch.float8_e4m3fn)``
+    do, for values in range; the kernels clamp to +-448 first)."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    orig = interpreter._convert_float
+    if getattr(orig, "_tandem_fp8_patched", False):
+        return
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
+            src = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
+            return src.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
+        return orig(input, input_dtype, output_dtype, rounding_mode)
+
+    convert._tandem_fp8_patched = True
+    convert._tandem_patched = getattr(orig, "_tandem_patched", False)
     interpreter._convert_float = convert

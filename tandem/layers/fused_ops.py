@@ -8,6 +8,13 @@ semantics) and a Triton kernel doing the same arithmetic in one launch:
   residual add is rounded to the input dtype (as ``x + residual`` is) and *that* sum is
   normalised, so the pair equals ``r = x + residual; (rms_norm(r), r)``.
 * :func:`silu_and_mul` ``(gate_up [..., 2I]) -> silu(gate) * up [..., I]`` (gate first).
+* :func:`rms_norm_dynamic_per_token_quant` and :func:`silu_and_mul_dynamic_per_token_quant`:
+  the same two ops writing their result as FP8 e4m3 with one fp32 scale per token (vLLM's
+  ``rms_norm_dynamic_per_token_quant`` / fused SiLU-and-mul + quant kernels): the input of
+  an FP8 linear layer quantized where it is produced, instead of by a separate kernel
+  that reads it back. The quantized value is the unfused op's result *rounded to its
+  dtype*, quantized by :func:`~tandem.layers.quantization.fp8.quantize_per_token`, so that
+  the fused kernel equals the two unfused kernels bit for bit.
 * :func:`apply_rotary` ``(q [T, Hq, D], k [T, Hk, D], cos, sin [P, D/2], positions [T])``:
   RoPE in fp32, out of place (contiguous outputs) or in place; NeoX style (the two halves
   of the head rotated, Llama/Qwen) or ``interleaved`` (adjacent pairs ``(x[2i], x[2i+1])``,
@@ -37,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem import envs
+from tandem.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_per_token
 
 try:
     import triton
@@ -49,7 +57,7 @@ except ImportError:  # pragma: no cover - CPU-only installs without Triton
 
 _MODES = envs.FUSED_OPS_MODES
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_NORM_SIZE = 65536  # one program holds a whole row in registers
+_MAX_ROW = 65536  # one program holds a whole row in registers (norms, fused quantization)
 
 
 def _mode_from_env() -> str:
@@ -117,6 +125,20 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rms_norm_dynamic_per_token_quant_ref(
+        x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    if residual is None:
+        out, new_residual = rms_norm_ref(x, weight, eps), None
+    else:
+        out, new_residual = fused_add_rms_norm_ref(x, residual, weight, eps)
+    return *quantize_per_token(out), new_residual
+
+
+def silu_and_mul_dynamic_per_token_quant_ref(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_per_token(silu_and_mul_ref(gate_up))
+
+
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # The halves are written into one output (no cat); same fp32 products and sums.
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -152,6 +174,7 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     res_out_ptr,
+    scale_ptr,
     B,  # rows are (a, b) pairs of a [A, B, N] view: row = a * B + b
     stride_xa,
     stride_xb,
@@ -160,6 +183,10 @@ def _rms_norm_kernel(
     N,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    FP8_OUT: tl.constexpr,  # out_ptr is e4m3: quantize per row, write the scale to scale_ptr
+    OUT_DTYPE: tl.constexpr,  # dtype of the unfused output (out_ptr's own dtype unless FP8_OUT)
+    FMAX: tl.constexpr,
+    MIN_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -183,7 +210,17 @@ def _rms_norm_kernel(
     # HF: cast the normalised row back to the input dtype, then multiply by the weight.
     y = (xf * rstd).to(norm_dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (y * w).to(OUT_DTYPE)
+    if FP8_OUT:
+        # quantize_per_token of the unfused output (masked lanes are 0). Both divisions
+        # round to nearest (div_rn) as torch's do: Triton's ``/`` is an approximate division.
+        yq = out.to(tl.float32)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(yq), axis=0), FMAX), MIN_S)
+        q = tl.clamp(tl.math.div_rn(yq, scale), -FMAX, FMAX)
+        tl.store(out_ptr + row * N + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * N + cols, out, mask=mask)
 
 
 def _silu_and_mul_kernel(
@@ -201,6 +238,31 @@ def _silu_and_mul_kernel(
     # ``F.silu(gate) * up`` in the storage dtype: silu in fp32 rounded, then the product.
     s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * I + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _silu_and_mul_quant_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_x,
+    I,
+    OUT_DTYPE: tl.constexpr,  # dtype of the unfused output
+    FMAX: tl.constexpr,
+    MIN_S: tl.constexpr,
+    BLOCK: tl.constexpr,  # the whole row: its amax is needed before any value is stored
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    # _silu_and_mul_kernel's arithmetic, then quantize_per_token as in _rms_norm_kernel.
+    s = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32)
+    y = (s * u).to(OUT_DTYPE).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FMAX), MIN_S)
+    q = tl.clamp(tl.math.div_rn(y, scale), -FMAX, FMAX)
+    tl.store(q_ptr + row * I + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
 
 
 def _rope_kernel(
@@ -299,28 +361,38 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
     return x, x.shape[0], x.shape[1], x.stride(0), x.stride(1)
 
 
-def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 fp8_out: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(output, new residual or None, per-token scales ``[..., 1]`` fp32 or None); the
+    output is e4m3 with ``fp8_out``, else in the dtype of ``weight * x``."""
     n = x.shape[-1]
     _check("rms_norm input", x)
     _check("rms_norm weight", weight)
     if weight.shape != (n,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} vs hidden size {n}")
-    if n > _MAX_NORM_SIZE:
-        raise ValueError(f"rms_norm: hidden size {n} > {_MAX_NORM_SIZE} is not supported by the fused kernel")
+    if n > _MAX_ROW:
+        raise ValueError(f"rms_norm: hidden size {n} > {_MAX_ROW} is not supported by the fused kernel")
     res_dtype = x.dtype
     if residual is not None:
         _check("rms_norm residual", residual)
         if residual.shape != x.shape:
             raise ValueError(f"fused_add_rms_norm: residual shape {tuple(residual.shape)} vs input {tuple(x.shape)}")
         res_dtype = torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(x.shape, dtype=torch.promote_types(res_dtype, weight.dtype), device=x.device)
+    out_dtype = torch.promote_types(res_dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=FP8_DTYPE if fp8_out else out_dtype, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device) if fp8_out else None
     res_out = torch.empty(x.shape, dtype=res_dtype, device=x.device) if residual is not None else None
     rows = x.numel() // n if n else 0
     if rows == 0 or n == 0:
         if res_out is not None:
             res_out.copy_(x + residual)  # empty or zero-width: nothing to launch
-        return out, res_out
+        if scale is not None:
+            scale.fill_(MIN_SCALE)  # a zero-width row quantizes as an all-zero one
+        return out, res_out, scale
     xv, _, b, sxa, sxb = _rows(x)
     if residual is not None:
         rv, _, _, sra, srb = _rows(residual)
@@ -330,10 +402,12 @@ def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     _check_launch(kernel, x, weight)
     block = triton.next_power_of_2(n)
     kernel[(rows,)](
-        xv, rv, weight, out, res_out if res_out is not None else out, b, sxa, sxb, sra, srb, n, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block, num_warps=_num_warps(block),
+        xv, rv, weight, out, res_out if res_out is not None else out, scale if scale is not None else out,
+        b, sxa, sxb, sra, srb, n, float(eps),
+        HAS_RESIDUAL=residual is not None, FP8_OUT=fp8_out, OUT_DTYPE=_tl_dtype(out_dtype), FMAX=FP8_MAX,
+        MIN_S=MIN_SCALE, BLOCK_N=block, num_warps=_num_warps(block),
     )
-    return out, res_out
+    return out, res_out, scale
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -349,7 +423,32 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """``r = x + residual; return rms_norm(r, weight, eps), r`` in one pass (new tensors)."""
     if not use_triton(x):
         return fused_add_rms_norm_ref(x, residual, weight, eps)
-    return _norm_launch(x, residual, weight, eps)
+    return _norm_launch(x, residual, weight, eps)[:2]
+
+
+def rms_norm_dynamic_per_token_quant(
+        x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`rms_norm` (or, with ``residual``, :func:`fused_add_rms_norm`) quantized to FP8
+    with dynamic per-token scales in the same pass (vLLM's ``rms_norm_dynamic_per_token_quant``).
+
+    Args:
+        x: ``[..., N]`` fp32/fp16/bf16, last dim contiguous.
+        weight: ``[N]``.
+        residual: ``[..., N]`` or None.
+
+    Returns:
+        ``(q [..., N] float8_e4m3fn, scale [..., 1] fp32, new residual x + residual or None)``:
+        ``q, scale == quantize_per_token(rms_norm(...))`` of the unfused output in its own
+        dtype (module docstring), bit for bit on the same device's kernels.
+
+    Raises:
+        ValueError: (Triton path) as :func:`rms_norm`.
+    """
+    if not use_triton(x):
+        return rms_norm_dynamic_per_token_quant_ref(x, weight, eps, residual)
+    q, new_residual, scale = _norm_launch(x, residual, weight, eps, fp8_out=True)
+    return q, scale, new_residual
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -371,6 +470,44 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     kernel[(x.shape[0], triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block,
                                                      num_warps=max(1, min(4, block // 256)))
     return out
+
+
+def silu_and_mul_dynamic_per_token_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`silu_and_mul` quantized to FP8 with dynamic per-token scales in the same pass.
+
+    Args:
+        gate_up: ``[..., 2I]`` fp32/fp16/bf16 (gate = first half), last dim contiguous,
+            ``I`` up to 65,536 (one program holds a whole row).
+
+    Returns:
+        ``(q [..., I] float8_e4m3fn, scale [..., 1] fp32)`` ``== quantize_per_token(silu_and_mul(gate_up))``
+        of the unfused result in ``gate_up``'s dtype, bit for bit on the same device's kernels.
+
+    Raises:
+        ValueError: (Triton path) an odd last dim, ``I`` > 65,536, an unsupported dtype or a
+            non-contiguous last dim.
+    """
+    if not use_triton(gate_up):
+        return silu_and_mul_dynamic_per_token_quant_ref(gate_up)
+    _check("silu_and_mul input", gate_up)
+    two_i = gate_up.shape[-1]
+    if two_i % 2:
+        raise ValueError(f"silu_and_mul: last dim {two_i} is odd")
+    inter = two_i // 2
+    if inter > _MAX_ROW:
+        raise ValueError(f"silu_and_mul_dynamic_per_token_quant: {inter} features > {_MAX_ROW} per row")
+    q = torch.empty((*gate_up.shape[:-1], inter), dtype=FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty((*gate_up.shape[:-1], 1), dtype=torch.float32, device=gate_up.device)
+    if gate_up.numel() == 0:
+        scale.fill_(MIN_SCALE)  # a zero-width row quantizes as an all-zero one
+        return q, scale
+    x = gate_up.reshape(-1, two_i)
+    kernel = _kernel("_silu_and_mul_quant_kernel")
+    _check_launch(kernel, x)
+    block = triton.next_power_of_2(inter)
+    kernel[(x.shape[0],)](x, q, scale, x.stride(0), inter, OUT_DTYPE=_tl_dtype(gate_up.dtype), FMAX=FP8_MAX,
+                          MIN_S=MIN_SCALE, BLOCK=block, num_warps=_num_warps(block))
+    return q, scale
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

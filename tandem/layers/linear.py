@@ -22,7 +22,11 @@ FP8 (:mod:`tandem.layers.quantization`): ``create_fp8_weights`` turns ``weight``
 per output channel; a checkpoint's per-tensor scale is expanded to its shard's rows, or
 ``[out/bn, ceil(in/bk)]`` block scales) and, for static activation scales, ``input_scale``
 (one per logical shard; the largest is used, as vLLM). The forward then runs
-:func:`~tandem.layers.quantization.fp8.fp8_linear` / ``block_fp8_linear``.
+:func:`~tandem.layers.quantization.fp8.fp8_linear` / ``block_fp8_linear``. A layer with
+``takes_quantized_input`` (set after loading by
+:func:`~tandem.layers.quantization.apply.finish_fp8_model`) also accepts a
+:class:`~tandem.layers.quantization.fp8.QuantizedActivation`: its input already quantized
+per token by the kernel that produced it.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed import parallel_state as ps
-from tandem.layers.quantization.fp8 import FP8_DTYPE, block_fp8_linear, fp8_linear
+from tandem.layers.quantization.fp8 import FP8_DTYPE, QuantizedActivation, block_fp8_linear, fp8_linear
 
 
 def set_weight_attrs(param: nn.Parameter, full_shape: Sequence[int], shard: Callable[[torch.Tensor], torch.Tensor],
@@ -82,8 +86,11 @@ class _FP8Forward:
     """The matmul of a linear layer, FP8 when its weight is (see the module docstring)."""
 
     weight_block: tuple[int, int] | None = None
+    # Whether forward accepts a QuantizedActivation (module docstring): a plain attribute,
+    # decided once after loading, so that the model's check per forward costs nothing.
+    takes_quantized_input: bool = False
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight.dtype != FP8_DTYPE:
             return F.linear(x, self.weight, bias)
         if self.weight_block is not None:
@@ -186,7 +193,7 @@ class ColumnShardedLinear(_FP8Forward, nn.Module):
 
             set_weight_attrs(self.input_scale, (len(self.segments),), lambda full: full, load_input_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
 
@@ -330,7 +337,7 @@ class RowParallelLinear(_FP8Forward, nn.Module):
             set_weight_attrs(self.input_scale, (1,), lambda full: full,
                              lambda t, shard_id=None: _copy(self.input_scale, t.float().reshape(1), "input scale"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         y = self._matmul(x, None)
         if self.tp_size > 1 and self.reduce_results:
             y = ps.tp_all_reduce(y)

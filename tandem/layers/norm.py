@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.layers.fused_ops import fused_add_rms_norm, rms_norm
+from tandem.layers.fused_ops import fused_add_rms_norm, rms_norm, rms_norm_dynamic_per_token_quant
+from tandem.layers.quantization.fp8 import QuantizedActivation
 
 
 class RMSNorm(nn.Module):
@@ -14,6 +15,7 @@ class RMSNorm(nn.Module):
     ``forward(x)`` returns the normalised tensor; ``forward(x, residual)`` first adds the
     residual (in the input dtype) and returns ``(norm(x + residual), x + residual)``, as one
     fused kernel on CUDA (see :mod:`tandem.layers.fused_ops` for the dispatch).
+    :meth:`forward_fp8` returns the same result quantized to FP8 per token for an FP8 linear.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -26,3 +28,12 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                    ) -> tuple[QuantizedActivation, torch.Tensor | None]:
+        """The forward's normalized ``x [T, N]`` quantized to FP8 with per-token scales in
+        the same kernel (:func:`~tandem.layers.fused_ops.rms_norm_dynamic_per_token_quant`),
+        and the new residual ``x + residual`` (None without ``residual``)."""
+        q, scale, residual_out = rms_norm_dynamic_per_token_quant(x, self.weight, self.eps, residual)
+        in_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        return QuantizedActivation(q, scale, torch.promote_types(in_dtype, self.weight.dtype)), residual_out

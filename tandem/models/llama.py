@@ -8,6 +8,10 @@ Tensor parallelism (:mod:`tandem.layers.linear`, sizes from
 :mod:`tandem.distributed.parallel_state`): q/k/v and gate/up are column-parallel (whole
 heads per rank; KV heads replicated when fewer than the TP ranks), o_proj and down_proj
 row-parallel with an all-reduce; embeddings, norms and the LM head are replicated.
+
+FP8 (dynamic per-token activation scales): the inputs of qkv_proj, gate_up_proj and
+down_proj are quantized by the RMSNorm / SiLU-and-mul kernels that produce them, when the
+layer ``takes_quantized_input`` (:mod:`tandem.layers.linear`), as vLLM's fusion passes do.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from torch import nn
 
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.metadata import AttentionMetadata
-from tandem.layers.fused_ops import silu_and_mul
+from tandem.layers.fused_ops import silu_and_mul, silu_and_mul_dynamic_per_token_quant
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
+from tandem.layers.quantization.fp8 import QuantizedActivation
 from tandem.layers.rotary import RotaryEmbedding
 
 
@@ -88,9 +93,11 @@ class Attention(nn.Module):
         # (tandem.layers.quantization.apply.load_kv_cache_scales).
         self.k_scale = self.v_scale = 1.0
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, x: torch.Tensor | QuantizedActivation, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -111,8 +118,25 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, reduce_results=reduce_results)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.down_proj.takes_quantized_input:
+            q, scale = silu_and_mul_dynamic_per_token_quant(gate_up)
+            return self.down_proj(QuantizedActivation(q, scale, gate_up.dtype))
+        return self.down_proj(silu_and_mul(gate_up))
+
+
+def _norm_for(norm: RMSNorm, consumer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+              ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
+    """``norm(x + residual)`` as the input of the linear layer ``consumer`` (FP8 from the
+    norm's kernel when it ``takes_quantized_input``) and the new residual stream (``x``
+    itself when ``residual`` is None: the first layer)."""
+    if consumer.takes_quantized_input:
+        out, new_residual = norm.forward_fp8(x, residual)
+        return out, x if residual is None else new_residual
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -130,14 +154,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        attn_in, residual = _norm_for(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(attn_in, positions, kv_cache, meta)
+        mlp_in, residual = _norm_for(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp(mlp_in), residual
 
 
 class LlamaForCausalLM(nn.Module):

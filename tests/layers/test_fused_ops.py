@@ -1,5 +1,6 @@
-"""Fused Triton ops (RMSNorm, add + RMSNorm, SiLU-and-mul, RoPE) vs their torch references,
-and a whole tiny model with the fused ops forced on vs the torch path.
+"""Fused Triton ops (RMSNorm, add + RMSNorm, SiLU-and-mul, RoPE, the FP8-quantizing norm
+and SiLU-and-mul) vs their torch references, and a whole tiny model with the fused ops
+forced on vs the torch path, in bf16/fp32 and in FP8 with the quantization fused or not.
 
 Without CUDA the kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` is set here,
 before any kernel is decorated: :mod:`tandem.layers.fused_ops` jits them on first use).
@@ -7,19 +8,29 @@ before any kernel is decorated: :mod:`tandem.layers.fused_ops` jits them on firs
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 from tests.triton_interpreter import triton_test_setup
 
-# bf16 rounding: the interpreter truncates fp32 -> bf16; GPUs round to nearest even.
-DEVICE, INTERPRET = triton_test_setup(bf16_rounding=True)
+# bf16 / e4m3 rounding: the interpreter truncates fp32 -> bf16 and mis-rounds fp32 -> e4m3;
+# GPUs round to nearest even.
+DEVICE, INTERPRET = triton_test_setup(bf16_rounding=True, fp8_rounding=True)
 
 from transformers import LlamaConfig, Qwen3Config  # noqa: E402
 
 from tests.models.paged_parity import step_metadata  # noqa: E402
 from tandem.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tandem.layers import fused_ops  # noqa: E402
+from tandem.layers.linear import ColumnShardedLinear, RowParallelLinear  # noqa: E402
+from tandem.layers.quantization.apply import finish_fp8_model  # noqa: E402
+from tandem.layers.quantization.config import Fp8Config  # noqa: E402
+from tandem.layers.quantization.fp8 import FP8_DTYPE, MIN_SCALE, quantize_per_token  # noqa: E402
 from tandem.layers.rotary import RotaryEmbedding  # noqa: E402
 from tandem.models.llama import LlamaForCausalLM  # noqa: E402
 
@@ -91,6 +102,90 @@ def test_silu_and_mul(t, inter, dtype):
         t = 31
     x = _rand(t, 2 * inter, dtype=dtype) * 3
     _close(fused_ops.silu_and_mul(x), fused_ops.silu_and_mul_ref(x), dtype)
+
+
+def _same_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Equal FP8 values (bytes) and scales, bit for bit."""
+    (q, s), (wq, ws) = got, want
+    assert q.dtype == FP8_DTYPE and q.shape == wq.shape and s.dtype == torch.float32 and s.shape == ws.shape
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
+    assert torch.equal(s, ws)
+
+
+def _near_fp8(q: torch.Tensor, s: torch.Tensor, want: torch.Tensor, dtype) -> None:
+    """``q * s`` within e4m3's rounding (half a step: 2^-4 relative, 2^-10 of the scale in
+    the subnormal range) plus the op's own tolerance of the unquantized reference ``want``."""
+    err = (q.float() * s - want.float()).abs()
+    bound = want.float().abs() * (2**-4 + TOL[dtype]) + s * 2**-9 + TOL[dtype]
+    assert (err <= bound).all(), (err - bound).max()
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 100, 576])
+@pytest.mark.parametrize("t", [0, 1, 7, 64])
+def test_rms_norm_dynamic_per_token_quant(t, hidden, dtype, residual):
+    x = _rand(t, hidden, dtype=dtype) * 3
+    x[t // 2:t // 2 + 1] = 0  # an all-zero row (without residual): the minimum scale
+    res = _rand(t, hidden, dtype=dtype, seed=1) * 4 if residual else None
+    w = _rand(hidden, dtype=dtype, seed=2)
+    q, s, new_res = fused_ops.rms_norm_dynamic_per_token_quant(x, w, 1e-6, res)
+    # Fused == the unfused kernels (norm in the activation dtype, then quantize_per_token).
+    if residual:
+        out, want_res = fused_ops.fused_add_rms_norm(x, res, w, 1e-6)
+        torch.testing.assert_close(new_res, want_res, atol=0, rtol=0)
+        torch.testing.assert_close(new_res, x + res, atol=0, rtol=0)
+    else:
+        out = fused_ops.rms_norm(x, w, 1e-6)
+        assert new_res is None
+    _same_fp8((q, s), quantize_per_token(out))
+    # And the torch reference (the CPU path) within the norm's tolerance and e4m3's rounding.
+    wq, ws, _ = fused_ops.rms_norm_dynamic_per_token_quant_ref(x, w, 1e-6, res)
+    assert ws.shape == s.shape == (t, 1)
+    torch.testing.assert_close(s, ws, atol=0, rtol=TOL[dtype])
+    _near_fp8(q, s, fused_ops.rms_norm_ref(x if res is None else x + res, w, 1e-6), dtype)
+    if t and not residual:
+        assert s[t // 2].item() == pytest.approx(MIN_SCALE) and (q[t // 2].float() == 0).all()
+
+
+def test_rms_norm_dynamic_per_token_quant_strided_and_promoted():
+    """Rows of a wider tensor (leading stride != N); a bf16 input with an fp32 weight: the
+    unfused output is fp32, so the fused kernel quantizes the fp32 values."""
+    big = _rand(9, 200, dtype=torch.bfloat16)
+    x = big[:, :128]
+    w = _rand(128, dtype=torch.bfloat16, seed=1)
+    _same_fp8(fused_ops.rms_norm_dynamic_per_token_quant(x, w, 1e-5)[:2],
+              quantize_per_token(fused_ops.rms_norm(x, w, 1e-5)))
+    wf = _rand(128, dtype=torch.float32, seed=2)
+    assert fused_ops.rms_norm(x, wf, 1e-5).dtype == torch.float32
+    _same_fp8(fused_ops.rms_norm_dynamic_per_token_quant(x, wf, 1e-5)[:2],
+              quantize_per_token(fused_ops.rms_norm(x, wf, 1e-5)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 100, 1536])
+@pytest.mark.parametrize("t", [0, 1, 7, 64])
+def test_silu_and_mul_dynamic_per_token_quant(t, inter, dtype):
+    x = _rand(t, 2 * inter, dtype=dtype) * 3
+    if t > 1:
+        x[1, inter:] = 0  # up == 0: an all-zero row
+    q, s = fused_ops.silu_and_mul_dynamic_per_token_quant(x)
+    _same_fp8((q, s), quantize_per_token(fused_ops.silu_and_mul(x)))
+    _, ws = fused_ops.silu_and_mul_dynamic_per_token_quant_ref(x)
+    torch.testing.assert_close(s, ws, atol=0, rtol=TOL[dtype])
+    _near_fp8(q, s, fused_ops.silu_and_mul_ref(x), dtype)
+    if t > 1:
+        assert s[1].item() == pytest.approx(MIN_SCALE) and (q[1].float() == 0).all()
+
+
+def test_fp8_quant_ops_reject_what_the_kernels_cannot_do():
+    x = _rand(64, 8, dtype=torch.float32).t()  # last-dim stride 8
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        fused_ops.rms_norm_dynamic_per_token_quant(x, _rand(64, dtype=torch.float32), 1e-6)
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        fused_ops.silu_and_mul_dynamic_per_token_quant(x)
+    with pytest.raises(ValueError, match="odd"):
+        fused_ops.silu_and_mul_dynamic_per_token_quant(_rand(2, 7, dtype=torch.float32))
 
 
 def _rope_tables(head_dim, max_pos=512, scaled=False):
@@ -205,6 +300,78 @@ def test_dispatch():
         fused_ops.set_mode("fast")
 
 
+# Compiles the kernels for sm_90 (Triton's bundled ptxas, no GPU needed) as a launch on
+# 16-byte aligned tensors specializes them: the FP8 norm and SiLU-and-mul at the
+# Llama-3.1-8B sizes; the quantizing divisions must be IEEE (div.rn), the conversion
+# cvt.rn.satfinite (round to nearest even, saturating), as torch's quantize_per_token.
+_COMPILE_SM90 = textwrap.dedent("""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from tandem.layers import fused_ops
+    from tandem.layers.quantization.fp8_format import FP8_MAX, MIN_SCALE
+
+    def build(name, sig, const, warps):
+        kernel = fused_ops._kernel(name)
+        names = kernel.arg_names
+        sig = {n: "constexpr" if n in const else sig[n] for n in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+        src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
+        ops = {line.split()[0] for line in ptx.splitlines() if line.strip()}
+        assert "div.rn.f32" in ops and "cvt.rn.satfinite.e4m3x2.f32" in ops, (name, sorted(ops))
+        print("compiled", name)
+
+    for act, dtype in (("bf16", tl.bfloat16), ("fp16", tl.float16), ("fp32", tl.float32)):
+        for residual in (False, True):
+            sig = dict(x_ptr="*" + act, res_ptr="*" + act, w_ptr="*" + act, out_ptr="*fp8e4nv",
+                       res_out_ptr="*" + act, scale_ptr="*fp32", B="i32", stride_xa="i32", stride_xb="i32",
+                       stride_ra="i32", stride_rb="i32", N="i32", eps="fp32")
+            build("_rms_norm_kernel", sig, dict(HAS_RESIDUAL=residual, FP8_OUT=True, OUT_DTYPE=dtype, FMAX=FP8_MAX,
+                                                MIN_S=MIN_SCALE, BLOCK_N=4096), fused_ops._num_warps(4096))
+        sig = dict(x_ptr="*" + act, q_ptr="*fp8e4nv", scale_ptr="*fp32", stride_x="i32", I="i32")
+        build("_silu_and_mul_quant_kernel", sig, dict(OUT_DTYPE=dtype, FMAX=FP8_MAX, MIN_S=MIN_SCALE, BLOCK=16384),
+              fused_ops._num_warps(16384))
+""")
+
+
+def test_fp8_kernels_compile_for_sm90():
+    """The interpreter accepts what the compiler may not: compile the FP8 kernels for an
+    H100/H200 in a process without the interpreter."""
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.count("compiled") == 9
+
+
+@pytest.mark.skipif(INTERPRET, reason="Llama-3.1-8B sizes: compiled CUDA only")
+@pytest.mark.parametrize("t", [1, 7, 256])
+def test_cuda_fp8_quant_ops_equal_the_unfused_kernels(t):
+    """At Llama-3.1-8B's sizes on the GPU: fused == norm / SiLU-and-mul kernel + the
+    per-token quantization kernel == torch's quantize_per_token, bit for bit."""
+    from tandem.layers.quantization.fp8_triton import quantize_per_token_triton
+
+    x = _rand(t, 4096, dtype=torch.bfloat16) * 3
+    res = _rand(t, 4096, dtype=torch.bfloat16, seed=1) * 30
+    w = _rand(4096, dtype=torch.bfloat16, seed=2)
+    out, _ = fused_ops.fused_add_rms_norm(x, res, w, 1e-5)
+    q, s, _ = fused_ops.rms_norm_dynamic_per_token_quant(x, w, 1e-5, res)
+    _same_fp8((q, s), quantize_per_token(out))
+    _same_fp8((q, s), quantize_per_token_triton(out))
+    gate_up = _rand(t, 2 * 14336, dtype=torch.bfloat16, seed=3) * 4
+    h = fused_ops.silu_and_mul(gate_up)
+    q, s = fused_ops.silu_and_mul_dynamic_per_token_quant(gate_up)
+    _same_fp8((q, s), quantize_per_token(h))
+    _same_fp8((q, s), quantize_per_token_triton(h))
+
+
 # ---------------------------------------------------------------- whole model
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -250,3 +417,40 @@ def test_model_fused_matches_unfused(name, dtype, tol):
         with fused_ops.mode("torch"):
             ref = _run(model, cfg, dtype)
     torch.testing.assert_close(fused, ref, atol=tol, rtol=0)
+
+
+def _fp8_llama(monkeypatch, fused: str):
+    """The tiny Llama in bf16, its linear layers quantized online (``--quantization fp8``)
+    with the norm / SiLU-and-mul quantization fused or not (``TANDEM_FP8_FUSED_QUANT``)."""
+    monkeypatch.setenv("TANDEM_FP8_FUSED_QUANT", fused)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**COMMON)
+    model = LlamaForCausalLM(cfg, TorchAttentionBackend())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    model = model.to(device=DEVICE, dtype=torch.bfloat16).eval()
+    finish_fp8_model(model, Fp8Config(), torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, (ColumnShardedLinear, RowParallelLinear))]
+    assert linears and all(m.weight.dtype == FP8_DTYPE for m in linears)
+    assert all(m.takes_quantized_input == (fused == "on") for m in linears)
+    return model, cfg
+
+
+def test_fp8_model_fused_quant_matches_unfused(monkeypatch):
+    """FP8 Llama: the quantization fused into the norm and SiLU-and-mul kernels gives the
+    logits of the separate quantization, bit for bit (the same FP8 inputs reach the same
+    GEMMs), in a prefill and two decode steps; and the torch reference path too."""
+    fused, cfg = _fp8_llama(monkeypatch, "on")
+    unfused, _ = _fp8_llama(monkeypatch, "off")
+    with torch.no_grad():
+        got = _run(fused, cfg, torch.bfloat16)
+        want = _run(unfused, cfg, torch.bfloat16)
+        with fused_ops.mode("torch"):
+            ref = _run(fused, cfg, torch.bfloat16)
+            ref_unfused = _run(unfused, cfg, torch.bfloat16)
+    assert torch.equal(got, want)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert torch.equal(ref, ref_unfused)
+    # The Triton path against the torch one: the bf16 tolerance of the unquantized model.
+    torch.testing.assert_close(got, ref, atol=5e-2, rtol=0)

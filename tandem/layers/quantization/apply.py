@@ -8,7 +8,10 @@ Two passes around weight loading (vLLM's ``create_weights`` /
   the checkpoint's layout, so the checkpoint's FP8 bytes are copied as they are;
 * :func:`finish_fp8_model` (after loading): bf16/fp16/fp32 weights (online quantization,
   dummy weights) are quantized per output channel; static input scales of fused layers
-  are reduced to their maximum; scales a checkpoint did not provide raise an error.
+  are reduced to their maximum; scales a checkpoint did not provide raise an error; layers
+  that quantize their input per token are marked ``takes_quantized_input`` (unless
+  ``TANDEM_FP8_FUSED_QUANT=off``), so that the model quantizes their input in the norm /
+  activation kernel that produces it.
 
 Left in the model dtype: embeddings, norms, the LM head, routers (``nn.Linear`` /
 plain parameters), layers matched by the config's ``ignore``, and MLA's ``kv_b_proj``
@@ -23,10 +26,12 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from tandem import envs
 from tandem.layers.linear import ColumnShardedLinear, RowParallelLinear
 from tandem.layers.moe import FusedMoE
 from tandem.layers.quantization.config import Fp8Config
-from tandem.layers.quantization.fp8 import FP8_DTYPE, dequantize_block, quantize_weight_per_channel
+from tandem.layers.quantization.fp8 import (FP8_DTYPE, dequantize_block, fp8_linear_takes_quantized_input,
+                                            quantize_weight_per_channel)
 
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _HIGH_PRECISION = ("kv_b_proj",)
@@ -137,10 +142,13 @@ def finish_fp8_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype) -> No
     Raises:
         ValueError: an FP8 checkpoint lacks a scale tensor.
     """
+    fuse = envs.TANDEM_FP8_FUSED_QUANT == "on"
     for name, mod in _linear_layers(model, cfg):
         if name.rpartition(".")[2] in _HIGH_PRECISION and mod.weight.dtype != FP8_DTYPE:
             continue
         _finish_linear(name, mod, dtype)
+        mod.takes_quantized_input = fuse and fp8_linear_takes_quantized_input(
+            mod.weight, mod.weight_block, getattr(mod, "input_scale", None))
     for name, mod in model.named_modules():
         if isinstance(mod, FusedMoE):
             mod.finish_fp8_weights(name)

@@ -23,6 +23,7 @@ BlockWise128x128 recipes on Hopper (sm90) and through :func:`block_fp8_matmul_re
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -66,6 +67,24 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """An activation quantized to FP8 with dynamic per-token scales by the kernel that
+    produced it (:func:`~tandem.layers.fused_ops.rms_norm_dynamic_per_token_quant`,
+    :func:`~tandem.layers.fused_ops.silu_and_mul_dynamic_per_token_quant`), handed to
+    :func:`fp8_linear` in place of the high-precision tensor it would quantize itself.
+
+    Attributes:
+        q: ``[M, K]`` float8_e4m3fn.
+        scale: ``[M, 1]`` fp32, ``x ~= q * scale`` as :func:`quantize_per_token`.
+        dtype: the dtype of the activation before quantization (the linear's output dtype).
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -159,12 +178,23 @@ def _rowwise_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
     return y.to(out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_takes_quantized_input(weight: torch.Tensor, block: tuple[int, int] | None,
+                                     input_scale: torch.Tensor | None) -> bool:
+    """Whether :func:`fp8_linear` of these weights quantizes its input per token (FP8
+    per-channel ``weight`` with dynamic activation scales, ``N`` and ``K`` multiples of 16),
+    so that a :class:`QuantizedActivation` can be passed instead."""
+    n, k = weight.shape
+    return (weight.dtype == FP8_DTYPE and block is None and input_scale is None
+            and n % _CUDA_ALIGN == 0 and k % _CUDA_ALIGN == 0)
+
+
+def fp8_linear(x: torch.Tensor | QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(weight).T + bias`` with FP8 activations and weights (W8A8).
 
     Args:
-        x: ``[..., K]`` fp32/fp16/bf16 activations.
+        x: ``[..., K]`` fp32/fp16/bf16 activations, or a :class:`QuantizedActivation` of
+            ``[M, K]`` (dynamic per-token scales: ``input_scale`` must be None).
         weight: ``[N, K]`` float8_e4m3fn (row-major, as ``nn.Linear``).
         weight_scale: ``[N]`` fp32 per-output-channel scales.
         input_scale: static per-tensor activation scale (0-d/``[1]`` fp32), or None for
@@ -175,7 +205,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         ``[..., N]`` in ``x.dtype``. ``torch._scaled_mm`` accumulates in fp32. On CUDA a
         weight whose ``N`` or ``K`` is not a multiple of 16 (cuBLASLt's FP8 alignment) is
         dequantized for an ordinary matmul instead.
+
+    Raises:
+        ValueError: a :class:`QuantizedActivation` with a static ``input_scale``, or for a
+            weight :func:`fp8_linear_takes_quantized_input` rejects.
     """
+    if isinstance(x, QuantizedActivation):
+        if not fp8_linear_takes_quantized_input(weight, None, input_scale):
+            raise ValueError(f"fp8_linear: a pre-quantized activation needs dynamic input scales and N, K multiples "
+                             f"of {_CUDA_ALIGN} (weight {tuple(weight.shape)}, static scale: {input_scale is not None})")
+        if x.q.shape[0] == 0:
+            y = torch.empty(0, weight.shape[0], dtype=x.dtype, device=x.q.device)
+        else:
+            y = _rowwise_mm(x.q, x.scale, weight, weight_scale, x.dtype)
+        return y if bias is None else y + bias
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     n, k = weight.shape
@@ -256,6 +299,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return y.reshape(*shape[:-1], n)
 
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "block_fp8_linear", "block_fp8_matmul_reference",
-           "check_fp8_supported", "dequantize_block", "dequantize_weight", "expand_block_scale", "fp8_linear",
-           "fp8_supported", "quantize_per_token", "quantize_per_token_group", "quantize_static", "quantize_weight_per_channel"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "QuantizedActivation", "block_fp8_linear",
+           "block_fp8_matmul_reference", "check_fp8_supported", "dequantize_block", "dequantize_weight",
+           "expand_block_scale", "fp8_linear", "fp8_linear_takes_quantized_input", "fp8_supported", "quantize_per_token",
+           "quantize_per_token_group", "quantize_static", "quantize_weight_per_channel"]

@@ -20,8 +20,9 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FMAX: tl
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / FMAX, MIN_S)
-    q = tl.clamp(x / scale, -FMAX, FMAX)
+    # Divisions rounded to nearest (div_rn) as torch's: Triton's ``/`` is approximate.
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), FMAX), MIN_S)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 
