@@ -3,7 +3,9 @@ one GPU (issue 17).
 
 Variants (each ``tandem bench throughput`` in its own process, so every engine gets the
 whole GPU): ``bf16``; ``fp8`` (``--quantization fp8``: online per-channel W8A8 through
-cuBLASLt); ``fp8-kv`` (also ``--kv-cache-dtype fp8``). They run in alternating order
+cuBLASLt, the activations quantized by the norm / SiLU-and-mul kernels); ``fp8-kv`` (also
+``--kv-cache-dtype fp8``); ``fp8-unfused`` (``fp8`` with ``TANDEM_FP8_FUSED_QUANT=off``: a
+separate quantization kernel per linear input; not run unless named). They run in alternating order
 (``bf16 fp8 fp8-kv``, then reversed, ...) ``--repeats`` times at every ``--max-num-seqs``;
 the table gives the median requests/s, the spread (min-max) and the median ratio to bf16
 at the same ``--max-num-seqs``. Workload: ``--num-prompts`` random prompts, input 128,
@@ -21,6 +23,7 @@ Host time per engine step and the GPU's idle share are printed beside each run.
 
     python benchmarks/gpu_fp8.py --out DIR [--num-prompts 1000] [--max-num-seqs 256 default] [--repeats 2]
     python benchmarks/gpu_fp8.py --out DIR --shape deepseek-v2-lite --variants bf16 fp8
+    python benchmarks/gpu_fp8.py --out DIR --variants bf16 fp8-unfused fp8 --repeats 3
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ HBM_BYTES_PER_S = 4.8e12  # H200 peak HBM3e bandwidth
 FP8_FLOPS_PER_S = 1979e12  # H200 dense FP8 tensor-core peak (SXM datasheet)
 
 VARIANTS = {"bf16": (), "fp8": ("--quantization", "fp8"),
-            "fp8-kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8")}
+            "fp8-kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
+            "fp8-unfused": ("--quantization", "fp8")}
+VARIANT_ENV = {"fp8-unfused": {"TANDEM_FP8_FUSED_QUANT": "off"}}
+DEFAULT_VARIANTS = ["bf16", "fp8", "fp8-kv"]
 
 
 def seqs_arg(text: str) -> int | None:
@@ -47,8 +53,9 @@ def seqs_arg(text: str) -> int | None:
 def run(cfg_dir: str, out: str, variant: str, max_num_seqs: int | None, rep: int, num_prompts: int) -> dict:
     path = os.path.join(out, f"{variant}_seqs{max_num_seqs or 'default'}_rep{rep}.json")
     cmd = seed_workload_command(cfg_dir, path, *VARIANTS[variant], num_prompts=num_prompts, max_num_seqs=max_num_seqs)
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    env = VARIANT_ENV.get(variant, {})
+    print("+", *(f"{k}={v}" for k, v in env.items()), " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env={**os.environ, **env})
     with open(path) as f:
         return json.load(f)
 
@@ -76,7 +83,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--max-num-seqs", type=seqs_arg, nargs="+", default=[256], help="numbers, or default")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     ap.add_argument("--shape", default="llama31-8b", choices=["llama31-8b", "deepseek-v2-lite"])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -48,3 +49,19 @@ def test_fp8_floors(gpu_fp8):
     assert 1.6 < hbm < 1.75 and compute < 0.01
     kv = {"max_batch_context_tokens": 100_000, "max_decode_batch": 256}
     assert gpu_fp8.floors_ms(kv, fp8_kv=False)[0] - gpu_fp8.floors_ms(kv, fp8_kv=True)[0] > 1.0
+
+
+def test_unfused_variant_runs_fp8_with_the_separate_quantization(gpu_fp8, tmp_path, monkeypatch):
+    """``fp8-unfused``: the ``fp8`` command with TANDEM_FP8_FUSED_QUANT=off in its environment."""
+    seen = []
+    monkeypatch.setattr(sys.modules[gpu_fp8.seed_workload_command.__module__], "tokenizer_dir", lambda: "tok")
+    monkeypatch.setattr(gpu_fp8.subprocess, "run", lambda cmd, check, env: seen.append((cmd, env)))
+    monkeypatch.setattr(gpu_fp8.json, "load", lambda f: {})
+    for variant in ("fp8", "fp8-unfused"):
+        path = tmp_path / f"{variant}_seqs256_rep0.json"
+        path.write_text("{}")
+        gpu_fp8.run("cfg", str(tmp_path), variant, 256, 0, 10)
+    (fused_cmd, fused_env), (unfused_cmd, unfused_env) = seen
+    assert fused_cmd[fused_cmd.index("--quantization") + 1] == "fp8" and "--kv-cache-dtype" not in fused_cmd
+    assert [a for a in unfused_cmd if "unfused" not in a] == [a for a in fused_cmd if "fp8_seqs" not in a]
+    assert unfused_env["TANDEM_FP8_FUSED_QUANT"] == "off" and "TANDEM_FP8_FUSED_QUANT" not in fused_env

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from tandem.layers.quantization import fp8
-from tandem.layers.quantization.fp8 import (FP8_DTYPE, FP8_MAX, MIN_SCALE, block_fp8_linear,
+from tandem.layers.quantization.fp8 import (FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedActivation, block_fp8_linear,
                                             block_fp8_matmul_reference, check_fp8_supported, dequantize_block,
-                                            dequantize_weight, fp8_linear, quantize_per_token,
+                                            dequantize_weight, fp8_linear, fp8_linear_takes_quantized_input,
+                                            quantize_per_token,
                                             quantize_per_token_group, quantize_static, quantize_weight_per_channel)
 
 # e4m3: 3 mantissa bits, so rounding to nearest is within 2^-4 of a normal value; values
@@ -97,6 +98,37 @@ def test_fp8_linear_equals_the_dequantized_product(out_dtype, static, cpu_rowwis
 def test_fp8_linear_empty_batch():
     qw, sw = quantize_weight_per_channel(torch.randn(32, 16))
     assert fp8_linear(torch.empty(0, 16), qw, sw).shape == (0, 32)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_of_a_quantized_activation(out_dtype):
+    """A QuantizedActivation (the input quantized by its producer) gives exactly what
+    fp8_linear gives for the activation it quantizes itself; M = 0; the bias."""
+    torch.manual_seed(0)
+    x, w = torch.randn(9, 64).to(out_dtype), torch.randn(48, 64) * 0.05
+    bias = torch.randn(48).to(out_dtype)
+    qw, sw = quantize_weight_per_channel(w)
+    assert fp8_linear_takes_quantized_input(qw, None, None)
+    y = fp8_linear(QuantizedActivation(*quantize_per_token(x), out_dtype), qw, sw, bias=bias)
+    assert y.dtype == out_dtype and torch.equal(y, fp8_linear(x, qw, sw, bias=bias))
+    empty = QuantizedActivation(*quantize_per_token(x[:0]), out_dtype)
+    assert fp8_linear(empty, qw, sw).shape == (0, 48) and fp8_linear(empty, qw, sw).dtype == out_dtype
+
+
+def test_which_fp8_linears_take_a_quantized_activation():
+    """Only per-channel FP8 weights with dynamic input scales and N, K multiples of 16 (the
+    others quantize per tensor or per group, or dequantize on CUDA); the rest reject one."""
+    qw, sw = quantize_weight_per_channel(torch.randn(48, 64))
+    act = QuantizedActivation(*quantize_per_token(torch.randn(3, 64)), torch.float32)
+    assert not fp8_linear_takes_quantized_input(qw, None, torch.ones(1))
+    assert not fp8_linear_takes_quantized_input(qw, (128, 128), None)
+    assert not fp8_linear_takes_quantized_input(torch.randn(48, 64), None, None)
+    with pytest.raises(ValueError, match="dynamic input scales"):
+        fp8_linear(act, qw, sw, torch.ones(1))
+    qw_odd, sw_odd = quantize_weight_per_channel(torch.randn(40, 64))
+    assert not fp8_linear_takes_quantized_input(qw_odd, None, None)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_linear(act, qw_odd, sw_odd)
 
 
 def test_block_fp8_linear_matches_reference():

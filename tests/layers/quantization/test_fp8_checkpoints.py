@@ -142,6 +142,10 @@ def test_checkpoint_loads_dequantized_weights_and_logits(arch, fmt, tmp_path):
         assert torch.equal(got[name], want[name]), name
     if fmt.endswith("static"):
         assert all(m.input_scale is not None for m in model.modules() if isinstance(m, ColumnShardedLinear))
+    # Only per-channel layers with dynamic activation scales take their input quantized by
+    # the norm / SiLU-and-mul kernel producing it.
+    linears = [m for m in model.modules() if isinstance(m, (ColumnShardedLinear, RowParallelLinear))]
+    assert all(m.takes_quantized_input == (fmt == "ct-channel-dynamic") for m in linears)
     ref = _load_dequantized(ref, deq)
     prompts = _prompts(ref.config.vocab_size)
     got = _prefill_logits(model, prompts)
