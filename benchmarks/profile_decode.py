@@ -8,6 +8,9 @@ step's wall time (synchronized) is printed too.
 
 ``--engine-arg`` passes an engine option (value parsed as JSON when it parses, else a
 string), e.g. ``--engine-arg all2all_backend=simulated --engine-arg simulated_ep_rank_experts=true``.
+FP8 with the activation quantization fused into the norm / SiLU-and-mul kernels (the
+default) or as separate kernels: ``--engine-arg quantization=fp8``, the second run with
+``TANDEM_FP8_FUSED_QUANT=off`` in the environment.
 """
 
 from __future__ import annotations
