@@ -1,6 +1,7 @@
 """TP=2 over gloo (2 processes) gives the greedy tokens of TP=1 (fp32) for a batch of
 mixed-length prompts: a dense Llama, a Qwen3-MoE with its experts' intermediate dim
-sharded (no EP), and a DeepSeek-V2 (MLA heads sharded, shared experts, first dense layer)."""
+sharded (no EP), and a DeepSeek-V2 (MLA heads sharded, shared experts, first dense layer);
+FP8 at TP=2 with the activation quantization fused or separate."""
 
 from __future__ import annotations
 
@@ -48,3 +49,22 @@ def test_tp2_constrained_equals_tp1(model_dir, word_tokenizer):
         body = ids[:ids.index(9)] if 9 in ids else ids
         assert body and set(body) <= {3, 4, 5}, ids
         assert ids[len(body):] in ([9, 1], [9], []) and (9 in ids or len(ids) == 10), ids
+
+
+def test_tp2_fp8_fused_quantization_equals_separate(model_dir, monkeypatch):
+    """FP8 (online, dynamic per-token activation scales) at TP=2: each rank's norm and
+    SiLU-and-mul quantize their linear layer's input on that rank (the row-parallel
+    down_proj's is the rank's slice of the intermediate dim, quantized per token over that
+    slice as the separate kernel does), so the greedy tokens equal those of
+    TANDEM_FP8_FUSED_QUANT=off (inherited by the spawned ranks)."""
+    model = model_dir("llama")
+    got = {}
+    for fused in ("off", "on"):
+        monkeypatch.setenv("TANDEM_FP8_FUSED_QUANT", fused)
+        llm = make_llm(model, tensor_parallel_size=2, quantization="fp8")
+        try:
+            got[fused] = generate_ids(llm, PROMPTS)
+        finally:
+            llm.engine.shutdown()
+    assert got["on"] == got["off"]
+    assert all(len(t) == 10 for t in got["on"])
