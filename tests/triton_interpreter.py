@@ -88,9 +88,9 @@ def patch_interpreter_bf16_rounding() -> None:
 
 def patch_interpreter_fp8_rounding() -> None:
     """Triton 3.6's interpreter converts fp32 to e4m3 (``float8e4nv``) by truncating the
-    mantissa and mishandles mantissa carries (-127.1 -> -64). Convert with torch (round to
-    nearest even, as the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` and ``tensor.to(torch.float8_e4m3fn)``
-    do, for values in range; the kernels clamp to +-448 first)."""
+    mantissa and mishandles mantissa carries (-127.1 -> -64). Convert as the GPU's
+    ``cvt.rn.satfinite.e4m3x2.f32`` does: round to nearest even (torch's conversion) after
+    saturating to +-448 (where torch's would give NaN)."""
     import numpy as np
     import torch
     import triton.language as tl
@@ -103,7 +103,8 @@ def patch_interpreter_fp8_rounding() -> None:
     def convert(input, input_dtype, output_dtype, rounding_mode):
         if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
             src = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
-            return src.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
+            fmax = torch.finfo(torch.float8_e4m3fn).max
+            return src.clamp(-fmax, fmax).to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
         return orig(input, input_dtype, output_dtype, rounding_mode)
 
     convert._tandem_fp8_patched = True
