@@ -259,6 +259,7 @@ def _decode_reduce_kernel(
     out_ptr,
     seq_lens_ptr,
     num_splits,
+    min_tiles_per_split,  # segments hold at least this many BLOCK_N tiles (MLA; 1 for the dense kernel)
     stride_pr,
     stride_ph,
     stride_ps,
@@ -276,7 +277,7 @@ def _decode_reduce_kernel(
     # Same segmentation as _paged_decode_kernel (and triton_mla._mla_decode_kernel): count the non-empty segments.
     seq_len = tl.load(seq_lens_ptr + req)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
+    tiles_per_split = tl.maximum(tl.maximum(tl.cdiv(num_tiles, num_splits), min_tiles_per_split), 1)
     num_valid = tl.cdiv(num_tiles, tiles_per_split)
 
     offs_s = tl.arange(0, BLOCK_S)
@@ -436,7 +437,7 @@ class TritonAttentionBackend:
             )
             if not direct:
                 _decode_reduce_kernel[(nd, num_heads)](
-                    part_out, lse, out, meta.seq_lens, splits,
+                    part_out, lse, out, meta.seq_lens, splits, 1,
                     *part_out.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
                     BLOCK_N=self.block_n, BLOCK_S=triton.next_power_of_2(splits), DIM=head_dim,
                     BLOCK_D=head_dim,

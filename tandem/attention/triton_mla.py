@@ -41,6 +41,7 @@ one); any ``kv_lora_rank`` / ``rope_dim`` (powers of two run unpadded). Under
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -54,15 +55,57 @@ from tandem.triton_utils import num_sms
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Launch defaults (H200 guesses, to be tuned on the GPU): keys per inner iteration, heads
-# per program, warps, software-pipeline stages, and the split-count heuristic (target two
-# programs per SM, at most MAX_NUM_SPLITS segments of at least MIN_TOKENS_PER_SPLIT keys).
-BLOCK_N = 32
-BLOCK_H = 16
-NUM_WARPS = 4
-NUM_STAGES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MLADecodeLaunch:
+    """Launch parameters of one decode batch-size range (a row of :data:`DECODE_LAUNCH_TABLE`).
+
+    Attributes:
+        max_batch: the row serves decode batches of up to this many requests (and more
+            than the previous row's ``max_batch``).
+        num_splits: KV segments per request, the grid's third dimension; ``None``: enough
+            to give the GPU two programs per SM (:func:`mla_num_splits`).
+        min_tokens_per_split: a segment holds at least this many keys (rounded up to whole
+            ``block_n`` tiles), so short contexts use fewer segments than ``num_splits``
+            (the others exit at once); outside CUDA-graph capture it also caps the split
+            count at ``ceil(max_seq_len / min_tokens_per_split)``.
+        block_n: keys per inner iteration (a power of two >= 16).
+        block_h: heads per program (a power of two >= 16: ``tl.dot``'s minimum).
+        num_warps, num_stages: Triton launch options.
+    """
+
+    max_batch: int
+    num_splits: int | None
+    min_tokens_per_split: int
+    block_n: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+
+
+#: Launch parameters by decode batch size; the first row whose ``max_batch`` covers the
+#: batch applies (the last row serves any larger batch). Chosen for the DeepSeek-V2-Lite
+#: shape (16 heads, 512 + 64) on an H200 with ``benchmarks/mla_decode.py --sweep``, which
+#: prints rows of this form; edit them from its output.
+DECODE_LAUNCH_TABLE: tuple[MLADecodeLaunch, ...] = (
+    MLADecodeLaunch(max_batch=64, num_splits=None, min_tokens_per_split=128, block_n=32, block_h=16,
+                    num_warps=4, num_stages=5),
+    MLADecodeLaunch(max_batch=512, num_splits=4, min_tokens_per_split=64, block_n=32, block_h=16,
+                    num_warps=4, num_stages=5),
+    MLADecodeLaunch(max_batch=1 << 31, num_splits=1, min_tokens_per_split=128, block_n=32, block_h=16,
+                    num_warps=4, num_stages=5),
+)
+#: Split-count heuristic bound (``num_splits=None``): at most this many segments.
 MAX_NUM_SPLITS = 32
-MIN_TOKENS_PER_SPLIT = 256
+
+
+def decode_launch(num_reqs: int, table: tuple[MLADecodeLaunch, ...] = DECODE_LAUNCH_TABLE) -> MLADecodeLaunch:
+    """The row of ``table`` that serves a decode batch of ``num_reqs`` requests."""
+    for row in table:
+        if num_reqs <= row.max_batch:
+            return row
+    return table[-1]
 
 
 @triton.jit
@@ -76,6 +119,7 @@ def _mla_decode_kernel(
     block_tables_ptr,
     num_heads,
     num_splits,
+    min_tiles_per_split,  # >= 1: segments hold at least this many BLOCK_N tiles
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_qlt,
     stride_qlh,
@@ -107,7 +151,7 @@ def _mla_decode_kernel(
 
     seq_len = tl.load(seq_lens_ptr + req)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), min_tiles_per_split)
     tile_start = split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
     if not DIRECT:
@@ -185,15 +229,16 @@ def _target_programs(device: torch.device) -> int:
     return 2 * num_sms(device) if device.type == "cuda" else 256
 
 
-def mla_num_splits(num_reqs: int, num_heads: int, max_len: int, device: torch.device, block_h: int = BLOCK_H,
-                   max_num_splits: int = MAX_NUM_SPLITS, min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT) -> int:
-    """KV segments per request for a decode batch (host ints only, no sync): enough
-    programs to fill the GPU (two per SM), at most ``max_num_splits`` and at most one per
-    ``min_tokens_per_split`` keys of ``max_len`` (a bound on the context lengths)."""
-    programs = max(1, num_reqs * -(-num_heads // block_h))
-    splits = -(-_target_programs(device) // programs)
-    splits = min(splits, max_num_splits, -(-max_len // min_tokens_per_split))
-    return max(1, splits)
+def mla_num_splits(num_reqs: int, num_heads: int, max_len: int, device: torch.device, *, block_h: int,
+                   min_tokens_per_split: int, num_splits: int | None = None) -> int:
+    """KV segments per request for a decode batch (host ints only, no sync):
+    ``num_splits``, or if ``None`` enough programs to fill the GPU (two per SM) up to
+    :data:`MAX_NUM_SPLITS`; at most one per ``min_tokens_per_split`` keys of ``max_len``
+    (a bound on the context lengths)."""
+    if num_splits is None:
+        programs = max(1, num_reqs * -(-num_heads // block_h))
+        num_splits = min(-(-_target_programs(device) // programs), MAX_NUM_SPLITS)
+    return max(1, min(num_splits, -(-max_len // min_tokens_per_split)))
 
 
 def mla_decode_attention(
@@ -207,10 +252,11 @@ def mla_decode_attention(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
-    block_n: int = BLOCK_N,
-    block_h: int = BLOCK_H,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    min_tokens_per_split: int | None = None,
+    block_n: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Absorbed-MLA decode attention over the paged latent cache (one query per request).
 
@@ -229,9 +275,10 @@ def mla_decode_attention(
         max_seq_len: host upper bound on ``seq_lens[:nd]``, caps the split count outside
             CUDA-graph capture; ``None``: the block-table width. Under capture the split
             count depends only on ``nd``, ``H`` and the block-table width.
-        num_splits: force the number of KV segments per request (tests, tuning).
-        block_n, block_h, num_warps, num_stages: launch parameters (powers of two >= 16
-            for ``block_n`` / ``block_h``).
+        num_splits, min_tokens_per_split, block_n, block_h, num_warps, num_stages: launch
+            parameters (see :class:`MLADecodeLaunch`); ``None`` takes them from the row of
+            :data:`DECODE_LAUNCH_TABLE` for ``nd`` (the split count then goes through
+            :func:`mla_num_splits`; a given ``num_splits`` is used as is).
 
     Returns:
         ``[nd, H, R]`` attention output in the latent space (before ``W_uv``), q's dtype.
@@ -253,6 +300,10 @@ def mla_decode_attention(
     if (q_lat.dtype not in _SUPPORTED_DTYPES or q_pe.dtype != q_lat.dtype
             or kv_cache.dtype not in (q_lat.dtype, torch.float8_e4m3fn)):
         raise ValueError(f"unsupported dtypes q_lat={q_lat.dtype} q_pe={q_pe.dtype} kv_cache={kv_cache.dtype}")
+    row = decode_launch(nd)
+    block_n = block_n or row.block_n
+    block_h = block_h or row.block_h
+    min_tokens_per_split = min_tokens_per_split or row.min_tokens_per_split
     for name, val in (("block_n", block_n), ("block_h", block_h)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {val}")
@@ -276,7 +327,9 @@ def mla_decode_attention(
         capturing = q_lat.is_cuda and torch.cuda.is_current_stream_capturing()
         if max_seq_len is not None and not capturing:
             bound = min(bound, max_seq_len)
-        num_splits = mla_num_splits(nd, num_heads, bound, q_lat.device, block_h)
+        num_splits = mla_num_splits(nd, num_heads, bound, q_lat.device, block_h=block_h,
+                                    min_tokens_per_split=min_tokens_per_split, num_splits=row.num_splits)
+    min_tiles_per_split = -(-min_tokens_per_split // block_n)
     direct = num_splits == 1
     if direct:
         part_out, lse = out, out
@@ -289,7 +342,7 @@ def mla_decode_attention(
     block_p = max(16, triton.next_power_of_2(rope))
     _mla_decode_kernel[(nd, head_groups, num_splits)](
         q_lat, q_pe, cache, part_out, lse, seq_lens, block_tables,
-        num_heads, num_splits, scale * math.log2(math.e),
+        num_heads, num_splits, min_tiles_per_split, scale * math.log2(math.e),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         cache.stride(0), cache.stride(1), *po_strides, *lse_strides,
         block_tables.stride(0), block_tables.stride(1),
@@ -297,11 +350,11 @@ def mla_decode_attention(
         BLOCK_R=block_r, BLOCK_P=block_p, DIRECT=direct,
         PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRET and q_lat.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps or row.num_warps, num_stages=num_stages or row.num_stages,
     )
     if not direct:
         _decode_reduce_kernel[(nd, num_heads)](
-            part_out, lse, out, seq_lens, num_splits,
+            part_out, lse, out, seq_lens, num_splits, min_tiles_per_split,
             *part_out.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
             BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits), DIM=rank, BLOCK_D=block_r,
             num_warps=4,

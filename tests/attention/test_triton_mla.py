@@ -7,6 +7,11 @@ the interpreter fast, plus DeepSeek-V2's real 512 / 64 at short lengths.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -73,6 +78,8 @@ def check(lens, num_heads=16, rank=64, rope=16, block_size=16, dtype=torch.float
     q_lat, q_pe, kv_cache, bt, seq_lens, scale = make_case(lens, num_heads, rank, rope, block_size, dtype, seed,
                                                            **(case_kw or {}))
     cache_before = kv_cache.clone()
+    if "num_splits" in kw:  # a forced split count splits even short contexts unless told otherwise
+        kw.setdefault("min_tokens_per_split", 1)
     out = mla_decode_attention(q_lat, q_pe, kv_cache, bt, seq_lens, scale, **kw)
     assert out.shape == q_lat.shape and out.dtype == dtype
     assert torch.equal(kv_cache, cache_before)
@@ -107,8 +114,10 @@ def test_split_kv_long_contexts(num_splits):
 
 
 def test_long_contexts_default_splits():
-    """Default launch (block_n 32, split count from the block-table width)."""
-    assert mla_num_splits(3, 16, 2048 + 64, DEVICE) == 9
+    """Default launch (the table's row; split count from the block-table width)."""
+    row = triton_mla.decode_launch(3)
+    assert row.num_splits is None
+    assert mla_num_splits(3, 16, 2048 + 64, DEVICE, block_h=16, min_tokens_per_split=256) == 9
     check([2000, 1, 1500], case_kw=dict(max_blocks=129, extra_rows=1), seed=11)
 
 
@@ -150,7 +159,7 @@ def test_default_splits_and_strided_views():
     lens = [600, 3, 257]
     num_heads, rank, rope = 4, 32, 16
     q_lat, q_pe, kv_cache, bt, seq_lens, scale = make_case(lens, num_heads, rank, rope, 16, torch.float32, seed=3)
-    assert mla_num_splits(len(lens), num_heads, 600, DEVICE) == 3
+    assert mla_num_splits(len(lens), num_heads, 600, DEVICE, block_h=16, min_tokens_per_split=256) == 3
     q_hnr = q_lat.transpose(0, 1).contiguous()
     out_hnr = torch.full((num_heads, len(lens), rank), float("nan"), device=DEVICE)
     got = mla_decode_attention(q_hnr.transpose(0, 1), q_pe, kv_cache, bt, seq_lens, scale, out=out_hnr.transpose(0, 1),
@@ -162,11 +171,38 @@ def test_default_splits_and_strided_views():
 
 def test_num_splits_heuristic():
     cpu = torch.device("cpu")  # 256 target programs off CUDA
-    assert mla_num_splits(1, 16, 100_000, cpu) == triton_mla.MAX_NUM_SPLITS
-    assert mla_num_splits(1, 16, 1000, cpu) == 4  # one split per 256 keys
-    assert mla_num_splits(64, 16, 100_000, cpu) == 4
-    assert mla_num_splits(64, 128, 100_000, cpu) == 1
-    assert mla_num_splits(1, 16, 1, cpu) == 1
+    kw = dict(block_h=16, min_tokens_per_split=256)
+    assert mla_num_splits(1, 16, 100_000, cpu, **kw) == triton_mla.MAX_NUM_SPLITS
+    assert mla_num_splits(1, 16, 1000, cpu, **kw) == 4  # one split per 256 keys
+    assert mla_num_splits(64, 16, 100_000, cpu, **kw) == 4
+    assert mla_num_splits(64, 128, 100_000, cpu, **kw) == 1
+    assert mla_num_splits(1, 16, 1, cpu, **kw) == 1
+    # A given split count is kept, capped by the context bound only.
+    assert mla_num_splits(1024, 16, 100_000, cpu, num_splits=3, **kw) == 3
+    assert mla_num_splits(1024, 16, 300, cpu, num_splits=3, **kw) == 2
+
+
+def test_launch_table_rows():
+    """Rows cover growing batch ranges with valid launch parameters; lookup picks the first
+    row that covers the batch and the last one past the end."""
+    table = triton_mla.DECODE_LAUNCH_TABLE
+    assert [r.max_batch for r in table] == sorted(r.max_batch for r in table)
+    for r in table:
+        assert r.num_splits is None or r.num_splits >= 1
+        assert r.min_tokens_per_split >= 1 and r.num_warps >= 1 and r.num_stages >= 1
+        for v in (r.block_n, r.block_h):
+            assert v >= 16 and v & (v - 1) == 0
+    assert triton_mla.decode_launch(1) is table[0]
+    assert triton_mla.decode_launch(table[0].max_batch + 1) is table[1]
+    assert triton_mla.decode_launch(table[-1].max_batch + 1) is table[-1]
+
+
+@pytest.mark.parametrize("min_tokens", [16, 40, 100])
+def test_min_tokens_per_split(min_tokens):
+    """Segments of at least min_tokens keys (whole tiles): short requests use fewer of the
+    grid's segments, long ones all of them; the reduce combines exactly the non-empty ones."""
+    check([1, 15, 16, 60, 130, 333, 700], num_splits=6, min_tokens_per_split=min_tokens, block_n=16,
+          seed=min_tokens)
 
 
 def test_rejects_bad_inputs():
@@ -221,3 +257,53 @@ def test_cuda_graph_replay():
         graph.replay()
         want = reference(q_lat, q_pe, kv_cache, bt, seq_lens, scale)
         torch.testing.assert_close(out.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+_COMPILE_SM90 = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from tandem.attention.triton_mla import DECODE_LAUNCH_TABLE, _mla_decode_kernel
+    from tandem.attention.triton_backend import _decode_reduce_kernel
+
+    def compile(kernel, const, types, options):
+        names = kernel.arg_names
+        sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+        src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        assert compiled.asm["cubin"]
+        return compiled
+
+    ptrs = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", cache_ptr="*bf16", seq_lens_ptr="*i32",
+                block_tables_ptr="*i32", qk_scale="fp32")
+    for row in DECODE_LAUNCH_TABLE:
+        for direct in (True, False):
+            const = dict(BLOCK_SIZE=16, BLOCK_H=row.block_h, BLOCK_N=row.block_n, KV_RANK=512, ROPE_DIM=64,
+                         BLOCK_R=512, BLOCK_P=64, DIRECT=direct, PRECISION="tf32", UPCAST=False)
+            types = dict(ptrs, out_ptr="*bf16" if direct else "*fp32", lse_ptr="*fp32")
+            c = compile(_mla_decode_kernel, const, types, dict(num_warps=row.num_warps, num_stages=row.num_stages))
+            print("decode", row.max_batch, direct, "shared", c.metadata.shared)
+    const = dict(BLOCK_N=32, BLOCK_S=4, DIM=512, BLOCK_D=512)
+    types = dict(part_out_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", seq_lens_ptr="*i32")
+    compile(_decode_reduce_kernel, const, types, dict(num_warps=4, num_stages=2))
+    print("reduce ok")
+""")
+
+
+def test_compiles_for_sm90():
+    """Every row of the launch table (direct and split) and the reduce compile for an
+    H100/H200, in a process without the interpreter, within the SM's shared memory."""
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = [ln.split() for ln in res.stdout.splitlines() if ln.startswith("decode")]
+    assert len(lines) == 2 * len(triton_mla.DECODE_LAUNCH_TABLE)
+    assert all(int(ln[-1]) <= 227 * 1024 for ln in lines)  # sm_90's shared memory per block
+    assert "reduce ok" in res.stdout
