@@ -61,8 +61,8 @@ from tandem import envs
 from tandem.attention.backend import quantize_kv
 from tandem.attention.selector import get_attention_backend
 from tandem.attention.metadata import AttentionMetadata
-from tandem.layers.fused_ops import apply_rotary
 from tandem.layers.linear import ColumnParallelLinear
+from tandem.layers.mla_latent import write_latents
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -149,12 +149,9 @@ class MLAAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(t, self.num_heads, self.qk_dim).split([self.nope, self.rope], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        # One fused launch on CUDA for q and k (the torch form is ~18 small kernels).
-        q_pe, k_pe = apply_rotary(q_pe, k_pe[:, None], self.rotary.cos, self.rotary.sin, positions, interleaved=True)
-        k_pe = k_pe[:, 0]
-        write_latent_cache(torch.cat((c_kv, k_pe), dim=-1), kv_cache, meta.slot_mapping)
+        # kv_a_layernorm, RoPE of q_pe and k_pe, concat and cache write: one launch on CUDA.
+        q_pe = write_latents(q_pe, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm, self.rotary.cos, self.rotary.sin,
+                             positions, kv_cache, meta.slot_mapping)
         o = self._attend(q_nope, q_pe, kv_cache, meta)
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
 
@@ -177,7 +174,7 @@ class MLAAttention(nn.Module):
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
         nd = meta.num_decode_reqs
         if nd > 0:
-            out[:nd] = self._decode_absorbed(q_nope[:nd], q_pe[:nd], kv_cache, meta)
+            self._decode_absorbed(q_nope[:nd], q_pe[:nd], kv_cache, meta, out[:nd])
         qsl = meta.query_start_loc_cpu
         if self._prefill_uses_triton(q_nope.device):
             for r0, r1 in prefill_groups(qsl, meta.seq_lens_cpu, nd, meta.num_reqs, None, MLA_PREFILL_MAX_KEYS):
@@ -249,7 +246,7 @@ class MLAAttention(nn.Module):
         return o[0].transpose(0, 1)
 
     def _decode_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                         meta: AttentionMetadata) -> torch.Tensor:
+                         meta: AttentionMetadata, out: torch.Tensor) -> None:
         """Decode requests (one query each) attend in the latent space: ``W_uk`` is folded
         into the query (``q_lat = q_nope W_uk``, so ``q_lat . c_kv = q_nope . k_nope``), the
         keys are the cached latents ``[c_kv, k_pe]`` shared by all heads (MQA with head
@@ -260,7 +257,7 @@ class MLAAttention(nn.Module):
         through the block tables, no host sync. Torch: the latents are gathered and one
         masked SDPA runs over the padded batch; under CUDA-graph capture the whole block
         table is read (lengths come from the device ``seq_lens``).
-        Returns ``[nd, heads, v_head_dim]``."""
+        Writes ``out [nd, heads, v_head_dim]`` (the ``W_uv`` bmm's output, no copy)."""
         w_uk, w_uv = self._absorbed_weights()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [h, nd, r]
         if self._decode_uses_triton(q_nope.device):
@@ -271,7 +268,10 @@ class MLAAttention(nn.Module):
                                  self.scale, out=o.transpose(0, 1), max_seq_len=meta.max_seq_len)
         else:
             o = self._decode_attention_torch(q_lat.transpose(0, 1), q_pe, kv_cache, meta).transpose(0, 1)
-        return torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1)
+        if torch.is_grad_enabled():  # out= has no autograd; the engine runs without grad
+            out.copy_(torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1))
+        else:
+            torch.bmm(o, w_uv.transpose(1, 2), out=out.transpose(0, 1))
 
     def _decode_uses_triton(self, device: torch.device) -> bool:
         return _uses_triton("decode_backend", self.decode_backend, device)
@@ -347,18 +347,6 @@ def prefill_groups(query_start_loc: list[int], seq_lens: list[int], first: int, 
     if last > r0:
         groups.append((r0, last))
     return groups
-
-
-def write_latent_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter ``latent [T, D]`` into plane 0 of ``kv_cache [1, num_blocks, block_size, 1,
-    D]``; padding slots (-1) write into the reserved null block's slot 0 (no host sync).
-    An FP8 cache stores the latents saturated to e4m3 with scale 1.0 (readers convert
-    back to the query dtype)."""
-    flat = kv_cache[0].view(-1, kv_cache.shape[-1])
-    latent = quantize_kv(latent, 1.0, kv_cache.dtype).to(kv_cache.dtype)
-    if kv_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no float8 CPU kernel: copy the bytes
-        flat, latent = flat.view(torch.uint8), latent.view(torch.uint8)
-    flat.index_copy_(0, slot_mapping.clamp(min=0), latent)
 
 
 def gather_latent(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
