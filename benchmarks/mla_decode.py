@@ -12,7 +12,8 @@ Modes (each prints a markdown table; times are per call / per layer, microsecond
   segment), against the floor: reading the latents once plus the query and the output
   (``sum(seq_lens) * 576 * 2 + nd * 16 * (576 + 512) * 2`` bytes) at 4.8 TB/s.
   ``--torch`` adds the gather + SDPA reference.
-* ``sweep``: the launch space (split count x minimum segment x block_n x warps x stages),
+* ``sweep``: the launch space (split count x minimum segment x block_n x warps x stages x
+  heads per program),
   every point checked against the reference; prints the best points per shape and, per
   batch, the best point over the contexts as a ``MLADecodeLaunch(...)`` row to paste into
   ``DECODE_LAUNCH_TABLE`` (tandem/attention/triton_mla.py).
@@ -35,6 +36,7 @@ import argparse
 import dataclasses
 import itertools
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -49,7 +51,7 @@ DEVICE = torch.device("cuda")
 #: The launch at session 8's start (commit 2dc28d2): block_n 32, block_h 16, 4 warps,
 #: 2 stages, split count targeting two programs per SM (at most 32, one per 256 keys of the
 #: bound), every segment as long as the others.
-OLD_LAUNCH = dict(block_n=32, block_h=16, num_warps=4, num_stages=2, min_tokens_per_split=1)
+OLD_LAUNCH = dict(block_n=32, block_h=16, heads_per_program=16, num_warps=4, num_stages=2, min_tokens_per_split=1)
 
 
 def old_num_splits(nd: int, bound: int) -> int:
@@ -172,8 +174,8 @@ HEADER = ("| batch | context | launch | us / call | floor us | x floor | latent 
           "|---|---|---|---|---|---|---|---|")
 
 
-_SHORT = dict(num_splits="splits", min_tokens_per_split="min_tok", block_n="bn", block_h="bh", num_warps="nw",
-              num_stages="ns")
+_SHORT = dict(num_splits="splits", min_tokens_per_split="min_tok", block_n="bn", block_h="bh",
+              heads_per_program="hpp", num_warps="nw", num_stages="ns")
 
 
 def launch_name(launch: dict) -> str:
@@ -200,26 +202,33 @@ def mode_kernel(args) -> None:
 
 def sweep_points(args) -> list[dict]:
     points = []
-    for bn, nw, ns in itertools.product(args.block_n, args.warps, args.stages):
+    for bn, nw, ns, hpp in itertools.product(args.block_n, args.warps, args.stages, args.heads_per_program):
         for splits in args.splits:
             for min_tok in (args.min_tokens if splits > 1 else [args.min_tokens[0]]):
                 points.append(dict(num_splits=splits, min_tokens_per_split=min_tok, block_n=bn, block_h=16,
-                                   num_warps=nw, num_stages=ns))
+                                   heads_per_program=hpp, num_warps=nw, num_stages=ns))
     return points
 
 
 def mode_sweep(args) -> None:
-    from tandem.attention.triton_mla import MLADecodeLaunch
+    from tandem.attention.triton_mla import MLADecodeLaunch, decode_launch
 
     points = sweep_points(args)
     print(f"{len(points)} launch points x {len(args.batches) * len(args.contexts)} shapes")
     results: dict[tuple[int, str], list[tuple[float, float, dict]]] = {}
+    deadline = time.monotonic() + args.budget_s
     print(HEADER)
     for nd in args.batches:
         for spec in args.contexts:
             case = KernelCase(nd, spec, args.max_model_len)
+            old = dict(OLD_LAUNCH, num_splits=old_num_splits(nd, case.batch.block_tables.shape[1] * BLOCK))
+            print(case.row("old: " + launch_name(old), *case.time(**old)), flush=True)
+            print(case.row("table: " + launch_name(dataclasses.asdict(decode_launch(nd))), *case.time()), flush=True)
             timed = []
             for p in points:
+                if time.monotonic() > deadline:
+                    print(f"| {nd} | {spec} | budget of {args.budget_s} s spent: the remaining points skipped | | | | |")
+                    break
                 try:
                     us, err = case.time(**p)
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
@@ -343,12 +352,16 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096,
                     help="sets the block-table width, which bounds the split count under capture")
     ap.add_argument("--torch", action="store_true", help="kernel mode: also time the gather + SDPA reference")
-    ap.add_argument("--splits", type=ints, default=[1, 2, 3, 4, 6, 8], help="sweep: split counts")
+    ap.add_argument("--splits", type=ints, default=[1, 2, 4, 8], help="sweep: split counts")
     ap.add_argument("--min-tokens", type=ints, default=[32, 64, 128], help="sweep: minimum keys per segment")
     ap.add_argument("--block-n", type=ints, default=[16, 32, 64], help="sweep: keys per iteration")
     ap.add_argument("--warps", type=ints, default=[4, 8], help="sweep: warps")
-    ap.add_argument("--stages", type=ints, default=[2, 3, 4, 5, 6],
-                    help="sweep: pipeline stages (block_n 32 gets a second latent buffer from 5, block_n 16 from 5)")
+    ap.add_argument("--stages", type=ints, default=[2, 3, 5],
+                    help="sweep: pipeline stages (Triton 3.6 gives block_n 16 / 32 a second latent buffer from 5)")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="sweep: stop timing new points after this many seconds (one device call: 600 s)")
+    ap.add_argument("--heads-per-program", type=ints, default=[16, 8],
+                    help="sweep: heads per program (8: two programs per request read each latent tile)")
     ap.add_argument("--top", type=int, default=5, help="sweep: best points printed per shape")
     ap.add_argument("--max-err", type=float, default=3e-2, help="sweep: max abs error vs the reference (bf16)")
     args = ap.parse_args()

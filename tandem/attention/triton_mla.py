@@ -71,7 +71,12 @@ class MLADecodeLaunch:
             (the others exit at once); outside CUDA-graph capture it also caps the split
             count at ``ceil(max_seq_len / min_tokens_per_split)``.
         block_n: keys per inner iteration (a power of two >= 16).
-        block_h: heads per program (a power of two >= 16: ``tl.dot``'s minimum).
+        block_h: rows of a program's query tile (a power of two >= 16: ``tl.dot``'s minimum).
+        heads_per_program: heads a program serves (<= ``block_h``; the other rows are
+            masked). Fewer than ``block_h`` gives more programs without splitting the KV
+            (no partial outputs to combine) at the cost of reading each latent tile once
+            per head group (the later reads mostly from L2: the groups of a request run
+            side by side).
         num_warps, num_stages: Triton launch options.
     """
 
@@ -80,6 +85,7 @@ class MLADecodeLaunch:
     min_tokens_per_split: int
     block_n: int
     block_h: int
+    heads_per_program: int
     num_warps: int
     num_stages: int
 
@@ -90,11 +96,11 @@ class MLADecodeLaunch:
 #: prints rows of this form; edit them from its output.
 DECODE_LAUNCH_TABLE: tuple[MLADecodeLaunch, ...] = (
     MLADecodeLaunch(max_batch=64, num_splits=None, min_tokens_per_split=128, block_n=32, block_h=16,
-                    num_warps=4, num_stages=5),
+                    heads_per_program=16, num_warps=4, num_stages=5),
     MLADecodeLaunch(max_batch=512, num_splits=4, min_tokens_per_split=64, block_n=32, block_h=16,
-                    num_warps=4, num_stages=5),
+                    heads_per_program=16, num_warps=4, num_stages=5),
     MLADecodeLaunch(max_batch=1 << 31, num_splits=1, min_tokens_per_split=128, block_n=32, block_h=16,
-                    num_warps=4, num_stages=5),
+                    heads_per_program=16, num_warps=4, num_stages=5),
 )
 #: Split-count heuristic bound (``num_splits=None``): at most this many segments.
 MAX_NUM_SPLITS = 32
@@ -118,6 +124,7 @@ def _mla_decode_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     num_heads,
+    heads_per_program,  # <= BLOCK_H: the first heads_per_program rows of the tile are real heads
     num_splits,
     min_tiles_per_split,  # >= 1: segments hold at least this many BLOCK_N tiles
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -158,8 +165,9 @@ def _mla_decode_kernel(
         if tile_start >= tile_end:
             return  # segment past the end of this sequence; the reduce skips it
 
-    head = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_valid = head < num_heads
+    rows = tl.arange(0, BLOCK_H)
+    head = head_group * heads_per_program + rows
+    head_valid = (rows < heads_per_program) & (head < num_heads)
     offs_r = tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
     # Column masks only where the latent / rope width is padded (keeps loads vectorised).
@@ -229,14 +237,14 @@ def _target_programs(device: torch.device) -> int:
     return 2 * num_sms(device) if device.type == "cuda" else 256
 
 
-def mla_num_splits(num_reqs: int, num_heads: int, max_len: int, device: torch.device, *, block_h: int,
+def mla_num_splits(num_reqs: int, num_heads: int, max_len: int, device: torch.device, *, heads_per_program: int,
                    min_tokens_per_split: int, num_splits: int | None = None) -> int:
     """KV segments per request for a decode batch (host ints only, no sync):
     ``num_splits``, or if ``None`` enough programs to fill the GPU (two per SM) up to
     :data:`MAX_NUM_SPLITS`; at most one per ``min_tokens_per_split`` keys of ``max_len``
     (a bound on the context lengths)."""
     if num_splits is None:
-        programs = max(1, num_reqs * -(-num_heads // block_h))
+        programs = max(1, num_reqs * -(-num_heads // heads_per_program))
         num_splits = min(-(-_target_programs(device) // programs), MAX_NUM_SPLITS)
     return max(1, min(num_splits, -(-max_len // min_tokens_per_split)))
 
@@ -255,6 +263,7 @@ def mla_decode_attention(
     min_tokens_per_split: int | None = None,
     block_n: int | None = None,
     block_h: int | None = None,
+    heads_per_program: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -275,7 +284,8 @@ def mla_decode_attention(
         max_seq_len: host upper bound on ``seq_lens[:nd]``, caps the split count outside
             CUDA-graph capture; ``None``: the block-table width. Under capture the split
             count depends only on ``nd``, ``H`` and the block-table width.
-        num_splits, min_tokens_per_split, block_n, block_h, num_warps, num_stages: launch
+        num_splits, min_tokens_per_split, block_n, block_h, heads_per_program, num_warps,
+            num_stages: launch
             parameters (see :class:`MLADecodeLaunch`); ``None`` takes them from the row of
             :data:`DECODE_LAUNCH_TABLE` for ``nd`` (the split count then goes through
             :func:`mla_num_splits`; a given ``num_splits`` is used as is).
@@ -302,11 +312,15 @@ def mla_decode_attention(
         raise ValueError(f"unsupported dtypes q_lat={q_lat.dtype} q_pe={q_pe.dtype} kv_cache={kv_cache.dtype}")
     row = decode_launch(nd)
     block_n = block_n or row.block_n
-    block_h = block_h or row.block_h
     min_tokens_per_split = min_tokens_per_split or row.min_tokens_per_split
+    # A given block_h serves as many heads unless told otherwise.
+    heads_per_program = heads_per_program or (row.heads_per_program if block_h is None else block_h)
+    block_h = block_h or row.block_h
     for name, val in (("block_n", block_n), ("block_h", block_h)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {val}")
+    if not 1 <= heads_per_program <= block_h:
+        raise ValueError(f"heads_per_program must be in [1, block_h={block_h}], got {heads_per_program}")
     if out is None:
         out = torch.empty(nd, num_heads, rank, dtype=q_lat.dtype, device=q_lat.device)
     elif out.shape != (nd, num_heads, rank) or out.dtype != q_lat.dtype:
@@ -321,13 +335,13 @@ def mla_decode_attention(
         raise ValueError("out and kv_cache need a unit stride in the last dim")
 
     cache = kv_cache[0, :, :, 0]  # [num_blocks, block_size, R + P]
-    head_groups = -(-num_heads // block_h)
+    head_groups = -(-num_heads // heads_per_program)
     if num_splits is None:
         bound = block_tables.shape[1] * block_size
         capturing = q_lat.is_cuda and torch.cuda.is_current_stream_capturing()
         if max_seq_len is not None and not capturing:
             bound = min(bound, max_seq_len)
-        num_splits = mla_num_splits(nd, num_heads, bound, q_lat.device, block_h=block_h,
+        num_splits = mla_num_splits(nd, num_heads, bound, q_lat.device, heads_per_program=heads_per_program,
                                     min_tokens_per_split=min_tokens_per_split, num_splits=row.num_splits)
     min_tiles_per_split = -(-min_tokens_per_split // block_n)
     direct = num_splits == 1
@@ -342,7 +356,7 @@ def mla_decode_attention(
     block_p = max(16, triton.next_power_of_2(rope))
     _mla_decode_kernel[(nd, head_groups, num_splits)](
         q_lat, q_pe, cache, part_out, lse, seq_lens, block_tables,
-        num_heads, num_splits, min_tiles_per_split, scale * math.log2(math.e),
+        num_heads, heads_per_program, num_splits, min_tiles_per_split, scale * math.log2(math.e),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         cache.stride(0), cache.stride(1), *po_strides, *lse_strides,
         block_tables.stride(0), block_tables.stride(1),

@@ -117,7 +117,7 @@ def test_long_contexts_default_splits():
     """Default launch (the table's row; split count from the block-table width)."""
     row = triton_mla.decode_launch(3)
     assert row.num_splits is None
-    assert mla_num_splits(3, 16, 2048 + 64, DEVICE, block_h=16, min_tokens_per_split=256) == 9
+    assert mla_num_splits(3, 16, 2048 + 64, DEVICE, heads_per_program=16, min_tokens_per_split=256) == 9
     check([2000, 1, 1500], case_kw=dict(max_blocks=129, extra_rows=1), seed=11)
 
 
@@ -159,7 +159,7 @@ def test_default_splits_and_strided_views():
     lens = [600, 3, 257]
     num_heads, rank, rope = 4, 32, 16
     q_lat, q_pe, kv_cache, bt, seq_lens, scale = make_case(lens, num_heads, rank, rope, 16, torch.float32, seed=3)
-    assert mla_num_splits(len(lens), num_heads, 600, DEVICE, block_h=16, min_tokens_per_split=256) == 3
+    assert mla_num_splits(len(lens), num_heads, 600, DEVICE, heads_per_program=16, min_tokens_per_split=256) == 3
     q_hnr = q_lat.transpose(0, 1).contiguous()
     out_hnr = torch.full((num_heads, len(lens), rank), float("nan"), device=DEVICE)
     got = mla_decode_attention(q_hnr.transpose(0, 1), q_pe, kv_cache, bt, seq_lens, scale, out=out_hnr.transpose(0, 1),
@@ -171,7 +171,7 @@ def test_default_splits_and_strided_views():
 
 def test_num_splits_heuristic():
     cpu = torch.device("cpu")  # 256 target programs off CUDA
-    kw = dict(block_h=16, min_tokens_per_split=256)
+    kw = dict(heads_per_program=16, min_tokens_per_split=256)
     assert mla_num_splits(1, 16, 100_000, cpu, **kw) == triton_mla.MAX_NUM_SPLITS
     assert mla_num_splits(1, 16, 1000, cpu, **kw) == 4  # one split per 256 keys
     assert mla_num_splits(64, 16, 100_000, cpu, **kw) == 4
@@ -190,11 +190,23 @@ def test_launch_table_rows():
     for r in table:
         assert r.num_splits is None or r.num_splits >= 1
         assert r.min_tokens_per_split >= 1 and r.num_warps >= 1 and r.num_stages >= 1
+        assert 1 <= r.heads_per_program <= r.block_h
         for v in (r.block_n, r.block_h):
             assert v >= 16 and v & (v - 1) == 0
     assert triton_mla.decode_launch(1) is table[0]
     assert triton_mla.decode_launch(table[0].max_batch + 1) is table[1]
     assert triton_mla.decode_launch(table[-1].max_batch + 1) is table[-1]
+
+
+@pytest.mark.parametrize("heads_per_program", [1, 3, 8])
+@pytest.mark.parametrize("num_heads", [5, 16])
+def test_heads_per_program(num_heads, heads_per_program):
+    """Programs serving fewer heads than their tile's rows (the rest masked), with and
+    without KV splits."""
+    check([1, 33, 70], num_heads=num_heads, num_splits=1, heads_per_program=heads_per_program, block_n=16,
+          seed=heads_per_program)
+    check([1, 33, 70], num_heads=num_heads, num_splits=3, heads_per_program=heads_per_program, block_n=16,
+          seed=num_heads)
 
 
 @pytest.mark.parametrize("min_tokens", [16, 40, 100])
