@@ -18,18 +18,26 @@ by one, so any block size works.
 Kernels (split-KV, as in Flash-Decoding: Dao, Haziza, Massa, Sizov, "Flash-Decoding for
 long-context inference", 2023):
 
-* ``_mla_decode_kernel``: one program per (request, tile of ``BLOCK_H`` heads, KV
-  segment). Scores ``q_lat . c_kv + q_pe . k_pe`` are two dots (``kv_lora_rank`` and
+* ``_mla_decode_kernel``: one program per (request, group of ``heads_per_program`` heads,
+  KV segment); the group's heads are the first rows of a ``BLOCK_H``-row query tile (the
+  rest masked). Scores ``q_lat . c_kv + q_pe . k_pe`` are two dots (``kv_lora_rank`` and
   ``rope_dim`` wide: 512 + 64 need no padding to 1024), the softmax is online in fp32 and
-  base 2 (``log2(e)`` folded into the scale), ``acc += p @ c_kv``. The context of a
-  request is cut into ``num_splits`` segments of whole ``BLOCK_N`` tiles; the segment of a
-  program is computed *inside* the kernel from ``seq_lens``, so the grid ``(num_reqs,
-  cdiv(num_heads, BLOCK_H), num_splits)`` depends only on host values fixed for a captured
-  CUDA graph. Programs whose segment lies past the end of their sequence exit at once.
-  With one split the kernel writes the normalised output directly.
+  base 2 (``log2(e)`` folded into the scale), ``acc += p @ c_kv`` (the ``c_kv`` tile is
+  loaded once for both dots). The context of a request is cut into at most ``num_splits``
+  segments of whole ``BLOCK_N`` tiles, each at least ``min_tiles_per_split`` tiles long, so
+  short contexts use fewer segments than the grid has; the segment of a program is
+  computed *inside* the kernel from ``seq_lens``, so the grid ``(num_reqs,
+  cdiv(num_heads, heads_per_program), num_splits)`` depends only on host values fixed for
+  a captured CUDA graph. Programs whose segment lies past the end of their sequence exit
+  at once. With one split the kernel writes the normalised output directly.
 * the dense backend's ``_decode_reduce_kernel`` (:mod:`tandem.attention.triton_backend`)
   combines the partial outputs of the non-empty segments by their log-sum-exp, one program
   per (request, head); the segmentation is the same.
+
+Launch parameters come from :data:`DECODE_LAUNCH_TABLE` by batch size (tuned with
+``benchmarks/mla_decode.py sweep``). Under CUDA-graph capture the split bound is the
+block-table width (``max_model_len``), not the step's contexts, so a split count in the
+table applies as is; the minimum segment length is what keeps short contexts unsplit.
 
 Nothing syncs with the host: :func:`mla_decode_attention` uses only tensor shapes and the
 optional host bound ``max_seq_len``.

@@ -36,12 +36,16 @@ Attention, as vLLM and FlashMLA split it:
 * decode (memory-bound): *absorbed* weights — ``kv_b_proj``'s key half is folded into the
   query (a bmm) and its value half applied after attention (a bmm), so attention runs
   directly over the cached latents (multi-query, keys ``[c_kv, k_pe]``, values ``c_kv``);
-  nothing per head is materialised and the step is CUDA-graph safe. The attention itself
+  nothing per head is materialised and the step is CUDA-graph safe (the ``W_uv`` bmm
+  writes the layer's output rows in place). The attention itself
   is the paged split-KV Triton kernel :func:`tandem.attention.triton_mla.mla_decode_attention`
   (it reads the latents through the block tables) wherever the dense models get the Triton
   attention backend from :func:`tandem.attention.selector.get_attention_backend` (CUDA);
   elsewhere (CPU) a plain-torch reference gathers the latents and runs one padded, masked
   ``scaled_dot_product_attention`` (``MLAAttention.decode_backend`` overrides the choice).
+
+New tokens: ``kv_a_layernorm``, RoPE of ``q_pe`` and ``k_pe``, the concat and the cache
+write are one kernel on CUDA (:func:`tandem.layers.mla_latent.write_latents`).
 
 RoPE: transformers' DeepSeek-V2 rotates *interleaved* pairs ``(x[2i], x[2i+1])`` (complex
 multiplication), not the NeoX halves; the softmax scale is ``qk_head_dim**-0.5`` times
@@ -58,7 +62,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem import envs
-from tandem.attention.backend import quantize_kv
 from tandem.attention.selector import get_attention_backend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.linear import ColumnParallelLinear
