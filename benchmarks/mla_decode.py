@@ -100,9 +100,11 @@ def make_batch(nd: int, spec: str, max_model_len: int, min_layers: int = 2, seed
     return DecodeBatch(torch.tensor(lens, dtype=torch.int32, device=DEVICE), tables.to(DEVICE), caches, lens)
 
 
-def graph_time_us(fn: Callable[[int], None], calls: int, replays: int = 20) -> float:
+def graph_time_us(fn: Callable[[int], None], calls: int, replays: int = 20, profile: str | None = None) -> float:
     """Microseconds per ``fn(i)`` call, ``i`` in ``range(calls)``, captured back to back in
-    one CUDA graph and replayed ``replays`` times (after a warm-up replay)."""
+    one CUDA graph and replayed ``replays`` times (after a warm-up replay). ``profile``:
+    also print the GPU kernels of the replays under this title (torch.profiler, averages
+    per call)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and allocate outside the capture
@@ -120,6 +122,13 @@ def graph_time_us(fn: Callable[[int], None], calls: int, replays: int = 20) -> f
         graph.replay()
     end.record()
     end.synchronize()
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        print(f"\nGPU kernels of {profile} ({replays * calls} calls; divide the totals by that):")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
@@ -338,7 +347,8 @@ def mode_layer(args) -> None:
             diff = f'{(outs["new"] - outs["old"]).abs().max().item():.3g} of {outs["old"].abs().max().item():.3g}'
 
             for name, f in paths.items():
-                us = graph_time_us(f, calls=n)
+                us = graph_time_us(f, calls=n, profile=f"the {name} layer, batch {nd}, contexts {spec}"
+                                   if args.profile else None)
                 print(f"| {nd} | {spec} | {name} | {us:.1f} | {floor_us:.1f} | {us / floor_us:.2f} | {diff} |",
                       flush=True)
 
@@ -352,6 +362,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096,
                     help="sets the block-table width, which bounds the split count under capture")
     ap.add_argument("--torch", action="store_true", help="kernel mode: also time the gather + SDPA reference")
+    ap.add_argument("--profile", action="store_true", help="layer mode: print the kernels of each path")
     ap.add_argument("--splits", type=ints, default=[1, 2, 4, 8], help="sweep: split counts")
     ap.add_argument("--min-tokens", type=ints, default=[32, 64, 128], help="sweep: minimum keys per segment")
     ap.add_argument("--block-n", type=ints, default=[16, 32, 64], help="sweep: keys per iteration")
