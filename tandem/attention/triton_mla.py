@@ -102,7 +102,7 @@ class MLADecodeLaunch:
 #: batch applies (the last row serves any larger batch). For the DeepSeek-V2-Lite shape (16
 #: heads, 512 + 64) on an H200; ``benchmarks/mla_decode.py sweep`` measures the launch space
 #: and prints rows of this form to paste here. Until an H200 sweep replaces them, the rows
-#: are set from the compiled kernel (sm_90, Triton 3.6: at block_n 32 and 4 warps, 224
+#: are set from the compiled kernel (sm_90, Triton 3.6: at block_n 32 and 4 warps, 212-242
 #: registers and 94 KB of shared memory, two programs per SM; num_stages 5 is the first
 #: with two latent buffers in flight) and from the engine's profile at batch 256 (two
 #: splits: 28 us + 5 us of reduce per call).
