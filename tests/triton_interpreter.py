@@ -63,10 +63,9 @@ def patch_interpreter_for_numpy_2_4() -> None:
 def patch_interpreter_bf16_rounding() -> None:
     """Triton 3.6's interpreter converts fp32 to bf16 by truncating the mantissa (a plain
     ``x.to(tl.bfloat16)``, which compiles to a round-to-nearest-even ``cvt.rn``), and its
-    explicit RTNE path rounds half up without carrying into the exponent (so does its fp32 ->
-    fp8 e4m3 conversion: 0.49 becomes 0.25). Convert with torch (round to nearest even, as
-    the GPU and ``tensor.to(torch.bfloat16)`` do) unless round-toward-zero is asked for
-    explicitly."""
+    explicit RTNE path rounds half up without carrying into the exponent. Convert with torch
+    (round to nearest even, as the GPU and ``tensor.to(torch.bfloat16)`` do) unless
+    round-toward-zero is asked for explicitly."""
     import numpy as np
     import torch
     import triton.language as tl
@@ -81,9 +80,6 @@ def patch_interpreter_bf16_rounding() -> None:
         if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode != ir.ROUNDING_MODE.RTZ:
             src = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
             return src.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(input.shape)
-        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv and rounding_mode != ir.ROUNDING_MODE.RTZ:
-            src = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
-            return src.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
         return orig(input, input_dtype, output_dtype, rounding_mode)
 
     convert._tandem_patched = True
