@@ -226,17 +226,23 @@ def mode_sweep(args) -> None:
     print(f"{len(points)} launch points x {len(args.batches) * len(args.contexts)} shapes")
     results: dict[tuple[int, str], list[tuple[float, float, dict]]] = {}
     deadline = time.monotonic() + args.budget_s
+    shapes_left = len(args.batches) * len(args.contexts)
     print(HEADER)
     for nd in args.batches:
         for spec in args.contexts:
+            # Each shape gets an equal share of what is left of the budget (the first one
+            # also pays for compiling the variants).
+            shape_deadline = time.monotonic() + (deadline - time.monotonic()) / shapes_left
+            shapes_left -= 1
             case = KernelCase(nd, spec, args.max_model_len)
             old = dict(OLD_LAUNCH, num_splits=old_num_splits(nd, case.batch.block_tables.shape[1] * BLOCK))
             print(case.row("old: " + launch_name(old), *case.time(**old)), flush=True)
             print(case.row("table: " + launch_name(dataclasses.asdict(decode_launch(nd))), *case.time()), flush=True)
             timed = []
             for p in points:
-                if time.monotonic() > deadline:
-                    print(f"| {nd} | {spec} | budget of {args.budget_s} s spent: the remaining points skipped | | | | |")
+                if time.monotonic() > shape_deadline:
+                    print(f"| {nd} | {spec} | this shape's share of the {args.budget_s} s budget spent: "
+                          f"{len(points) - len(timed)} points skipped | | | | |")
                     break
                 try:
                     us, err = case.time(**p)
