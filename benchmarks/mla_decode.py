@@ -145,7 +145,9 @@ def torch_reference(q_lat, q_pe, kv_cache, block_tables, seq_lens) -> torch.Tens
 
 
 class KernelCase:
-    """One (batch, context) shape: engine-layout queries/outputs and a reference."""
+    """One (batch, context) shape: engine-layout queries/outputs and a reference. Calls pass
+    the block-table width as ``max_seq_len``, as the engine's graph warm-up does, so the eager
+    calls run the kernel variant (split count) that the capture records."""
 
     def __init__(self, nd: int, spec: str, max_model_len: int) -> None:
         self.nd, self.spec = nd, spec
@@ -165,8 +167,8 @@ class KernelCase:
 
         b = self.batch
         return mla_decode_attention(self.q_lat, self.q_pe, b.caches[layer % len(b.caches)], b.block_tables,
-                                    b.seq_lens, SCALE, out=self.out_hnr.transpose(0, 1), max_seq_len=max(b.lens),
-                                    **launch)
+                                    b.seq_lens, SCALE, out=self.out_hnr.transpose(0, 1),
+                                    max_seq_len=b.block_tables.shape[1] * BLOCK, **launch)
 
     def time(self, **launch) -> tuple[float, float]:
         """(us per call in a CUDA graph, max abs error vs the reference)."""
@@ -318,8 +320,10 @@ def decode_meta(batch: DecodeBatch):
     dev = batch.seq_lens.device
     pos = batch.seq_lens.long() - 1
     slots = batch.block_tables.gather(1, (pos // BLOCK)[:, None])[:, 0].long() * BLOCK + pos % BLOCK
+    # max_seq_len: the block-table width, as the engine's capture buffers give it (the eager
+    # warm-up then picks the kernel variants that the capture uses).
     return AttentionMetadata(torch.arange(nd + 1, dtype=torch.int32, device=dev), batch.seq_lens,
-                             batch.seq_lens - 1, batch.block_tables, slots, 1, max(batch.lens),
+                             batch.seq_lens - 1, batch.block_tables, slots, 1, batch.block_tables.shape[1] * BLOCK,
                              list(range(nd + 1)), batch.lens, nd)
 
 
