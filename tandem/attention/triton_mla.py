@@ -86,6 +86,9 @@ class MLADecodeLaunch:
             per head group (the later reads mostly from L2: the groups of a request run
             side by side).
         num_warps, num_stages: Triton launch options.
+        maxnreg: register cap per thread (Triton's ``maxnreg``; 0: ptxas decides).
+            65536 / (128 threads x 168) gives a 4-warp program a third slot per SM where
+            shared memory allows (block_n 16).
     """
 
     max_batch: int
@@ -96,6 +99,7 @@ class MLADecodeLaunch:
     heads_per_program: int
     num_warps: int
     num_stages: int
+    maxnreg: int = 0
 
 
 #: Launch parameters by decode batch size; the first row whose ``max_batch`` covers the
@@ -278,6 +282,7 @@ def mla_decode_attention(
     heads_per_program: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Absorbed-MLA decode attention over the paged latent cache (one query per request).
 
@@ -297,7 +302,7 @@ def mla_decode_attention(
             CUDA-graph capture; ``None``: the block-table width. Under capture the split
             count depends only on ``nd``, ``H`` and the block-table width.
         num_splits, min_tokens_per_split, block_n, block_h, heads_per_program, num_warps,
-            num_stages: launch
+            num_stages, maxnreg: launch
             parameters (see :class:`MLADecodeLaunch`); ``None`` takes them from the row of
             :data:`DECODE_LAUNCH_TABLE` for ``nd`` (the split count then goes through
             :func:`mla_num_splits`; a given ``num_splits`` is used as is).
@@ -377,6 +382,7 @@ def mla_decode_attention(
         PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRET and q_lat.dtype == torch.bfloat16,
         num_warps=num_warps or row.num_warps, num_stages=num_stages or row.num_stages,
+        maxnreg=(row.maxnreg if maxnreg is None else maxnreg) or None,
     )
     if not direct:
         _decode_reduce_kernel[(nd, num_heads)](

@@ -191,6 +191,7 @@ def test_launch_table_rows():
         assert r.num_splits is None or r.num_splits >= 1
         assert r.min_tokens_per_split >= 1 and r.num_warps >= 1 and r.num_stages >= 1
         assert 1 <= r.heads_per_program <= r.block_h
+        assert r.maxnreg == 0 or 64 <= r.maxnreg <= 255
         for v in (r.block_n, r.block_h):
             assert v >= 16 and v & (v - 1) == 0
     assert triton_mla.decode_launch(1) is table[0]
@@ -207,6 +208,12 @@ def test_heads_per_program(num_heads, heads_per_program):
           seed=heads_per_program)
     check([1, 33, 70], num_heads=num_heads, num_splits=3, heads_per_program=heads_per_program, block_n=16,
           seed=num_heads)
+
+
+def test_register_cap_launch():
+    """A register cap is a launch option only: same results."""
+    check([1, 33, 70], num_heads=16, rank=512, rope=64, dtype=torch.bfloat16, num_splits=2, block_n=16, maxnreg=168,
+          seed=9)
 
 
 @pytest.mark.parametrize("min_tokens", [16, 40, 100])
@@ -294,7 +301,10 @@ _COMPILE_SM90 = textwrap.dedent("""
             const = dict(BLOCK_SIZE=16, BLOCK_H=row.block_h, BLOCK_N=row.block_n, KV_RANK=512, ROPE_DIM=64,
                          BLOCK_R=512, BLOCK_P=64, DIRECT=direct, PRECISION="tf32", UPCAST=False)
             types = dict(ptrs, out_ptr="*bf16" if direct else "*fp32", lse_ptr="*fp32")
-            c = compile(_mla_decode_kernel, const, types, dict(num_warps=row.num_warps, num_stages=row.num_stages))
+            options = dict(num_warps=row.num_warps, num_stages=row.num_stages)
+            if row.maxnreg:
+                options["maxnreg"] = row.maxnreg
+            c = compile(_mla_decode_kernel, const, types, options)
             print("decode", row.max_batch, direct, "shared", c.metadata.shared)
     const = dict(BLOCK_N=32, BLOCK_S=4, DIM=512, BLOCK_D=512)
     types = dict(part_out_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", seq_lens_ptr="*i32")
