@@ -250,7 +250,7 @@ def compile_variants(points: list[dict], max_model_len: int) -> list[dict]:
 
 
 def mode_sweep(args) -> None:
-    from tandem.attention.triton_mla import MLADecodeLaunch, decode_launch
+    from tandem.attention.triton_mla import decode_launch
 
     points = compile_variants(sweep_points(args), args.max_model_len)
     print(f"{len(points)} launch points x {len(args.batches) * len(args.contexts)} shapes")
@@ -286,22 +286,30 @@ def mode_sweep(args) -> None:
             results[nd, spec] = timed
             for us, err, p in timed[: args.top]:
                 print(case.row(launch_name(p), us, err), flush=True)
+        print(f"\nbatch {nd}, best over the contexts:\n{best_row(nd, args.contexts, results, points)}\n", flush=True)
     print("\nBest launch per batch over the contexts (geometric mean of us / call); rows for "
           "DECODE_LAUNCH_TABLE in tandem/attention/triton_mla.py (set max_batch to the batch "
           "range each row should serve, the last row's to 1 << 31):\n")
     for nd in args.batches:
-        per_point: dict[str, list[float]] = {}
-        for spec in args.contexts:
-            for us, _, p in results.get((nd, spec), []):
-                per_point.setdefault(launch_name(p), []).append(us)
-        complete = {k: v for k, v in per_point.items() if len(v) == len(args.contexts)}
-        if not complete:
-            print(f"# batch {nd}: no launch ran on every context")
-            continue
-        best = min(complete, key=lambda k: sum(math.log(x) for x in complete[k]))
-        p = next(p for p in points if launch_name(p) == best)
-        times = ", ".join(f"{s}: {t:.1f} us" for s, t in zip(args.contexts, complete[best]))
-        print(f"    {MLADecodeLaunch(max_batch=nd, **p)!r},  # {times}")
+        print(best_row(nd, args.contexts, results, points))
+
+
+def best_row(nd: int, contexts: list[str], results: dict, points: list[dict]) -> str:
+    """The point with the best geometric mean over ``contexts`` at batch ``nd``, as a
+    ``MLADecodeLaunch`` row with its times."""
+    from tandem.attention.triton_mla import MLADecodeLaunch
+
+    per_point: dict[str, list[float]] = {}
+    for spec in contexts:
+        for us, _, p in results.get((nd, spec), []):
+            per_point.setdefault(launch_name(p), []).append(us)
+    complete = {k: v for k, v in per_point.items() if len(v) == len(contexts)}
+    if not complete:
+        return f"    # batch {nd}: no launch ran on every context"
+    best = min(complete, key=lambda k: sum(math.log(x) for x in complete[k]))
+    p = next(p for p in points if launch_name(p) == best)
+    times = ", ".join(f"{s}: {t:.1f} us" for s, t in zip(contexts, complete[best]))
+    return f"    {MLADecodeLaunch(max_batch=nd, **p)!r},  # {times}"
 
 
 # ------------------------------------------------------------------------------ layer
