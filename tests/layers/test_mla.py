@@ -304,8 +304,9 @@ def test_fp8_latent_cache(triton_prefill):
 
 
 def test_model_with_triton_kernels_matches_transformers(triton_prefill_cpu):
-    """Tiny random DeepSeek-V2 with the Triton decode and prefill in every layer:
-    transformers' logits for a ragged prefill, decode steps and a chunked step (fp32, 1e-4)."""
+    """Tiny random DeepSeek-V2 with the Triton decode and prefill and the fused ops (the
+    latent write among them) in every layer: transformers' logits for a ragged prefill,
+    decode steps and a chunked step (fp32, 1e-4)."""
     from tandem.models.registry import get_model_class
 
     cfg = DeepseekV2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -321,7 +322,8 @@ def test_model_with_triton_kernels_matches_transformers(triton_prefill_cpu):
         m.decode_backend = m.prefill_backend = "triton"
     bs = 8
     kv = [torch.zeros(1, 64, bs, 1, 32 + 16) for _ in range(2)]
-    assert_paged_parity(model, ref, cfg.vocab_size, kv, bs, decode_steps=2)
+    with fused_ops.mode("triton"):
+        assert_paged_parity(model, ref, cfg.vocab_size, kv, bs, decode_steps=2)
 
 
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (compiled kernels)")
