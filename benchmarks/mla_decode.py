@@ -362,6 +362,7 @@ def decode_meta(batch: DecodeBatch):
                              list(range(nd + 1)), batch.lens, nd)
 
 
+@torch.inference_mode()  # as the engine runs the model (and the bmm then writes in place)
 def mode_layer(args) -> None:
     from tandem.layers.mla import MLAAttention
     from tandem.layers.rotary import RotaryEmbedding
@@ -390,7 +391,6 @@ def mode_layer(args) -> None:
                      "new": lambda i: layers[i % n](x, positions, batch.caches[i % n], meta)}
             outs = {k: f(0).float() for k, f in paths.items()}
             diff = f'{(outs["new"] - outs["old"]).abs().max().item():.3g} of {outs["old"].abs().max().item():.3g}'
-
             for name, f in paths.items():
                 us = graph_time_us(f, calls=n, profile=f"the {name} layer, batch {nd}, contexts {spec}"
                                    if args.profile else None)
