@@ -12,6 +12,9 @@ TANDEM_LOGGING_LEVEL                unset      log level of the CLI and of spawn
                                                (unset: WARNING; INFO for ``tandem serve``)
 TANDEM_MOE_IMPL                     auto       pins what the MoE expert compute's ``auto`` means
                                                (auto, grouped_mm, padded_bmm, triton, loop)
+TANDEM_MOE_ROUTER                   auto       MoE routing (logits, softmax, top-k): auto (one
+                                               Triton kernel on CUDA, torch on the CPU),
+                                               triton, torch
 TANDEM_FUSED_OPS                    auto       fused norm/activation kernels: auto (Triton on
                                                CUDA tensors), triton, torch
 TANDEM_FP8_FUSED_QUANT              on         FP8 layers with dynamic per-token activation
@@ -49,6 +52,7 @@ from typing import Any
 MOE_IMPLS = ("auto", "grouped_mm", "padded_bmm", "triton", "loop")
 FUSED_OPS_MODES = ("auto", "triton", "torch")
 ON_OFF = ("on", "off")
+MOE_ROUTER_IMPLS = ("auto", "triton", "torch")
 MLA_PREFILL_MODES = ("auto", "triton", "torch")
 
 
@@ -123,6 +127,7 @@ def _path(name: str) -> Callable[[], str | None]:
 _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_LOGGING_LEVEL": _log_level,
     "TANDEM_MOE_IMPL": _choice("TANDEM_MOE_IMPL", "auto", MOE_IMPLS),
+    "TANDEM_MOE_ROUTER": _choice("TANDEM_MOE_ROUTER", "auto", MOE_ROUTER_IMPLS),
     "TANDEM_FUSED_OPS": _choice("TANDEM_FUSED_OPS", "auto", FUSED_OPS_MODES),
     "TANDEM_FP8_FUSED_QUANT": _choice("TANDEM_FP8_FUSED_QUANT", "on", ON_OFF),
     "TANDEM_MLA_PREFILL": _choice("TANDEM_MLA_PREFILL", "auto", MLA_PREFILL_MODES),

@@ -65,7 +65,10 @@ from tandem.triton_utils import dot as _dot
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 SUM_BLOCK = 1024  # columns per program of the k-way reduction
-ALIGN_BLOCK = 1024  # pairs per program of the alignment kernels
+ALIGN_BLOCK = 1024  # pairs per program (per loop step of the single-program kernel) of the alignment
+# Up to this many (token, expert) pairs the alignment is one single-program kernel (decode
+# sizes: DeepSeek-V2-Lite's top-6 at up to 1365 tokens); above it three kernels spread it.
+ALIGN_ONE_PROGRAM_MAX_PAIRS = 8192
 
 # Launch configurations by mean rows per expert (``T*k / E``): (upper bound of the mean,
 # block_m, block_n, block_k, group_m, num_warps, num_stages). BLOCK_M >= 16 (tl.dot's
@@ -273,36 +276,104 @@ def _align_scatter_kernel(
     tl.store(sorted_ids_ptr + row, offs.to(tl.int32), mask=valid)
 
 
+@triton.jit
+def _align_one_program_kernel(
+    ids_ptr,  # [num_pairs] expert ids (-1 = skip)
+    cursor_ptr,  # [num_experts] int32 scratch: next free padded row of each expert
+    sorted_ids_ptr,  # [bound] int32 out
+    tile_experts_ptr,  # [num_tiles] int32 out
+    num_padded_ptr,  # [1] int32 out
+    num_pairs,
+    bound,
+    num_experts,
+    num_tiles,
+    NUM_BINS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # The three kernels above in one program, for decode sizes: the counts stay in
+    # registers (no zeroed buffer), and barriers replace the launch boundaries.
+    bins = tl.arange(0, NUM_BINS)
+    bin_valid = bins < num_experts
+    counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        counts += tl.histogram(tl.where(e >= 0, e, num_experts).to(tl.int32), NUM_BINS)
+    counts = tl.where(bin_valid, counts, 0)
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + bins, ends - padded, mask=bin_valid)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    for t0 in range(0, num_tiles, BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        done = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & bin_valid[None, :]
+        tl.store(tile_experts_ptr + tiles, tl.sum(done.to(tl.int32), 1), mask=tiles < num_tiles)
+    for start in range(0, bound, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(sorted_ids_ptr + offs, tl.full((BLOCK,), 0, tl.int32) + num_pairs, mask=offs < bound)
+    # The cursors and the sentinel rows must be written before any thread scatters.
+    tl.debug_barrier()
+    for start in range(0, num_pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        valid = (offs < num_pairs) & (e >= 0)
+        row = tl.atomic_add(cursor_ptr + tl.where(valid, e, 0), tl.full((BLOCK,), 1, tl.int32), mask=valid)
+        tl.store(sorted_ids_ptr + row, offs.to(tl.int32), mask=valid)
+
+
 # -------------------------------------------------------------------------- alignment
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
                          block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`moe_align_block_size_torch` with three small Triton kernels (count, scan,
-    scatter: 4 launches with the counter memset instead of ~25 torch ops; no host sync).
-    Rows of one expert are in no particular order (atomic slots): each output row only
-    depends on its own input row, so the results are the same."""
-    device = topk_ids.device
+    """:func:`moe_align_block_size_torch` in Triton, no host sync: up to
+    :data:`ALIGN_ONE_PROGRAM_MAX_PAIRS` pairs one single-program launch, above it three
+    kernels (count, scan, scatter) and the counter memset, which spread the pairs over
+    many programs. Rows of one expert are in no particular order (atomic slots): each
+    output row only depends on its own input row, so the results are the same."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     bound = num_pairs + num_experts * (block_m - 1)
-    num_tiles = triton.cdiv(bound, block_m)
+    sorted_ids = torch.empty(bound, dtype=torch.int32, device=flat.device)
+    tile_experts = torch.empty(triton.cdiv(bound, block_m), dtype=torch.int32, device=flat.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
+    align = _align_one_program if num_pairs <= ALIGN_ONE_PROGRAM_MAX_PAIRS else _align_three_kernels
+    align(flat, num_experts, block_m, sorted_ids, tile_experts, num_padded)
+    return sorted_ids, tile_experts, num_padded
+
+
+def _tiles_per_program(num_bins: int) -> int:
+    return max(16, min(128, 8192 // num_bins))
+
+
+def _align_one_program(flat: torch.Tensor, num_experts: int, block_m: int, sorted_ids: torch.Tensor,
+                       tile_experts: torch.Tensor, num_padded: torch.Tensor) -> None:
+    num_bins = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
+    _align_one_program_kernel[(1,)](flat, cursor, sorted_ids, tile_experts, num_padded, flat.numel(),
+                                    sorted_ids.numel(), num_experts, tile_experts.numel(), NUM_BINS=num_bins,
+                                    BLOCK_M=block_m, BLOCK=ALIGN_BLOCK, BLOCK_T=_tiles_per_program(num_bins),
+                                    num_warps=8)
+
+
+def _align_three_kernels(flat: torch.Tensor, num_experts: int, block_m: int, sorted_ids: torch.Tensor,
+                         tile_experts: torch.Tensor, num_padded: torch.Tensor) -> None:
+    device = flat.device
+    num_pairs, bound, num_tiles = flat.numel(), sorted_ids.numel(), tile_experts.numel()
     num_bins = triton.next_power_of_2(num_experts + 1)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    sorted_ids = torch.empty(bound, dtype=torch.int32, device=device)
-    tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
     _align_count_kernel[(triton.cdiv(bound, ALIGN_BLOCK),)](flat, counts, sorted_ids, num_pairs, bound, num_experts,
                                                             NUM_BINS=num_bins, BLOCK=ALIGN_BLOCK)
-    block_t = max(16, min(128, 8192 // num_bins))
+    block_t = _tiles_per_program(num_bins)
     _align_offsets_kernel[(triton.cdiv(num_tiles, block_t),)](counts, cursor, tile_experts, num_padded, num_experts,
                                                               num_tiles, NUM_BINS=num_bins, BLOCK_M=block_m,
                                                               BLOCK_T=block_t)
     if num_pairs:
         _align_scatter_kernel[(triton.cdiv(num_pairs, ALIGN_BLOCK),)](flat, cursor, sorted_ids, num_pairs,
                                                                       BLOCK=ALIGN_BLOCK)
-    return sorted_ids, tile_experts, num_padded
 
 
 def moe_align_block_size_torch(topk_ids: torch.Tensor, num_experts: int,

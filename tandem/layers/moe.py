@@ -108,9 +108,15 @@ class TopKRouter(nn.Module):
 
     ``forward(x [T, H]) -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)``.
 
+    On CUDA the whole routing runs as one Triton kernel
+    (:func:`tandem.layers.fused_router.fused_router`, same semantics; ties in the top-k go
+    to the lowest expert index, as CUDA ``torch.topk`` does); on the CPU the torch code
+    below runs. ``$TANDEM_MOE_ROUTER`` (``auto``, ``triton``, ``torch``) pins the choice.
+
     Args:
         method: ``"softmax_topk"`` (Mixtral, Qwen3-MoE) or ``"deepseek_v2"``.
-        fp32_logits: compute the logits in fp32 (DeepSeek) instead of the model dtype.
+        fp32_logits: compute the logits in fp32 with an fp32 ``weight`` (DeepSeek: as
+            transformers, which keeps ``gate.weight`` in fp32), instead of the model dtype.
         renormalize: softmax_topk's renormalisation / DeepSeek's ``norm_topk_prob``.
     """
 
@@ -123,17 +129,43 @@ class TopKRouter(nn.Module):
             raise ValueError(f"unknown routing method {method!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        if method == "deepseek_v2" and topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"unknown DeepSeek topk_method {topk_method!r} (greedy, group_limited_greedy)")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size,
+                                               dtype=torch.float32 if fp32_logits else None))
         self.top_k, self.method, self.renormalize, self.fp32_logits = top_k, method, renormalize, fp32_logits
         self.topk_method, self.n_group, self.topk_group = topk_method, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
 
+    def _use_triton(self, x: torch.Tensor) -> bool:
+        impl = envs.TANDEM_MOE_ROUTER
+        if impl == "auto":
+            return x.is_cuda and _triton_available()
+        return impl == "triton"
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._use_triton(x):
+            return self._forward_triton(x)
         logits = F.linear(x.float(), self.weight.float()) if self.fp32_logits else F.linear(x, self.weight)
         if self.method == "softmax_topk":
             return softmax_topk(logits, self.top_k, self.renormalize)
         return deepseek_v2_topk(logits, self.top_k, self.topk_method, self.n_group, self.topk_group,
                                 self.routed_scaling_factor, self.renormalize)
+
+    def _forward_triton(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from tandem.layers.fused_router import fused_router  # lazy: Triton is optional
+
+        if self.method == "softmax_topk":
+            return fused_router(x, self.weight, self.top_k, round_logits=not self.fp32_logits,
+                                renormalize=self.renormalize)
+        grouped = self.topk_method == "group_limited_greedy"
+        if grouped and (not self.n_group or not self.topk_group):
+            raise ValueError(f"group_limited_greedy needs n_group and topk_group; got n_group={self.n_group}, "
+                             f"topk_group={self.topk_group}")
+        return fused_router(x, self.weight, self.top_k, round_logits=not self.fp32_logits,
+                            renormalize=self.renormalize and self.top_k > 1, renorm_eps=1e-20,
+                            scale=self.routed_scaling_factor, n_group=self.n_group if grouped else 0,
+                            topk_group=self.topk_group if grouped else 0)
 
 
 # ------------------------------------------------------------------------ expert compute

@@ -10,13 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.layers.fused_moe_triton import (
+from tests.triton_interpreter import triton_test_setup
+
+triton_test_setup("tandem.layers.fused_moe_triton")
+
+from tandem.layers.fused_moe_triton import (  # noqa: E402
     default_config,
     fused_experts_triton,
     moe_align_block_size,
     moe_align_block_size_torch,
 )
-from tandem.layers.moe import _resolve_impl, grouped_experts, reference_experts
+from tandem.layers.moe import _resolve_impl, grouped_experts, reference_experts  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,10 +100,15 @@ def test_align_block_size():
     assert tile_experts.tolist() == [0, 1, 2, 4, 4]
 
 
+@pytest.mark.parametrize("one_program", [True, False], ids=["one_program", "three_kernels"])
 @pytest.mark.parametrize("n,e,k,block_m", [(4, 4, 2, 4), (50, 8, 3, 16), (300, 64, 6, 16), (700, 5, 2, 32), (0, 4, 2, 16)])
-def test_align_kernels_match_torch(n, e, k, block_m):
+def test_align_kernels_match_torch(n, e, k, block_m, one_program, monkeypatch):
     """The Triton alignment == the torch one up to the order of the rows inside an expert's
-    group (the kernel places rows with atomics: a row may land in any tile of its expert)."""
+    group (the kernel places rows with atomics: a row may land in any tile of its expert).
+    Both launch paths; (300, 64, 6) spans two loop steps of the single program."""
+    import tandem.layers.fused_moe_triton as fmt
+
+    monkeypatch.setattr(fmt, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 10**9 if one_program else 0)
     g = torch.Generator(device=DEV).manual_seed(n + e)
     ids = torch.rand(n, e, generator=g, device=DEV).topk(k, dim=-1).indices
     ids[::3, 0] = -1
