@@ -194,10 +194,13 @@ def _moe_sum_kernel(
     y_ptr,  # [T*k, H] weighted expert outputs (rows of invalid pairs: garbage, never read)
     ids_ptr,  # [T*k] expert ids (-1 = skip)
     out_ptr,  # [T, H]
+    addend_ptr,  # [T, H] added to the rounded sum (read iff HAS_ADDEND)
     H,
     stride_ym,
     stride_om,
+    stride_am,
     TOP_K: tl.constexpr,
+    HAS_ADDEND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -208,7 +211,12 @@ def _moe_sum_kernel(
         eid = tl.load(ids_ptr + tok * TOP_K + j)
         y = tl.load(y_ptr + (tok * TOP_K + j) * stride_ym + cols, mask=col_valid & (eid >= 0), other=0.0)
         acc += y.to(tl.float32)
-    tl.store(out_ptr + tok * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_valid)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_ADDEND:
+        # ``routed + addend`` in the storage dtype, as torch adds the two tensors.
+        a = tl.load(addend_ptr + tok * stride_am + cols, mask=col_valid, other=0.0)
+        out = (out.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tok * stride_om + cols, out, mask=col_valid)
 
 
 @triton.jit
@@ -445,7 +453,8 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_w: torch.Tenso
 def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                          w2: torch.Tensor, *, block_m: int | None = None, block_n: int | None = None,
                          block_k: int | None = None, group_m: int | None = None, num_warps: int | None = None,
-                         num_stages: int | None = None, scales=None) -> torch.Tensor:
+                         num_stages: int | None = None, scales=None,
+                         addend: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU experts with the fused-MoE Triton kernel (contract of
     :func:`tandem.layers.moe.grouped_experts`).
 
@@ -464,10 +473,14 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
             (W8A16: weight tiles are converted to ``x.dtype`` in the kernel; per-channel
             scales multiply the accumulator in the epilogue, block scales each K tile's
             product, so ``block_k`` is capped at the scale block's ``bk``).
+        addend: optional ``[T, H]`` tensor in ``x.dtype`` (unit stride along ``H``; the
+            shared experts' output) added in the reduction kernel: the result is
+            ``routed + addend`` rounded as the two tensors' torch sum.
 
     Returns:
         ``[T, H]`` in ``x.dtype``: ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over the
-        valid slots (zeros for a token with none); the ``k`` terms are summed in fp32.
+        valid slots (zeros for a token with none), plus ``addend``; the ``k`` terms are
+        summed in fp32.
 
     Raises:
         ValueError: unsupported dtype, shape mismatch, bad tile sizes, or CPU tensors
@@ -503,9 +516,13 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
             raise ValueError(f"fused_experts_triton: {name}={v} must be a power of two >= 16")
     if cfg["group_m"] < 1:
         raise ValueError(f"fused_experts_triton: group_m={cfg['group_m']} must be >= 1")
+    if addend is not None and (addend.shape != (num_tokens, hidden) or addend.dtype != x.dtype
+                               or (hidden and addend.stride(1) != 1)):
+        raise ValueError(f"fused_experts_triton: addend {tuple(addend.shape)} {addend.dtype} vs x "
+                         f"{tuple(x.shape)} {x.dtype} (unit stride along H)")
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_pairs == 0 or hidden == 0:
-        return out.zero_()
+        return out.zero_() if addend is None else out.copy_(addend)
     x = x if x.stride(-1) == 1 else x.contiguous()
     sorted_ids, tile_experts, num_padded = moe_align_block_size(topk_ids, num_experts, cfg["block_m"])
     # Rows of invalid pairs stay unwritten (torch.empty): never read as GEMM inputs of a
@@ -521,6 +538,7 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     ids_flat = topk_ids.reshape(-1).contiguous()
     block = min(SUM_BLOCK, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y, ids_flat, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+        y, ids_flat, out, addend if addend is not None else out, hidden, y.stride(0), out.stride(0),
+        addend.stride(0) if addend is not None else 0, TOP_K=top_k, HAS_ADDEND=addend is not None, BLOCK=block,
         num_warps=max(1, min(4, block // 256)))
     return out

@@ -305,7 +305,8 @@ class ExpertScales:
 
 
 def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor, impl: str = "auto", scales: ExpertScales | None = None) -> torch.Tensor:
+                    w2: torch.Tensor, impl: str = "auto", scales: ExpertScales | None = None,
+                    addend: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU experts over sorted (token, expert) pairs with grouped GEMMs.
 
     Args:
@@ -321,11 +322,14 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
             in ``x.dtype``). ``triton`` converts the FP8 weight tiles in the kernel and
             applies the scales there (per-channel in the epilogue, block-wise per K tile);
             the other implementations dequantize the local experts' weights per call.
+        addend: optional ``[N, H]`` in ``x.dtype`` added to the result (``routed + addend``
+            in ``x.dtype``; ``triton`` adds it inside its reduction kernel).
 
     Returns:
         ``[N, H]`` in ``x.dtype``: ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over
-        the valid slots ``j`` (zeros for a token with none). The weighting is done in
-        fp32 and the ``k`` contributions are summed in ``x.dtype`` (in fp32 by ``triton``).
+        the valid slots ``j`` (zeros for a token with none), plus ``addend``. The weighting
+        is done in fp32 and the ``k`` contributions are summed in ``x.dtype`` (in fp32 by
+        ``triton``).
 
     Raises:
         ValueError: unknown ``impl``.
@@ -334,12 +338,20 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     if scales is not None and impl != "triton":
         w13, w2 = (dequantize_weight(w13, scales.w13, scales.block, x.dtype),
                    dequantize_weight(w2, scales.w2, scales.block, x.dtype))
-    if impl == "loop":
-        return reference_experts(x, topk_ids, topk_weights, w13, w2)
     if impl == "triton":
         from tandem.layers.fused_moe_triton import fused_experts_triton  # lazy: Triton is optional
 
-        return fused_experts_triton(x, topk_ids, topk_weights, w13, w2, scales=scales)
+        return fused_experts_triton(x, topk_ids, topk_weights, w13, w2, scales=scales, addend=addend)
+    if impl == "loop":
+        out = reference_experts(x, topk_ids, topk_weights, w13, w2)
+    else:
+        out = _grouped_rows(x, topk_ids, topk_weights, w13, w2, impl)
+    return out if addend is None else out + addend
+
+
+def _grouped_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, impl: str) -> torch.Tensor:
+    """:func:`grouped_experts` with ``grouped_mm`` / ``padded_bmm`` (no addend)."""
     n, k = topk_ids.shape
     s = sort_by_expert(topk_ids, w13.shape[0])
     xs = x[s.token_idx]  # [N*k, H]
@@ -382,9 +394,11 @@ class FusedMoE(nn.Module):
     checkpoint (:meth:`create_fp8_weights`, :meth:`load_expert_scale`) or quantized per
     output channel after loading (:meth:`finish_fp8_weights`).
 
-    ``forward(hidden [T, H], topk_ids [T, k] global ids int64, topk_weights [T, k] fp32)
-    -> [T, H]``. :meth:`forward_steps` is the same computation as a generator that yields
-    right after each launch half (``"dispatch"``, ``"combine"``), for dual-batch overlap.
+    ``forward(hidden [T, H], topk_ids [T, k] global ids int64, topk_weights [T, k] fp32,
+    addend [T, H] | None) -> [T, H]``; ``addend`` (the shared experts' output, allowed iff
+    :attr:`fuses_addend`) is added inside the expert compute's reduction.
+    :meth:`forward_steps` is the same computation as a generator that yields right after
+    each launch half (``"dispatch"``, ``"combine"``), for dual-batch overlap.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
@@ -400,11 +414,18 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e_local, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(e_local, hidden_size, intermediate_size))
 
-    def expert_compute(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    @property
+    def fuses_addend(self) -> bool:
+        """Whether :meth:`forward_steps` takes an ``addend``: the tokens stay on this rank
+        (``local`` backend), so the expert compute's output is the layer's."""
+        return isinstance(self.all2all, LocalAll2All)
+
+    def expert_compute(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
+                       addend: torch.Tensor | None = None) -> torch.Tensor:
         scales = None
         if self.w13.dtype == FP8_DTYPE:
             scales = ExpertScales(self.w13_weight_scale, self.w2_weight_scale, self.weight_block)
-        return grouped_experts(x, local_ids, weights, self.w13, self.w2, self.impl, scales)
+        return grouped_experts(x, local_ids, weights, self.w13, self.w2, self.impl, scales, addend)
 
     # ------------------------------------------------------------------- FP8
     weight_block: tuple[int, int] | None = None
@@ -500,18 +521,21 @@ class FusedMoE(nn.Module):
             setattr(self, pname, nn.Parameter(q, requires_grad=False))
             setattr(self, f"{pname}_weight_scale", nn.Parameter(scale, requires_grad=False))
 
-    def forward_steps(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor) -> Generator[str, None, torch.Tensor]:
+    def forward_steps(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      addend: torch.Tensor | None = None) -> Generator[str, None, torch.Tensor]:
+        if addend is not None and not self.fuses_addend:
+            raise ValueError(f"{type(self).__name__} with the {self.all2all.name!r} backend takes no addend")
         handle = self.all2all.dispatch_launch(hidden, topk_ids, topk_weights)
         yield "dispatch"
         x, ids, w, meta = self.all2all.dispatch_wait(handle)
-        out = self.expert_compute(x, ids, w)
+        out = self.expert_compute(x, ids, w, addend)
         handle = self.all2all.combine_launch(out, meta)
         yield "combine"
         return self.all2all.combine_wait(handle)
 
-    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return drain(self.forward_steps(hidden, topk_ids, topk_weights))
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                addend: torch.Tensor | None = None) -> torch.Tensor:
+        return drain(self.forward_steps(hidden, topk_ids, topk_weights, addend))
 
     # -------------------------------------------------------------- weight loading
     def load_fused(self, which: str, tensor: torch.Tensor) -> None:
@@ -575,8 +599,12 @@ class SparseMoeBlock(nn.Module):
 
     def forward_steps(self, x: torch.Tensor) -> Generator[str, None, torch.Tensor]:
         """The block as a generator yielding at the experts' communication points; the
-        shared experts run while the dispatch is in flight."""
+        shared experts run while the dispatch is in flight, or, when there is no exchange
+        (``experts.fuses_addend``), first, their output added in the routed experts'
+        reduction (one kernel less)."""
         topk_ids, topk_weights = self.gate(x)
+        if self.shared_experts is not None and self.experts.fuses_addend:
+            return (yield from self.experts.forward_steps(x, topk_ids, topk_weights, self.shared_experts(x)))
         steps = self.experts.forward_steps(x, topk_ids, topk_weights)
         yield next(steps)  # dispatch launched
         shared = self.shared_experts(x) if self.shared_experts is not None else None

@@ -100,9 +100,14 @@ class ParallelFusedMoE(FusedMoE):
         return super().load_expert(which, expert, tensor, shard)
 
     # ------------------------------------------------------------------ forward
-    def forward_steps(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor) -> Generator[str, None, torch.Tensor]:
-        out = yield from super().forward_steps(hidden, topk_ids, topk_weights)
+    @property
+    def fuses_addend(self) -> bool:
+        """No addend under TP: the experts' partial sums are all-reduced afterwards."""
+        return super().fuses_addend and self.tp_size == 1
+
+    def forward_steps(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      addend: torch.Tensor | None = None) -> Generator[str, None, torch.Tensor]:
+        out = yield from super().forward_steps(hidden, topk_ids, topk_weights, addend)
         if self.tp_size > 1:
             out = ps.tp_all_reduce(out)
         return out

@@ -125,9 +125,16 @@ def _expert_keys(prefix: str, mod: FusedMoE, which: str) -> set[str]:
 
 
 class MoEDecoderLayer(nn.Module):
-    """Pre-norm decoder layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; ``mlp`` is a
+    """Pre-norm layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; ``mlp`` is a
     :class:`SparseMoeBlock` or a dense :class:`MLP`, ``self_attn`` any attention module
-    with ``forward(x, positions, kv_cache, meta)``."""
+    with ``forward(x, positions, kv_cache, meta)``.
+
+    The residual stream is carried separately, as in :class:`tandem.models.llama.DecoderLayer`
+    (vLLM's layout), so that each residual add runs inside the following RMSNorm's kernel:
+    ``forward(hidden, residual, ...) -> (hidden, residual)`` with ``residual=None`` for the
+    first layer; the layer's output ``x + attn(...) + mlp(...)`` is ``hidden + residual``,
+    each add rounded to the model dtype in the same order as the unfused layer.
+    """
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -136,18 +143,25 @@ class MoEDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
-    def forward_steps(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                      meta: AttentionMetadata) -> Generator[str, None, torch.Tensor]:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, SparseMoeBlock):
-            out = yield from self.mlp.forward_steps(h)
+    def forward_steps(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      kv_cache: torch.Tensor,
+                      meta: AttentionMetadata) -> Generator[str, None, tuple[torch.Tensor, torch.Tensor]]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
         else:
-            out = self.mlp(h)
-        return x + out
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if isinstance(self.mlp, SparseMoeBlock):
+            hidden = yield from self.mlp.forward_steps(hidden)
+        else:
+            hidden = self.mlp(hidden)
+        return hidden, residual
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return drain(self.forward_steps(x, positions, kv_cache, meta))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        return drain(self.forward_steps(hidden, residual, positions, kv_cache, meta))
 
 
 class MoECausalLM(nn.Module):
@@ -171,10 +185,12 @@ class MoECausalLM(nn.Module):
                       meta: AttentionMetadata) -> Generator[str, None, torch.Tensor]:
         """The forward as a generator that yields at every MoE layer's dispatch and combine
         launch, for dual-batch overlap (``tandem.worker.ubatching.run_ubatches``)."""
-        x = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer, cache in zip(self.layers, kv_caches):
-            x = yield from layer.forward_steps(x, positions, cache, meta)
-        return self.norm(x)
+            hidden, residual = yield from layer.forward_steps(hidden, residual, positions, cache, meta)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         return drain(self.forward_steps(input_ids, positions, kv_caches, meta))
