@@ -12,7 +12,7 @@ import torch
 
 from tests.triton_interpreter import triton_test_setup
 
-triton_test_setup("tandem.layers.fused_moe_triton")
+triton_test_setup("tandem.layers.fused_moe_triton", bf16_rounding=True)
 
 from tandem.layers.fused_moe_triton import (  # noqa: E402
     default_config,
@@ -79,6 +79,21 @@ def test_invalid_slots_and_empty_input():
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     assert torch.equal(fused_experts_triton(x, torch.full_like(ids, -1), w, w13, w2), torch.zeros_like(x))
     assert fused_experts_triton(x[:0], ids[:0], w[:0], w13, w2).shape == (0, 16)
+
+
+def test_addend_added_in_the_reduction():
+    """The shared experts' output added in the reduction kernel == routed + addend in torch
+    (bit for bit: the routed sum is rounded first, then added as torch adds two tensors);
+    no valid slot or no token: the addend itself."""
+    x, ids, w, w13, w2 = _case(19, 8, 3, 48, 40, torch.bfloat16, seed=9)
+    ids[::4, 0] = -1
+    add = torch.randn(19, 48, device=DEV).bfloat16()
+    plain = fused_experts_triton(x, ids, w, w13, w2)
+    assert torch.equal(fused_experts_triton(x, ids, w, w13, w2, addend=add), plain + add)
+    assert torch.equal(fused_experts_triton(x, torch.full_like(ids, -1), w, w13, w2, addend=add), add)
+    assert fused_experts_triton(x[:0], ids[:0], w[:0], w13, w2, addend=add[:0]).shape == (0, 48)
+    with pytest.raises(ValueError, match="addend"):
+        fused_experts_triton(x, ids, w, w13, w2, addend=add[:, :40])
 
 
 def test_bf16_and_fp16_close_to_reference():

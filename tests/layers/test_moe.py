@@ -204,6 +204,44 @@ def test_fused_moe_through_backend(backend):
         assert a2a.measured()[0][3] is None  # no CUDA timing on the CPU
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "padded_bmm", "loop"])
+def test_grouped_experts_addend(impl):
+    gen = torch.Generator().manual_seed(4)
+    w13, w2 = _weights(6, 32, 24, gen)
+    x = torch.randn(9, 32, generator=gen).bfloat16()
+    ids, w = softmax_topk(torch.randn(9, 6, generator=gen), 2, True)
+    add = torch.randn(9, 32, generator=gen).bfloat16()
+    plain = grouped_experts(x, ids, w, w13.bfloat16(), w2.bfloat16(), impl=impl)
+    assert torch.equal(grouped_experts(x, ids, w, w13.bfloat16(), w2.bfloat16(), impl=impl, addend=add), plain + add)
+
+
+def test_shared_experts_fused_only_without_exchange():
+    """SparseMoeBlock adds the shared experts' output in the routed experts' compute when
+    the tokens stay local (same result as routed + shared); an exchange (simulated EP) or
+    TP keeps the add after the combine / all-reduce."""
+    from tandem.layers.moe import SparseMoeBlock
+    from tandem.layers.parallel_moe import ParallelFusedMoE
+    from tandem.models.llama import MLP
+
+    torch.manual_seed(0)
+    x = torch.randn(10, 32)
+    for backend, fused in (("local", True), ("simulated", False)):
+        a2a = get_all2all_backend(backend, 8, **({"link": LinkModel(ep_size=4)} if backend == "simulated" else {}))
+        block = SparseMoeBlock(TopKRouter(32, 8, 2, renormalize=True), FusedMoE(8, 2, 32, 16, all2all=a2a), MLP(32, 24))
+        for p in block.parameters():
+            torch.nn.init.normal_(p, 0, 0.2)
+        assert block.experts.fuses_addend == fused
+        with torch.no_grad():
+            ids, w = block.gate(x)
+            want = block.experts(x, ids, w) + block.shared_experts(x)
+            torch.testing.assert_close(block(x), want, atol=1e-6, rtol=1e-6)
+        if not fused:
+            with pytest.raises(ValueError, match="addend"):
+                block.experts(x, ids, w, addend=x)
+    assert not ParallelFusedMoE(8, 2, 32, 16, tp_size=2, tp_rank=0).fuses_addend
+    assert ParallelFusedMoE(8, 2, 32, 16, tp_size=1, tp_rank=0).fuses_addend
+
+
 def test_simulated_rank_experts_compute_one_ranks_share():
     """rank_experts: the layer holds E / ep_size experts and runs every routed pair on
     expert ``id % (E / ep_size)``, the load of one rank when all ranks route alike."""
