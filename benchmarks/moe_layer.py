@@ -16,10 +16,12 @@ the next layer's fused RMSNorm) with the same weights:
 
 Prints per token count the median ms of each variant (CUDA-graph replays on CUDA, as the
 decode step runs), the speed-up, the GPU kernels one forward launches (torch.profiler, an
-eager call) and the max abs difference of the two outputs.
+eager call) and the max abs difference of the two outputs. ``--parts`` also times the
+pieces alone: the routing (torch vs the kernel) and the alignment (three kernels vs one
+program, to place ``fused_moe_triton.ALIGN_ONE_PROGRAM_MAX_PAIRS``).
 
     python benchmarks/moe_layer.py                          # DeepSeek-V2-Lite shape, 256 and 1024 tokens (CUDA)
-    python benchmarks/moe_layer.py --tokens 64 256 1024 --list-kernels
+    python benchmarks/moe_layer.py --tokens 64 256 1024 4096 --parts --list-kernels
     python benchmarks/moe_layer.py --preset small           # CPU (kernels in the Triton interpreter)
 """
 
@@ -149,6 +151,36 @@ def gpu_kernels(fn: Callable[[], object]) -> collections.Counter:
     return collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def time_parts(block, old_router, x: torch.Tensor, iters: int, device: torch.device, graph: bool) -> str:
+    """One table row: routing torch / kernel, alignment three kernels / one program (ms)."""
+    import tandem.layers.fused_moe_triton as fmt
+
+    def routing(router, impl):
+        def run():
+            os.environ["TANDEM_MOE_ROUTER"] = impl
+            try:
+                return router(x)
+            finally:
+                os.environ.pop("TANDEM_MOE_ROUTER")
+        return run
+
+    ids, _ = block.gate(x)
+    block_m = fmt.default_config(ids.numel(), block.experts.w13.shape[0])["block_m"]
+
+    def align(one_program):
+        def run():
+            prev, fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS = fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS, 10**12 if one_program else 0
+            try:
+                return fmt.moe_align_block_size(ids, block.experts.w13.shape[0], block_m)
+            finally:
+                fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS = prev
+        return run
+
+    ms = [_time(fn, iters, device, graph) for fn in (routing(old_router, "torch"), routing(block.gate, "triton"),
+                                                      align(False), align(True))]
+    return " | ".join(f"{m:.4f}" for m in ms)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -158,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--no-graph", action="store_true", help="time eager calls on CUDA")
     ap.add_argument("--list-kernels", action="store_true", help="print each variant's GPU kernels (CUDA)")
+    ap.add_argument("--parts", action="store_true", help="also time the routing and the alignment alone")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -210,6 +243,13 @@ def main(argv: list[str] | None = None) -> None:
                     counts[n] = str(sum(listing[(t, n)].values()))
             print(f"| {t} | {ms['unfused']:.4f} | {ms['fused']:.4f} | {ms['unfused'] / ms['fused']:.2f}x | "
                   f"{counts['unfused']} | {counts['fused']} | {diff:.3g} |")
+    if args.parts:
+        print("\n| tokens | routing torch ms | routing kernel ms | align 3 kernels ms | align 1 program ms |")
+        print("|---|---|---|---|---|")
+        with torch.no_grad():
+            for t in tokens:
+                x = torch.randn(t, h, device=device).to(dtype)
+                print(f"| {t} | {time_parts(block, old_router, x, iters, device, graph)} |")
     if args.list_kernels:
         for (t, n), c in listing.items():
             print(f"\n## {n}, {t} tokens: {sum(c.values())} kernels")

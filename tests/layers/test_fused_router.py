@@ -2,7 +2,8 @@
 tandem.layers.moe (softmax_topk, deepseek_v2_topk), ties to the lowest expert index.
 
 On the CPU the kernel runs in the Triton interpreter; the sm90 test compiles it (and the
-single-program MoE alignment kernel) for an H100/H200 without a GPU.
+fused-MoE kernels changed with it: single-program alignment, reduction with the shared
+experts' addend) for an H100/H200 without a GPU.
 """
 
 from __future__ import annotations
@@ -173,12 +174,15 @@ _COMPILE_SM90 = textwrap.dedent("""
     types = dict(ids_ptr="*i64", cursor_ptr="*i32", sorted_ids_ptr="*i32", tile_experts_ptr="*i32",
                  num_padded_ptr="*i32")
     compile(fmt._align_one_program_kernel, const, types, 8)
+    types = dict(y_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16", addend_ptr="*bf16")
+    compile(fmt._moe_sum_kernel, dict(TOP_K=6, HAS_ADDEND=True, BLOCK=fmt.SUM_BLOCK), types, 4)
 """)
 
 
 def test_compiles_for_sm90():
-    """The interpreter accepts what the compiler may not: compile the router and the
-    single-program alignment kernels for an H100/H200 in a process without the interpreter."""
+    """The interpreter accepts what the compiler may not: compile the router, the
+    single-program alignment and the reduction-with-addend kernels for an H100/H200 in a
+    process without the interpreter."""
     try:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError:
@@ -188,4 +192,4 @@ def test_compiles_for_sm90():
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert res.stdout.count("compiled") == 4
+    assert res.stdout.count("compiled") == 5
