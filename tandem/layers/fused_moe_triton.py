@@ -10,12 +10,14 @@ layer). The design follows the well-known "fused MoE" kernel of vLLM / SGLang:
    the sentinel ``T*k`` in padding rows), ``tile_experts`` (expert of every ``BLOCK_M``
    tile) and ``num_padded`` (a one-element device tensor: rows actually used). Its length
    is the static bound ``T*k + E*(BLOCK_M-1)``, so every shape is a function of ``(T, k,
-   E, BLOCK_M)``: the whole path can be captured in a CUDA graph. Three small kernels do
-   it (histogram with atomics + sentinel fill; scan of the padded group sizes + expert of
-   every tile; scatter of the pair ids through atomic per-expert cursors, so the order
-   inside a group is arbitrary, which no output depends on);
-   :func:`moe_align_block_size_torch` is the same in ~25 torch ops (stable order; the
-   tests' reference).
+   E, BLOCK_M)``: the whole path can be captured in a CUDA graph. Up to
+   :data:`ALIGN_ONE_PROGRAM_MAX_PAIRS` pairs (decode) one single-program kernel does it
+   (histogram in registers, scan of the padded group sizes, expert of every tile, sentinel
+   fill, then the scatter of the pair ids through atomic per-expert cursors); above, three
+   kernels spread the same steps over many programs (histogram with atomics into a zeroed
+   counter + sentinel fill; scan + expert of every tile; scatter). The order inside a
+   group is arbitrary, which no output depends on; :func:`moe_align_block_size_torch` is
+   the same in ~25 torch ops (stable order; the tests' reference).
 2. **GEMM** (``_fused_moe_gemm_kernel``), launched twice: each program takes one
    ``BLOCK_M`` tile of one expert and one ``BLOCK_N`` tile of the output columns, gathers
    its rows of ``A`` through ``sorted_ids`` (``row = pair // A_ROW_DIV``: the token for the
@@ -31,7 +33,9 @@ layer). The design follows the well-known "fused MoE" kernel of vLLM / SGLang:
      epilogue).
 3. **Reduction** (``_moe_sum_kernel``): ``out[t] = sum_j y[t*k + j]`` over the slots with a
    valid expert id, in fp32, one program per (token, column tile); no atomics and no
-   zero-fill of ``y`` (rows of pairs with id ``-1`` are never written nor read).
+   zero-fill of ``y`` (rows of pairs with id ``-1`` are never written nor read). An
+   optional ``addend`` (DeepSeek's shared experts' output) is added to the rounded sum in
+   the same kernel.
 
 Pairs whose local expert id is ``-1`` (expert owned by another rank, see
 :mod:`tandem.distributed.all2all`) get no row in ``sorted_ids`` and contribute nothing; a

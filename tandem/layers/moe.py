@@ -10,6 +10,10 @@ Routing (top-k gating, Shazeer et al. 2017) gives every token ``k`` experts and 
   best score, then top-k inside them); optional renormalisation (``norm_topk_prob``), then
   ``routed_scaling_factor`` — :func:`deepseek_v2_topk`.
 
+On CUDA :class:`TopKRouter` runs the routing (with the logits GEMM) as one Triton kernel,
+:func:`tandem.layers.fused_router.fused_router`; the torch functions are the CPU path and
+the reference (``$TANDEM_MOE_ROUTER`` pins one).
+
 Expert compute (:func:`grouped_experts`): the ``T*k`` (token, expert) pairs are sorted by
 expert (a stable argsort of the flattened expert ids), each expert's rows are contiguous
 (``offsets``), and the two SwiGLU GEMMs run as *grouped* GEMMs over those row groups —
