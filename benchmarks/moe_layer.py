@@ -7,18 +7,21 @@ the next layer's fused RMSNorm) with the same weights:
 
 * ``unfused``: residual add, RMSNorm, torch routing with the router weight in the model
   dtype (casts of ``x`` and of the weight to fp32, fp32 GEMM, softmax, top-k, the scaling),
-  the fused-MoE kernels with the three-kernel alignment (and its memset), the shared
-  experts, their add, the residual add (``$TANDEM_MOE_ROUTER=torch``,
-  ``ALIGN_ONE_PROGRAM_MAX_PAIRS = 0`` while it runs).
+  the fused-MoE kernels with the three-kernel alignment (and its memset) and SiLU-and-mul
+  as its own kernel between the GEMMs, the shared experts, their add, the residual add
+  (``$TANDEM_MOE_ROUTER=torch``, ``ALIGN_ONE_PROGRAM_MAX_PAIRS = 0``, ``FUSE_SILU_MUL =
+  False`` while it runs).
 * ``fused``: the residual add inside the RMSNorm kernel, the routing kernel
   (:mod:`tandem.layers.fused_router`, fp32 router weight), the single-program alignment,
-  the shared experts' output added in the MoE reduction kernel.
+  SiLU-and-mul in the first expert GEMM's epilogue, the shared experts' output added in
+  the MoE reduction kernel.
 
 Prints per token count the median ms of each variant (CUDA-graph replays on CUDA, as the
 decode step runs), the speed-up, the GPU kernels one forward launches (torch.profiler, an
 eager call) and the max abs difference of the two outputs. ``--parts`` also times the
-pieces alone: the routing (torch vs the kernel) and the alignment (three kernels vs one
-program, to place ``fused_moe_triton.ALIGN_ONE_PROGRAM_MAX_PAIRS``).
+pieces alone: the routing (torch vs the kernel), the alignment (three kernels vs one
+program, to place ``fused_moe_triton.ALIGN_ONE_PROGRAM_MAX_PAIRS``) and the routed experts
+with SiLU-and-mul as its own kernel vs in the GEMM's epilogue (``FUSE_SILU_MUL``).
 
     python benchmarks/moe_layer.py                          # DeepSeek-V2-Lite shape, 256 and 1024 tokens (CUDA)
     python benchmarks/moe_layer.py --tokens 64 256 1024 4096 --parts --list-kernels
@@ -51,12 +54,12 @@ def _old_path() -> Iterator[None]:
     code only runs at capture: the graph replays what was chosen then)."""
     import tandem.layers.fused_moe_triton as fmt
 
-    prev_env, prev_max = os.environ.get("TANDEM_MOE_ROUTER"), fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS
-    os.environ["TANDEM_MOE_ROUTER"], fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS = "torch", 0
+    prev_env, prev_max, prev_silu = os.environ.get("TANDEM_MOE_ROUTER"), fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS, fmt.FUSE_SILU_MUL
+    os.environ["TANDEM_MOE_ROUTER"], fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS, fmt.FUSE_SILU_MUL = "torch", 0, False
     try:
         yield
     finally:
-        fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS = prev_max
+        fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS, fmt.FUSE_SILU_MUL = prev_max, prev_silu
         if prev_env is None:
             os.environ.pop("TANDEM_MOE_ROUTER")
         else:
@@ -152,7 +155,8 @@ def gpu_kernels(fn: Callable[[], object]) -> collections.Counter:
 
 
 def time_parts(block, old_router, x: torch.Tensor, iters: int, device: torch.device, graph: bool) -> str:
-    """One table row: routing torch / kernel, alignment three kernels / one program (ms)."""
+    """One table row (ms): routing torch / kernel, alignment three kernels / one program,
+    routed experts with SiLU-and-mul apart / in the GEMM."""
     import tandem.layers.fused_moe_triton as fmt
 
     def routing(router, impl):
@@ -176,8 +180,19 @@ def time_parts(block, old_router, x: torch.Tensor, iters: int, device: torch.dev
                 fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS = prev
         return run
 
+    ids, w = block.gate(x)
+
+    def experts(fuse_silu):
+        def run():
+            prev, fmt.FUSE_SILU_MUL = fmt.FUSE_SILU_MUL, fuse_silu
+            try:
+                return block.experts(x, ids, w)
+            finally:
+                fmt.FUSE_SILU_MUL = prev
+        return run
+
     ms = [_time(fn, iters, device, graph) for fn in (routing(old_router, "torch"), routing(block.gate, "triton"),
-                                                      align(False), align(True))]
+                                                      align(False), align(True), experts(False), experts(True))]
     return " | ".join(f"{m:.4f}" for m in ms)
 
 
@@ -244,8 +259,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {t} | {ms['unfused']:.4f} | {ms['fused']:.4f} | {ms['unfused'] / ms['fused']:.2f}x | "
                   f"{counts['unfused']} | {counts['fused']} | {diff:.3g} |")
     if args.parts:
-        print("\n| tokens | routing torch ms | routing kernel ms | align 3 kernels ms | align 1 program ms |")
-        print("|---|---|---|---|---|")
+        print("\n| tokens | routing torch ms | routing kernel ms | align 3 kernels ms | align 1 program ms | "
+              "experts, silu apart ms | experts, silu in GEMM ms |")
+        print("|---|---|---|---|---|---|---|")
         with torch.no_grad():
             for t in tokens:
                 x = torch.randn(t, h, device=device).to(dtype)

@@ -27,8 +27,10 @@ layer). The design follows the well-known "fused MoE" kernel of vLLM / SGLang:
    keeps the tiles sharing a weight tile close in time (L2 reuse when an expert has
    several tiles).
 
-   * ``x [T, H] @ w13[e].T -> [T*k, 2I]`` (gate rows then up rows), then
-     :func:`tandem.layers.fused_ops.silu_and_mul` -> ``[T*k, I]``;
+   * ``x [T, H] @ w13[e].T`` (gate rows then up rows) with
+     :func:`tandem.layers.fused_ops.silu_and_mul` in the epilogue -> ``[T*k, I]`` (each
+     program reads the gate and the up tile of its columns; the products are rounded to
+     the storage dtype first, so the result is bit-equal to the GEMM then the op);
    * ``h [T*k, I] @ w2[e].T -> [T*k, H]``, times the pair's routing weight (fp32, in the
      epilogue).
 3. **Reduction** (``_moe_sum_kernel``): ``out[t] = sum_j y[t*k + j]`` over the slots with a
@@ -73,6 +75,10 @@ ALIGN_BLOCK = 1024  # pairs per program (per loop step of the single-program ker
 # Up to this many (token, expert) pairs the alignment is one single-program kernel (decode
 # sizes: DeepSeek-V2-Lite's top-6 at up to 1365 tokens); above it three kernels spread it.
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 8192
+# The first GEMM applies SiLU-and-mul in its epilogue (writes h [T*k, I], no [T*k, 2I]
+# round trip, one kernel less); False: GEMM then tandem.layers.fused_ops.silu_and_mul
+# (the path before, kept for benchmarks/moe_layer.py's comparison).
+FUSE_SILU_MUL = True
 
 # Launch configurations by mean rows per expert (``T*k / E``): (upper bound of the mean,
 # block_m, block_n, block_k, group_m, num_warps, num_stages). BLOCK_M >= 16 (tl.dot's
@@ -103,9 +109,25 @@ def default_config(num_pairs: int, num_experts: int) -> dict[str, int]:
 
 
 @triton.jit
+def _weight_tile_dot(a, b_ptrs, b_mask, s_rows_ptr, s_mask, k0, stride_sk, PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr, SCALE_MODE: tl.constexpr, SCALE_BK: tl.constexpr):
+    """``a @ b`` of one K step for a weight tile in any storage mode (block scales applied
+    here; per-channel ones in the epilogue)."""
+    b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    if SCALE_MODE == 0:
+        res = _dot(a, b, PRECISION, UPCAST)
+    elif SCALE_MODE == 1:
+        res = _dot(a, b.to(a.dtype), PRECISION, UPCAST)
+    else:
+        s = tl.load(s_rows_ptr + (k0 // SCALE_BK) * stride_sk, mask=s_mask, other=0.0)
+        res = _dot(a, b.to(a.dtype), PRECISION, UPCAST) * s[None, :]
+    return res
+
+
+@triton.jit
 def _fused_moe_gemm_kernel(
     a_ptr,  # [rows, K]: x (A_ROW_DIV = top_k) or h (A_ROW_DIV = 1)
-    b_ptr,  # [E, N, K] expert weights (w13 or w2)
+    b_ptr,  # [E, N, K] expert weights (w13 or w2); [E, 2N, K] with SILU_MUL (gate rows, up rows)
     c_ptr,  # [num_pairs, N] output, row = flat pair id
     topk_w_ptr,  # [num_pairs] fp32 routing weights (read iff MUL_WEIGHT)
     sorted_ids_ptr,  # [bound] int32 pair id of each padded row (num_pairs = padding)
@@ -120,7 +142,7 @@ def _fused_moe_gemm_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
-    s_ptr,  # FP8 weight scales: [E, N] (SCALE_MODE 1) or [E, N/SCALE_BN, K/SCALE_BK] (2)
+    s_ptr,  # FP8 weight scales: [E, N] (SCALE_MODE 1) or [E, N/SCALE_BN, K/SCALE_BK] (2) (2N with SILU_MUL)
     stride_se,
     stride_sn,
     stride_sk,
@@ -138,6 +160,7 @@ def _fused_moe_gemm_kernel(
     SCALE_MODE: tl.constexpr = 0,  # 0: b in a's dtype; 1: FP8 b, per-channel; 2: FP8 b, block scales
     SCALE_BN: tl.constexpr = 128,
     SCALE_BK: tl.constexpr = 128,  # a multiple of BLOCK_K: each K tile has one scale per column
+    SILU_MUL: tl.constexpr = False,  # c = silu(a @ gate.T) * (a @ up.T), gate = b[:, :N], up = b[:, N:]
 ):
     pid = tl.program_id(0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
@@ -163,29 +186,41 @@ def _fused_moe_gemm_kernel(
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    s_rows = s_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn
+    up_ptrs = b_ptrs + N * stride_bn
+    s_up_rows = s_ptr + expert * stride_se + ((offs_n + N) // SCALE_BN) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_valid[None, :], other=0.0)
+            b_mask = n_valid[None, :]
         else:
             k_valid = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=n_valid[None, :] & k_valid[:, None], other=0.0)
-        if SCALE_MODE == 0:
-            acc += _dot(a, b, PRECISION, UPCAST)
-        elif SCALE_MODE == 1:
-            acc += _dot(a, b.to(a.dtype), PRECISION, UPCAST)
-        else:
-            s = tl.load(s_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk,
-                        mask=n_valid, other=0.0)
-            acc += _dot(a, b.to(a.dtype), PRECISION, UPCAST) * s[None, :]
+            b_mask = n_valid[None, :] & k_valid[:, None]
+        acc += _weight_tile_dot(a, b_ptrs, b_mask, s_rows, n_valid, k0, stride_sk, PRECISION, UPCAST, SCALE_MODE,
+                                SCALE_BK)
+        if SILU_MUL:
+            acc_up += _weight_tile_dot(a, up_ptrs, b_mask, s_up_rows, n_valid, k0, stride_sk, PRECISION, UPCAST,
+                                       SCALE_MODE, SCALE_BK)
+            up_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
     if SCALE_MODE == 1:
         s = tl.load(s_ptr + expert * stride_se + offs_n * stride_sn, mask=n_valid, other=0.0)
         acc = acc * s[None, :]
+        if SILU_MUL:
+            s_up = tl.load(s_ptr + expert * stride_se + (offs_n + N) * stride_sn, mask=n_valid, other=0.0)
+            acc_up = acc_up * s_up[None, :]
+    if SILU_MUL:
+        # The gate/up products rounded to the storage dtype, then silu_and_mul's arithmetic
+        # (tandem.layers.fused_ops): bit-equal to the GEMM writing [T*k, 2N] followed by it.
+        g = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        u = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = act * u
     if MUL_WEIGHT:
         w = tl.load(topk_w_ptr + pair, mask=row_valid, other=0.0)
         acc = acc * w[:, None]
@@ -433,8 +468,9 @@ def moe_align_block_size_torch(topk_ids: torch.Tensor, num_experts: int,
 def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_w: torch.Tensor | None, sorted_ids: torch.Tensor,
           tile_experts: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_div: int, block_m: int,
           block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int,
-          scale: torch.Tensor | None = None, scale_block: tuple[int, int] | None = None) -> None:
-    n, k = b.shape[1], b.shape[2]
+          scale: torch.Tensor | None = None, scale_block: tuple[int, int] | None = None,
+          silu_mul: bool = False) -> None:
+    n, k = b.shape[1] // 2 if silu_mul else b.shape[1], b.shape[2]
     num_m_tiles = tile_experts.shape[0]
     grid = (num_m_tiles * triton.cdiv(n, block_n),)
     mode = 0 if scale is None else (1 if scale_block is None else 2)
@@ -446,7 +482,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_w: torch.Tenso
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         scale if scale is not None else c, *s_strides,
         SCALE_MODE=mode, SCALE_BN=sbn, SCALE_BK=sbk,
-        N=n, K=k, A_ROW_DIV=a_row_div, MUL_WEIGHT=topk_w is not None, EVEN_K=k % block_k == 0,
+        N=n, K=k, A_ROW_DIV=a_row_div, MUL_WEIGHT=topk_w is not None, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRET and a.dtype == torch.bfloat16,
@@ -531,11 +567,18 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     sorted_ids, tile_experts, num_padded = moe_align_block_size(topk_ids, num_experts, cfg["block_m"])
     # Rows of invalid pairs stay unwritten (torch.empty): never read as GEMM inputs of a
     # valid pair, and masked by the reduction.
-    gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
     s13, s2 = (None, None) if scales is None else (scales.w13, scales.w2)
-    _gemm(x, w13, gate_up, None, sorted_ids, tile_experts, num_padded, num_pairs, top_k, **cfg, scale=s13,
-          scale_block=sblock)
-    h = silu_and_mul(gate_up)
+    if FUSE_SILU_MUL:
+        # Half the output columns per program: each reads a gate and an up tile, the same
+        # weight bytes as one tile of the unfused GEMM.
+        h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+        _gemm(x, w13, h, None, sorted_ids, tile_experts, num_padded, num_pairs, top_k,
+              **dict(cfg, block_n=max(16, cfg["block_n"] // 2)), scale=s13, scale_block=sblock, silu_mul=True)
+    else:
+        gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
+        _gemm(x, w13, gate_up, None, sorted_ids, tile_experts, num_padded, num_pairs, top_k, **cfg, scale=s13,
+              scale_block=sblock)
+        h = silu_and_mul(gate_up)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     w_flat = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _gemm(h, w2, y, w_flat, sorted_ids, tile_experts, num_padded, num_pairs, 1, **cfg, scale=s2, scale_block=sblock)

@@ -25,9 +25,9 @@ def moe_layer(monkeypatch):
 def test_variants_agree_and_table(moe_layer, capsys):
     import tandem.layers.fused_moe_triton as fmt
 
-    before = fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS
+    before = fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS, fmt.FUSE_SILU_MUL
     moe_layer.main(["--device", "cpu", "--preset", "small", "--tokens", "0", "7", "--iters", "1", "--parts"])
-    assert fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS == before and "TANDEM_MOE_ROUTER" not in os.environ
+    assert (fmt.ALIGN_ONE_PROGRAM_MAX_PAIRS, fmt.FUSE_SILU_MUL) == before and "TANDEM_MOE_ROUTER" not in os.environ
     rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [r.split("|")[1].strip() for r in rows] == ["0", "7", "0", "7"]  # the layer, then --parts
     assert float(rows[1].split("|")[-2]) < 1e-5  # fp32: routing and sums agree

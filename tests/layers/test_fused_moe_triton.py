@@ -261,6 +261,34 @@ def test_fp8_experts_match_the_dequantized_reference(impl, block):
     assert ((got - want).norm() / want.norm()) < 0.05
 
 
+@pytest.mark.parametrize("case", ["bf16", "fp32", "fp8_channel", "fp8_block8x32"])
+def test_silu_mul_epilogue_equals_gemm_then_op(case, monkeypatch):
+    """SiLU-and-mul in the first GEMM's epilogue == the GEMM writing [T*k, 2I] then
+    fused_ops.silu_and_mul's kernel, bit for bit (both round the products, then the
+    activation, to the storage dtype); odd I (a partial column tile), all weight modes."""
+    import tandem.layers.fused_moe_triton as fmt
+    from tandem.layers import fused_ops
+    from tandem.layers.moe import ExpertScales
+
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    x, ids, w, w13, w2 = _case(21, 6, 3, 64, {"fp8_block8x32": 64, "fp8_channel": 40}.get(case, 72), dtype, seed=13)
+    ids[::5, 2] = -1
+    scales = None
+    if case.startswith("fp8"):
+        block = None if case == "fp8_channel" else (8, 32)
+        w13, w2, s13, s2 = _fp8_experts(w13, w2, block)
+        scales = ExpertScales(s13, s2, block)
+    got = {}
+    with fused_ops.mode("triton"):  # the op's kernel, as on CUDA
+        for fuse in (True, False):
+            monkeypatch.setattr(fmt, "FUSE_SILU_MUL", fuse)
+            got[fuse] = fused_experts_triton(x, ids, w, w13, w2, scales=scales)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got[True], got[False])
+    else:  # the interpreter's fp32 dot is a BLAS matmul: its summation order follows the tile width
+        torch.testing.assert_close(got[True], got[False], atol=1e-6, rtol=1e-6)
+
+
 def test_fp8_experts_auto_takes_triton_on_cuda_at_any_size(monkeypatch):
     monkeypatch.delenv("TANDEM_MOE_IMPL", raising=False)
     x = torch.empty(1, 8)

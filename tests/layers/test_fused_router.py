@@ -3,7 +3,7 @@ tandem.layers.moe (softmax_topk, deepseek_v2_topk), ties to the lowest expert in
 
 On the CPU the kernel runs in the Triton interpreter; the sm90 test compiles it (and the
 fused-MoE kernels changed with it: single-program alignment, reduction with the shared
-experts' addend) for an H100/H200 without a GPU.
+experts' addend, SiLU-and-mul in the first GEMM) for an H100/H200 without a GPU.
 """
 
 from __future__ import annotations
@@ -176,13 +176,23 @@ _COMPILE_SM90 = textwrap.dedent("""
     compile(fmt._align_one_program_kernel, const, types, 8)
     types = dict(y_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16", addend_ptr="*bf16")
     compile(fmt._moe_sum_kernel, dict(TOP_K=6, HAS_ADDEND=True, BLOCK=fmt.SUM_BLOCK), types, 4)
+    # The first expert GEMM with SiLU-and-mul in its epilogue: every default tile row at the
+    # V2-Lite shape (N = I = 1408, K = 2048, block_n halved as fused_experts_triton does),
+    # and FP8 experts with 128x128 block scales.
+    for _, bm, bn, bk, gm, warps, stages in fmt.TILE_CONFIGS:
+        for b_t, mode in (("*bf16", 0), ("*fp8e4nv", 2)):
+            const = dict(N=1408, K=2048, A_ROW_DIV=6, MUL_WEIGHT=False, EVEN_K=True, BLOCK_M=bm, BLOCK_N=bn // 2,
+                         BLOCK_K=bk, GROUP_M=gm, PRECISION="tf32", UPCAST=False, SCALE_MODE=mode, SILU_MUL=True)
+            types = dict(a_ptr="*bf16", b_ptr=b_t, c_ptr="*bf16", topk_w_ptr="*fp32", sorted_ids_ptr="*i32",
+                         tile_experts_ptr="*i32", num_padded_ptr="*i32", s_ptr="*fp32")
+            compile(fmt._fused_moe_gemm_kernel, const, types, warps)
 """)
 
 
 def test_compiles_for_sm90():
     """The interpreter accepts what the compiler may not: compile the router, the
-    single-program alignment and the reduction-with-addend kernels for an H100/H200 in a
-    process without the interpreter."""
+    single-program alignment, the reduction-with-addend and the GEMM-with-SiLU-and-mul
+    kernels for an H100/H200 in a process without the interpreter."""
     try:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError:
@@ -192,4 +202,4 @@ def test_compiles_for_sm90():
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert res.stdout.count("compiled") == 5
+    assert res.stdout.count("compiled") == 5 + 2 * 4
