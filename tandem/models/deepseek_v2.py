@@ -9,9 +9,11 @@
 * Feed-forward: dense SwiGLU (``intermediate_size``) on the first ``first_k_dense_replace``
   layers (and, with ``moe_layer_freq > 1``, on layers ``i % moe_layer_freq != 0``, as the
   original remote code; transformers ignores ``moe_layer_freq``); DeepSeekMoE elsewhere:
-  ``n_routed_experts`` routed experts of ``moe_intermediate_size`` (softmax in fp32,
-  greedy or group-limited top-k, ``routed_scaling_factor``) plus ``n_shared_experts``
-  always-on experts fused into one SwiGLU of ``n_shared_experts * moe_intermediate_size``.
+  ``n_routed_experts`` routed experts of ``moe_intermediate_size`` (router weight and
+  logits in fp32 as in transformers, softmax in fp32, greedy or group-limited top-k,
+  ``routed_scaling_factor``) plus ``n_shared_experts`` always-on experts fused into one
+  SwiGLU of ``n_shared_experts * moe_intermediate_size`` (without an exchange, their output
+  is added in the routed experts' reduction kernel).
 
 HF names throughout (``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` /
 ``mlp.experts.{e}.gate_proj.weight``, ``mlp.shared_experts.{gate,up,down}_proj``).
