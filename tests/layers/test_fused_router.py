@@ -144,6 +144,54 @@ def test_router_module_triton_equals_torch(router_kw, monkeypatch):
         _check(router(x), want)
 
 
+cuda = pytest.mark.skipif(INTERPRET, reason="needs CUDA (compiled kernels, CUDA torch.topk)")
+
+
+@cuda
+@pytest.mark.parametrize("t", [1, 256, 1000])
+def test_cuda_v2_lite_shape_against_torch_and_in_a_graph(t):
+    """DeepSeek-V2-Lite routing (bf16 x [T, 2048], fp32 weight [64, 2048], top-6) == the
+    torch path on the GPU, where the 6th and 7th probabilities are not within fp32 noise
+    of each other; replayed in a CUDA graph with new tokens."""
+    x, w = _case(t, 2048, 64, torch.bfloat16, torch.float32, seed=t)
+    w = w.bfloat16().float()  # a bf16 checkpoint's values, kept in fp32
+
+    def check(ids, weights):
+        probs = (x.float() @ w.T).softmax(-1)
+        want_ids, want_w = deepseek_v2_topk(x.float() @ w.T, 6, routed_scaling_factor=1.0)
+        top7 = probs.topk(7, dim=-1).values
+        clear = (top7[:, 5] - top7[:, 6]) > 1e-5 * top7[:, 5]
+        assert clear.float().mean() > 0.9
+        _check((ids[clear], weights[clear]), (want_ids[clear], want_w[clear]), atol=1e-6)
+
+    check(*fused_router(x, w, 6))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_router(x, w, 6)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_router(x, w, 6)
+    x.copy_(_case(t, 2048, 64, torch.bfloat16, torch.float32, seed=t + 1)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    check(*out)
+
+
+@cuda
+def test_cuda_ties_match_cuda_torch_topk():
+    """Equal probabilities: the kernel picks the experts CUDA torch.topk picks."""
+    x, w = _case(64, 256, 64, torch.bfloat16, torch.float32, seed=2)
+    w[40:] = w[40]  # 24 identical rows
+    w[40:] += 0.5 * w[40].sign()  # make them the largest logits for most tokens
+    x = (x.abs() * w[40].sign()).bfloat16()
+    ids, _ = fused_router(x, w, 6)
+    want = (x.float() @ w.T).softmax(-1).topk(6, dim=-1).indices
+    assert torch.equal(ids.sort(-1).values, want.sort(-1).values)
+    assert (ids == torch.arange(40, 46, device=ids.device)).all()
+
+
 _COMPILE_SM90 = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
