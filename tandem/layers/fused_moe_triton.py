@@ -106,6 +106,8 @@ def default_config(num_pairs: int, num_experts: int) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------- kernels
+# Pair, tile and bound counts follow each step's token count: the kernels are not
+# specialised on them (== 1, % 16), so a prefill size first met mid-run compiles nothing.
 
 
 @triton.jit
@@ -124,7 +126,7 @@ def _weight_tile_dot(a, b_ptrs, b_mask, s_rows_ptr, s_mask, k0, stride_sk, PRECI
     return res
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_tiles"])
 def _fused_moe_gemm_kernel(
     a_ptr,  # [rows, K]: x (A_ROW_DIV = top_k) or h (A_ROW_DIV = 1)
     b_ptr,  # [E, N, K] expert weights (w13 or w2); [E, 2N, K] with SILU_MUL (gate rows, up rows)
@@ -258,7 +260,7 @@ def _moe_sum_kernel(
     tl.store(out_ptr + tok * stride_om + cols, out, mask=col_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "bound"])
 def _align_count_kernel(
     ids_ptr,  # [num_pairs] expert ids (-1 = skip)
     counts_ptr,  # [num_experts] int32, zeroed: rows per expert (atomically accumulated)
@@ -280,7 +282,7 @@ def _align_count_kernel(
         tl.atomic_add(counts_ptr + bins, hist.to(tl.int32), mask=bins < num_experts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])
 def _align_offsets_kernel(
     counts_ptr,  # [num_experts] int32 rows per expert
     cursor_ptr,  # [num_experts] int32 out: padded start of each expert's group
@@ -307,7 +309,7 @@ def _align_offsets_kernel(
     tl.store(tile_experts_ptr + tiles, tl.sum(done.to(tl.int32), 1), mask=tiles < num_tiles)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_scatter_kernel(
     ids_ptr,  # [num_pairs] expert ids (-1 = skip)
     cursor_ptr,  # [num_experts] int32 next free padded row of each expert (atomically bumped)
@@ -323,7 +325,7 @@ def _align_scatter_kernel(
     tl.store(sorted_ids_ptr + row, offs.to(tl.int32), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "bound", "num_tiles"])
 def _align_one_program_kernel(
     ids_ptr,  # [num_pairs] expert ids (-1 = skip)
     cursor_ptr,  # [num_experts] int32 scratch: next free padded row of each expert

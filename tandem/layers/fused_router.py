@@ -55,7 +55,8 @@ _DOT_SPLIT_BF16 = 1  # bf16 x, fp32 weight: weight = hi + mid + lo in bf16, thre
 _DOT_FP32 = 2  # other mixes: both operands in fp32, IEEE dot
 
 
-@triton.jit
+# Not specialised on the token count (== 1, % 16): no compile for a size first met mid-run.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _fused_router_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, H] router weight
