@@ -105,18 +105,17 @@ class MLADecodeLaunch:
 #: Launch parameters by decode batch size; the first row whose ``max_batch`` covers the
 #: batch applies (the last row serves any larger batch). For the DeepSeek-V2-Lite shape (16
 #: heads, 512 + 64) on an H200; ``benchmarks/mla_decode.py sweep`` measures the launch space
-#: and prints rows of this form to paste here. Until an H200 sweep replaces them, the rows
-#: are set from the compiled kernel (sm_90, Triton 3.6: at block_n 32 and 4 warps, 212-242
-#: registers and 94 KB of shared memory, two programs per SM; num_stages 5 is the first
-#: with two latent buffers in flight) and from the engine's profile at batch 256 (two
-#: splits: 28 us + 5 us of reduce per call).
+#: and prints rows of this form to paste here. The rows for 65-512 and larger batches are
+#: the sweep's best at batch 256 and 1024 with the seed workload's mixed 128-384 contexts
+#: (benchmarks/RESULTS.md, session 8): no split (one program per request and head group,
+#: so no reduce kernel); the row up to 64 keeps the split heuristic for long contexts.
 DECODE_LAUNCH_TABLE: tuple[MLADecodeLaunch, ...] = (
     MLADecodeLaunch(max_batch=64, num_splits=None, min_tokens_per_split=128, block_n=32, block_h=16,
                     heads_per_program=16, num_warps=4, num_stages=5),
-    MLADecodeLaunch(max_batch=512, num_splits=2, min_tokens_per_split=128, block_n=32, block_h=16,
+    MLADecodeLaunch(max_batch=512, num_splits=1, min_tokens_per_split=32, block_n=32, block_h=16,
                     heads_per_program=16, num_warps=4, num_stages=5),
-    MLADecodeLaunch(max_batch=1 << 31, num_splits=1, min_tokens_per_split=128, block_n=32, block_h=16,
-                    heads_per_program=16, num_warps=4, num_stages=5),
+    MLADecodeLaunch(max_batch=1 << 31, num_splits=1, min_tokens_per_split=32, block_n=32, block_h=16,
+                    heads_per_program=16, num_warps=4, num_stages=3, maxnreg=168),
 )
 #: Split-count heuristic bound (``num_splits=None``): at most this many segments.
 MAX_NUM_SPLITS = 32
