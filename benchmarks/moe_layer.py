@@ -209,12 +209,23 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel is defined
-        from tests.triton_interpreter import patch_interpreter_for_numpy_2_4
+    if device.type == "cuda":
+        run(args, device)
+        return
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel is defined
+    from tests.triton_interpreter import patch_interpreter_for_numpy_2_4
 
-        patch_interpreter_for_numpy_2_4()
-        os.environ.setdefault("TANDEM_FUSED_OPS", "triton")
+    patch_interpreter_for_numpy_2_4()
+    from tandem.layers import fused_ops
+
+    # The fused ops' kernels in the interpreter, for this run only: an environment variable
+    # would outlive it in the calling process and in every process it later starts.
+    with fused_ops.mode("triton"):
+        run(args, device)
+
+
+def run(args: argparse.Namespace, device: torch.device) -> None:
+    """The tables of :func:`main` on ``device``."""
     preset = args.preset or ("v2-lite" if device.type == "cuda" else "small")
     e, k, h, i, n_shared, _, tokens = PRESETS[preset]
     tokens = args.tokens or tokens

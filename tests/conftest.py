@@ -19,6 +19,36 @@ def _unfreeze_heap_after_module():
     gc.unfreeze()
 
 
+_GUARDED_ENV_PREFIXES = ("TANDEM_", "TRITON_")
+
+
+def _guarded_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_GUARDED_ENV_PREFIXES)}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_settings():
+    """A test (or the code it runs in this process) that changes a Tandem or Triton
+    environment variable, or the fused-ops mode, without restoring it fails here, and the
+    setting is put back: every process started later inherits the environment (a leaked
+    ``TANDEM_FUSED_OPS=triton`` once ran every later server's norms in the Triton
+    interpreter), and every later test in this process the mode."""
+    from tandem.layers import fused_ops
+
+    env, fused_mode = _guarded_env(), fused_ops.get_mode()
+    yield
+    leaked_env, leaked_mode = _guarded_env(), fused_ops.get_mode()
+    for k in set(env) | set(leaked_env):
+        if k in env:
+            os.environ[k] = env[k]
+        else:
+            os.environ.pop(k)
+    fused_ops.set_mode(fused_mode)
+    changed = {k: (env.get(k), leaked_env.get(k)) for k in set(env) | set(leaked_env) if env.get(k) != leaked_env.get(k)}
+    assert not changed, f"the test left environment variables changed (before, after): {changed}"
+    assert leaked_mode == fused_mode, f"the test left the fused-ops mode {leaked_mode!r} (was {fused_mode!r})"
+
+
 if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on the CPU; it is chosen when a kernel is
     # defined, so it must be set before any test module imports one.
