@@ -73,8 +73,8 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUM_BLOCK = 1024  # columns per program of the k-way reduction
 ALIGN_BLOCK = 1024  # pairs per program (per loop step of the single-program kernel) of the alignment
 # Up to this many (token, expert) pairs the alignment is one single-program kernel; above
-# it three kernels spread it. On the H200 one program was as fast as three at 1,536 pairs
-# and slower at 6,144 (benchmarks/moe_layer.py --parts, RESULTS.md session 8).
+# it three kernels spread it. The bound is from an H200 run of benchmarks/moe_layer.py
+# --parts whose figures were not recorded (benchmarks/RESULTS.md, "Session 8, unrecorded").
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048
 # The first GEMM applies SiLU-and-mul in its epilogue (writes h [T*k, I], no [T*k, 2I]
 # round trip, one kernel less); False: GEMM then tandem.layers.fused_ops.silu_and_mul
