@@ -3,12 +3,46 @@ requests (vLLM V1's ``Processor``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from tandem.engine.messages import EngineCoreReady, EngineCoreRequest
 from tandem.model_loader.generation_config import GenerationDefaults
 from tandem.sampling_params import SamplingParams, child_seed
 
 # Most top logprobs per position a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# The prompt forms vLLM's LLM.generate takes besides a string and a list of ids:
+# TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": list[int]}.
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def parse_prompt(prompt: str | Sequence[int] | Mapping) -> tuple[str | None, list[int] | None]:
+    """``(text, None)`` for a string or ``{"prompt": str}``, ``(None, ids)`` for a sequence
+    of token ids or ``{"prompt_token_ids": [...]}`` (vLLM's TextPrompt / TokensPrompt).
+
+    Raises:
+        ValueError: any other type, a dict with unknown keys or not exactly one of the two,
+            or a value of the wrong type (the message names the field).
+    """
+    if isinstance(prompt, Mapping):
+        unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+        given = [k for k in _PROMPT_KEYS if k in prompt]
+        if unknown or len(given) != 1:
+            raise ValueError(f"prompt: a dict needs exactly one of {list(_PROMPT_KEYS)}"
+                             + (f"; unsupported keys {unknown}" if unknown else f", got {given}"))
+        key = given[0]
+        value = prompt[key]
+        if key == "prompt" and not isinstance(value, str):
+            raise ValueError(f"prompt: 'prompt' must be a string, got {type(value).__name__}")
+        if key == "prompt_token_ids" and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
+            raise ValueError(f"prompt: 'prompt_token_ids' must be a list of token ids, got {type(value).__name__}")
+        prompt = value
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
+        return None, list(prompt)
+    raise ValueError(f"prompt must be a string, a list of token ids or a dict with one of {list(_PROMPT_KEYS)}, "
+                     f"got {type(prompt).__name__}")
 
 
 class Processor:
@@ -39,7 +73,7 @@ class Processor:
         vLLM's defaults."""
         return SamplingParams().with_defaults(self.generation_defaults.sampling)
 
-    def process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+    def process_inputs(self, request_id: str, prompt: str | Sequence[int] | Mapping, params: SamplingParams | None,
                        arrival_time: float) -> tuple[str | None, list[EngineCoreRequest]]:
         """The prompt text (None for token ids) and one core request per completion; the
         ``i``-th of ``n > 1`` is ``f"{i}_{request_id}"`` with seed ``child_seed(seed, i)``.
@@ -56,10 +90,9 @@ class Processor:
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
+        text, ids = parse_prompt(prompt)
+        if ids is None:
+            ids = self.tokenizer.encode(text)
         # Text too: a tokenizer larger than the model's vocabulary (e.g. --tokenizer beside a
         # dummy config) must not crash the engine.
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 
 from tqdm import tqdm
@@ -55,16 +55,18 @@ class LLM:
         generation_config.json (``generation_config="auto"``), else vLLM's defaults."""
         return self.engine.get_default_sampling_params()
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: str | Mapping | Sequence[str | list[int] | Mapping],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for prompts (strings or token-id lists), in input order.
+        """Generate completions for prompts, in input order: strings, token-id lists, or
+        vLLM's ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` dicts (one or a list).
 
         ``sampling_params`` is one for all prompts or one per prompt.
 
         Raises:
             ValueError: invalid prompt or parameters (nothing is left queued).
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)

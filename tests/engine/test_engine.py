@@ -219,6 +219,21 @@ def test_bad_requests_leave_engine_clean(llm):
     assert llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_vllm_prompt_dicts_equal_plain_prompts(llm):
+    """{"prompt": text} and {"prompt_token_ids": ids}, alone or in a list, give the tokens of
+    the text and the ids; a malformed dict is a ValueError that leaves nothing queued."""
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate([{"prompt": PROMPTS[0]}, {"prompt_token_ids": ids}], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want, want]
+    assert outs[0].prompt == PROMPTS[0] and outs[1].prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="exactly one of"):
+        llm.generate(["hi", {"text": "hi"}], greedy, use_tqdm=False)
+    assert_all_blocks_free(llm.engine)
+
+
 def test_allowed_token_ids_and_bad_words(llm):
     allowed = [7042, 38634, 30, 28, 216]
     p = SamplingParams(temperature=1.0, seed=0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed)
