@@ -44,7 +44,8 @@ def _no_leaked_settings():
         else:
             os.environ.pop(k)
     fused_ops.set_mode(fused_mode)
-    changed = {k: (env.get(k), leaked_env.get(k)) for k in set(env) | set(leaked_env) if env.get(k) != leaked_env.get(k)}
+    changed = {k: (env.get(k), leaked_env.get(k)) for k in set(env) | set(leaked_env)
+               if env.get(k) != leaked_env.get(k)}
     assert not changed, f"the test left environment variables changed (before, after): {changed}"
     assert leaked_mode == fused_mode, f"the test left the fused-ops mode {leaked_mode!r} (was {fused_mode!r})"
 
