@@ -37,15 +37,14 @@ def _no_leaked_settings():
 
     env, fused_mode = _guarded_env(), fused_ops.get_mode()
     yield
-    leaked_env, leaked_mode = _guarded_env(), fused_ops.get_mode()
-    for k in set(env) | set(leaked_env):
-        if k in env:
-            os.environ[k] = env[k]
-        else:
+    after, leaked_mode = _guarded_env(), fused_ops.get_mode()
+    changed = {k: (env.get(k), after.get(k)) for k in env.keys() | after.keys() if env.get(k) != after.get(k)}
+    for k, (before, _) in changed.items():
+        if before is None:
             os.environ.pop(k)
+        else:
+            os.environ[k] = before
     fused_ops.set_mode(fused_mode)
-    changed = {k: (env.get(k), leaked_env.get(k)) for k in set(env) | set(leaked_env)
-               if env.get(k) != leaked_env.get(k)}
     assert not changed, f"the test left environment variables changed (before, after): {changed}"
     assert leaked_mode == fused_mode, f"the test left the fused-ops mode {leaked_mode!r} (was {fused_mode!r})"
 
