@@ -311,5 +311,9 @@ def test_cuda_fp8_experts_v2_lite_shape(block, n):
     x, ids, w, w13, w2 = _case(n, 64, 6, 2048, i, torch.bfloat16, seed=n)
     q13, q2, s13, s2 = _fp8_experts(w13, w2, block)
     got = fused_experts_triton(x, ids, w, q13, q2, scales=ExpertScales(s13, s2, block))
-    d13, d2 = (dequantize_weight(q, s, block, torch.bfloat16) for q, s in ((q13, s13), (q2, s2)))
-    _check(got, x, ids, w, d13, d2, tight=False)
+    # fp32 reference from the exact dequantized weights: weights rounded to bf16 would add
+    # their own error (the kernel applies the scales in fp32 after the dot product)
+    d13, d2 = (dequantize_weight(q, s, block, torch.float32) for q, s in ((q13, s13), (q2, s2)))
+    want = reference_experts(x.float(), ids, w, d13, d2)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
