@@ -226,9 +226,10 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 # impl="auto" on CUDA (sm90+, fp16/bf16): the fused-MoE Triton kernel up to this many
 # (token, expert) pairs, the largest size at which it was measured against
-# torch._grouped_mm (faster at every size measured: benchmarks/RESULTS.md, "fused-MoE
-# Triton kernel"); above it auto keeps grouped_mm.
-TRITON_MAX_PAIRS = 49152
+# torch._grouped_mm (faster at every size measured, up to a 16384-token prefill step of a
+# top-6 model: benchmarks/RESULTS.md, "fused-MoE Triton kernel" and "Session 10");
+# above it auto keeps grouped_mm.
+TRITON_MAX_PAIRS = 98304
 
 
 def _triton_available() -> bool:
