@@ -5,9 +5,14 @@
 * :data:`INTERPRET`: whether the kernels run in Triton's CPU interpreter
   (``TRITON_INTERPRET=1`` when Triton was imported).
 * :func:`num_sms`: streaming multiprocessors of a CUDA device (cached), to size split grids.
+* :func:`record_jit_compiles`: the kernel specialisations first launched while it is
+  active (what a benchmark's warm-up missed).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -42,3 +47,27 @@ def num_sms(device: torch.device) -> int:
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _NUM_SMS[idx]
+
+
+@contextlib.contextmanager
+def record_jit_compiles() -> Iterator[list[str]]:
+    """Collect, in the yielded list, one ``repr`` (kernel name, launch options, argument
+    types with their specialisations) per Triton kernel variant this process builds while
+    the context is active: every in-memory cache miss of a ``triton.jit`` function, whether
+    the binary then comes from Triton's disk cache or a fresh compile. Chains any
+    ``triton.knobs.runtime.jit_cache_hook`` already set and restores it on exit. The
+    interpreter (``TRITON_INTERPRET=1``) builds nothing, so the list stays empty there.
+    """
+    knobs = triton.knobs.runtime
+    previous = knobs.jit_cache_hook
+    seen: list[str] = []
+
+    def hook(*args, **kwargs):
+        seen.append(kwargs.get("repr", "?"))
+        return previous(*args, **kwargs) if previous is not None else False
+
+    knobs.jit_cache_hook = hook
+    try:
+        yield seen
+    finally:
+        knobs.jit_cache_hook = previous

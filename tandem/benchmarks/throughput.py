@@ -13,6 +13,7 @@ import torch
 from tandem.benchmarks.datasets import constrained_indices, load_json_schema
 from tandem.sampling_params import SamplingParams
 from tandem.structured_output.params import StructuredOutputsParams
+from tandem.triton_utils import record_jit_compiles
 
 
 @dataclass
@@ -52,6 +53,9 @@ class ThroughputResult:
     # the runner's bitmask copy + application; not in host_step_ms.
     host_grammar_ms_median: float | None = None
     host_bitmask_ms_median: float | None = None
+    # In-process engine cores: Triton kernel variants first launched inside the timed run
+    # (tandem.triton_utils.record_jit_compiles), i.e. compiles the warm-up did not cover.
+    jit_compiles_timed: list[str] | None = None
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -92,14 +96,17 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
         runner.step_events = []
     # Host time per step: recorded by an in-process engine core only.
     host_timing = hasattr(llm.engine, "start_host_timing") and llm.engine.start_host_timing() is not None
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
+    with record_jit_compiles() as compiled:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     n_in = num_prompts * input_len
     res = ThroughputResult(num_prompts, input_len, output_len, elapsed, num_prompts / elapsed, n_in / elapsed,
                            n_out / elapsed, (n_in + n_out) / elapsed,
                            None if pre is None else _preemptions(llm) - pre)
+    if runner is not None:
+        res.jit_compiles_timed = list(compiled)
     if host_timing:
         _host_step_stats(llm.engine.stop_host_timing(), res)
     if runner is not None and runner.step_events:
@@ -171,6 +178,10 @@ def main(args: argparse.Namespace) -> None:
     if res.host_grammar_ms_median is not None and res.host_bitmask_ms_median is not None:
         print(f"Constrained steps, medians: grammar (accept + bitmask fill, core thread) "
               f"{res.host_grammar_ms_median:.3f} ms, bitmask (copy + apply, runner) {res.host_bitmask_ms_median:.3f} ms")
+    if res.jit_compiles_timed:
+        names = sorted({r.split("[", 1)[0] for r in res.jit_compiles_timed})
+        print(f"Triton kernel variants built inside the timed run (the warm-up missed them): "
+              f"{len(res.jit_compiles_timed)} ({', '.join(names)})")
     if res.gpu_idle_fraction is not None:
         # Without decode-only steps (e.g. --output-len 1) the decode statistics are None.
         line = f"GPU idle between steps: {100 * res.gpu_idle_fraction:.2f}% of wall time"

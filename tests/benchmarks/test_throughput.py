@@ -97,6 +97,33 @@ def test_run_throughput_reports_host_time_of_the_in_process_core():
     assert res.host_step_ms_p99 >= res.host_step_ms_median
     assert min(res.host_schedule_ms_median, res.host_prepare_ms_median, res.host_process_ms_median) > 0
     assert llm.engine.core.step_times is None and llm.engine.runner.step_times is None
+    assert res.jit_compiles_timed == []  # the interpreter builds no kernel variants
+
+
+def test_run_throughput_reports_kernel_variants_built_in_the_timed_run_only(monkeypatch):
+    """A Triton specialisation first met inside the timed generate (a compile the warm-up
+    missed) is reported by name; one met in the warm-up is not."""
+    import triton
+
+    from tandem.benchmarks.throughput import run_throughput
+    from tests.conftest import make_llm
+
+    llm = make_llm(num_kv_blocks=64, max_model_len=256)
+    generate = llm.generate
+    calls = []
+
+    def generate_and_miss(*args, **kwargs):
+        calls.append(1)
+        hook = triton.knobs.runtime.jit_cache_hook
+        if hook is not None:
+            hook(key="k", repr=f"_kernel_{len(calls)}[num_warps=4](n: i32)", fn=None, compile={},
+                 is_manual_warmup=False, already_compiled=False)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "generate", generate_and_miss)
+    res = run_throughput(llm, num_prompts=2, input_len=8, output_len=4)
+    assert len(calls) == 2  # warm-up, then the timed run
+    assert res.jit_compiles_timed == ["_kernel_2[num_warps=4](n: i32)"]
 
 
 def test_run_throughput_constrains_the_asked_share_to_the_schema(monkeypatch):

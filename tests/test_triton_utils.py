@@ -1,0 +1,37 @@
+import triton
+
+from tandem.triton_utils import record_jit_compiles
+
+
+def _fire(repr_: str):
+    """What Triton's JIT does on an in-memory cache miss, before compiling."""
+    hook = triton.knobs.runtime.jit_cache_hook
+    return hook(key="k", repr=repr_, fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
+
+
+def test_record_jit_compiles_collects_misses_chains_and_restores_the_previous_hook():
+    outer = []
+
+    def previous(*args, **kwargs):
+        outer.append(kwargs["repr"])
+        return False
+
+    triton.knobs.runtime.jit_cache_hook = previous
+    try:
+        with record_jit_compiles() as seen:
+            assert not _fire("_paged_decode_kernel[num_warps=4](q_ptr: *bf16)")
+            _fire("_moe_sum_kernel[num_warps=4](H: i32)")
+        assert seen == ["_paged_decode_kernel[num_warps=4](q_ptr: *bf16)", "_moe_sum_kernel[num_warps=4](H: i32)"]
+        assert outer == seen  # the hook set before still saw every miss
+        assert triton.knobs.runtime.jit_cache_hook is previous
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+
+
+def test_record_jit_compiles_restores_no_hook_after_an_error():
+    try:
+        with record_jit_compiles():
+            raise RuntimeError("step failed")
+    except RuntimeError:
+        pass
+    assert triton.knobs.runtime.jit_cache_hook is None
