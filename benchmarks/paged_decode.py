@@ -6,7 +6,8 @@ graph, blocks of every request scattered over the pool, enough layers' caches th
 finds the previous one's K/V in L2.
 
 For each (batch, context, cache dtype) it prints the time per layer of the whole forward and
-of the cache write alone, against the floor of reading the context's K/V once (plus q, the
+of the cache write alone (the backend's kernel, and the torch ops it replaced: ``.contiguous()``
+of v, then ``write_kv_cache``), against the floor of reading the context's K/V once (plus q, the
 new K/V and the output) at 4.8 TB/s; ``--sweep`` adds the decode launch space (block_n x
 warps x stages), each point checked against the default launch's output.
 
@@ -72,10 +73,15 @@ class Case:
     def forward(self, backend, layer: int) -> torch.Tensor:
         return backend.forward(self.q, self.k, self.v, self.caches[layer % len(self.caches)], self.meta, D ** -0.5)
 
-    def write(self, layer: int) -> None:
-        from tandem.attention.triton_backend import write_kv_cache
+    def write(self, layer: int, kernel: bool) -> None:
+        from tandem.attention.backend import write_kv_cache
+        from tandem.attention.triton_reshape_and_cache import reshape_and_cache
 
-        write_kv_cache(self.k, self.v, self.caches[layer % len(self.caches)], self.meta.slot_mapping)
+        cache = self.caches[layer % len(self.caches)]
+        if kernel:
+            reshape_and_cache(self.k, self.v, cache, self.meta.slot_mapping)
+        else:
+            write_kv_cache(self.k, self.v.contiguous(), cache, self.meta.slot_mapping)
 
 
 def graph_us(fn, calls: int, replays: int = 20) -> float:
@@ -116,8 +122,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--sweep", action="store_true", help="also time the decode launch space")
     args = p.parse_args()
-    print("| batch | context | kv cache | launch | forward us / layer | write us / layer | floor us | x floor | "
-          "KV GB/s | max abs diff vs default |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("| batch | context | kv cache | launch | forward us / layer | write us, kernel / torch ops | floor us | "
+          "x floor | KV GB/s | max abs diff vs default |\n|---|---|---|---|---|---|---|---|---|---|")
     points = [dict(block_n=64)]
     if args.sweep:
         points += [dict(block_n=bn, warps=w, stages=s)
@@ -127,7 +133,8 @@ def main() -> None:
                                                args.kv_dtypes.split(",")):
             case = Case(nd, spec, KV_DTYPES[kvd], args.max_model_len)
             calls = 2 * len(case.caches)
-            write_us = graph_us(case.write, calls)
+            write_us = graph_us(lambda i: case.write(i, True), calls)
+            torch_write_us = graph_us(lambda i: case.write(i, False), calls)
             ref = None
             for point in points:
                 backend = backend_for(args.max_model_len, **point)
@@ -139,7 +146,7 @@ def main() -> None:
                 out = case.forward(backend, 0).float()
                 ref = out if ref is None else ref
                 kv_gbs = sum(case.lens) * 2 * HK * D * case.caches[0].element_size() / us / 1e3
-                print(f"| {nd} | {spec} | {kvd} | {point} | {us:.1f} | {write_us:.1f} | {case.floor_us:.1f} | "
+                print(f"| {nd} | {spec} | {kvd} | {point} | {us:.1f} | {write_us:.1f} / {torch_write_us:.1f} | {case.floor_us:.1f} | "
                       f"{us / case.floor_us:.2f} | {kv_gbs:.0f} | {(out - ref).abs().max().item():.3g} |", flush=True)
 
 

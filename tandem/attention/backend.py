@@ -45,7 +45,9 @@ def quantize_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torc
     if cache_dtype != torch.float8_e4m3fn:
         return x
     fmax = torch.finfo(cache_dtype).max
-    return (x.float() / scale).clamp(-fmax, fmax).to(cache_dtype)
+    # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its
+    # reciprocal, which rounds differently from the kernels' (and the CPU's) true division.
+    return (x.float() / torch.full((), scale, device=x.device)).clamp(-fmax, fmax).to(cache_dtype)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -90,6 +90,7 @@ class TorchAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
+        v = v.contiguous()  # the qkv_proj view; the masked SDPA below reads it per request
         write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
         out_scale = 1.0
         if kv_cache.dtype != q.dtype:

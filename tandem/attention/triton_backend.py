@@ -25,7 +25,9 @@ Two kernels read K/V straight out of the paged cache through the block tables (l
   constructor limits); programs whose segment lies past the end of their sequence exit
   early and the reduce kernel ignores them.
 
-``forward`` makes no host sync: it uses only the host ints already in the metadata.
+``forward`` first writes the step's new K/V into the cache
+(:func:`tandem.attention.triton_reshape_and_cache.reshape_and_cache`, one kernel), then runs
+the decode and prefill kernels. It makes no host sync: it uses only the host ints already in the metadata.
 
 An FP8 cache (``--kv-cache-dtype fp8``) is read as float8 tiles converted to q's dtype in
 registers (half the KV bytes of bf16); ``k_scale`` folds into the softmax scale and
@@ -40,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.attention.backend import write_kv_cache
 from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.triton_reshape_and_cache import reshape_and_cache
 from tandem.triton_utils import INTERPRET as _INTERPRET
 from tandem.triton_utils import dot as _dot
 from tandem.triton_utils import num_sms
@@ -399,7 +401,7 @@ class TritonAttentionBackend:
         if q.dtype not in _SUPPORTED_DTYPES or kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
             raise ValueError(f"unsupported dtypes q={q.dtype} kv_cache={kv_cache.dtype}")
 
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
         if kv_cache.dtype == q.dtype:
             k_scale = v_scale = 1.0  # scales only apply to FP8 contents
         if q.stride(-1) != 1:

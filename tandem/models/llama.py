@@ -104,7 +104,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.k_scale, self.v_scale)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
