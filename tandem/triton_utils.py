@@ -51,8 +51,8 @@ def num_sms(device: torch.device) -> int:
 
 @contextlib.contextmanager
 def record_jit_compiles() -> Iterator[list[str]]:
-    """Collect, in the yielded list, one ``repr`` (kernel name, launch options, argument
-    types with their specialisations) per Triton kernel variant this process builds while
+    """Collect, in the yielded list, one description (kernel name, then the arguments it
+    was specialised on: constants, and attributes such as 16-divisibility) per Triton kernel variant this process builds while
     the context is active: every in-memory cache miss of a ``triton.jit`` function, whether
     the binary then comes from Triton's disk cache or a fresh compile. Chains any
     ``triton.knobs.runtime.jit_cache_hook`` already set and restores it on exit. The
@@ -63,7 +63,7 @@ def record_jit_compiles() -> Iterator[list[str]]:
     seen: list[str] = []
 
     def hook(*args, **kwargs):
-        seen.append(kwargs.get("repr", "?"))
+        seen.append(_variant_name(kwargs))
         return previous(*args, **kwargs) if previous is not None else False
 
     knobs.jit_cache_hook = hook
@@ -71,3 +71,19 @@ def record_jit_compiles() -> Iterator[list[str]]:
         yield seen
     finally:
         knobs.jit_cache_hook = previous
+
+
+def _variant_name(hook_kwargs: dict) -> str:
+    name = str(hook_kwargs.get("repr", "?")).split("[", 1)[0]
+    compiled = hook_kwargs.get("compile") or {}
+    params = list((compiled.get("signature") or {}).keys())
+
+    def named(specs: dict) -> str:
+        return ", ".join(f"{params[k[0]] if isinstance(k, tuple) and k and k[0] < len(params) else k}={v}"
+                         for k, v in specs.items())
+
+    configs = compiled.get("configs") or [{}]
+    constants = {k: v for k, v in (compiled.get("constants") or {}).items()
+                 if not isinstance(k, str)}  # constexpr parameters are named; the rest are specialised values
+    parts = [p for p in (named(constants), named(configs[0] or {})) if p]
+    return f"{name}({'; '.join(parts)})"

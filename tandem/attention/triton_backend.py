@@ -30,7 +30,8 @@ Two kernels read K/V straight out of the paged cache through the block tables (l
 the decode and prefill kernels. It makes no host sync: it uses only the host ints already in the metadata.
 
 An FP8 cache (``--kv-cache-dtype fp8``) is read as float8 tiles converted to q's dtype in
-registers (half the KV bytes of bf16); ``k_scale`` folds into the softmax scale and
+registers (half the KV bytes of bf16; a bf16 q is rounded to fp16 first, whose conversion
+from e4m3 is one instruction); ``k_scale`` folds into the softmax scale and
 ``v_scale`` into the output normalisation.
 """
 
@@ -49,6 +50,15 @@ from tandem.triton_utils import dot as _dot
 from tandem.triton_utils import num_sms
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _f16_query(q):
+    """q saturated to fp16's range and rounded to fp16 (exact for bf16 values inside it), so
+    that FP8 K/V tiles convert to q's dtype with one hardware instruction: e4m3 -> fp16
+    is native on sm_89+, e4m3 -> bf16 goes through fp32. e4m3 values are exact in fp16,
+    and p in [0, 1] keeps more mantissa in fp16 than in bf16."""
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
 # The first prefill request's index changes with every step's decode count: specialising on
@@ -83,6 +93,7 @@ def _paged_prefill_kernel(
     HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    F16_DOTS: tl.constexpr,  # bf16 q over an FP8 cache: both dots in fp16 (see _f16_query)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS_PER_PROG
     q_block = tl.program_id(0)
@@ -108,6 +119,8 @@ def _paged_prefill_kernel(
 
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    if F16_DOTS:
+        q = _f16_query(q)
     q_pos = ctx_len + tok  # position of each row's token in its sequence
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -196,6 +209,7 @@ def _paged_decode_kernel(
     DIRECT: tl.constexpr,  # one split: write the normalised output, no reduce pass
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    F16_DOTS: tl.constexpr,  # bf16 q over an FP8 cache: both dots in fp16 (see _f16_query)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -216,6 +230,8 @@ def _paged_decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_rows = req.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh  # decode req r owns token r
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=head_valid[:, None], other=0.0)
+    if F16_DOTS:
+        q = _f16_query(q)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -413,7 +429,8 @@ class TritonAttentionBackend:
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         upcast = _INTERPRET and q.dtype == torch.bfloat16
         bt = meta.block_tables
-        common = dict(PRECISION=precision, UPCAST=upcast)
+        common = dict(PRECISION=precision, UPCAST=upcast,
+                      F16_DOTS=kv_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16)
 
         nd = meta.num_decode_reqs
         if nd > 0:

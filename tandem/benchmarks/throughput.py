@@ -179,7 +179,7 @@ def main(args: argparse.Namespace) -> None:
         print(f"Constrained steps, medians: grammar (accept + bitmask fill, core thread) "
               f"{res.host_grammar_ms_median:.3f} ms, bitmask (copy + apply, runner) {res.host_bitmask_ms_median:.3f} ms")
     if res.jit_compiles_timed:
-        names = sorted({r.split("[", 1)[0] for r in res.jit_compiles_timed})
+        names = sorted({r.split("(", 1)[0] for r in res.jit_compiles_timed})
         print(f"Triton kernel variants built inside the timed run (the warm-up missed them): "
               f"{len(res.jit_compiles_timed)} ({', '.join(names)})")
     if res.gpu_idle_fraction is not None:
