@@ -129,7 +129,7 @@ class TorchAttentionBackend:
         kc, vc = gather_kv(kv_cache, meta.block_tables[:nd], nb, q.dtype, out=buf)
         o = F.scaled_dot_product_attention(q.reshape(nd, hk, hq // hk, d), kc.transpose(1, 2), vc.transpose(1, 2),
                                            attn_mask=self._decode_mask, scale=scale)
-        return o.view(nd, hq, d)
+        return o.reshape(nd, hq, d)  # SDPA on CUDA may return a transposed layout
 
     def _decode_one(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
@@ -149,7 +149,7 @@ class TorchAttentionBackend:
             kc, vc = gather_kv(kv_cache, meta.block_tables[:1], nb, q.dtype)
         o = F.scaled_dot_product_attention(q.reshape(1, hk, hq // hk, d), kc[:, :seq_len].transpose(1, 2),
                                            vc[:, :seq_len].transpose(1, 2), scale=scale)
-        return o.view(1, hq, d)
+        return o.reshape(1, hq, d)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, r: int, scale: float) -> torch.Tensor:

@@ -104,12 +104,15 @@ def test_silu_and_mul(t, inter, dtype):
     _close(fused_ops.silu_and_mul(x), fused_ops.silu_and_mul_ref(x), dtype)
 
 
-def _same_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Equal FP8 values (bytes) and scales, bit for bit."""
+def _same_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+              scale_ulps: int = 0) -> None:
+    """Equal FP8 values (bytes) and scales, bit for bit (scales within ``scale_ulps`` fp32
+    ulps where the two sides come from differently compiled row reductions)."""
     (q, s), (wq, ws) = got, want
     assert q.dtype == FP8_DTYPE and q.shape == wq.shape and s.dtype == torch.float32 and s.shape == ws.shape
     assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
-    assert torch.equal(s, ws)
+    ulps = (s.view(torch.int32).long() - ws.view(torch.int32).long()).abs()
+    assert (ulps <= scale_ulps).all(), ulps.max()
 
 
 def _near_fp8(q: torch.Tensor, s: torch.Tensor, want: torch.Tensor, dtype) -> None:
@@ -138,7 +141,11 @@ def test_rms_norm_dynamic_per_token_quant(t, hidden, dtype, residual):
     else:
         out = fused_ops.rms_norm(x, w, 1e-6)
         assert new_res is None
-    _same_fp8((q, s), quantize_per_token(out))
+    # An fp32 row wider than one warp's share is summed across warps, and the fused and the
+    # plain norm kernel are compiled separately: on the H200 their fp32 outputs (so the amax)
+    # differed by an ulp at hidden 576. 16-bit outputs round that away.
+    ulps = 1 if dtype == torch.float32 and DEVICE.type == "cuda" and hidden > 512 else 0
+    _same_fp8((q, s), quantize_per_token(out), scale_ulps=ulps)
     # And the torch reference (the CPU path) within the norm's tolerance and e4m3's rounding.
     wq, ws, _ = fused_ops.rms_norm_dynamic_per_token_quant_ref(x, w, 1e-6, res)
     assert ws.shape == s.shape == (t, 1)
