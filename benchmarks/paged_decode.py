@@ -24,18 +24,13 @@ import argparse
 import itertools
 
 import torch
+from mla_decode import context_lens, graph_time_us
 
 HBM_BYTES_PER_S = 4.8e12
 L2_BYTES = 50 * 2**20
 HQ, HK, D, BLOCK = 32, 8, 128, 16
 DEVICE = torch.device("cuda")
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-
-
-def context_lens(spec: str, nd: int, gen: torch.Generator) -> list[int]:
-    if spec == "mix":
-        return torch.randint(128, 385, (nd,), generator=gen).tolist()
-    return [int(spec)] * nd
 
 
 class Case:
@@ -67,7 +62,8 @@ class Case:
                                       bt, slots, 1, bt.shape[1] * BLOCK, list(range(nd + 1)), self.lens, nd)
         qkv = torch.randn(nd, (HQ + 2 * HK) * D, device=DEVICE, dtype=torch.bfloat16)
         q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
-        self.q, self.k, self.v = q.view(nd, HQ, D), k.view(nd, HK, D), v.view(nd, HK, D)  # strided views, as the model's
+        # Strided views of one qkv_proj output, as the model passes them.
+        self.q, self.k, self.v = q.view(nd, HQ, D), k.view(nd, HK, D), v.view(nd, HK, D)
         self.floor_us = (sum(self.lens) * 2 * HK * D * elem + nd * (2 * HQ + 2 * HK) * D * 2) / HBM_BYTES_PER_S * 1e6
 
     def forward(self, backend, layer: int) -> torch.Tensor:
@@ -82,28 +78,6 @@ class Case:
             reshape_and_cache(self.k, self.v, cache, self.meta.slot_mapping)
         else:
             write_kv_cache(self.k, self.v.contiguous(), cache, self.meta.slot_mapping)
-
-
-def graph_us(fn, calls: int, replays: int = 20) -> float:
-    """Microseconds per ``fn(i)``, ``calls`` of them captured in one CUDA graph, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and allocate outside the capture
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
 def backend_for(max_model_len: int, block_n: int = 64, warps: int | None = None, stages: int | None = None):
@@ -133,20 +107,21 @@ def main() -> None:
                                                args.kv_dtypes.split(",")):
             case = Case(nd, spec, KV_DTYPES[kvd], args.max_model_len)
             calls = 2 * len(case.caches)
-            write_us = graph_us(lambda i: case.write(i, True), calls)
-            torch_write_us = graph_us(lambda i: case.write(i, False), calls)
+            write_us = graph_time_us(lambda i: case.write(i, True), calls)
+            torch_write_us = graph_time_us(lambda i: case.write(i, False), calls)
             ref = None
             for point in points:
                 backend = backend_for(args.max_model_len, **point)
                 try:
-                    us = graph_us(lambda i: case.forward(backend, i), calls)
+                    us = graph_time_us(lambda i: case.forward(backend, i), calls)
                 except Exception as e:  # a launch the GPU cannot run (e.g. shared memory)
                     print(f"| {nd} | {spec} | {kvd} | {point} | failed: {type(e).__name__} | | | | | |")
                     continue
                 out = case.forward(backend, 0).float()
                 ref = out if ref is None else ref
                 kv_gbs = sum(case.lens) * 2 * HK * D * case.caches[0].element_size() / us / 1e3
-                print(f"| {nd} | {spec} | {kvd} | {point} | {us:.1f} | {write_us:.1f} / {torch_write_us:.1f} | {case.floor_us:.1f} | "
+                print(f"| {nd} | {spec} | {kvd} | {point} | {us:.1f} | {write_us:.1f} / {torch_write_us:.1f} | "
+                      f"{case.floor_us:.1f} | "
                       f"{us / case.floor_us:.2f} | {kv_gbs:.0f} | {(out - ref).abs().max().item():.3g} |", flush=True)
 
 

@@ -52,9 +52,10 @@ def num_sms(device: torch.device) -> int:
 @contextlib.contextmanager
 def record_jit_compiles() -> Iterator[list[str]]:
     """Collect, in the yielded list, one description (kernel name, then the arguments it
-    was specialised on: constants, and attributes such as 16-divisibility) per Triton kernel variant this process builds while
-    the context is active: every in-memory cache miss of a ``triton.jit`` function, whether
-    the binary then comes from Triton's disk cache or a fresh compile. Chains any
+    was specialised on: constants, and attributes such as 16-divisibility) per Triton
+    kernel variant this process builds while the context is active: every in-memory cache
+    miss of a ``triton.jit`` function, whether the binary then comes from Triton's disk
+    cache or a fresh compile. Chains any
     ``triton.knobs.runtime.jit_cache_hook`` already set and restores it on exit. The
     interpreter (``TRITON_INTERPRET=1``) builds nothing, so the list stays empty there.
     """
@@ -84,6 +85,6 @@ def _variant_name(hook_kwargs: dict) -> str:
 
     configs = compiled.get("configs") or [{}]
     constants = {k: v for k, v in (compiled.get("constants") or {}).items()
-                 if not isinstance(k, str)}  # constexpr parameters are named; the rest are specialised values
+                 if not isinstance(k, str)}  # argument paths ((index,), constexprs included); not other keys
     parts = [p for p in (named(constants), named(configs[0] or {})) if p]
     return f"{name}({'; '.join(parts)})"
