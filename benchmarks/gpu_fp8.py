@@ -5,7 +5,9 @@ Variants (each ``tandem bench throughput`` in its own process, so every engine g
 whole GPU): ``bf16``; ``fp8`` (``--quantization fp8``: online per-channel W8A8 through
 cuBLASLt, the activations quantized by the norm / SiLU-and-mul kernels); ``fp8-kv`` (also
 ``--kv-cache-dtype fp8``); ``fp8-unfused`` (``fp8`` with ``TANDEM_FP8_FUSED_QUANT=off``: a
-separate quantization kernel per linear input; not run unless named). They run in alternating order
+separate quantization kernel per linear input; not run unless named); ``fp8-exact`` (``fp8``
+with ``TANDEM_FP8_FAST_ACCUM=off``: the GEMMs promote to fp32 accumulators periodically;
+not run unless named). They run in alternating order
 (``bf16 fp8 fp8-kv``, then reversed, ...) ``--repeats`` times at every ``--max-num-seqs``;
 the table gives the median requests/s, the spread (min-max) and the median ratio to bf16
 at the same ``--max-num-seqs``. Workload: ``--num-prompts`` random prompts, input 128,
@@ -41,8 +43,8 @@ FP8_FLOPS_PER_S = 1979e12  # H200 dense FP8 tensor-core peak (SXM datasheet)
 
 VARIANTS = {"bf16": (), "fp8": ("--quantization", "fp8"),
             "fp8-kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
-            "fp8-unfused": ("--quantization", "fp8")}
-VARIANT_ENV = {"fp8-unfused": {"TANDEM_FP8_FUSED_QUANT": "off"}}
+            "fp8-unfused": ("--quantization", "fp8"), "fp8-exact": ("--quantization", "fp8")}
+VARIANT_ENV = {"fp8-unfused": {"TANDEM_FP8_FUSED_QUANT": "off"}, "fp8-exact": {"TANDEM_FP8_FAST_ACCUM": "off"}}
 DEFAULT_VARIANTS = ["bf16", "fp8", "fp8-kv"]
 
 

@@ -21,6 +21,10 @@ TANDEM_FP8_FUSED_QUANT              on         FP8 layers with dynamic per-token
                                                scales get their input quantized by the norm /
                                                SiLU-and-mul kernel producing it (on), or by a
                                                separate kernel (off); read when a model loads
+TANDEM_FP8_FAST_ACCUM               on         FP8 per-channel GEMMs accumulate in the FP8
+                                               MMA's own precision (on, as vLLM's sm90 kernels)
+                                               or promote to fp32 periodically (off); read
+                                               when a model loads
 TANDEM_MLA_PREFILL                  auto       MLA prefill attention: auto (the Triton flash-
                                                attention kernel on CUDA), triton, torch (the
                                                masked-SDPA reference); read when a layer is built
@@ -130,6 +134,7 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_MOE_ROUTER": _choice("TANDEM_MOE_ROUTER", "auto", MOE_ROUTER_IMPLS),
     "TANDEM_FUSED_OPS": _choice("TANDEM_FUSED_OPS", "auto", FUSED_OPS_MODES),
     "TANDEM_FP8_FUSED_QUANT": _choice("TANDEM_FP8_FUSED_QUANT", "on", ON_OFF),
+    "TANDEM_FP8_FAST_ACCUM": _choice("TANDEM_FP8_FAST_ACCUM", "on", ON_OFF),
     "TANDEM_MLA_PREFILL": _choice("TANDEM_MLA_PREFILL", "auto", MLA_PREFILL_MODES),
     "TANDEM_STARTUP_TIMEOUT_S": _float("TANDEM_STARTUP_TIMEOUT_S", 1800.0),
     "TANDEM_DUMP_STACKS_AFTER_S": _float("TANDEM_DUMP_STACKS_AFTER_S", None),

@@ -177,7 +177,9 @@ def _paged_prefill_kernel(
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
-@triton.jit
+# Split counts change with every step's batch and contexts, and the partial-output strides
+# with them: specialising on them (== 1, % 16) would build kernel variants mid-serving.
+@triton.jit(do_not_specialize=["num_splits", "stride_lr", "stride_lh"])
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -270,7 +272,7 @@ def _paged_decode_kernel(
         tl.store(lse_ptr + lse_off, lse, mask=head_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "min_tiles_per_split", "stride_lr", "stride_lh"])
 def _decode_reduce_kernel(
     part_out_ptr,
     lse_ptr,
@@ -286,7 +288,7 @@ def _decode_reduce_kernel(
     stride_ot,
     stride_oh,
     BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # splits combined per iteration (any count of splits works)
     DIM: tl.constexpr,  # output width (head_dim; MLA: kv_lora_rank)
     BLOCK_D: tl.constexpr,  # DIM rounded up to a power of two
 ):
@@ -298,23 +300,36 @@ def _decode_reduce_kernel(
     tiles_per_split = tl.maximum(tl.maximum(tl.cdiv(num_tiles, num_splits), min_tiles_per_split), 1)
     num_valid = tl.cdiv(num_tiles, tiles_per_split)
 
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_valid = offs_s < num_valid
     d_valid = offs_d < DIM
     lse_base = req.to(tl.int64) * stride_lr + head.to(tl.int64) * stride_lh
-    lse = tl.load(lse_ptr + lse_base + offs_s, mask=s_valid, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # no valid split (seq_len 0)
-    w = tl.where(s_valid, tl.exp2(lse - m), 0.0)
-    denom = tl.sum(w, 0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
     p_base = req.to(tl.int64) * stride_pr + head.to(tl.int64) * stride_ph
-    part = tl.load(part_out_ptr + p_base + offs_s[:, None] * stride_ps + offs_d[None, :],
-                   mask=s_valid[:, None] & d_valid[None, :], other=0.0)
-    o = tl.sum(part * w[:, None], 0) / denom
+    # Online log-sum-exp over the splits, BLOCK_S at a time (every chunk holds a valid split,
+    # so the running max is finite after the first).
+    m = float("-inf")
+    denom = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_valid, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_valid = offs_s < num_valid
+        lse = tl.load(lse_ptr + lse_base + offs_s, mask=s_valid, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.where(s_valid, tl.exp2(lse - m_new), 0.0)
+        part = tl.load(part_out_ptr + p_base + offs_s[:, None] * stride_ps + offs_d[None, :],
+                       mask=s_valid[:, None] & d_valid[None, :], other=0.0)
+        acc = acc * alpha + tl.sum(part * w[:, None], 0)
+        denom = denom * alpha + tl.sum(w, 0)
+        m = m_new
+    denom = tl.where(denom == 0.0, 1.0, denom)  # no valid split (seq_len 0): output 0
+    o = acc / denom
     o_off = req.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
     tl.store(out_ptr + o_off + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_valid)
+
+
+#: Splits ``_decode_reduce_kernel`` combines per iteration: fixed, so that one compiled
+#: variant serves every split count.
+REDUCE_BLOCK_S = 4
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -458,7 +473,7 @@ class TritonAttentionBackend:
                 _decode_reduce_kernel[(nd, num_heads)](
                     part_out, lse, out, meta.seq_lens, splits, 1,
                     *part_out.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-                    BLOCK_N=self.block_n, BLOCK_S=triton.next_power_of_2(splits), DIM=head_dim,
+                    BLOCK_N=self.block_n, BLOCK_S=REDUCE_BLOCK_S, DIM=head_dim,
                     BLOCK_D=head_dim,
                     num_warps=4,
                 )

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.attention.triton_backend import _decode_reduce_kernel
+from tandem.attention.triton_backend import REDUCE_BLOCK_S, _decode_reduce_kernel
 from tandem.triton_utils import INTERPRET as _INTERPRET
 from tandem.triton_utils import dot as _dot
 from tandem.triton_utils import num_sms
@@ -131,7 +131,9 @@ def decode_launch(num_reqs: int, table: tuple[MLADecodeLaunch, ...] = DECODE_LAU
     return table[-1]
 
 
-@triton.jit
+# Split counts (and the partial-output strides) change with every step: not specialised on,
+# so that one variant per launch row serves every step (see _paged_decode_kernel).
+@triton.jit(do_not_specialize=["num_splits", "min_tiles_per_split", "stride_lr", "stride_lh"])
 def _mla_decode_kernel(
     q_lat_ptr,
     q_pe_ptr,
@@ -389,7 +391,7 @@ def mla_decode_attention(
         _decode_reduce_kernel[(nd, num_heads)](
             part_out, lse, out, seq_lens, num_splits, min_tiles_per_split,
             *part_out.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-            BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits), DIM=rank, BLOCK_D=block_r,
+            BLOCK_N=block_n, BLOCK_S=REDUCE_BLOCK_S, DIM=rank, BLOCK_D=block_r,
             num_warps=4,
         )
     return out

@@ -89,13 +89,16 @@ class _FP8Forward:
     # Whether forward accepts a QuantizedActivation (module docstring): a plain attribute,
     # decided once after loading, so that the model's check per forward costs nothing.
     takes_quantized_input: bool = False
+    # use_fast_accum of the FP8 GEMM (tandem.layers.quantization.fp8.fp8_linear), set after loading.
+    fp8_fast_accum: bool = False
 
     def _matmul(self, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight.dtype != FP8_DTYPE:
             return F.linear(x, self.weight, bias)
         if self.weight_block is not None:
             return block_fp8_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
-        return fp8_linear(x, self.weight, self.weight_scale, getattr(self, "input_scale", None), bias)
+        return fp8_linear(x, self.weight, self.weight_scale, getattr(self, "input_scale", None), bias,
+                          fast_accum=self.fp8_fast_accum)
 
 
 def _tp(tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:

@@ -13,7 +13,7 @@ import torch
 
 from tests.triton_interpreter import triton_test_setup
 
-DEVICE, INTERPRET = triton_test_setup("tandem.attention.triton_backend")
+DEVICE, INTERPRET = triton_test_setup("tandem.attention.triton_backend", fp8_rounding=True)
 
 from tandem.attention import triton_backend  # noqa: E402
 from tandem.attention.metadata import AttentionMetadata  # noqa: E402
@@ -285,6 +285,26 @@ def test_cuda_graph_decode_replay():
             dst.copy_(src)
         graph.replay()
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@cuda_only
+def test_cuda_decode_split_counts_share_one_variant():
+    """Once the direct and the split-KV decode have run, eager decodes whose split counts
+    differ (2 to 32, the partial-output strides with them) build no new kernel variant:
+    split counts change every serving step, so a variant per count would compile mid-run."""
+    from tandem.triton_utils import record_jit_compiles
+
+    backend = TritonAttentionBackend()
+    contexts = [(100, 1), (300, 1), (600, 1), (1200, 1), (4100, 1), (9000, 1)]
+    shape = dict(backend=backend, max_blocks=600)  # one block-table width, as the engine's
+    check([contexts[0]], 1, 8, 2, 128, 16, torch.bfloat16, **shape)
+    check([contexts[1]], 1, 8, 2, 128, 16, torch.bfloat16, **shape)
+    splits = [backend.num_decode_splits(1, 2, n + 1, torch.device(DEVICE)) for n, _ in contexts]
+    assert splits[0] == 1 and len(set(splits[1:])) == len(splits) - 1 and 32 in splits, splits
+    with record_jit_compiles() as built:
+        for reqs in contexts[2:]:
+            check([reqs], 1, 8, 2, 128, 16, torch.bfloat16, **shape)
+    assert built == []
 
 
 # --------------------------------------------------------------------------- FP8 KV cache

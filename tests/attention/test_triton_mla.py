@@ -278,6 +278,21 @@ def test_cuda_graph_replay():
         torch.testing.assert_close(out.float().cpu(), want, atol=2e-2, rtol=2e-2)
 
 
+@cuda_only
+def test_cuda_split_counts_share_one_variant():
+    """After one direct and one split-KV launch of a launch row, other split counts (and
+    the partial-output strides that follow them) build no new kernel variant."""
+    from tandem.triton_utils import record_jit_compiles
+
+    lens = [3000, 700, 1, 4096]
+    for num_splits in (1, 2):
+        check(lens, rank=512, rope=64, dtype=torch.bfloat16, num_splits=num_splits)
+    with record_jit_compiles() as built:
+        for num_splits in (3, 5, 16, 32):
+            check(lens, rank=512, rope=64, dtype=torch.bfloat16, num_splits=num_splits)
+    assert built == []
+
+
 _COMPILE_SM90 = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget

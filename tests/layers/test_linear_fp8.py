@@ -108,3 +108,27 @@ def test_missing_expert_scale_is_an_error():
     moe.create_fp8_weights(None)
     with pytest.raises(ValueError, match="lacks w13_weight_scale"):
         moe.finish_fp8_weights("layers.0.mlp.experts")
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_fast_accumulation_follows_the_environment_at_load(setting, monkeypatch):
+    """TANDEM_FP8_FAST_ACCUM, read when the weights are finished, reaches every per-channel
+    GEMM as ``_scaled_mm``'s ``use_fast_accum``."""
+    from tandem.layers.quantization.apply import finish_fp8_model
+    from tandem.layers.quantization.config import Fp8Config
+
+    monkeypatch.setenv("TANDEM_FP8_FAST_ACCUM", setting)
+    layer = RowParallelLinear(32, 16, tp_size=1, tp_rank=0)
+    finish_fp8_model(torch.nn.ModuleDict({"o_proj": layer}), Fp8Config(), torch.float32)
+    monkeypatch.delenv("TANDEM_FP8_FAST_ACCUM")
+    assert layer.weight.dtype == FP8_DTYPE and layer.fp8_fast_accum is (setting == "on")
+    seen = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_fast_accum"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    layer(torch.randn(3, 32))  # (a first CPU call also probes _scaled_mm's row-wise support)
+    assert seen[-1] is (setting == "on")

@@ -11,7 +11,8 @@ Two passes around weight loading (vLLM's ``create_weights`` /
   are reduced to their maximum; scales a checkpoint did not provide raise an error; layers
   that quantize their input per token are marked ``takes_quantized_input`` (unless
   ``TANDEM_FP8_FUSED_QUANT=off``), so that the model quantizes their input in the norm /
-  activation kernel that produces it.
+  activation kernel that produces it; per-channel GEMMs use fast FP8 accumulation unless
+  ``TANDEM_FP8_FAST_ACCUM=off``.
 
 Left in the model dtype: embeddings, norms, the LM head, routers (``nn.Linear`` /
 plain parameters), layers matched by the config's ``ignore``, and MLA's ``kv_b_proj``
@@ -143,12 +144,14 @@ def finish_fp8_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype) -> No
         ValueError: an FP8 checkpoint lacks a scale tensor.
     """
     fuse = envs.TANDEM_FP8_FUSED_QUANT == "on"
+    fast_accum = envs.TANDEM_FP8_FAST_ACCUM == "on"
     for name, mod in _linear_layers(model, cfg):
         if name.rpartition(".")[2] in _HIGH_PRECISION and mod.weight.dtype != FP8_DTYPE:
             continue
         _finish_linear(name, mod, dtype)
         mod.takes_quantized_input = fuse and fp8_linear_takes_quantized_input(
             mod.weight, mod.weight_block, getattr(mod, "input_scale", None))
+        mod.fp8_fast_accum = fast_accum
     for name, mod in model.named_modules():
         if isinstance(mod, FusedMoE):
             mod.finish_fp8_weights(name)
