@@ -61,9 +61,10 @@ def _f16_query(q):
     return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
-# The first prefill request's index changes with every step's decode count: specialising on
-# it (== 1, % 16) would compile new variants in the middle of serving.
-@triton.jit(do_not_specialize=["req_offset"])
+# The first prefill request's index changes with every step's decode count, and the block-table
+# width with its longest context (eager steps pass the step's own width): specialising on them
+# (== 1, % 16) would compile new variants in the middle of serving.
+@triton.jit(do_not_specialize=["req_offset", "stride_btr"])
 def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -178,8 +179,9 @@ def _paged_prefill_kernel(
 
 
 # Split counts change with every step's batch and contexts, and the partial-output strides
-# with them: specialising on them (== 1, % 16) would build kernel variants mid-serving.
-@triton.jit(do_not_specialize=["num_splits", "stride_lr", "stride_lh"])
+# with them, as does the block-table width (see _paged_prefill_kernel): specialising on them
+# (== 1, % 16) would build kernel variants mid-serving.
+@triton.jit(do_not_specialize=["num_splits", "stride_lr", "stride_lh", "stride_btr"])
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,

@@ -131,9 +131,10 @@ def decode_launch(num_reqs: int, table: tuple[MLADecodeLaunch, ...] = DECODE_LAU
     return table[-1]
 
 
-# Split counts (and the partial-output strides) change with every step: not specialised on,
-# so that one variant per launch row serves every step (see _paged_decode_kernel).
-@triton.jit(do_not_specialize=["num_splits", "min_tiles_per_split", "stride_lr", "stride_lh"])
+# Split counts (and the partial-output strides) and the block-table width change with every
+# step: not specialised on, so that one variant per launch row serves every step (see
+# triton_backend._paged_decode_kernel).
+@triton.jit(do_not_specialize=["num_splits", "min_tiles_per_split", "stride_lr", "stride_lh", "stride_btr"])
 def _mla_decode_kernel(
     q_lat_ptr,
     q_pe_ptr,

@@ -290,13 +290,15 @@ def test_cuda_graph_decode_replay():
 @cuda_only
 def test_cuda_decode_split_counts_share_one_variant():
     """Once the direct and the split-KV decode have run, eager decodes whose split counts
-    differ (2 to 32, the partial-output strides with them) build no new kernel variant:
-    split counts change every serving step, so a variant per count would compile mid-run."""
+    (2 to 32, the partial-output strides with them) and block-table widths differ build no
+    new kernel variant: both change every serving step, so a variant per value would
+    compile mid-run."""
     from tandem.triton_utils import record_jit_compiles
 
     backend = TritonAttentionBackend()
-    contexts = [(100, 1), (300, 1), (600, 1), (1200, 1), (4100, 1), (9000, 1)]
-    shape = dict(backend=backend, max_blocks=600)  # one block-table width, as the engine's
+    # Split counts 1, 2, 3, 5, 16, 32; block-table widths 9, 21, 40, 78, 256, 565 (make_case).
+    contexts = [(100, 1), (300, 1), (600, 1), (1200, 1), (4050, 1), (9000, 1)]
+    shape = dict(backend=backend)  # block tables as wide as each case needs, as in eager steps
     check([contexts[0]], 1, 8, 2, 128, 16, torch.bfloat16, **shape)
     check([contexts[1]], 1, 8, 2, 128, 16, torch.bfloat16, **shape)
     splits = [backend.num_decode_splits(1, 2, n + 1, torch.device(DEVICE)) for n, _ in contexts]

@@ -281,7 +281,8 @@ def test_cuda_graph_replay():
 @cuda_only
 def test_cuda_split_counts_share_one_variant():
     """After one direct and one split-KV launch of a launch row, other split counts (and
-    the partial-output strides that follow them) build no new kernel variant."""
+    the partial-output strides that follow them) and block-table widths build no new
+    kernel variant."""
     from tandem.triton_utils import record_jit_compiles
 
     lens = [3000, 700, 1, 4096]
@@ -289,7 +290,8 @@ def test_cuda_split_counts_share_one_variant():
         check(lens, rank=512, rope=64, dtype=torch.bfloat16, num_splits=num_splits)
     with record_jit_compiles() as built:
         for num_splits in (3, 5, 16, 32):
-            check(lens, rank=512, rope=64, dtype=torch.bfloat16, num_splits=num_splits)
+            check(lens, rank=512, rope=64, dtype=torch.bfloat16, num_splits=num_splits,
+                  case_kw=dict(max_blocks=256 + num_splits))
     assert built == []
 
 
