@@ -113,10 +113,15 @@ def test_missing_expert_scale_is_an_error():
 @pytest.mark.parametrize("setting", ["on", "off"])
 def test_fast_accumulation_follows_the_environment_at_load(setting, monkeypatch):
     """TANDEM_FP8_FAST_ACCUM, read when the weights are finished, reaches every per-channel
-    GEMM as ``_scaled_mm``'s ``use_fast_accum``."""
+    GEMM as ``_scaled_mm``'s ``use_fast_accum`` (on an FP8 GPU where there is one, else on
+    the CPU where torch's ``_scaled_mm`` takes row-wise scales)."""
+    from tandem.layers.quantization import fp8
     from tandem.layers.quantization.apply import finish_fp8_model
     from tandem.layers.quantization.config import Fp8Config
 
+    cuda = torch.cuda.is_available() and fp8.fp8_supported(torch.device("cuda"))
+    if not cuda and not fp8._cpu_rowwise_scaled_mm():
+        pytest.skip("this torch build's CPU _scaled_mm takes per-tensor scales only (the fp32 fallback runs)")
     monkeypatch.setenv("TANDEM_FP8_FAST_ACCUM", setting)
     layer = RowParallelLinear(32, 16, tp_size=1, tp_rank=0)
     finish_fp8_model(torch.nn.ModuleDict({"o_proj": layer}), Fp8Config(), torch.float32)
@@ -130,5 +135,6 @@ def test_fast_accumulation_follows_the_environment_at_load(setting, monkeypatch)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", spy)
-    layer(torch.randn(3, 32))  # (a first CPU call also probes _scaled_mm's row-wise support)
-    assert seen[-1] is (setting == "on")
+    device = "cuda" if cuda else "cpu"
+    layer.to(device)(torch.randn(3, 32, device=device))
+    assert seen == [setting == "on"]
