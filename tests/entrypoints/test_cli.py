@@ -71,6 +71,19 @@ def test_device_cuda_without_cuda():
     assert_one_line_error(tandem("generate", "hi", "--model", MISSING_MODEL, "--device", "cuda"), 2, "cuda", "--device cpu")
 
 
+@pytest.mark.parametrize("cmd", [["serve"], ["serve", "--api-server-count", "2"], ["bench", "throughput"],
+                                 ["eval", "--task", "mmlu", "--limit", "2"]])
+def test_bad_model_path_is_one_line(cmd):
+    """As ``generate``: every command that starts an engine, spawned cores or not."""
+    assert_one_line_error(tandem(*cmd, "--model", "/nonexistent.gguf"), 2, "'/nonexistent.gguf' is none of them")
+
+
+def test_model_the_engine_core_rejects_is_one_line(tmp_path):
+    """A folder that passes the front end's path check but that the spawned core cannot load:
+    the core's error, alone."""
+    assert_one_line_error(tandem("serve", str(tmp_path), "--port", "0"), 2, str(tmp_path))
+
+
 def test_busy_port_is_reported_before_loading():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -362,7 +362,9 @@ def run_server(args: argparse.Namespace) -> None:
     :func:`tandem.entrypoints.openai.api_server_manager.run_multi_api_server` instead.
 
     Raises:
-        ValueError: a bad engine flag (before anything loads).
+        ValueError: a bad engine flag (before anything loads), a model path none the loader
+            reads (before the cores start), a core failed to start on bad input
+            (``EngineConfigError``).
         ConnectionError: the address cannot be bound (before anything loads).
         SystemExit: 1 when an engine core died.
     """
