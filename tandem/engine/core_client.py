@@ -610,5 +610,5 @@ def make_client(config: EngineConfig, asyncio_mode: bool = False):
     return InprocClient(config)
 
 
-__all__ = ["AsyncMPClient", "EngineClientConfig", "EngineConfigError", "EngineDeadError", "EngineZmqAddresses", "InprocClient", "MPClient",
-           "SyncMPClient", "make_client"]
+__all__ = ["AsyncMPClient", "EngineClientConfig", "EngineConfigError", "EngineDeadError", "EngineZmqAddresses",
+           "InprocClient", "MPClient", "SyncMPClient", "make_client"]

@@ -29,7 +29,6 @@ class PromptError(ValueError):
     def __init__(self, template: str, field: str = "prompt") -> None:
         super().__init__(template.format(field=field))
         self.template = template
-        self.field = field
 
     def for_field(self, field: str) -> PromptError:
         """The same error, the prompt called ``field``."""

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn): ``tandem serve [MODEL]``.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{model_id}``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``,
-``GET /tokenizer_info``, ``GET /version``, ``GET /debug/engine_stats``.
+``GET /v1/models/{model_id}``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``,
+``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version``, ``GET /debug/engine_stats``.
 
 ``--api-server-count N`` (N > 1) runs N such servers in their own processes on the one
 port, in front of the shared engine cores (:mod:`tandem.entrypoints.openai.api_server_manager`).
@@ -10,8 +10,9 @@ port, in front of the shared engine cores (:mod:`tandem.entrypoints.openai.api_s
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``. User input
 never yields a 500: invalid JSON, validation failures (FastAPI's 422 included),
 out-of-range values, over-long prompts and out-of-vocabulary token ids are 400; unknown
-models (as OpenAI and vLLM: ``NotFoundError``, param ``model``) and unknown routes 404. A client that disconnects aborts its request (streaming: the response
-task is cancelled; non-streaming: the handler races a disconnect listener).
+models (as OpenAI and vLLM: ``NotFoundError``, param ``model``) and unknown routes 404. A
+client that disconnects aborts its request (streaming: the response task is cancelled;
+non-streaming: the handler races a disconnect listener).
 """
 
 from __future__ import annotations
