@@ -12,13 +12,16 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     t = bench.add_parser("throughput", help="offline throughput on random prompts")
     EngineArgs.add_cli_args(t)
-    t.add_argument("--input-len", type=positive_int, default=128)
-    t.add_argument("--output-len", type=positive_int, default=128)
-    t.add_argument("--num-prompts", type=positive_int, default=100)
-    t.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    t.add_argument("--output-json", default=None)
+    t.add_argument("--input-len", type=positive_int, default=128,
+                   help="tokens of each random prompt (default %(default)s)")
+    t.add_argument("--output-len", type=positive_int, default=128,
+                   help="tokens generated per prompt (default %(default)s)")
+    t.add_argument("--num-prompts", type=positive_int, default=100, help="prompts in the run (default %(default)s)")
+    t.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly --output-len tokens, past EOS (default %(default)s)")
+    t.add_argument("--output-json", default=None, help="also write the results to this JSON file (default: none)")
     t.add_argument("--structured-output-ratio", type=unit_fraction, default=0.0,
-                   help="share of the requests constrained to a JSON schema (0-1)")
+                   help="share of the requests constrained to a JSON schema, 0-1 (default %(default)s)")
     t.add_argument("--json-schema-path", default=None,
                    help="the schema of the constrained requests (default: the serving benchmark's user profile)")
 

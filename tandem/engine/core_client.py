@@ -61,6 +61,13 @@ class EngineDeadError(RuntimeError):
     are lost."""
 
 
+class EngineConfigError(EngineDeadError, ValueError):
+    """A rank failed to start on bad input (a model path or file, a value the loader
+    rejects); the message is the rank's error alone. A ValueError, so that callers report it
+    as they report the same error raised in their own process (the ``tandem`` command: one
+    line, exit 2)."""
+
+
 class InprocClient:
     """The engine core in this process (see the module docstring).
 
@@ -169,7 +176,9 @@ class MPClient:
             :meth:`wait_ready` (the launcher of API servers starts them meanwhile).
 
     Raises:
-        EngineDeadError: a rank failed to start (its traceback is in the message).
+        ValueError: the model path is none the loader reads (before any rank starts).
+        EngineConfigError: a rank failed to start on bad input (its message).
+        EngineDeadError: a rank failed to start otherwise (its traceback is in the message).
     """
 
     def __init__(self, config: EngineConfig, startup_timeout: float | None = None, asyncio_mode: bool = False,
@@ -224,7 +233,8 @@ class MPClient:
         """Wait for every replica's handshake (``readies``, ``ready``).
 
         Raises:
-            EngineDeadError: a rank failed to start, or not within the timeout.
+            EngineConfigError: a rank failed to start on bad input.
+            EngineDeadError: a rank failed to start otherwise, or not within the timeout.
         """
         try:
             self.readies = self._wait_ready(envs.TANDEM_STARTUP_TIMEOUT_S if startup_timeout is None
@@ -235,9 +245,12 @@ class MPClient:
         self.ready = self.readies[0]
 
     def _spawn(self, config: EngineConfig) -> list:
+        from tandem.config.model import check_model_path
         from tandem.distributed.launch import host_store, resolve_rendezvous, spawn_ranks
         from tandem.engine.core_proc import run_engine_core
 
+        # A missing model fails here, in one line, not after the ranks start.
+        check_model_path(config.model_config.model)
         parallel = config.parallel_config
         rdv = resolve_rendezvous(parallel.master_addr, parallel.master_port) if parallel.world_size > 1 else None
         # Served from here until every rank has exited (see host_store).
@@ -269,6 +282,8 @@ class MPClient:
             if isinstance(msg, EngineCoreReady):
                 readies[msg.engine_index] = msg
             elif isinstance(msg, EngineCoreOutputs) and msg.engine_dead:
+                if msg.config_error is not None:
+                    raise EngineConfigError(msg.config_error)
                 raise EngineDeadError(msg.error)
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"no answer from the engine cores within {timeout}s")
@@ -595,5 +610,5 @@ def make_client(config: EngineConfig, asyncio_mode: bool = False):
     return InprocClient(config)
 
 
-__all__ = ["AsyncMPClient", "EngineClientConfig", "EngineDeadError", "EngineZmqAddresses", "InprocClient", "MPClient",
-           "SyncMPClient", "make_client"]
+__all__ = ["AsyncMPClient", "EngineClientConfig", "EngineConfigError", "EngineDeadError", "EngineZmqAddresses",
+           "InprocClient", "MPClient", "SyncMPClient", "make_client"]

@@ -251,11 +251,15 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
         finally:
             if info.tp_size > 1:
                 core.step_broadcast(None)
-    except BaseException:
+    except BaseException as e:
         if proc is None:  # failed while loading: tell the front end which rank and why
             ctx = zmq.Context()
+            # Bad input, as the tandem command classes it (tandem.entrypoints.cli.main): the
+            # front end reports the message alone; anything else, the traceback.
+            config_error = str(e) if isinstance(e, (ValueError, FileNotFoundError)) else None
             data = MsgpackEncoder().encode(EngineCoreOutputs(
-                rank, engine_dead=True, error=f"rank {rank} failed to start:\n{traceback.format_exc()}"))
+                rank, engine_dead=True, error=f"rank {rank} failed to start:\n{traceback.format_exc()}",
+                config_error=config_error))
             for addr in output_addrs:
                 sock = ctx.socket(zmq.PUSH)
                 sock.connect(addr)

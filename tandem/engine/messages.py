@@ -104,6 +104,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     ``engine_index``: the data-parallel replica that sent it. ``engine_dead``: the core
     failed (``error`` has its traceback) and exits; every request it held is lost.
+    ``config_error``: a rank failed to start on bad input (a model path, a value the loader
+    rejects: a ValueError or FileNotFoundError), and this is its message alone.
     """
 
     engine_index: int = 0
@@ -112,6 +114,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: UtilityOutput | None = None
     engine_dead: bool = False
     error: str | None = None
+    config_error: str | None = None
 
 
 class EngineCoreReady(msgspec.Struct, array_like=True, gc=False, tag=True):

@@ -16,6 +16,25 @@ MAX_LOGPROBS = 20
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
+class PromptError(ValueError):
+    """A prompt the engine cannot take: empty, over the context, or with token ids outside
+    the vocabulary. The message calls the prompt ``field``; a server rewords it with
+    :meth:`for_field` to name its own request field (``messages`` for chat, as OpenAI's
+    errors do).
+
+    Args:
+        template: the message, with ``{field}`` (``str.format``) where the prompt is named.
+    """
+
+    def __init__(self, template: str, field: str = "prompt") -> None:
+        super().__init__(template.format(field=field))
+        self.template = template
+
+    def for_field(self, field: str) -> PromptError:
+        """The same error, the prompt called ``field``."""
+        return PromptError(self.template, field)
+
+
 def parse_prompt(prompt: str | Sequence[int] | Mapping) -> tuple[str | None, list[int] | None]:
     """``(text, None)`` for a string or ``{"prompt": str}``, ``(None, ids)`` for a sequence
     of token ids or ``{"prompt_token_ids": [...]}`` (vLLM's TextPrompt / TokensPrompt).
@@ -79,8 +98,9 @@ class Processor:
         ``i``-th of ``n > 1`` is ``f"{i}_{request_id}"`` with seed ``child_seed(seed, i)``.
 
         Raises:
-            ValueError: empty prompt, prompt + max_tokens over the context, token ids
-                outside the vocabulary, bad sampling values (the message names the field).
+            PromptError: empty prompt, prompt + max_tokens over the context, token ids
+                outside the vocabulary.
+            ValueError: bad sampling values (the message names the field).
         """
         defaults = self.generation_defaults.sampling
         params = (params or SamplingParams()).with_defaults(defaults)
@@ -97,19 +117,22 @@ class Processor:
         # dummy config) must not crash the engine.
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+            # Braces doubled: the ids are text of the template (a non-int id may print with braces).
+            shown = str(bad[:8]).replace("{", "{{").replace("}", "}}")
+            raise PromptError(f"{{field}} token ids outside the vocabulary [0, {self.vocab_size}): {shown}")
         if not ids:
-            raise ValueError("prompt must contain at least one token.")
+            raise PromptError("{field} must contain at least one token.")
         max_len = self.max_model_len
         if len(ids) >= max_len:
-            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, your prompt has "
-                             f"{len(ids)} tokens, which leaves no room for completion tokens.")
+            raise PromptError(f"This model's maximum context length is {max_len} tokens. However, your {{field}} "
+                              f"resulted in {len(ids)} tokens, which leaves no room for completion tokens.")
         if params.max_tokens is None:  # up to the context, or the model's max_new_tokens
             max_tokens = min(max_len - len(ids), defaults.get("max_tokens", max_len))
         elif len(ids) + params.max_tokens > max_len:
-            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, you requested "
-                             f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, "
-                             f"{params.max_tokens} in the completion). Please reduce the length of the messages or completion.")
+            raise PromptError(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                              f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the {{field}}, "
+                              f"{params.max_tokens} in the completion). Please reduce the length of the {{field}} "
+                              f"or completion.")
         else:
             max_tokens = params.max_tokens
         if not params.ignore_eos:
@@ -123,4 +146,4 @@ class Processor:
         return text, reqs
 
 
-__all__ = ["MAX_LOGPROBS", "Processor"]
+__all__ = ["MAX_LOGPROBS", "Processor", "PromptError"]

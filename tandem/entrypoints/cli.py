@@ -14,6 +14,8 @@ from tandem.version import tandem_version
 
 
 DEFAULT_MAX_TOKENS = 256
+# The default of a sampling flag left out, then the value when the model names none.
+GENERATION_DEFAULT = "default: the model's generation_config.json, else"
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -21,19 +23,33 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     generation_config.json values (else vLLM's), and temperature takes the model's, else 0."""
     p.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
                    help=f"most tokens per completion (default {DEFAULT_MAX_TOKENS}; a note says when it cut one)")
-    p.add_argument("--min-tokens", type=non_negative_int, default=0)
+    p.add_argument("--min-tokens", type=non_negative_int, default=0,
+                   help="tokens per completion before EOS or a stop token may be generated (default %(default)s)")
     p.add_argument("--temperature", type=float, default=None,
-                   help="default: the model's generation_config.json, else 0 (greedy)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--stop", action="append", default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("-n", "--n", dest="n", type=positive_int, default=1, help="completions per prompt")
+                   help=f"sampling temperature, 0: greedy ({GENERATION_DEFAULT} 0)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling: keep the most likely tokens up to this total probability, in (0, 1] "
+                        f"({GENERATION_DEFAULT} 1)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help=f"keep the k most likely tokens, -1 or 0: all ({GENERATION_DEFAULT} all)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help=f"drop tokens less likely than this share of the most likely one ({GENERATION_DEFAULT} 0)")
+    p.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None,
+                   help="per-request sampling seed (default: none, unseeded)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"penalty on tokens already in the prompt or output, > 0: above 1 discourages them, below 1 "
+                        f"encourages them ({GENERATION_DEFAULT} 1: none)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract from the logits of tokens already generated, in [-2, 2] (default %(default)s)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times each token's count so far from its logit, in [-2, 2] "
+                        "(default %(default)s)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="a string that ends a completion, not included in it; repeat for several (default: none)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating after EOS, up to --max-tokens (default: stop at EOS)")
+    p.add_argument("-n", "--n", dest="n", type=positive_int, default=1,
+                   help="completions per prompt (default %(default)s)")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -119,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate completions offline and print them")
-    g.add_argument("prompt", nargs="+")
-    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("prompt", nargs="+", help="one or more prompts, each completed on its own")
+    g.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the model's chat template (default: raw text)")
     EngineArgs.add_cli_args(g)
     add_sampling_args(g)
     g.set_defaults(func=_generate)

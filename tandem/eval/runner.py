@@ -146,8 +146,7 @@ def format_table(results: list[EvalResult], groups: bool = False) -> str:
 
 def summary_line(r: EvalResult) -> str:
     b = r.backend
-    model = b.get("model") or (b.get("engine_config") or {}).get("model")
-    return (f"tandem ({b.get('backend')}, model={model}), limit: {r.limit}, num_fewshot: {r.num_fewshot}, "
+    return (f"tandem ({b.get('backend')}, model={b.get('model')}), limit: {r.limit}, num_fewshot: {r.num_fewshot}, "
             f"n: {r.n}, wall time: {r.wall_time_s:.1f} s")
 
 

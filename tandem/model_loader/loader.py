@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tandem.attention.backend import AttentionBackend
+from tandem.config.model import check_model_path
 from tandem.distributed import parallel_state as ps
 from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_scales, prepare_fp8_model,
                                               rename_checkpoint_scales)
@@ -47,21 +48,20 @@ def load_hf_config(model: str):
     """
     from transformers import AutoConfig, PretrainedConfig
 
+    check_model_path(model)
     if is_gguf(model):
         cached = converted_folder(model)
         if cached is not None:
             return converted_config(cached)
         folder, name = _split_gguf_path(model)
         return AutoConfig.from_pretrained(folder, gguf_file=name)
-    if os.path.isfile(model) and model.endswith(".json"):
+    if os.path.isfile(model):  # a config.json
         with open(model) as f:
             d = json.load(f)
         from transformers import CONFIG_MAPPING
 
         return CONFIG_MAPPING[d["model_type"]].from_dict(d) if "model_type" in d else PretrainedConfig.from_dict(d)
-    if os.path.isdir(model):
-        return AutoConfig.from_pretrained(model)
-    raise ValueError(f"model must be a Hugging Face folder, a config.json or a .gguf file; {model!r} is none of them.")
+    return AutoConfig.from_pretrained(model)
 
 
 def converted_config(folder: str):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.processor import parse_prompt
+from tandem.engine.processor import Processor, PromptError, parse_prompt
 
 
 @pytest.mark.parametrize("prompt,want", [
@@ -33,3 +33,28 @@ def test_accepted_forms(prompt, want):
 def test_other_forms_name_the_field(prompt, match):
     with pytest.raises(ValueError, match=match):
         parse_prompt(prompt)
+
+
+def _processor(max_model_len: int = 16, vocab_size: int = 100) -> Processor:
+    from types import SimpleNamespace
+
+    from tandem.model_loader.generation_config import GenerationDefaults
+
+    ready = SimpleNamespace(max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=[0])
+    return Processor(SimpleNamespace(eos_token_id=None), ready, GenerationDefaults(eos_token_ids=[], sampling={}))
+
+
+@pytest.mark.parametrize("prompt,max_tokens,message", [
+    ([], None, "{} must contain at least one token."),
+    ([1] * 16, None, "However, your {} resulted in 16 tokens"),
+    ([1] * 8, 10, "(8 in the {}, 10 in the completion). Please reduce the length of the {} or completion."),
+    ([1, 100, {"x": 1}], None, "{} token ids outside the vocabulary [0, 100): [100, {{'x': 1}}]"),
+])
+def test_prompt_errors_name_the_prompt_as_the_caller_calls_it(prompt, max_tokens, message):
+    """A server words them with its own field (chat: ``messages``)."""
+    from tandem.sampling_params import SamplingParams
+
+    with pytest.raises(PromptError) as e:
+        _processor().process_inputs("r", prompt, SamplingParams(max_tokens=max_tokens), 0.0)
+    assert message.format("prompt", "prompt") in str(e.value)
+    assert message.format("messages", "messages") in str(e.value.for_field("messages"))

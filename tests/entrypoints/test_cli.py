@@ -52,6 +52,40 @@ def test_bad_flag_values_are_rejected_while_parsing(args, needle):
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # no usage block
 
 
+def _subcommand_flags():
+    """(command, parser, action) of every argument of every ``tandem`` subcommand."""
+    import argparse
+
+    from tandem.entrypoints.cli import build_parser
+
+    def walk(parser, name):
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub, p in a.choices.items():
+                    yield from walk(p, f"{name} {sub}")
+            elif not isinstance(a, (argparse._HelpAction, argparse._VersionAction)):
+                yield name, parser, a
+
+    return list(walk(build_parser(), "tandem"))
+
+
+def test_every_flag_has_help_with_its_default():
+    """A flag's default is in its help; one left unset (None) says what then happens."""
+    missing = []
+    for cmd, parser, a in _subcommand_flags():
+        text = parser._get_formatter()._expand_help(a) if a.help else ""
+        value_shown = a.default in (None, False) or str(a.default) in text
+        if not text or not value_shown or (a.default is None and a.option_strings and not a.required
+                                           and "default" not in text and "None:" not in text):
+            missing.append(f"{cmd} {'/'.join(a.option_strings) or a.dest}: {text!r}")
+    assert not missing, "\n".join(missing)
+
+
+def test_eval_limit_help_says_the_whole_data_set():
+    (limit,) = [a for cmd, _, a in _subcommand_flags() if cmd == "tandem eval" and a.dest == "limit"]
+    assert "default: the whole data set" in limit.help
+
+
 @pytest.mark.parametrize("cmd", [["generate", "hi"], ["serve"], ["bench", "throughput"]])
 @pytest.mark.parametrize("flags, field", [
     (["--max-model-len", "0"], "max_model_len"),
@@ -69,6 +103,19 @@ def test_engine_values_are_checked_before_loading(cmd, flags, field):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda():
     assert_one_line_error(tandem("generate", "hi", "--model", MISSING_MODEL, "--device", "cuda"), 2, "cuda", "--device cpu")
+
+
+@pytest.mark.parametrize("cmd", [["serve"], ["serve", "--api-server-count", "2"], ["bench", "throughput"],
+                                 ["eval", "--task", "mmlu", "--limit", "2"]])
+def test_bad_model_path_is_one_line(cmd):
+    """As ``generate``: every command that starts an engine, spawned cores or not."""
+    assert_one_line_error(tandem(*cmd, "--model", "/nonexistent.gguf"), 2, "'/nonexistent.gguf' is none of them")
+
+
+def test_model_the_engine_core_rejects_is_one_line(tmp_path):
+    """A folder that passes the front end's path check but that the spawned core cannot load:
+    the core's error, alone."""
+    assert_one_line_error(tandem("serve", str(tmp_path), "--port", "0"), 2, str(tmp_path))
 
 
 def test_busy_port_is_reported_before_loading():

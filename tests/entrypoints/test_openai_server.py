@@ -54,6 +54,13 @@ def _assert_lps_equal(a: list, b: list) -> None:
 def test_models_and_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.model_dump(exclude={"created"}) == models.data[0].model_dump(exclude={"created"})
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+    r = httpx.get(f"{server.url}/v1/models/org/gpt-17")  # ids may hold slashes
+    assert r.status_code == 404 and r.json()["error"] == {
+        "message": "The model `org/gpt-17` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 

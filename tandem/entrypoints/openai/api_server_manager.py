@@ -169,7 +169,9 @@ def run_multi_api_server(args: argparse.Namespace, cfg: EngineConfig) -> None:
 
     Raises:
         ConnectionError: the address cannot be bound (before anything loads).
-        EngineDeadError: an engine core failed to start.
+        ValueError: a model path none the loader reads (before the cores start), a core
+            failed to start on bad input (``EngineConfigError``).
+        EngineDeadError: an engine core failed to start otherwise.
         SystemExit: 1 when an engine core or an API server died.
     """
     n = args.api_server_count

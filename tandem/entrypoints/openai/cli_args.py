@@ -21,9 +21,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) accepted in requests (default: the MODEL argument, or SmolLM2-135M-Instruct)")
     p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log each request")
-    p.add_argument("--timeout-keep-alive", type=int, default=5)
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default %(default)s)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="do not log each request (default: log them)")
+    p.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="seconds an idle keep-alive connection stays open (default %(default)s)")
     p.add_argument("--api-server-count", type=positive_int, default=1,
                    help="API-server processes (HTTP, tokenization, detokenization, SSE) on the one port, in front of "
                         "the shared engine cores (default 1: one process)")

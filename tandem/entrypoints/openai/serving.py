@@ -21,6 +21,7 @@ from dataclasses import fields
 from typing import Any
 
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from tandem.engine.processor import PromptError
 from tandem.engine.token_bytes import TokenBytes, token_id_string
 from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.structured_outputs import FieldError, ToolPlan, structured_outputs_of, tool_plan
@@ -56,6 +57,11 @@ def error_body(message: str, code: int, err_type: str, param: str | None = None)
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(message, 400, "BadRequestError", param)
+
+
+def model_not_found(name: str) -> OpenAIError:
+    """OpenAI's and vLLM's answer to a model id that is not served: 404, naming ``model``."""
+    return OpenAIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
 
 def _param_of(message: str) -> str | None:
@@ -182,8 +188,13 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
 
     def check_model(self, name: str | None) -> None:
+        """Reject a ``model`` field that names no served model (None: the first one).
+
+        Raises:
+            OpenAIError: 404 NotFoundError naming ``model``.
+        """
         if name is not None and name not in self.served_model_names:
-            raise bad_request(f"The model `{name}` does not exist. Served models: {self.served_model_names}.", "model")
+            raise model_not_found(name)
 
     def _check_token_ids(self, ids: list[int], what: str) -> None:
         v = self.llm.vocab_size
@@ -193,12 +204,15 @@ class OpenAIServing:
 
     def _sampling_params(self, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, kind: RequestOutputKind,
-                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                         structured_outputs: StructuredOutputsParams | None = None,
+                         max_tokens_field: str = "max_tokens") -> SamplingParams:
+        """``max_tokens_field``: the request field ``max_tokens`` came from (chat's
+        ``max_completion_tokens``), named in its error."""
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad_request(f"best_of must equal n (beam search and best_of > n are not supported), got "
                               f"best_of={req.best_of}, n={req.n}.", "best_of")
         if max_tokens is not None and max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+            raise bad_request(f"{max_tokens_field} must be at least 1, got {max_tokens}.", max_tokens_field)
         bias = None
         if req.logit_bias:
             try:
@@ -276,8 +290,10 @@ class OpenAIServing:
         return (c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
                 and not params.include_stop_str_in_output)
 
-    async def _add(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
-        """Add one engine request per prompt, all at once; on any rejection abort the others."""
+    async def _add(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                   prompt_field: str) -> list[RequestStream]:
+        """Add one engine request per prompt, all at once; on any rejection abort the others.
+        ``prompt_field``: the request field the prompts came from, named in prompt errors."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         res = await asyncio.gather(*(self.llm.add_request(rid, p, params) for rid, p in zip(ids, prompts)),
                                    return_exceptions=True)
@@ -287,6 +303,8 @@ class OpenAIServing:
                 if isinstance(r, RequestStream):
                     r.abort()
             e = errors[0]
+            if isinstance(e, PromptError):
+                raise bad_request(str(e.for_field(prompt_field)), prompt_field)
             if isinstance(e, ValueError):
                 raise bad_request(str(e), _param_of(str(e)))
             raise e
@@ -379,7 +397,7 @@ class OpenAIServing:
         """Returns a ``CompletionResponse`` or, when streaming, an async iterator of SSE lines.
 
         Raises:
-            OpenAIError: invalid request (400).
+            OpenAIError: invalid request (400), a model that is not served (404).
         """
         self.check_model(req.model)
         if req.suffix:
@@ -402,7 +420,7 @@ class OpenAIServing:
         structured = await self._structured_outputs(req)
         params = self._sampling_params(req, max_tokens, lp, prompt_lp, kind, structured)
         echo_texts = await self._in_tokenizer(self._prompt_texts, prompts) if echo else None
-        streams = await self._add(request_id, [ids for _, ids in prompts], params)
+        streams = await self._add(request_id, [ids for _, ids in prompts], params, "prompt")
         rid = f"cmpl-{request_id}"
         if req.stream:
             return SSEStream(self._completion_stream(streams, prompts, echo_texts, echo_only, params, rid,
@@ -567,7 +585,7 @@ class OpenAIServing:
         """Returns a ``ChatCompletionResponse`` or, when streaming, an async iterator of SSE lines.
 
         Raises:
-            OpenAIError: invalid request (400).
+            OpenAIError: invalid request (400), a model that is not served (404).
         """
         self.check_model(req.model)
         structured = await self._structured_outputs(req)
@@ -583,13 +601,14 @@ class OpenAIServing:
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
         include_usage, continuous_usage = self._stream_options(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(req, max_tokens_field)
         _, ids = await self._in_tokenizer(self._chat_prompt, req)
         top = req.top_logprobs or 0
         lp = top if req.logprobs else None
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        params = self._sampling_params(req, max_tokens, lp, req.prompt_logprobs, kind, structured)
-        streams = await self._add(request_id, [ids], params)
+        params = self._sampling_params(req, max_tokens, lp, req.prompt_logprobs, kind, structured, max_tokens_field)
+        streams = await self._add(request_id, [ids], params, "messages")
         rid = f"chatcmpl-{request_id}"
         as_ids = bool(req.return_tokens_as_token_ids)
         if req.stream:
