@@ -9,10 +9,7 @@ between its calls. Variants:
   scales (what ``--quantization fp8`` runs), exact fp32 accumulation;
 * ``rowwise-fast``: the same with ``use_fast_accum=True`` (Hopper's FP8 MMA accumulates
   without the periodic promotion to fp32 that the exact mode adds);
-* ``tensor`` / ``tensor-fast``: one scale per tensor for each operand;
-* ``unit-fast``: what ``--quantization fp8`` runs up to ``TANDEM_FP8_UNIT_SCALE_MAX_ROWS``
-  rows: the per-tensor kernel with unit scales into fp32, then the per-token x per-channel
-  scales in one Triton pass (``fp8_linear(..., unit_scale_max_rows=...)``).
+* ``tensor`` / ``tensor-fast``: one scale per tensor for each operand.
 
 Printed per shape and M: microseconds per GEMM, TFLOP/s, the floor (weights read once at
 the HBM peak, or the math at the dense peak of the operand type, whichever is longer) and
@@ -30,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from mla_decode import graph_time_us
 
-from tandem.layers.quantization.fp8 import QuantizedActivation, fp8_linear, quantize_per_token
+from tandem.layers.quantization.fp8 import quantize_per_token
 
 HBM_BYTES_PER_S = 4.8e12  # H200 peak HBM3e bandwidth
 PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}  # H200 SXM dense tensor-core peaks (datasheet)
 L2_BYTES = 50 << 20
 # Llama-3.1-8B: qkv_proj, o_proj, gate_up_proj, down_proj as (N, K).
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-VARIANTS = ("bf16", "rowwise", "rowwise-fast", "tensor", "tensor-fast", "unit-fast")
+VARIANTS = ("bf16", "rowwise", "rowwise-fast", "tensor", "tensor-fast")
 
 
 def quantize(t: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,15 +50,10 @@ def make_gemm(variant: str, x: torch.Tensor, weights: list[torch.Tensor]):
     reference) of copy 0 (``None`` for bf16)."""
     if variant == "bf16":
         return (lambda i: F.linear(x, weights[i % len(weights)])), None
-    per_row = not variant.startswith("tensor")
+    per_row = variant.startswith("rowwise")
     xq, sa = quantize(x, per_row)
     quant = [quantize(w, per_row) for w in weights]
     fast = variant.endswith("-fast")
-
-    def unit(i: int) -> torch.Tensor:
-        wq, ws = quant[i % len(quant)]
-        return fp8_linear(QuantizedActivation(xq, sa, x.dtype), wq, ws.view(-1), fast_accum=True,
-                          unit_scale_max_rows=x.shape[0])
 
     def fn(i: int) -> torch.Tensor:
         wq, ws = quant[i % len(quant)]
@@ -70,7 +62,6 @@ def make_gemm(variant: str, x: torch.Tensor, weights: list[torch.Tensor]):
 
     wq, ws = quant[0]
     ref = (xq.float() * sa) @ (wq.float() * ws).t()
-    fn = unit if variant == "unit-fast" else fn
     return fn, (fn(0), ref)
 
 
@@ -78,15 +69,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="256,1024,16384")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     print("| shape (N x K) | M | " + " | ".join(f"{v} us (TFLOP/s, x floor)" for v in args.variants) + " |")
     print("|---|---|" + "---|" * len(args.variants))
     errors: dict[str, float] = {}
-    for name in args.shapes:
-        n, k = SHAPES[name]
+    for name, (n, k) in SHAPES.items():
         copies = max(2, -(-2 * L2_BYTES // (n * k)))  # fp8 copies alone exceed L2 twice over
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         for m in (int(s) for s in args.m.split(",")):

@@ -28,20 +28,11 @@ def test_structured_output_threads_default_is_half_the_cpus_up_to_8(monkeypatch)
 @pytest.mark.parametrize("name,value", [("TANDEM_MOE_IMPL", "fastest"), ("TANDEM_FUSED_OPS", "cuda"),
                                         ("TANDEM_STARTUP_TIMEOUT_S", "soon"), ("TANDEM_LOGGING_LEVEL", "loud"),
                                         ("TANDEM_STRUCTURED_OUTPUT_THREADS", "0"),
-                                        ("TANDEM_STRUCTURED_OUTPUT_THREADS", "many"),
-                                        ("TANDEM_FP8_UNIT_SCALE_MAX_ROWS", "-1")])
+                                        ("TANDEM_STRUCTURED_OUTPUT_THREADS", "many")])
 def test_bad_values_name_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         getattr(envs, name)
-
-
-def test_fp8_unit_scale_rows_default_zero_and_value(monkeypatch):
-    monkeypatch.delenv("TANDEM_FP8_UNIT_SCALE_MAX_ROWS", raising=False)
-    assert envs.TANDEM_FP8_UNIT_SCALE_MAX_ROWS == 512
-    for raw, value in (("0", 0), ("64", 64)):
-        monkeypatch.setenv("TANDEM_FP8_UNIT_SCALE_MAX_ROWS", raw)
-        assert envs.TANDEM_FP8_UNIT_SCALE_MAX_ROWS == value
 
 
 def test_unknown_attribute():

@@ -89,10 +89,8 @@ class _FP8Forward:
     # Whether forward accepts a QuantizedActivation (module docstring): a plain attribute,
     # decided once after loading, so that the model's check per forward costs nothing.
     takes_quantized_input: bool = False
-    # fast_accum and unit_scale_max_rows of the FP8 GEMM (tandem.layers.quantization.fp8.fp8_linear),
-    # set after loading.
+    # use_fast_accum of the FP8 GEMM (tandem.layers.quantization.fp8.fp8_linear), set after loading.
     fp8_fast_accum: bool = False
-    fp8_unit_scale_max_rows: int = 0
 
     def _matmul(self, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight.dtype != FP8_DTYPE:
@@ -100,7 +98,7 @@ class _FP8Forward:
         if self.weight_block is not None:
             return block_fp8_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
         return fp8_linear(x, self.weight, self.weight_scale, getattr(self, "input_scale", None), bias,
-                          fast_accum=self.fp8_fast_accum, unit_scale_max_rows=self.fp8_unit_scale_max_rows)
+                          fast_accum=self.fp8_fast_accum)
 
 
 def _tp(tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:

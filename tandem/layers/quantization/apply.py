@@ -12,8 +12,7 @@ Two passes around weight loading (vLLM's ``create_weights`` /
   that quantize their input per token are marked ``takes_quantized_input`` (unless
   ``TANDEM_FP8_FUSED_QUANT=off``), so that the model quantizes their input in the norm /
   activation kernel that produces it; per-channel GEMMs use fast FP8 accumulation unless
-  ``TANDEM_FP8_FAST_ACCUM=off``, and up to ``TANDEM_FP8_UNIT_SCALE_MAX_ROWS`` rows the
-  unit-scale kernel with a scaling pass.
+  ``TANDEM_FP8_FAST_ACCUM=off``.
 
 Left in the model dtype: embeddings, norms, the LM head, routers (``nn.Linear`` /
 plain parameters), layers matched by the config's ``ignore``, and MLA's ``kv_b_proj``
@@ -146,7 +145,6 @@ def finish_fp8_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype) -> No
     """
     fuse = envs.TANDEM_FP8_FUSED_QUANT == "on"
     fast_accum = envs.TANDEM_FP8_FAST_ACCUM == "on"
-    unit_scale_rows = envs.TANDEM_FP8_UNIT_SCALE_MAX_ROWS
     for name, mod in _linear_layers(model, cfg):
         if name.rpartition(".")[2] in _HIGH_PRECISION and mod.weight.dtype != FP8_DTYPE:
             continue
@@ -154,7 +152,6 @@ def finish_fp8_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype) -> No
         mod.takes_quantized_input = fuse and fp8_linear_takes_quantized_input(
             mod.weight, mod.weight_block, getattr(mod, "input_scale", None))
         mod.fp8_fast_accum = fast_accum
-        mod.fp8_unit_scale_max_rows = unit_scale_rows
     for name, mod in model.named_modules():
         if isinstance(mod, FusedMoE):
             mod.finish_fp8_weights(name)

@@ -170,25 +170,11 @@ def _cpu_rowwise_scaled_mm() -> bool:
     return True
 
 
-@functools.cache
-def _unit_scale(device: torch.device) -> torch.Tensor:
-    return torch.ones((), dtype=torch.float32, device=device)
-
-
 def _rowwise_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                out_dtype: torch.dtype, fast_accum: bool, unit_scale_max_rows: int) -> torch.Tensor:
+                out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     if not xq.is_cuda and not _cpu_rowwise_scaled_mm():
         # The same math in fp32: products of FP8 values are exact, the sum accumulates in fp32.
         return ((xq.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()).to(out_dtype)
-    if xq.is_cuda and xq.shape[0] <= unit_scale_max_rows:
-        # At decode sizes cuBLASLt's per-tensor FP8 kernels are faster than its row-wise ones
-        # (benchmarks/fp8_gemm.py): unit scales, fp32 out, the scales applied in one pass.
-        from tandem.layers.quantization.fp8_triton import scale_rows_cols_triton
-
-        one = _unit_scale(xq.device)
-        acc = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
-                               use_fast_accum=fast_accum)
-        return scale_rows_cols_triton(acc, x_scale, weight_scale, out_dtype)
     # cuBLASLt row-wise scaling writes bf16 only; the CPU kernel writes any float dtype.
     mm_dtype = torch.bfloat16 if xq.is_cuda else out_dtype
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=mm_dtype,
@@ -208,7 +194,7 @@ def fp8_linear_takes_quantized_input(weight: torch.Tensor, block: tuple[int, int
 
 def fp8_linear(x: torch.Tensor | QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               fast_accum: bool = False, unit_scale_max_rows: int = 0) -> torch.Tensor:
+               fast_accum: bool = False) -> torch.Tensor:
     """``x @ dequant(weight).T + bias`` with FP8 activations and weights (W8A8).
 
     Args:
@@ -222,10 +208,6 @@ def fp8_linear(x: torch.Tensor | QuantizedActivation, weight: torch.Tensor, weig
         fast_accum: ``torch._scaled_mm``'s ``use_fast_accum``: on Hopper the FP8 MMA's own
             accumulator is used throughout, without the periodic promotion to fp32 (as
             vLLM's sm90 CUTLASS FP8 kernels, ``...FP8FastAccum``); a no-op on the CPU.
-        unit_scale_max_rows: on CUDA, products of at most this many rows run the per-tensor
-            kernel with unit scales into fp32 and get the per-token x per-channel scales in
-            a Triton pass (:func:`~tandem.layers.quantization.fp8_triton.scale_rows_cols_triton`);
-            0: always the row-wise kernel.
 
     Returns:
         ``[..., N]`` in ``x.dtype``. ``torch._scaled_mm`` accumulates in fp32. On CUDA a
@@ -243,7 +225,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivation, weight: torch.Tensor, weig
         if x.q.shape[0] == 0:
             y = torch.empty(0, weight.shape[0], dtype=x.dtype, device=x.q.device)
         else:
-            y = _rowwise_mm(x.q, x.scale, weight, weight_scale, x.dtype, fast_accum, unit_scale_max_rows)
+            y = _rowwise_mm(x.q, x.scale, weight, weight_scale, x.dtype, fast_accum)
         return y if bias is None else y + bias
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -258,7 +240,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivation, weight: torch.Tensor, weig
         else:
             xq = quantize_static(x2, input_scale)
             x_scale = input_scale.float().reshape(1, 1).expand(x2.shape[0], 1).contiguous()
-        y = _rowwise_mm(xq, x_scale, weight, weight_scale, x.dtype, fast_accum, unit_scale_max_rows)
+        y = _rowwise_mm(xq, x_scale, weight, weight_scale, x.dtype, fast_accum)
     if bias is not None:
         y = y + bias
     return y.reshape(*shape[:-1], n)

@@ -1,13 +1,8 @@
-"""FP8 kernels around the GEMMs (CUDA).
-
-* :func:`quantize_per_token_triton`: dynamic per-token FP8 quantization as one kernel (the
-  torch version in :func:`tandem.layers.quantization.fp8.quantize_per_token` takes five:
-  abs, amax, divide, clamp, cast). One program per row: the row's absolute maximum, its
-  scale ``max(amax / 448, MIN_SCALE)``, and the saturated e4m3 values, as vLLM's
-  ``dynamic_per_token_scaled_fp8_quant``.
-* :func:`scale_rows_cols_triton`: the per-token x per-channel scaling of a GEMM run with
-  unit scales, as one elementwise pass.
-"""
+"""Dynamic per-token FP8 quantization as one Triton kernel (CUDA; the torch version in
+:func:`tandem.layers.quantization.fp8.quantize_per_token` takes five kernels: abs, amax,
+divide, clamp, cast). One program per row: the row's absolute maximum, its scale
+``max(amax / 448, MIN_SCALE)``, and the saturated e4m3 values, as vLLM's
+``dynamic_per_token_scaled_fp8_quant``."""
 
 from __future__ import annotations
 
@@ -43,29 +38,3 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         _per_token_quant_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), FMAX=FP8_MAX, MIN_S=MIN_SCALE, BLOCK=block,
                                       num_warps=max(1, min(16, block // 512)))
     return q, s
-
-
-@triton.jit
-def _scale_rows_cols_kernel(acc_ptr, row_scale_ptr, col_scale_ptr, out_ptr, N, stride_acc, stride_out,
-                            BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    acc = tl.load(acc_ptr + row * stride_acc + cols, mask=mask, other=0.0)
-    sw = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
-    y = acc * tl.load(row_scale_ptr + row) * sw
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def scale_rows_cols_triton(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
-                           out_dtype: torch.dtype) -> torch.Tensor:
-    """``(acc * row_scale * col_scale[None, :]).to(out_dtype)`` in one pass: the epilogue of
-    an FP8 GEMM run with unit scales. ``acc [M, N]`` fp32 (unit column stride),
-    ``row_scale [M, 1]`` fp32, ``col_scale [N]`` fp32; returns ``[M, N]``."""
-    m, n = acc.shape
-    out = torch.empty(m, n, dtype=out_dtype, device=acc.device)
-    if m and n:
-        block = 1024
-        _scale_rows_cols_kernel[(m, triton.cdiv(n, block))](acc, row_scale, col_scale, out, n, acc.stride(0),
-                                                             out.stride(0), BLOCK=block, num_warps=4)
-    return out

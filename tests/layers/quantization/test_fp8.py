@@ -209,24 +209,3 @@ def test_cuda_block_fp8_linear_matches_reference(m):
     qx, sx = quantize_per_token_group(x, 128)
     ref = block_fp8_matmul_reference(qx, sx, q, scale, (128, 128), torch.float32)
     torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="CUDA sm89+: the unit-scale path is CUDA-only")
-@pytest.mark.parametrize("rows", [1, 256, 600])
-def test_unit_scale_gemm_matches_the_rowwise_one(rows):
-    """Decode-size products (rows <= unit_scale_max_rows = 512) through the unit-scale kernel
-    and the scaling pass, larger ones through the row-wise kernel: both within FP8 GEMM
-    rounding of the exact product of the dequantized operands, fast accumulation or not."""
-    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
-    qw, ws = fp8.quantize_weight_per_channel(w)
-    xq, xs = fp8.quantize_per_token(x)
-    want = (xq.float() * xs) @ (qw.float() * ws[:, None]).t()
-    for fast in (False, True):
-        for max_rows in (0, 512):
-            got = fp8_linear(QuantizedActivation(xq, xs, torch.bfloat16), qw, ws, fast_accum=fast,
-                             unit_scale_max_rows=max_rows)
-            assert got.dtype == torch.bfloat16 and got.shape == (rows, 1024)
-            err = ((got.float() - want).abs().max() / want.abs().max()).item()
-            assert err < (2e-2 if fast else 5e-3), (fast, max_rows, err)
