@@ -37,19 +37,6 @@ def embedded_default_model() -> str:
     return os.path.join(spec.submodule_search_locations[0], EMBEDDED_MODEL_FILE)
 
 
-def check_model_path(model: str) -> None:
-    """Check that ``model`` is a path of a kind the loader reads (a folder, a config.json, a
-    .gguf file), without reading it: cheap enough for a front end to run before it spawns
-    engine cores, which would otherwise fail in another process.
-
-    Raises:
-        ValueError: it is none of them (a missing path, for one).
-    """
-    if not (os.path.isdir(model) or (os.path.isfile(model) and model.endswith((".json", ".gguf")))):
-        raise ValueError(f"model must be a Hugging Face folder, a config.json or a .gguf file; {model!r} is none "
-                         f"of them.")
-
-
 def resolve_dtype(dtype: ModelDType, device: torch.device, model: str | None) -> torch.dtype:
     """The torch dtype of ``dtype`` on ``device`` for the checkpoint at ``model``: ``auto`` is
     :func:`tandem.platform.auto_dtype`'s choice."""

@@ -245,7 +245,7 @@ class MPClient:
         self.ready = self.readies[0]
 
     def _spawn(self, config: EngineConfig) -> list:
-        from tandem.config.model import check_model_path
+        from tandem.model_loader.loader import check_model_path
         from tandem.distributed.launch import host_store, resolve_rendezvous, spawn_ranks
         from tandem.engine.core_proc import run_engine_core
 
