@@ -9,7 +9,11 @@ between its calls. Variants:
   scales (what ``--quantization fp8`` runs), exact fp32 accumulation;
 * ``rowwise-fast``: the same with ``use_fast_accum=True`` (Hopper's FP8 MMA accumulates
   without the periodic promotion to fp32 that the exact mode adds);
-* ``tensor`` / ``tensor-fast``: one scale per tensor for each operand.
+* ``tensor`` / ``tensor-fast``: one scale per tensor for each operand;
+* ``deferred-fast``: per-token / per-channel operands through the unit-scale kernel into
+  fp32 sums, what o_proj / down_proj run at decode sizes
+  (``tandem.layers.quantization.fp8.fp8_linear_unscaled``; the scales are applied by the
+  following norm kernel, not timed here).
 
 Printed per shape and M: microseconds per GEMM, TFLOP/s, the floor (weights read once at
 the HBM peak, or the math at the dense peak of the operand type, whichever is longer) and
@@ -34,7 +38,7 @@ PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}  # H200 SXM dense tensor-core peak
 L2_BYTES = 50 << 20
 # Llama-3.1-8B: qkv_proj, o_proj, gate_up_proj, down_proj as (N, K).
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-VARIANTS = ("bf16", "rowwise", "rowwise-fast", "tensor", "tensor-fast")
+VARIANTS = ("bf16", "rowwise", "rowwise-fast", "tensor", "tensor-fast", "deferred-fast")
 
 
 def quantize(t: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,19 +54,26 @@ def make_gemm(variant: str, x: torch.Tensor, weights: list[torch.Tensor]):
     reference) of copy 0 (``None`` for bf16)."""
     if variant == "bf16":
         return (lambda i: F.linear(x, weights[i % len(weights)])), None
-    per_row = variant.startswith("rowwise")
+    per_row = variant.startswith(("rowwise", "deferred"))
     xq, sa = quantize(x, per_row)
     quant = [quantize(w, per_row) for w in weights]
     fast = variant.endswith("-fast")
+    if variant == "deferred-fast":
+        one = torch.ones((), device=x.device)
 
-    def fn(i: int) -> torch.Tensor:
-        wq, ws = quant[i % len(quant)]
-        sb = ws.view(1, -1) if per_row else ws
-        return torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+        def fn(i: int) -> torch.Tensor:
+            return torch._scaled_mm(xq, quant[i % len(quant)][0].t(), scale_a=one, scale_b=one,
+                                    out_dtype=torch.float32, use_fast_accum=True)
+    else:
+        def fn(i: int) -> torch.Tensor:
+            wq, ws = quant[i % len(quant)]
+            sb = ws.view(1, -1) if per_row else ws
+            return torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
     wq, ws = quant[0]
     ref = (xq.float() * sa) @ (wq.float() * ws).t()
-    return fn, (fn(0), ref)
+    out = fn(0) * sa * ws.view(1, -1) if variant == "deferred-fast" else fn(0)
+    return fn, (out, ref)
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ cuBLASLt, the activations quantized by the norm / SiLU-and-mul kernels); ``fp8-k
 ``--kv-cache-dtype fp8``); ``fp8-unfused`` (``fp8`` with ``TANDEM_FP8_FUSED_QUANT=off``: a
 separate quantization kernel per linear input; not run unless named); ``fp8-exact`` (``fp8``
 with ``TANDEM_FP8_FAST_ACCUM=off``: the GEMMs promote to fp32 accumulators periodically;
-not run unless named). They run in alternating order
+not run unless named); ``fp8-scaled`` (``fp8`` with ``TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS=0``:
+o_proj / down_proj scale their own products at decode sizes too; not run unless named). They run in alternating order
 (``bf16 fp8 fp8-kv``, then reversed, ...) ``--repeats`` times at every ``--max-num-seqs``;
 the table gives the median requests/s, the spread (min-max) and the median ratio to bf16
 at the same ``--max-num-seqs``. Workload: ``--num-prompts`` random prompts, input 128,
@@ -43,8 +44,10 @@ FP8_FLOPS_PER_S = 1979e12  # H200 dense FP8 tensor-core peak (SXM datasheet)
 
 VARIANTS = {"bf16": (), "fp8": ("--quantization", "fp8"),
             "fp8-kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
-            "fp8-unfused": ("--quantization", "fp8"), "fp8-exact": ("--quantization", "fp8")}
-VARIANT_ENV = {"fp8-unfused": {"TANDEM_FP8_FUSED_QUANT": "off"}, "fp8-exact": {"TANDEM_FP8_FAST_ACCUM": "off"}}
+            "fp8-unfused": ("--quantization", "fp8"), "fp8-exact": ("--quantization", "fp8"),
+            "fp8-scaled": ("--quantization", "fp8")}
+VARIANT_ENV = {"fp8-unfused": {"TANDEM_FP8_FUSED_QUANT": "off"}, "fp8-exact": {"TANDEM_FP8_FAST_ACCUM": "off"},
+               "fp8-scaled": {"TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS": "0"}}
 DEFAULT_VARIANTS = ["bf16", "fp8", "fp8-kv"]
 
 

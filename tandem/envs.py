@@ -25,6 +25,12 @@ TANDEM_FP8_FAST_ACCUM               on         FP8 per-channel GEMMs accumulate 
                                                MMA's own precision (on, as vLLM's sm90 kernels)
                                                or promote to fp32 periodically (off); read
                                                when a model loads
+TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS 256        FP8 products of o_proj / down_proj with at most
+                                               this many rows (decode batches) leave their
+                                               per-token x per-channel scales to the RMSNorm
+                                               kernel that consumes them, so the GEMM runs
+                                               cuBLASLt's faster unit-scale kernel (0: off);
+                                               read when a model loads
 TANDEM_MLA_PREFILL                  auto       MLA prefill attention: auto (the Triton flash-
                                                attention kernel on CUDA), triton, torch (the
                                                masked-SDPA reference); read when a layer is built
@@ -93,7 +99,7 @@ def _float(name: str, default: float | None) -> Callable[[], float | None]:
     return read
 
 
-def _positive_int(name: str, default: Callable[[], int]) -> Callable[[], int]:
+def _int_at_least(name: str, default: Callable[[], int], minimum: int) -> Callable[[], int]:
     def read() -> int:
         raw = os.environ.get(name, "").strip()
         if not raw:
@@ -101,9 +107,9 @@ def _positive_int(name: str, default: Callable[[], int]) -> Callable[[], int]:
         try:
             value = int(raw)
         except ValueError:
-            value = 0
-        if value < 1:
-            raise ValueError(f"{name}={raw!r}: expected a positive integer")
+            value = minimum - 1
+        if value < minimum:
+            raise ValueError(f"{name}={raw!r}: expected an integer >= {minimum}")
         return value
 
     return read
@@ -135,10 +141,11 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_FUSED_OPS": _choice("TANDEM_FUSED_OPS", "auto", FUSED_OPS_MODES),
     "TANDEM_FP8_FUSED_QUANT": _choice("TANDEM_FP8_FUSED_QUANT", "on", ON_OFF),
     "TANDEM_FP8_FAST_ACCUM": _choice("TANDEM_FP8_FAST_ACCUM", "on", ON_OFF),
+    "TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS": _int_at_least("TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS", lambda: 256, 0),
     "TANDEM_MLA_PREFILL": _choice("TANDEM_MLA_PREFILL", "auto", MLA_PREFILL_MODES),
     "TANDEM_STARTUP_TIMEOUT_S": _float("TANDEM_STARTUP_TIMEOUT_S", 1800.0),
     "TANDEM_DUMP_STACKS_AFTER_S": _float("TANDEM_DUMP_STACKS_AFTER_S", None),
-    "TANDEM_STRUCTURED_OUTPUT_THREADS": _positive_int("TANDEM_STRUCTURED_OUTPUT_THREADS", _half_the_cpus_up_to_8),
+    "TANDEM_STRUCTURED_OUTPUT_THREADS": _int_at_least("TANDEM_STRUCTURED_OUTPUT_THREADS", _half_the_cpus_up_to_8, 1),
     "TANDEM_CACHE_ROOT": _cache_root,
     "TANDEM_EVAL_CACHE": _path("TANDEM_EVAL_CACHE"),
     "TANDEM_MMLU_FILE": _path("TANDEM_MMLU_FILE"),

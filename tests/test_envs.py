@@ -28,7 +28,8 @@ def test_structured_output_threads_default_is_half_the_cpus_up_to_8(monkeypatch)
 @pytest.mark.parametrize("name,value", [("TANDEM_MOE_IMPL", "fastest"), ("TANDEM_FUSED_OPS", "cuda"),
                                         ("TANDEM_STARTUP_TIMEOUT_S", "soon"), ("TANDEM_LOGGING_LEVEL", "loud"),
                                         ("TANDEM_STRUCTURED_OUTPUT_THREADS", "0"),
-                                        ("TANDEM_STRUCTURED_OUTPUT_THREADS", "many")])
+                                        ("TANDEM_STRUCTURED_OUTPUT_THREADS", "many"),
+                                        ("TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS", "-1")])
 def test_bad_values_name_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):

@@ -7,6 +7,10 @@ semantics) and a Triton kernel doing the same arithmetic in one launch:
 * :func:`fused_add_rms_norm` ``(x, residual, weight, eps) -> (normed, x + residual)``: the
   residual add is rounded to the input dtype (as ``x + residual`` is) and *that* sum is
   normalised, so the pair equals ``r = x + residual; (rms_norm(r), r)``.
+* The three norms also take ``x`` as an :class:`~tandem.layers.quantization.fp8.UnscaledProduct`
+  (an FP8 GEMM's fp32 sums with their scales still to apply): the kernel reads the sums,
+  applies the per-token x per-channel scales and rounds to the product's dtype, exactly
+  as ``x.apply_scales()`` before the unfused op, so the GEMM needs no scaling pass.
 * :func:`silu_and_mul` ``(gate_up [..., 2I]) -> silu(gate) * up [..., I]`` (gate first).
 * :func:`rms_norm_dynamic_per_token_quant` and :func:`silu_and_mul_dynamic_per_token_quant`:
   the same two ops writing their result as FP8 e4m3 with one fp32 scale per token (vLLM's
@@ -44,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem import envs
-from tandem.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_per_token
+from tandem.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, UnscaledProduct, quantize_per_token
 
 try:
     import triton
@@ -175,6 +179,8 @@ def _rms_norm_kernel(
     out_ptr,
     res_out_ptr,
     scale_ptr,
+    x_row_scale_ptr,
+    x_col_scale_ptr,
     B,  # rows are (a, b) pairs of a [A, B, N] view: row = a * B + b
     stride_xa,
     stride_xb,
@@ -183,6 +189,8 @@ def _rms_norm_kernel(
     N,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    SCALED_X: tl.constexpr,  # x is an UnscaledProduct's fp32 sums: scale them, round to X_DTYPE
+    X_DTYPE: tl.constexpr,
     FP8_OUT: tl.constexpr,  # out_ptr is e4m3: quantize per row, write the scale to scale_ptr
     OUT_DTYPE: tl.constexpr,  # dtype of the unfused output (out_ptr's own dtype unless FP8_OUT)
     FMAX: tl.constexpr,
@@ -195,6 +203,10 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(x_ptr + a * stride_xa + b * stride_xb + cols, mask=mask, other=0.0)
+    if SCALED_X:
+        # UnscaledProduct.apply_scales: (acc * row_scale) * col_scale, rounded to X_DTYPE.
+        cs = tl.load(x_col_scale_ptr + cols, mask=mask, other=0.0)
+        x = ((x * tl.load(x_row_scale_ptr + row)) * cs).to(X_DTYPE)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + a * stride_ra + b * stride_rb + cols, mask=mask, other=0.0)
         # ``x + residual`` in the storage dtype: fp32 add, one rounding (as torch does).
@@ -204,7 +216,7 @@ def _rms_norm_kernel(
         norm_dtype = res_out_ptr.dtype.element_ty
     else:
         xf = x.to(tl.float32)
-        norm_dtype = x_ptr.dtype.element_ty
+        norm_dtype = X_DTYPE
     var = tl.sum(xf * xf, axis=0) / N
     rstd = tl.math.rsqrt(var + eps)
     # HF: cast the normalised row back to the input dtype, then multiply by the weight.
@@ -365,23 +377,40 @@ def _tl_dtype(dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
-def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 fp8_out: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _scaled_input(x: UnscaledProduct) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 sums, row scales, column scales) of ``x``, checked for the norm kernel."""
+    m, n = x.acc.shape
+    if (x.acc.dtype != torch.float32 or x.acc.stride(-1) != 1 or x.row_scale.numel() != m
+            or x.col_scale.shape != (n,) or x.dtype not in _SUPPORTED_DTYPES):
+        raise ValueError(f"rms_norm: an UnscaledProduct needs fp32 contiguous sums [M, N], {m} row and {n} column "
+                         f"scales, got sums {tuple(x.acc.shape)} {x.acc.dtype}, row scales "
+                         f"{tuple(x.row_scale.shape)}, column scales {tuple(x.col_scale.shape)}")
+    return x.acc, x.row_scale.reshape(m).contiguous(), x.col_scale.float().contiguous()
+
+
+def _norm_launch(x: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, fp8_out: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(output, new residual or None, per-token scales ``[..., 1]`` fp32 or None); the
     output is e4m3 with ``fp8_out``, else in the dtype of ``weight * x``."""
+    x_dtype = x.dtype
+    if isinstance(x, UnscaledProduct):
+        x, row_scale, col_scale = _scaled_input(x)
+    else:
+        _check("rms_norm input", x)
+        row_scale = col_scale = None
     n = x.shape[-1]
-    _check("rms_norm input", x)
     _check("rms_norm weight", weight)
     if weight.shape != (n,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} vs hidden size {n}")
     if n > _MAX_ROW:
         raise ValueError(f"rms_norm: hidden size {n} > {_MAX_ROW} is not supported by the fused kernel")
-    res_dtype = x.dtype
+    res_dtype = x_dtype
     if residual is not None:
         _check("rms_norm residual", residual)
         if residual.shape != x.shape:
             raise ValueError(f"fused_add_rms_norm: residual shape {tuple(residual.shape)} vs input {tuple(x.shape)}")
-        res_dtype = torch.promote_types(x.dtype, residual.dtype)
+        res_dtype = torch.promote_types(x_dtype, residual.dtype)
     out_dtype = torch.promote_types(res_dtype, weight.dtype)
     out = torch.empty(x.shape, dtype=FP8_DTYPE if fp8_out else out_dtype, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device) if fp8_out else None
@@ -389,7 +418,7 @@ def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     rows = x.numel() // n if n else 0
     if rows == 0 or n == 0:
         if res_out is not None:
-            res_out.copy_(x + residual)  # empty or zero-width: nothing to launch
+            res_out.copy_(x.to(x_dtype) + residual)  # empty or zero-width: nothing to launch
         if scale is not None:
             scale.fill_(MIN_SCALE)  # a zero-width row quantizes as an all-zero one
         return out, res_out, scale
@@ -403,37 +432,49 @@ def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     block = triton.next_power_of_2(n)
     kernel[(rows,)](
         xv, rv, weight, out, res_out if res_out is not None else out, scale if scale is not None else out,
+        row_scale if row_scale is not None else out, col_scale if col_scale is not None else out,
         b, sxa, sxb, sra, srb, n, float(eps),
-        HAS_RESIDUAL=residual is not None, FP8_OUT=fp8_out, OUT_DTYPE=_tl_dtype(out_dtype), FMAX=FP8_MAX,
+        HAS_RESIDUAL=residual is not None, SCALED_X=row_scale is not None, X_DTYPE=_tl_dtype(x_dtype), FP8_OUT=fp8_out, OUT_DTYPE=_tl_dtype(out_dtype), FMAX=FP8_MAX,
         MIN_S=MIN_SCALE, BLOCK_N=block, num_warps=_num_warps(block),
     )
     return out, res_out, scale
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm_input(x: torch.Tensor | UnscaledProduct) -> tuple[torch.Tensor | UnscaledProduct, bool]:
+    """(``x``, whether the kernel runs), ``x`` with its scales applied where the torch code runs."""
+    triton_path = use_triton(x.acc if isinstance(x, UnscaledProduct) else x)
+    if isinstance(x, UnscaledProduct) and not triton_path:
+        return x.apply_scales(), False
+    return x, triton_path
+
+
+def rms_norm(x: torch.Tensor | UnscaledProduct, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of ``x [..., N]`` (new contiguous tensor, dtype of
     ``weight * x``); leading dims may be strided."""
-    if not use_triton(x):
+    x, triton_path = _norm_input(x)
+    if not triton_path:
         return rms_norm_ref(x, weight, eps)
     return _norm_launch(x, None, weight, eps)[0]
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+def fused_add_rms_norm(x: torch.Tensor | UnscaledProduct, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``r = x + residual; return rms_norm(r, weight, eps), r`` in one pass (new tensors)."""
-    if not use_triton(x):
+    x, triton_path = _norm_input(x)
+    if not triton_path:
         return fused_add_rms_norm_ref(x, residual, weight, eps)
     return _norm_launch(x, residual, weight, eps)[:2]
 
 
 def rms_norm_dynamic_per_token_quant(
-        x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        x: torch.Tensor | UnscaledProduct, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`rms_norm` (or, with ``residual``, :func:`fused_add_rms_norm`) quantized to FP8
     with dynamic per-token scales in the same pass (vLLM's ``rms_norm_dynamic_per_token_quant``).
 
     Args:
-        x: ``[..., N]`` fp32/fp16/bf16, last dim contiguous.
+        x: ``[..., N]`` fp32/fp16/bf16, last dim contiguous, or an ``[M, N]``
+            :class:`~tandem.layers.quantization.fp8.UnscaledProduct`.
         weight: ``[N]``.
         residual: ``[..., N]`` or None.
 
@@ -445,7 +486,8 @@ def rms_norm_dynamic_per_token_quant(
     Raises:
         ValueError: (Triton path) as :func:`rms_norm`.
     """
-    if not use_triton(x):
+    x, triton_path = _norm_input(x)
+    if not triton_path:
         return rms_norm_dynamic_per_token_quant_ref(x, weight, eps, residual)
     q, new_residual, scale = _norm_launch(x, residual, weight, eps, fp8_out=True)
     return q, scale, new_residual

@@ -26,7 +26,10 @@ per output channel; a checkpoint's per-tensor scale is expanded to its shard's r
 ``takes_quantized_input`` (set after loading by
 :func:`~tandem.layers.quantization.apply.finish_fp8_model`) also accepts a
 :class:`~tandem.layers.quantization.fp8.QuantizedActivation`: its input already quantized
-per token by the kernel that produced it.
+per token by the kernel that produced it. A row-parallel layer whose output goes straight
+into an RMSNorm (``output_feeds_norm``, set by the decoder layer that owns both) may be set
+to ``defer_output_scales`` by ``finish_fp8_model``: at decode sizes its forward then returns
+an :class:`~tandem.layers.quantization.fp8.UnscaledProduct`, whose scales the norm applies.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed import parallel_state as ps
-from tandem.layers.quantization.fp8 import FP8_DTYPE, QuantizedActivation, block_fp8_linear, fp8_linear
+from tandem.layers.quantization.fp8 import (FP8_DTYPE, QuantizedActivation, UnscaledProduct, block_fp8_linear,
+                                            fp8_linear, fp8_linear_unscaled)
 
 
 def set_weight_attrs(param: nn.Parameter, full_shape: Sequence[int], shard: Callable[[torch.Tensor], torch.Tensor],
@@ -340,7 +344,21 @@ class RowParallelLinear(_FP8Forward, nn.Module):
             set_weight_attrs(self.input_scale, (1,), lambda full: full,
                              lambda t, shard_id=None: _copy(self.input_scale, t.float().reshape(1), "input scale"))
 
-    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+    # Whether the module that owns this layer hands its output to an RMSNorm unchanged (the
+    # norm kernels accept an UnscaledProduct); set when the model is built.
+    output_feeds_norm: bool = False
+    # Largest row count whose product is returned unscaled (0: never); set after loading by
+    # tandem.layers.quantization.apply.finish_fp8_model, only where output_feeds_norm holds.
+    deferred_scales_max_rows: int = 0
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor | UnscaledProduct:
+        """``[M, in] -> [M, out]``; an :class:`UnscaledProduct` for ``1 <= M <=
+        deferred_scales_max_rows`` (module docstring)."""
+        if self.deferred_scales_max_rows:
+            rows = x.q.shape[0] if isinstance(x, QuantizedActivation) else x.numel() // self.in_features
+            if 0 < rows <= self.deferred_scales_max_rows:
+                return fp8_linear_unscaled(x.reshape(rows, -1) if isinstance(x, torch.Tensor) else x, self.weight,
+                                           self.weight_scale, self.fp8_fast_accum)
         y = self._matmul(x, None)
         if self.tp_size > 1 and self.reduce_results:
             y = ps.tp_all_reduce(y)

@@ -11,7 +11,10 @@ row-parallel with an all-reduce; embeddings, norms and the LM head are replicate
 
 FP8 (dynamic per-token activation scales): the inputs of qkv_proj, gate_up_proj and
 down_proj are quantized by the RMSNorm / SiLU-and-mul kernels that produce them, when the
-layer ``takes_quantized_input`` (:mod:`tandem.layers.linear`), as vLLM's fusion passes do.
+layer ``takes_quantized_input`` (:mod:`tandem.layers.linear`), as vLLM's fusion passes do;
+at decode sizes o_proj and down_proj leave their output scales to the RMSNorm after them
+(``output_feeds_norm``: ``Attention.forward`` and ``MLP.forward`` may then return an
+:class:`~tandem.layers.quantization.fp8.UnscaledProduct`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.fused_ops import silu_and_mul, silu_and_mul_dynamic_per_token_quant
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
-from tandem.layers.quantization.fp8 import QuantizedActivation
+from tandem.layers.quantization.fp8 import QuantizedActivation, UnscaledProduct
 from tandem.layers.rotary import RotaryEmbedding
 
 
@@ -94,7 +97,7 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = 1.0
 
     def forward(self, x: torch.Tensor | QuantizedActivation, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata) -> torch.Tensor | UnscaledProduct:
         qkv = self.qkv_proj(x)
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -118,7 +121,7 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, reduce_results=reduce_results)
 
-    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor | UnscaledProduct:
         gate_up = self.gate_up_proj(x)
         if self.down_proj.takes_quantized_input:
             q, scale = silu_and_mul_dynamic_per_token_quant(gate_up)
@@ -126,7 +129,7 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(gate_up))
 
 
-def _norm_for(norm: RMSNorm, consumer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+def _norm_for(norm: RMSNorm, consumer: nn.Module, x: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None
               ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
     """``norm(x + residual)`` as the input of the linear layer ``consumer`` (FP8 from the
     norm's kernel when it ``takes_quantized_input``) and the new residual stream (``x``
@@ -151,6 +154,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # o_proj's output goes to post_attention_layernorm, down_proj's to the next layer's
+        # input_layernorm (or the final norm) as they are.
+        self.self_attn.o_proj.output_feeds_norm = self.mlp.down_proj.output_feeds_norm = True
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from tandem.attention.metadata import AttentionMetadata
 from tandem.distributed.all2all import All2AllBackend
+from tandem.layers.linear import RowParallelLinear
 from tandem.layers.moe import FusedMoE, SparseMoeBlock, drain
 from tandem.layers.norm import RMSNorm
 
@@ -142,6 +143,11 @@ class MoEDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        # The output projections whose results the norms take as they are (an FP8 one may
+        # leave its scales to the norm: tandem.layers.linear).
+        for producer in (getattr(self_attn, "o_proj", None), getattr(mlp, "down_proj", None)):
+            if isinstance(producer, RowParallelLinear):
+                producer.output_feeds_norm = True
 
     def forward_steps(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                       kv_cache: torch.Tensor,

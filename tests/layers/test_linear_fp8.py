@@ -138,3 +138,61 @@ def test_fast_accumulation_follows_the_environment_at_load(setting, monkeypatch)
     device = "cuda" if cuda else "cpu"
     layer.to(device)(torch.randn(3, 32, device=device))
     assert seen == [setting == "on"]
+
+
+def _row_parallel_fp8(monkeypatch, max_rows: str, **kwargs) -> RowParallelLinear:
+    """A 64 -> 32 row-parallel layer that feeds a norm, its random fp32 weight quantized
+    online with ``TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS=max_rows``."""
+    from tandem.layers.quantization.apply import finish_fp8_model
+    from tandem.layers.quantization.config import Fp8Config
+
+    monkeypatch.setenv("TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS", max_rows)
+    layer = RowParallelLinear(64, 32, **{"tp_size": 1, "tp_rank": 0, **kwargs})
+    with torch.no_grad():
+        layer.weight.normal_()
+        if layer.bias is not None:
+            layer.bias.normal_()
+    layer.output_feeds_norm = True
+    finish_fp8_model(torch.nn.ModuleDict({"o_proj": layer}), Fp8Config(), torch.bfloat16)
+    return layer
+
+
+def test_deferred_output_scales_up_to_the_row_limit(monkeypatch):
+    """Up to TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS rows, a row-parallel FP8 layer that feeds a
+    norm returns its unit-scale product with the scales to apply: the same values as the
+    scaled GEMM; above the limit, and with the limit 0, the scaled product itself."""
+    from tandem.layers.quantization.fp8 import UnscaledProduct, fp8_linear
+
+    layer = _row_parallel_fp8(monkeypatch, "8")
+    assert layer.deferred_scales_max_rows == 8
+    for rows in (1, 8, 9):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        want = fp8_linear(x, layer.weight, layer.weight_scale)
+        got = layer(x)
+        if rows > 8:
+            assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+            continue
+        assert isinstance(got, UnscaledProduct) and got.acc.dtype == torch.float32 and got.dtype == torch.bfloat16
+        assert got.row_scale.shape == (rows, 1) and got.col_scale.shape == (32,)
+        # Only the order of the two fp32 scalings may differ: one bf16 ulp at most.
+        torch.testing.assert_close(got.apply_scales(), want, atol=0, rtol=2 ** -7)
+    assert isinstance(layer(torch.randn(0, 64).to(torch.bfloat16)), torch.Tensor)
+    assert _row_parallel_fp8(monkeypatch, "0").deferred_scales_max_rows == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(bias=True), dict(tp_size=2, tp_rank=1)])
+def test_no_deferred_scales_with_a_bias_or_tensor_parallelism(monkeypatch, kwargs):
+    """A bias is added after the scales, and TP ranks' partial products have their own
+    per-token scales before the all-reduce: such layers always scale their own product."""
+    assert _row_parallel_fp8(monkeypatch, "256", **kwargs).deferred_scales_max_rows == 0
+
+
+def test_unscaled_gemm_rejects_what_it_cannot_run():
+    from tandem.layers.quantization.fp8 import fp8_linear_unscaled, quantize_weight_per_channel
+
+    q, s = quantize_weight_per_channel(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="no rows"):
+        fp8_linear_unscaled(torch.randn(0, 64), q, s)
+    q, s = quantize_weight_per_channel(torch.randn(30, 64))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_linear_unscaled(torch.randn(2, 64), q, s)

@@ -12,7 +12,9 @@ Two passes around weight loading (vLLM's ``create_weights`` /
   that quantize their input per token are marked ``takes_quantized_input`` (unless
   ``TANDEM_FP8_FUSED_QUANT=off``), so that the model quantizes their input in the norm /
   activation kernel that produces it; per-channel GEMMs use fast FP8 accumulation unless
-  ``TANDEM_FP8_FAST_ACCUM=off``.
+  ``TANDEM_FP8_FAST_ACCUM=off``; row-parallel layers that feed an RMSNorm (one TP rank,
+  no bias, dynamic per-token scales) return their decode-sized products unscaled
+  (``TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS``, :class:`~tandem.layers.quantization.fp8.UnscaledProduct`).
 
 Left in the model dtype: embeddings, norms, the LM head, routers (``nn.Linear`` /
 plain parameters), layers matched by the config's ``ignore``, and MLA's ``kv_b_proj``
@@ -137,6 +139,13 @@ def _finish_linear(name: str, mod: nn.Module, dtype: torch.dtype) -> None:
         mod.weight_block = None
 
 
+def _defers_output_scales(mod: nn.Module) -> bool:
+    # One rank only: each TP rank's partial product has its own per-token scales, which
+    # must be applied before the all-reduce sums them.
+    return (isinstance(mod, RowParallelLinear) and mod.output_feeds_norm and mod.tp_size == 1 and mod.bias is None
+            and fp8_linear_takes_quantized_input(mod.weight, mod.weight_block, getattr(mod, "input_scale", None)))
+
+
 def finish_fp8_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype) -> None:
     """Quantize loaded high-precision weights and finalize the scales (module docstring).
 
@@ -152,6 +161,8 @@ def finish_fp8_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype) -> No
         mod.takes_quantized_input = fuse and fp8_linear_takes_quantized_input(
             mod.weight, mod.weight_block, getattr(mod, "input_scale", None))
         mod.fp8_fast_accum = fast_accum
+        if _defers_output_scales(mod):
+            mod.deferred_scales_max_rows = envs.TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS
     for name, mod in model.named_modules():
         if isinstance(mod, FusedMoE):
             mod.finish_fp8_weights(name)

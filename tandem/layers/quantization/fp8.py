@@ -90,6 +90,35 @@ class QuantizedActivation:
     dtype: torch.dtype
 
 
+@dataclass(slots=True)
+class UnscaledProduct:
+    """An FP8 GEMM's product before its per-token x per-channel scales: the GEMM ran with
+    unit scales (cuBLASLt's per-tensor kernel, faster than its row-wise one at decode
+    sizes) and the scaling epilogue moves into the RMSNorm kernel that consumes the product
+    (:mod:`tandem.layers.fused_ops`), so that it costs no pass of its own.
+
+    Attributes:
+        acc: ``[M, N]`` fp32, the sum of the FP8 products.
+        row_scale: ``[M, 1]`` fp32, the activation's per-token scales.
+        col_scale: ``[N]`` fp32, the weight's per-channel scales.
+        dtype: the dtype the scaled product is rounded to (the layer's output dtype).
+    """
+
+    acc: torch.Tensor
+    row_scale: torch.Tensor
+    col_scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.acc.shape
+
+    def apply_scales(self) -> torch.Tensor:
+        """``(acc * row_scale * col_scale).to(dtype)`` ``[M, N]``: what :func:`fp8_linear`
+        returns for the same operands, up to the fp32 rounding of the scaling."""
+        return (self.acc * self.row_scale * self.col_scale).to(self.dtype)
+
+
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """FP8 of ``x / scale`` (static per-tensor ``scale``, 0-d or ``[1]`` fp32), saturated."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -246,6 +275,39 @@ def fp8_linear(x: torch.Tensor | QuantizedActivation, weight: torch.Tensor, weig
     return y.reshape(*shape[:-1], n)
 
 
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def fp8_linear_unscaled(x: torch.Tensor | QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        fast_accum: bool = False) -> UnscaledProduct:
+    """:func:`fp8_linear` without bias and with dynamic per-token scales, its scales left
+    to the consumer (:class:`UnscaledProduct`).
+
+    Args:
+        x: ``[M, K]`` float activations (quantized here per token) or a
+            :class:`QuantizedActivation`; ``M >= 1``.
+        weight: ``[N, K]`` float8_e4m3fn, ``N`` and ``K`` multiples of 16.
+        weight_scale: ``[N]`` fp32 per-output-channel scales.
+        fast_accum: as :func:`fp8_linear`.
+
+    Raises:
+        ValueError: a weight :func:`fp8_linear_takes_quantized_input` rejects, or no rows.
+    """
+    if not fp8_linear_takes_quantized_input(weight, None, None):
+        raise ValueError(f"fp8_linear_unscaled: weight {tuple(weight.shape)} {weight.dtype} is not an FP8 per-channel "
+                         f"weight with N, K multiples of {_CUDA_ALIGN}")
+    if not isinstance(x, QuantizedActivation):
+        x = QuantizedActivation(*_quantize_activations(x), x.dtype)
+    if x.q.shape[0] == 0:
+        raise ValueError("fp8_linear_unscaled: no rows (use fp8_linear)")
+    one = _unit_scale(x.q.device)
+    acc = torch._scaled_mm(x.q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                           use_fast_accum=fast_accum)
+    return UnscaledProduct(acc, x.scale, weight_scale, x.dtype)
+
+
 def block_fp8_matmul_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                                weight_scale: torch.Tensor, block: tuple[int, int],
                                out_dtype: torch.dtype) -> torch.Tensor:
@@ -307,7 +369,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return y.reshape(*shape[:-1], n)
 
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "QuantizedActivation", "block_fp8_linear",
+__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "QuantizedActivation", "UnscaledProduct", "block_fp8_linear",
            "block_fp8_matmul_reference", "check_fp8_supported", "dequantize_block", "dequantize_weight",
-           "expand_block_scale", "fp8_linear", "fp8_linear_takes_quantized_input", "fp8_supported", "quantize_per_token",
-           "quantize_per_token_group", "quantize_static", "quantize_weight_per_channel"]
+           "expand_block_scale", "fp8_linear", "fp8_linear_takes_quantized_input", "fp8_linear_unscaled",
+           "fp8_supported", "quantize_per_token", "quantize_per_token_group", "quantize_static", "quantize_weight_per_channel"]

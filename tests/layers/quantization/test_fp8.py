@@ -198,6 +198,35 @@ def test_cuda_fp8_linear_matches_reference(m, dtype):
 
 
 @_sm89
+@pytest.mark.parametrize("fast_accum", [False, True])
+@pytest.mark.parametrize("m", [1, 7, 256])
+def test_cuda_unscaled_product_through_the_norm_matches_the_scaled_gemm(m, fast_accum):
+    """At decode sizes (Llama-8B down_proj): the unit-scale GEMM's fp32 sums with the scales
+    applied by the add + RMSNorm + quant kernel == the row-wise scaled GEMM then the same
+    kernel, up to bf16 rounding of a few elements."""
+    from tandem.layers import fused_ops
+    from tandem.layers.quantization.fp8 import UnscaledProduct, fp8_linear_unscaled
+
+    torch.manual_seed(0)
+    x, w = torch.randn(m, 14336, device="cuda").to(torch.bfloat16), torch.randn(4096, 14336, device="cuda") * 0.01
+    res = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+    norm_w = torch.rand(4096, device="cuda").to(torch.bfloat16)
+    qw, sw = quantize_weight_per_channel(w)
+    p = fp8_linear_unscaled(x, qw, sw, fast_accum)
+    assert isinstance(p, UnscaledProduct) and p.acc.dtype == torch.float32
+    y = fp8_linear(x, qw, sw, fast_accum=fast_accum)
+    # Exact accumulation: the two kernels' sums agree, one bf16 ulp from the scaling order;
+    # fast accumulation rounds differently per kernel (1e-2 of the largest value, session 12).
+    atol, rtol = (0.0, 2 ** -7) if not fast_accum else (2e-2 * y.abs().max().item(), 2e-2)
+    torch.testing.assert_close(p.apply_scales(), y, atol=atol, rtol=rtol)
+    got_q, got_s, got_r = fused_ops.rms_norm_dynamic_per_token_quant(p, norm_w, 1e-5, res)
+    want_q, want_s, want_r = fused_ops.rms_norm_dynamic_per_token_quant(y, norm_w, 1e-5, res)
+    torch.testing.assert_close(got_r, want_r, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got_s, want_s, atol=0, rtol=2e-2)
+    torch.testing.assert_close(got_q.float() * got_s, want_q.float() * want_s, atol=0.1, rtol=0.13)
+
+
+@_sm89
 @pytest.mark.parametrize("m", [1, 7, 100, 1024])
 def test_cuda_block_fp8_linear_matches_reference(m):
     """cuBLASLt block-scaled GEMM (1x128 activations, 128x128 weights) == the reference."""
