@@ -25,7 +25,7 @@ TANDEM_FP8_FAST_ACCUM               on         FP8 per-channel GEMMs accumulate 
                                                MMA's own precision (on, as vLLM's sm90 kernels)
                                                or promote to fp32 periodically (off); read
                                                when a model loads
-TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS 256        FP8 products of o_proj / down_proj with at most
+TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS 384        FP8 products of o_proj / down_proj with at most
                                                this many rows (decode batches) leave their
                                                per-token x per-channel scales to the RMSNorm
                                                kernel that consumes them, so the GEMM runs
@@ -141,7 +141,7 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_FUSED_OPS": _choice("TANDEM_FUSED_OPS", "auto", FUSED_OPS_MODES),
     "TANDEM_FP8_FUSED_QUANT": _choice("TANDEM_FP8_FUSED_QUANT", "on", ON_OFF),
     "TANDEM_FP8_FAST_ACCUM": _choice("TANDEM_FP8_FAST_ACCUM", "on", ON_OFF),
-    "TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS": _int_at_least("TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS", lambda: 256, 0),
+    "TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS": _int_at_least("TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS", lambda: 384, 0),
     "TANDEM_MLA_PREFILL": _choice("TANDEM_MLA_PREFILL", "auto", MLA_PREFILL_MODES),
     "TANDEM_STARTUP_TIMEOUT_S": _float("TANDEM_STARTUP_TIMEOUT_S", 1800.0),
     "TANDEM_DUMP_STACKS_AFTER_S": _float("TANDEM_DUMP_STACKS_AFTER_S", None),

@@ -169,7 +169,8 @@ def _unscaled(t: int, n: int, dtype: torch.dtype) -> UnscaledProduct:
 @pytest.mark.parametrize("t", [0, 1, 7, 64])
 def test_norms_apply_the_scales_of_an_unscaled_product(t, dtype, op):
     """A norm fed an UnscaledProduct gives what it gives for ``x.apply_scales()``, bit for
-    bit, in the kernel and in the torch path."""
+    bit, in the kernel and in the torch path (compiled fp32: the scaling and the residual
+    add may contract into one FMA, so within an ulp there)."""
     x = _unscaled(t, 96, dtype)
     res = _rand(t, 96, dtype=dtype, seed=1) * 4
     w = _rand(96, dtype=dtype, seed=2)
@@ -184,11 +185,19 @@ def test_norms_apply_the_scales_of_an_unscaled_product(t, dtype, op):
     for mode in ("triton", "torch"):
         with fused_ops.mode(mode):
             got, want = run(x), run(x.apply_scales())
+        fma = mode == "triton" and dtype == torch.float32 and DEVICE.type == "cuda"
         for g, e in zip(got, want):
             assert (g is None) == (e is None)
-            if g is not None:
-                assert g.dtype == e.dtype and torch.equal(g.view(torch.uint8) if g.dtype == FP8_DTYPE else g,
-                                                          e.view(torch.uint8) if e.dtype == FP8_DTYPE else e)
+            if g is None:
+                continue
+            assert g.dtype == e.dtype
+            if fma and g.dtype == FP8_DTYPE:  # an ulp in the scale may move a value one e4m3 step
+                torch.testing.assert_close(g.float(), e.float(), atol=2 ** -9, rtol=2 ** -3)
+            elif fma:
+                torch.testing.assert_close(g, e, atol=0, rtol=2 ** -22)
+            else:
+                assert torch.equal(g.view(torch.uint8) if g.dtype == FP8_DTYPE else g,
+                                   e.view(torch.uint8) if e.dtype == FP8_DTYPE else e)
 
 
 def test_norms_reject_a_malformed_unscaled_product():

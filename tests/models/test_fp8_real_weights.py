@@ -18,7 +18,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 # Measured on the CPU (fp32 vs FP8, torch backend, 81 prompt positions): mean cosine
 # similarity of the logit rows 0.990, worst 0.88, argmax agreement 0.926 (FP8 KV cache:
 # 0.990 / 0.89 / 0.914). Stated bounds:
-MIN_MEAN_COS, MIN_WORST_COS, MIN_ARGMAX_AGREE = 0.98, 0.8, 0.85
+MIN_MEAN_COS, MIN_ARGMAX_AGREE = 0.98, 0.85
+# Every row: each model's top token among the other's top 5 (vLLM's check_logprobs_close
+# criterion), which near-ties pass and a broken row does not.
+TOP_K = 5
+# The worst single row of the embedded SmolLM2 (Q4_1, 135M) is chaotic under FP8 + bf16:
+# one-ulp changes in a few activations move it by 0.07 and it ranges 0.52-0.93 across
+# devices and accumulation modes (benchmarks/RESULTS.md, session 13), so only the larger
+# Qwen is held to a worst-row bound (measured 0.967-0.980).
+MIN_WORST_COS_QWEN = 0.8
 # Greedy continuations diverge once one near-tie flips; a quarter of the tokens before the
 # first difference is far above what a broken FP8 path gives (a wrong first token).
 MIN_GREEDY_AGREE = 0.25
@@ -57,18 +65,23 @@ def logits_fp8_vs_reference(device: str, dtype: torch.dtype, kv_dtype: torch.dty
     return out[0], out[1]
 
 
-def closeness(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float, float]:
+def closeness(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float, float, float]:
+    """(mean and worst cosine similarity of the logit rows, share of rows with the same
+    argmax, share of rows whose argmax each lies in the other's top ``TOP_K``)."""
     cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
-    return cos.mean().item(), cos.min().item(), (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    a, b = got.argmax(-1, keepdim=True), want.argmax(-1, keepdim=True)
+    in_top = ((want.topk(TOP_K, -1).indices == a).any(-1) & (got.topk(TOP_K, -1).indices == b).any(-1))
+    return (cos.mean().item(), cos.min().item(), (a == b).float().mean().item(), in_top.float().mean().item())
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_smollm2_fp8_logits_close_to_bf16(kv):
     got, want = logits_fp8_vs_reference("cuda", torch.bfloat16,
                                         torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16)
-    mean_cos, worst_cos, agree = closeness(got, want)
-    print(f"kv={kv}: mean cos {mean_cos:.4f}, worst {worst_cos:.4f}, argmax agreement {agree:.3f}")
-    assert mean_cos >= MIN_MEAN_COS and worst_cos >= MIN_WORST_COS and agree >= MIN_ARGMAX_AGREE
+    mean_cos, worst_cos, agree, in_top = closeness(got, want)
+    print(f"kv={kv}: mean cos {mean_cos:.4f}, worst {worst_cos:.4f}, argmax agreement {agree:.3f}, "
+          f"top-{TOP_K} containment {in_top:.3f}")
+    assert mean_cos >= MIN_MEAN_COS and agree >= MIN_ARGMAX_AGREE and in_top == 1.0
 
 
 def test_smollm2_fp8_engine_cuda_graphs_equal_eager():
@@ -117,9 +130,11 @@ QWEN = envs.TANDEM_QWEN_GGUF
 def test_qwen_fp8_logits_close_to_bf16(kv):
     got, want = logits_fp8_vs_reference("cuda", torch.bfloat16,
                                         torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16, path=QWEN)
-    mean_cos, worst_cos, agree = closeness(got, want)
-    print(f"qwen kv={kv}: mean cos {mean_cos:.4f}, worst {worst_cos:.4f}, argmax agreement {agree:.3f}")
-    assert mean_cos >= MIN_MEAN_COS and worst_cos >= MIN_WORST_COS and agree >= MIN_ARGMAX_AGREE
+    mean_cos, worst_cos, agree, in_top = closeness(got, want)
+    print(f"qwen kv={kv}: mean cos {mean_cos:.4f}, worst {worst_cos:.4f}, argmax agreement {agree:.3f}, "
+          f"top-{TOP_K} containment {in_top:.3f}")
+    assert mean_cos >= MIN_MEAN_COS and worst_cos >= MIN_WORST_COS_QWEN and agree >= MIN_ARGMAX_AGREE
+    assert in_top == 1.0
 
 
 @pytest.mark.slow
