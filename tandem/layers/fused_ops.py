@@ -9,8 +9,10 @@ semantics) and a Triton kernel doing the same arithmetic in one launch:
   normalised, so the pair equals ``r = x + residual; (rms_norm(r), r)``.
 * The three norms also take ``x`` as an :class:`~tandem.layers.quantization.fp8.UnscaledProduct`
   (an FP8 GEMM's fp32 sums with their scales still to apply): the kernel reads the sums,
-  applies the per-token x per-channel scales and rounds to the product's dtype, exactly
-  as ``x.apply_scales()`` before the unfused op, so the GEMM needs no scaling pass.
+  applies the per-token x per-channel scales and rounds to the product's dtype as
+  ``x.apply_scales()`` does before the unfused op (bit for bit in fp16/bf16; for an fp32
+  product compiled kernels may contract the scaling and the residual add into one FMA),
+  so the GEMM needs no scaling pass.
 * :func:`silu_and_mul` ``(gate_up [..., 2I]) -> silu(gate) * up [..., I]`` (gate first).
 * :func:`rms_norm_dynamic_per_token_quant` and :func:`silu_and_mul_dynamic_per_token_quant`:
   the same two ops writing their result as FP8 e4m3 with one fp32 scale per token (vLLM's
@@ -379,12 +381,12 @@ def _tl_dtype(dtype: torch.dtype):
 
 def _scaled_input(x: UnscaledProduct) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 sums, row scales, column scales) of ``x``, checked for the norm kernel."""
-    m, n = x.acc.shape
-    if (x.acc.dtype != torch.float32 or x.acc.stride(-1) != 1 or x.row_scale.numel() != m
+    m, n = x.acc.shape if x.acc.dim() == 2 else (-1, -1)
+    if (m < 0 or x.acc.dtype != torch.float32 or x.acc.stride(-1) != 1 or x.row_scale.numel() != m
             or x.col_scale.shape != (n,) or x.dtype not in _SUPPORTED_DTYPES):
-        raise ValueError(f"rms_norm: an UnscaledProduct needs fp32 contiguous sums [M, N], {m} row and {n} column "
-                         f"scales, got sums {tuple(x.acc.shape)} {x.acc.dtype}, row scales "
-                         f"{tuple(x.row_scale.shape)}, column scales {tuple(x.col_scale.shape)}")
+        raise ValueError(f"rms_norm: an UnscaledProduct needs fp32 contiguous sums [M, N], M row and N column "
+                         f"scales and an fp32/fp16/bf16 dtype, got sums {tuple(x.acc.shape)} {x.acc.dtype}, row "
+                         f"scales {tuple(x.row_scale.shape)}, column scales {tuple(x.col_scale.shape)}, dtype {x.dtype}")
     return x.acc, x.row_scale.reshape(m).contiguous(), x.col_scale.float().contiguous()
 
 
@@ -434,7 +436,8 @@ def _norm_launch(x: torch.Tensor | UnscaledProduct, residual: torch.Tensor | Non
         xv, rv, weight, out, res_out if res_out is not None else out, scale if scale is not None else out,
         row_scale if row_scale is not None else out, col_scale if col_scale is not None else out,
         b, sxa, sxb, sra, srb, n, float(eps),
-        HAS_RESIDUAL=residual is not None, SCALED_X=row_scale is not None, X_DTYPE=_tl_dtype(x_dtype), FP8_OUT=fp8_out, OUT_DTYPE=_tl_dtype(out_dtype), FMAX=FP8_MAX,
+        HAS_RESIDUAL=residual is not None, SCALED_X=row_scale is not None, X_DTYPE=_tl_dtype(x_dtype),
+        FP8_OUT=fp8_out, OUT_DTYPE=_tl_dtype(out_dtype), FMAX=FP8_MAX,
         MIN_S=MIN_SCALE, BLOCK_N=block, num_warps=_num_warps(block),
     )
     return out, res_out, scale
@@ -450,7 +453,13 @@ def _norm_input(x: torch.Tensor | UnscaledProduct) -> tuple[torch.Tensor | Unsca
 
 def rms_norm(x: torch.Tensor | UnscaledProduct, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of ``x [..., N]`` (new contiguous tensor, dtype of
-    ``weight * x``); leading dims may be strided."""
+    ``weight * x``); leading dims may be strided. ``x`` may be an ``[M, N]``
+    :class:`~tandem.layers.quantization.fp8.UnscaledProduct` (module docstring).
+
+    Raises:
+        ValueError: (Triton path) an unsupported dtype, a non-contiguous last dim, a weight
+            that is not ``[N]``, or a malformed UnscaledProduct.
+    """
     x, triton_path = _norm_input(x)
     if not triton_path:
         return rms_norm_ref(x, weight, eps)
@@ -459,7 +468,12 @@ def rms_norm(x: torch.Tensor | UnscaledProduct, weight: torch.Tensor, eps: float
 
 def fused_add_rms_norm(x: torch.Tensor | UnscaledProduct, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``r = x + residual; return rms_norm(r, weight, eps), r`` in one pass (new tensors)."""
+    """``r = x + residual; return rms_norm(r, weight, eps), r`` in one pass (new tensors);
+    ``x`` as :func:`rms_norm` (an UnscaledProduct has its scales applied before the add).
+
+    Raises:
+        ValueError: (Triton path) as :func:`rms_norm`, or a residual of another shape.
+    """
     x, triton_path = _norm_input(x)
     if not triton_path:
         return fused_add_rms_norm_ref(x, residual, weight, eps)

@@ -27,9 +27,10 @@ per output channel; a checkpoint's per-tensor scale is expanded to its shard's r
 :func:`~tandem.layers.quantization.apply.finish_fp8_model`) also accepts a
 :class:`~tandem.layers.quantization.fp8.QuantizedActivation`: its input already quantized
 per token by the kernel that produced it. A row-parallel layer whose output goes straight
-into an RMSNorm (``output_feeds_norm``, set by the decoder layer that owns both) may be set
-to ``defer_output_scales`` by ``finish_fp8_model``: at decode sizes its forward then returns
-an :class:`~tandem.layers.quantization.fp8.UnscaledProduct`, whose scales the norm applies.
+into an RMSNorm (``output_feeds_norm``, set by the decoder layer that owns both) is told to
+``defer_output_scales`` by ``finish_fp8_model`` where it can: at decode sizes its forward then
+returns an :class:`~tandem.layers.quantization.fp8.UnscaledProduct`, whose scales the norm
+applies.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch import nn
 
 from tandem.distributed import parallel_state as ps
 from tandem.layers.quantization.fp8 import (FP8_DTYPE, QuantizedActivation, UnscaledProduct, block_fp8_linear,
-                                            fp8_linear, fp8_linear_unscaled)
+                                            fp8_linear, fp8_linear_takes_quantized_input, fp8_linear_unscaled)
 
 
 def set_weight_attrs(param: nn.Parameter, full_shape: Sequence[int], shard: Callable[[torch.Tensor], torch.Tensor],
@@ -289,6 +290,11 @@ class RowParallelLinear(_FP8Forward, nn.Module):
         self.in_features, self.out_features = in_features // tp, out_features
         self.full_in = in_features
         self.reduce_results = reduce_results
+        # Whether the module that owns this layer hands its output to an RMSNorm unchanged
+        # (the norm kernels take an UnscaledProduct); set when the model is built.
+        self.output_feeds_norm = False
+        # Largest row count whose product is returned unscaled (0: never): defer_output_scales.
+        self.deferred_scales_max_rows = 0
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features))
         set_weight_attrs(self.weight, (out_features, in_features), self._shard_cols, self._load_weight)
         if bias:
@@ -344,21 +350,36 @@ class RowParallelLinear(_FP8Forward, nn.Module):
             set_weight_attrs(self.input_scale, (1,), lambda full: full,
                              lambda t, shard_id=None: _copy(self.input_scale, t.float().reshape(1), "input scale"))
 
-    # Whether the module that owns this layer hands its output to an RMSNorm unchanged (the
-    # norm kernels accept an UnscaledProduct); set when the model is built.
-    output_feeds_norm: bool = False
-    # Largest row count whose product is returned unscaled (0: never); set after loading by
-    # tandem.layers.quantization.apply.finish_fp8_model, only where output_feeds_norm holds.
-    deferred_scales_max_rows: int = 0
+    @property
+    def can_defer_output_scales(self) -> bool:
+        """Whether :meth:`defer_output_scales` may be called: the output feeds a norm, one
+        TP rank (each rank's partial product has its own per-token scales, which must be
+        applied before the all-reduce), no bias, and an FP8 per-channel weight with dynamic
+        per-token activation scales."""
+        return (self.output_feeds_norm and self.tp_size == 1 and self.bias is None
+                and fp8_linear_takes_quantized_input(self.weight, self.weight_block, getattr(self, "input_scale", None)))
+
+    def defer_output_scales(self, max_rows: int) -> None:
+        """Return the products of 1 to ``max_rows`` rows of a 2-D input unscaled
+        (:class:`UnscaledProduct`, module docstring); 0 turns it off.
+
+        Raises:
+            ValueError: ``max_rows > 0`` where :attr:`can_defer_output_scales` does not hold.
+        """
+        if max_rows and not self.can_defer_output_scales:
+            raise ValueError(f"row-parallel layer ({self.full_in} -> {self.out_features}, TP {self.tp_size}, bias "
+                             f"{self.bias is not None}, weight {self.weight.dtype}, output to a norm "
+                             f"{self.output_feeds_norm}) cannot leave its output scales to the norm")
+        self.deferred_scales_max_rows = max_rows
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor | UnscaledProduct:
-        """``[M, in] -> [M, out]``; an :class:`UnscaledProduct` for ``1 <= M <=
-        deferred_scales_max_rows`` (module docstring)."""
+        """``[..., in] -> [..., out]``; an ``[M, out]`` :class:`UnscaledProduct` for a 2-D
+        (or quantized) input of ``1 <= M <= deferred_scales_max_rows`` rows (module docstring)."""
         if self.deferred_scales_max_rows:
-            rows = x.q.shape[0] if isinstance(x, QuantizedActivation) else x.numel() // self.in_features
+            quantized = isinstance(x, QuantizedActivation)
+            rows = x.q.shape[0] if quantized else x.shape[0] if x.dim() == 2 else 0
             if 0 < rows <= self.deferred_scales_max_rows:
-                return fp8_linear_unscaled(x.reshape(rows, -1) if isinstance(x, torch.Tensor) else x, self.weight,
-                                           self.weight_scale, self.fp8_fast_accum)
+                return fp8_linear_unscaled(x, self.weight, self.weight_scale, self.fp8_fast_accum)
         y = self._matmul(x, None)
         if self.tp_size > 1 and self.reduce_results:
             y = ps.tp_all_reduce(y)

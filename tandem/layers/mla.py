@@ -64,7 +64,7 @@ from torch import nn
 from tandem import envs
 from tandem.attention.selector import get_attention_backend
 from tandem.attention.metadata import AttentionMetadata
-from tandem.layers.linear import ColumnParallelLinear
+from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.layers.mla_latent import write_latents
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_parameters
@@ -132,7 +132,9 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = linear(h, self.kv_lora_rank + self.rope, bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), False)
-        self.o_proj = linear(self.num_heads * self.v_dim, h, bias)
+        # Row-parallel (one rank) as under TP, so that an FP8 o_proj may leave its output
+        # scales to the norm after the attention (tandem.layers.linear).
+        self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, h, bias=bias, tp_size=1, tp_rank=0)
         self.rotary = rotary
         self.scale = mla_softmax_scale(c)
         #: Prefill attention, the same choice: ``"triton"`` (decompress, then the

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tandem.layers.fused_ops import fused_add_rms_norm, rms_norm, rms_norm_dynamic_per_token_quant
-from tandem.layers.quantization.fp8 import QuantizedActivation
+from tandem.layers.quantization.fp8 import QuantizedActivation, UnscaledProduct
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +16,8 @@ class RMSNorm(nn.Module):
     residual (in the input dtype) and returns ``(norm(x + residual), x + residual)``, as one
     fused kernel on CUDA (see :mod:`tandem.layers.fused_ops` for the dispatch).
     :meth:`forward_fp8` returns the same result quantized to FP8 per token for an FP8 linear.
+    ``x`` may be an FP8 GEMM's :class:`UnscaledProduct` ``[T, N]``: the kernel applies its
+    scales (as ``x.apply_scales()``) before the add.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -23,13 +25,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
-    def forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward_fp8(self, x: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None = None
                     ) -> tuple[QuantizedActivation, torch.Tensor | None]:
         """The forward's normalized ``x [T, N]`` quantized to FP8 with per-token scales in
         the same kernel (:func:`~tandem.layers.fused_ops.rms_norm_dynamic_per_token_quant`),

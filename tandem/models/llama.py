@@ -146,7 +146,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm layer, residual stream carried separately (as in vLLM) so that each residual
     add is fused into the next RMSNorm: ``forward(hidden, residual, ...) -> (hidden,
     residual)`` with ``residual=None`` for the first layer. The sum ``hidden + residual``
-    of the returned pair is the layer's output ``x + attn(norm(x)) + mlp(norm(...))``."""
+    of the returned pair is the layer's output ``x + attn(norm(x)) + mlp(norm(...))``;
+    ``hidden`` may be an :class:`UnscaledProduct` (FP8, module docstring), which only the
+    next RMSNorm takes (else ``hidden.apply_scales()`` first)."""
 
     def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
@@ -158,8 +160,8 @@ class DecoderLayer(nn.Module):
         # input_layernorm (or the final norm) as they are.
         self.self_attn.o_proj.output_feeds_norm = self.mlp.down_proj.output_feeds_norm = True
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor | UnscaledProduct, torch.Tensor]:
         attn_in, residual = _norm_for(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
         hidden = self.self_attn(attn_in, positions, kv_cache, meta)
         mlp_in, residual = _norm_for(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)

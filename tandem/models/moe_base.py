@@ -20,6 +20,7 @@ from tandem.distributed.all2all import All2AllBackend
 from tandem.layers.linear import RowParallelLinear
 from tandem.layers.moe import FusedMoE, SparseMoeBlock, drain
 from tandem.layers.norm import RMSNorm
+from tandem.layers.quantization.fp8 import UnscaledProduct
 
 All2AllFactory = Callable[[int], All2AllBackend]  # num_experts -> backend of one MoE layer
 
@@ -134,7 +135,9 @@ class MoEDecoderLayer(nn.Module):
     (vLLM's layout), so that each residual add runs inside the following RMSNorm's kernel:
     ``forward(hidden, residual, ...) -> (hidden, residual)`` with ``residual=None`` for the
     first layer; the layer's output ``x + attn(...) + mlp(...)`` is ``hidden + residual``,
-    each add rounded to the model dtype in the same order as the unfused layer.
+    each add rounded to the model dtype in the same order as the unfused layer. With FP8 a
+    dense layer's ``hidden`` may be an :class:`~tandem.layers.quantization.fp8.UnscaledProduct`,
+    which only the next RMSNorm takes (else ``hidden.apply_scales()`` first).
     """
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
@@ -149,9 +152,9 @@ class MoEDecoderLayer(nn.Module):
             if isinstance(producer, RowParallelLinear):
                 producer.output_feeds_norm = True
 
-    def forward_steps(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                      kv_cache: torch.Tensor,
-                      meta: AttentionMetadata) -> Generator[str, None, tuple[torch.Tensor, torch.Tensor]]:
+    def forward_steps(self, hidden: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None,
+                      positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+                      ) -> Generator[str, None, tuple[torch.Tensor | UnscaledProduct, torch.Tensor]]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -165,8 +168,8 @@ class MoEDecoderLayer(nn.Module):
             hidden = self.mlp(hidden)
         return hidden, residual
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor | UnscaledProduct, torch.Tensor]:
         return drain(self.forward_steps(hidden, residual, positions, kv_cache, meta))
 
 

@@ -196,3 +196,24 @@ def test_unscaled_gemm_rejects_what_it_cannot_run():
     q, s = quantize_weight_per_channel(torch.randn(30, 64))
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8_linear_unscaled(torch.randn(2, 64), q, s)
+
+
+def test_deferring_scales_where_it_would_drop_work_is_an_error(monkeypatch):
+    """defer_output_scales on a layer whose forward would skip an all-reduce or a bias."""
+    for kwargs in (dict(bias=True), dict(tp_size=2, tp_rank=0)):
+        layer = _row_parallel_fp8(monkeypatch, "256", **kwargs)
+        assert not layer.can_defer_output_scales
+        with pytest.raises(ValueError, match="cannot leave its output scales"):
+            layer.defer_output_scales(256)
+        layer.defer_output_scales(0)  # off is always allowed
+    layer = RowParallelLinear(64, 32, tp_size=1, tp_rank=0)  # bf16 weight, output to a norm
+    layer.output_feeds_norm = True
+    with pytest.raises(ValueError, match="cannot leave its output scales"):
+        layer.defer_output_scales(8)
+
+
+def test_deferred_scales_need_a_2d_input(monkeypatch):
+    """A [B, T, in] input keeps its leading dims: the scaled product."""
+    layer = _row_parallel_fp8(monkeypatch, "256")
+    y = layer(torch.randn(2, 3, 64).to(torch.bfloat16))
+    assert isinstance(y, torch.Tensor) and y.shape == (2, 3, 32)

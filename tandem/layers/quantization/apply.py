@@ -139,13 +139,6 @@ def _finish_linear(name: str, mod: nn.Module, dtype: torch.dtype) -> None:
         mod.weight_block = None
 
 
-def _defers_output_scales(mod: nn.Module) -> bool:
-    # One rank only: each TP rank's partial product has its own per-token scales, which
-    # must be applied before the all-reduce sums them.
-    return (isinstance(mod, RowParallelLinear) and mod.output_feeds_norm and mod.tp_size == 1 and mod.bias is None
-            and fp8_linear_takes_quantized_input(mod.weight, mod.weight_block, getattr(mod, "input_scale", None)))
-
-
 def finish_fp8_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype) -> None:
     """Quantize loaded high-precision weights and finalize the scales (module docstring).
 
@@ -161,8 +154,8 @@ def finish_fp8_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype) -> No
         mod.takes_quantized_input = fuse and fp8_linear_takes_quantized_input(
             mod.weight, mod.weight_block, getattr(mod, "input_scale", None))
         mod.fp8_fast_accum = fast_accum
-        if _defers_output_scales(mod):
-            mod.deferred_scales_max_rows = envs.TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS
+        if isinstance(mod, RowParallelLinear) and mod.can_defer_output_scales:
+            mod.defer_output_scales(envs.TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS)
     for name, mod in model.named_modules():
         if isinstance(mod, FusedMoE):
             mod.finish_fp8_weights(name)

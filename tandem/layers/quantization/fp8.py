@@ -115,7 +115,8 @@ class UnscaledProduct:
 
     def apply_scales(self) -> torch.Tensor:
         """``(acc * row_scale * col_scale).to(dtype)`` ``[M, N]``: what :func:`fp8_linear`
-        returns for the same operands, up to the fp32 rounding of the scaling."""
+        returns for the same operands up to one ulp of bf16 (the order of the fp32 scalings;
+        on CUDA ``fp8_linear`` also rounds through bf16 on the way to fp16 / fp32)."""
         return (self.acc * self.row_scale * self.col_scale).to(self.dtype)
 
 
@@ -291,6 +292,11 @@ def fp8_linear_unscaled(x: torch.Tensor | QuantizedActivation, weight: torch.Ten
         weight: ``[N, K]`` float8_e4m3fn, ``N`` and ``K`` multiples of 16.
         weight_scale: ``[N]`` fp32 per-output-channel scales.
         fast_accum: as :func:`fp8_linear`.
+
+    Returns:
+        An :class:`UnscaledProduct`: ``acc [M, N]`` fp32, ``row_scale [M, 1]`` fp32 (the
+        activation's per-token scales), ``col_scale [N]`` fp32 (``weight_scale``), and
+        ``dtype`` the activation's dtype.
 
     Raises:
         ValueError: a weight :func:`fp8_linear_takes_quantized_input` rejects, or no rows.
