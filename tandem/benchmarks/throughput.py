@@ -195,8 +195,11 @@ def main(args: argparse.Namespace) -> None:
     if args.output_json:
         with open(args.output_json, "w") as f:
             cfg = llm.engine.config
+            # The settings that tell runs apart (quantization None: the checkpoint's own).
             json.dump(asdict(res) | {"async_output_proc": cfg.scheduler_config.async_output_proc,
-                                     "model": cfg.model_config.model}, f, indent=2)
+                                     "model": cfg.model_config.model, "dtype": cfg.model_config.dtype,
+                                     "quantization": cfg.model_config.quantization,
+                                     "kv_cache_dtype": cfg.cache_config.kv_cache_dtype}, f, indent=2)
     llm.engine.shutdown()
 
 

@@ -59,8 +59,8 @@ class ModelConfig:
     (its path: python -c 'from tandem.config import embedded_default_model as m; print(m())')."""
 
     tokenizer: str | None = None
-    """Tokenizer folder or .gguf file if not the model's (needed with a bare config.json). None:
-    the model's."""
+    """Tokenizer folder or .gguf file if not the model's (needed where the model's folder holds
+    none, e.g. a config.json alone). None: the model's."""
 
     generation_config: str = "auto"
     """auto: EOS ids and the defaults of sampling fields a request leaves unset from the model's

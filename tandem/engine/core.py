@@ -96,6 +96,8 @@ class EngineCore:
         kv_caches = allocate_kv_caches(num_layers, (planes, num_blocks, cache_cfg.block_size, num_kv_heads, head_dim),
                                        kv_dtype, device)
         capacity = (num_blocks - 1) * cache_cfg.block_size
+        logger.info("model %s: %s, quantization %s, KV cache %s, %d tokens", model_cfg.model, dtype,
+                    quant_config.method if quant_config is not None else "none", kv_dtype, capacity)
         if capacity < model_cfg.max_model_len:
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, model_cfg.max_model_len)
             model_cfg.max_model_len = capacity

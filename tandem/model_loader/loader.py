@@ -100,9 +100,12 @@ def load_tokenizer(path: str):
     """HF tokenizer (with chat template) of a folder or a GGUF file (cached per path,
     read-only).
 
+    A config file (``config.json`` for dummy weights) stands for its folder, as for the
+    generation config.
+
     Raises:
-        ValueError: ``path`` holds no tokenizer (a bare config.json, a folder without
-            tokenizer files): the message says to pass ``--tokenizer``.
+        ValueError: ``path`` holds no tokenizer (a folder, or a config file's folder,
+            without tokenizer files): the message says to pass ``--tokenizer``.
     """
     from transformers import AutoTokenizer
 
@@ -112,12 +115,12 @@ def load_tokenizer(path: str):
             return AutoTokenizer.from_pretrained(cached, config=converted_config(cached))
         folder, name = _split_gguf_path(path)
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    if os.path.isfile(path) or (os.path.isdir(path)
-                                and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)):
+    folder = (os.path.dirname(path) or ".") if os.path.isfile(path) else path
+    if not any(os.path.exists(os.path.join(folder, f)) for f in _TOKENIZER_FILES):
         raise ValueError(f"{path!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)}): pass --tokenizer "
                          f"(LLM(tokenizer=...)) with a tokenizer folder or .gguf, e.g. the embedded model's: "
                          f"python -c 'from tandem.config import embedded_default_model as m; print(m())'")
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def iterate_gguf_weights_cached(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:

@@ -158,3 +158,20 @@ def test_bench_throughput_flag_rejects_a_bad_ratio_while_parsing(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "throughput", "--structured-output-ratio", "1.5"])
     assert "must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_bench_throughput_json_names_the_settings_that_tell_runs_apart(tmp_path):
+    """``--output-json`` records dtype, quantization and KV cache dtype beside the figures,
+    so bf16 / FP8 / FP8-cache result files can be told apart."""
+    import json
+
+    from tandem.benchmarks.throughput import main
+    from tandem.entrypoints.cli import build_parser
+
+    out = tmp_path / "res.json"
+    main(build_parser().parse_args(["bench", "throughput", "--num-prompts", "2", "--input-len", "8",
+                                    "--output-len", "2", "--max-model-len", "128", "--quantization", "fp8",
+                                    "--kv-cache-dtype", "fp8", "--output-json", str(out)]))
+    res = json.loads(out.read_text())
+    assert (res["quantization"], res["kv_cache_dtype"], res["dtype"]) == ("fp8", "fp8", "auto")
+    assert res["num_prompts"] == 2 and res["requests_per_s"] > 0

@@ -21,6 +21,14 @@ def test_missing_tokenizer_names_the_flag(tmp_path, as_file):
         load_tokenizer(str(path))
 
 
+def test_a_config_file_finds_the_tokenizer_beside_it(tmp_path, embedded_model_path):
+    """``--model DIR/config.json`` (dummy weights) loads the tokenizer files in DIR."""
+    load_tokenizer(embedded_model_path).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    tok = load_tokenizer(str(tmp_path / "config.json"))
+    assert tok("Hello")["input_ids"] == load_tokenizer(embedded_model_path)("Hello")["input_ids"]
+
+
 _NOT_READ = {"_name_or_path", "use_cache", "transformers_version"}  # Tandem reads none of them
 
 
