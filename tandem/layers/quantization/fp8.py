@@ -109,10 +109,6 @@ class UnscaledProduct:
     col_scale: torch.Tensor
     dtype: torch.dtype
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.acc.shape
-
     def apply_scales(self) -> torch.Tensor:
         """``(acc * row_scale * col_scale).to(dtype)`` ``[M, N]``: what :func:`fp8_linear`
         returns for the same operands up to one ulp of bf16 (the order of the fp32 scalings;
