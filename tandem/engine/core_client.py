@@ -308,6 +308,10 @@ class MPClient:
             raise self.dead_error
         if self._closed:
             raise EngineDeadError("the engine is shut down")
+        # zmq may still accept a send to a core that exited (its pipe outlives the peer for a
+        # while), so look at the processes first: one non-blocking wait on every sentinel.
+        if wait_sentinels([p.sentinel for p in self.procs], timeout=0):
+            self._check_procs()
         frames = (kind.value, self.encoder.encode(payload))
         while True:
             try:
