@@ -14,10 +14,13 @@ parts:
 * ``ep_timing``: per-MoE-layer time of dispatch, expert compute and combine of the NCCL
   ``all_to_all`` backend at decode sizes (``--ep-tokens`` per rank), per rank (torchrun,
   N processes, one per GPU);
-* ``tp_parity`` / ``tp_bench``: ``--tensor-parallel-size 2`` against TP=1, and its seed
-  workload throughput.
+* ``tp_parity`` / ``tp_bench``: ``--tensor-parallel-size 2`` against TP=1: greedy tokens,
+  and the seed workload's throughput at TP=1 (one GPU) and TP=2 side by side, at
+  ``--max-num-seqs 256`` and at the engine's defaults;
+* ``ar_timing``: one TP all-reduce per primitive (NCCL, symmetric-memory one-shot and
+  two-shot) and message size, in CUDA graphs (``tp_all_reduce.py``, two processes).
 
-    python benchmarks/multi_gpu.py --out DIR [--data-parallel-size 8] [--parts ds_parity,ds_parity_dbo,ds_bench,ep_timing,tp_parity,tp_bench]
+    python benchmarks/multi_gpu.py --out DIR [--data-parallel-size 8] [--parts ds_parity,ds_parity_dbo,ds_bench,ep_timing,tp_parity,tp_bench,ar_timing]
 
 Results: ``DIR/multi_gpu_dp{N}.json`` (merged over calls with the same N, so the parts can
 run in several calls) and one JSON file per run.
@@ -38,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PARITY_LENS = [5, 37, 128, 11, 64, 3, 90, 23]
 
 
-PARTS = ("ds_parity", "ds_parity_dbo", "ds_bench", "ep_timing", "tp_parity", "tp_bench")
+PARTS = ("ds_parity", "ds_parity_dbo", "ds_bench", "ep_timing", "tp_parity", "tp_bench", "ar_timing")
 DS_PARTS = ("ds_parity", "ds_parity_dbo", "ds_bench", "ep_timing")  # use --data-parallel-size GPUs
 DP_SIZES = (2, 4, 8)
 
@@ -110,9 +113,10 @@ def parity(out: str, name: str, model: str, limit: float, engine: dict, gpus_ref
     return res
 
 
-def bench(out: str, name: str, model: str, limit: float, extra: list[str]) -> dict | None:
+def bench(out: str, name: str, model: str, limit: float, extra: list[str], env: dict | None = None,
+          max_num_seqs: int | None = 256) -> dict | None:
     path = os.path.join(out, f"{name}.json")
-    if not run(seed_workload_command(model, path, *extra), limit):
+    if not run(seed_workload_command(model, path, *extra, max_num_seqs=max_num_seqs), limit, env):
         return None
     with open(path) as f:
         return json.load(f)
@@ -124,6 +128,25 @@ def ep_timing_cmd(out: str, nproc: int = 2, tokens: str | None = None) -> list[s
     ``tokens``: its ``--tokens`` (per rank, comma-separated), default its own."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             os.path.join(HERE, "ep_all2all_timing.py"), "--out", out, *(["--tokens", tokens] if tokens else [])]
+
+
+def tp_bench(out: str, model: str, limit: float) -> dict:
+    """The seed workload at TP=1 (one GPU) and TP=2, side by side, at ``--max-num-seqs 256``
+    and at the engine's defaults: ``{setting: {"tp1": result, "tp2": result, "ratio": x}}``."""
+    res = {}
+    for setting, seqs in (("256", 256), ("defaults", None)):
+        one = bench(out, f"tp1_{setting}", model, limit, [], {"CUDA_VISIBLE_DEVICES": "0"}, seqs)
+        two = bench(out, f"tp2_{setting}", model, limit, ["--tensor-parallel-size", "2"], None, seqs)
+        ratio = two["requests_per_s"] / one["requests_per_s"] if one and two else None
+        res[setting] = dict(tp1=one, tp2=two, ratio=ratio)
+        print(f"tp_bench {setting}: TP=2 / TP=1 = {ratio}", flush=True)
+    return res
+
+
+def all_reduce_timing_cmd(out: str, nproc: int = 2) -> list[str]:
+    """``torchrun`` of tp_all_reduce.py on ``nproc`` ranks with this interpreter."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            os.path.join(HERE, "tp_all_reduce.py"), "--out", out]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -192,20 +215,27 @@ def main(argv: list[str] | None = None) -> None:
         elif part == "tp_parity":
             results[part] = parity(args.out, part, llama, args.limit, dict(tensor_parallel_size=2))
         elif part == "tp_bench":
-            results[part] = bench(args.out, "tp2", llama, args.limit, ["--tensor-parallel-size", "2"])
+            results[part] = tp_bench(args.out, llama, args.limit)
+        elif part == "ar_timing":
+            path = os.path.join(args.out, "tp_all_reduce_tp2.json")
+            ok = run(all_reduce_timing_cmd(path), args.limit)
+            results[part] = json.load(open(path)) if ok and os.path.exists(path) else None
         save()
 
     print("\n| run | requests/s | output tok/s |\n|---|---|---|")
     ds_bench = results.get("ds_bench") or {}
     rows = [(f"DeepSeek-V2-Lite DP={dp} EP={dp} all_to_all, DBO off", ds_bench.get("dbo_off")),
             (f"DeepSeek-V2-Lite DP={dp} EP={dp} all_to_all, DBO on", ds_bench.get("dbo_on")),
-            ("Llama-3.1-8B TP=2", results.get("tp_bench"))]
+            *((f"Llama-3.1-8B TP={tp} ({setting})", (r or {}).get(f"tp{tp}"))
+              for setting, r in (results.get("tp_bench") or {}).items() for tp in (1, 2))]
     for name, r in rows:
         if r:
             print(f"| {name} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} |")
     for r in (results.get("ep_timing") or {}).get("rows", []):
         print(f"ep_timing {r['tokens_per_rank']} tokens/rank: dispatch {r['dispatch_ms']} ms, "
               f"experts {r['expert_ms']} ms, combine {r['combine_ms']} ms (per rank)")
+    for r in (results.get("ar_timing") or {}).get("rows", []):
+        print(f"ar_timing {r['tokens']} x {r['hidden']}: fastest {r['fastest_all_reduce']}, us per rank {r['per_rank_us']}")
 
 
 if __name__ == "__main__":

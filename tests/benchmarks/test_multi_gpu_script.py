@@ -35,13 +35,54 @@ def test_ep_timing_command_runs_without_torchrun_on_path(multi_gpu, tmp_path):
     assert [r["tokens_per_rank"] for r in rows] == [4] and rows[0]["ep_size"] == 2
 
 
+def test_all_reduce_timing_runs_on_the_cpu_and_checks_the_sum(multi_gpu, tmp_path):
+    """tp_all_reduce.py over gloo: the all-reduce is checked against the exact sum, the
+    symmetric-memory primitives record why they cannot run, and the fastest is named."""
+    out = str(tmp_path / "ar.json")
+    cmd = multi_gpu.all_reduce_timing_cmd(out)
+    subprocess.run([*cmd, "--tokens", "1,4", "--hidden", "64", "--reps", "1", "--iters", "1"], check=True,
+                   timeout=300)
+    got = json.load(open(out))
+    assert got["world_size"] == 2 and got["backend"] == "gloo"
+    for row in got["rows"]:
+        assert row["nccl"]["max_abs_err"] == 0.0 and row["nccl"]["us"] > 0
+        assert "needs CUDA" in row["symm_one_shot"]["error"] and "needs CUDA" in row["symm_two_shot"]["error"]
+        assert row["fastest_all_reduce"] == "nccl" and len(row["per_rank_us"]["nccl"]) == 2
+    assert [r["bytes"] for r in got["rows"]] == [1 * 64 * 4, 4 * 64 * 4]  # fp32 on the CPU
+
+
+def test_tp_bench_runs_tp1_and_tp2_side_by_side(multi_gpu, tmp_path, monkeypatch):
+    """TP=1 on one visible GPU and TP=2, at 256 and at the defaults, with their ratio."""
+    calls = []
+
+    def fake_run(cmd, limit, env=None):
+        calls.append((cmd, env))
+        out = cmd[cmd.index("--output-json") + 1]
+        json.dump({"requests_per_s": 2.0 if "--tensor-parallel-size" in cmd else 1.0, "output_tokens_per_s": 1},
+                  open(out, "w"))
+        return True
+
+    monkeypatch.setattr(multi_gpu, "run", fake_run)
+    import model_shapes
+
+    # The seed workload's tokenizer package is a GPU-machine dependency.
+    monkeypatch.setattr(model_shapes, "tokenizer_dir", lambda: "tok")
+    got = multi_gpu.tp_bench(str(tmp_path), "llama", 10)
+    assert got["256"]["ratio"] == got["defaults"]["ratio"] == 2.0
+    (one, env1), (two, env2), (one_d, _), (two_d, _) = calls
+    assert env1 == {"CUDA_VISIBLE_DEVICES": "0"} and env2 is None
+    assert "--max-num-seqs" in one and "--max-num-seqs" in two
+    assert "--max-num-seqs" not in one_d and "--max-num-seqs" not in two_d
+
+
 def test_data_parallel_size_reaches_every_deepseek_part(multi_gpu, tmp_path, monkeypatch):
     """``--data-parallel-size 8``: both parity runs, the DBO off / on seed workload pair and
     the EP timing get 8 ranks (nothing is run: ``run`` records the commands)."""
     cmds = []
     monkeypatch.setattr(multi_gpu, "run", lambda cmd, limit, env=None: cmds.append(cmd) or False)
     # The seed workload's tokenizer package is a GPU-machine dependency.
-    monkeypatch.setattr(multi_gpu, "seed_workload_command", lambda model, out, *extra: ["tandem", "bench", *extra])
+    monkeypatch.setattr(multi_gpu, "seed_workload_command",
+                        lambda model, out, *extra, max_num_seqs: ["tandem", "bench", *extra])
     multi_gpu.main(["--out", str(tmp_path), "--data-parallel-size", "8", "--ep-tokens", "1,8",
                     "--parts", "ds_parity,ds_parity_dbo,ds_bench,ep_timing"])
     ref, par, ref_dbo, par_dbo, off, on, timing = cmds
