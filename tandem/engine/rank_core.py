@@ -35,20 +35,34 @@ def make_tp_broadcaster():
 
 
 def run_tp_follower(core) -> None:
-    """A follower's loop: run every ``SchedulerOutput`` the driver broadcasts, until None."""
+    """A follower's loop: run every ``SchedulerOutput`` the driver broadcasts, until None.
+
+    It keeps the driver's order (``EngineCore.step``): with asynchronous output processing,
+    step N+1 is launched before step N's result is waited for, so this GPU, like the
+    driver's, has its next step queued while the host receives and prepares the one after;
+    waiting first would leave it idle for that host work every step, and the driver's
+    all-reduces would wait for it."""
     group, src = ps.get_tp_cpu_group(), ps.get_tp_src_rank()
+    prev = None
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=src, group=group)
         so = box[0]
         if so is None:
-            return
+            break
         handle = core.runner.execute_model(so)
+        if prev is not None:
+            prev.result()
         if handle is None:  # constrained sequences: the driver sends their bitmask next
             dist.broadcast_object_list(box, src=src, group=group)
             handle = core.runner.sample_tokens(box[0])
-        handle.result()
-
+        if core.async_output_proc and not so.is_empty:
+            prev = handle
+        else:
+            prev = None
+            handle.result()
+    if prev is not None:
+        prev.result()
 
 
 # ----------------------------------------------------------------------------- ranks
