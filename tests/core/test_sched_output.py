@@ -3,8 +3,7 @@ updates do not reach."""
 
 from __future__ import annotations
 
-import dataclasses
-import pickle
+import msgspec
 
 from tandem.core.block_manager import KVCacheManager
 from tandem.core.sched_output import NewRequestData, SchedulerOutput
@@ -14,10 +13,10 @@ from tandem.sampling_params import SamplingParams
 
 
 def _objects(x):
-    """Every object reachable through dataclass fields, lists and tuples."""
+    """Every object reachable through struct fields, lists and tuples."""
     yield x
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        for f in dataclasses.fields(x):
+    if isinstance(x, msgspec.Struct):
+        for f in msgspec.structs.fields(x):
             yield from _objects(getattr(x, f.name))
     elif isinstance(x, (list, tuple)):
         for v in x:
@@ -39,7 +38,8 @@ def test_scheduler_output_holds_copies_not_requests():
     reqs[0].output_token_ids.append(7)
     reqs[0].prompt_token_ids.append(8)
     assert new[0].output_token_ids == [] and new[0].prompt_token_ids == list(range(100, 106))
-    assert isinstance(pickle.loads(pickle.dumps(out)), SchedulerOutput)  # what TP followers receive
+    # What TP followers receive (tandem.engine.rank_core.TPStepChannel): the same step.
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=SchedulerOutput) == out
 
 
 def test_rescheduled_after_preemption_carries_its_outputs():

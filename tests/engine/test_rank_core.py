@@ -1,8 +1,10 @@
-"""The TP follower's loop keeps the driver's order (tandem.engine.rank_core.run_tp_follower)."""
+"""tandem.engine.rank_core: the TP follower's loop keeps the driver's order; the step
+channel's messages round-trip."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem.engine import rank_core
 
@@ -33,24 +35,29 @@ class _Runner:
         return _Handle(self.log, bitmask)
 
 
-def _follow(monkeypatch, broadcasts: list, async_output_proc: bool, constrained=()) -> list:
-    """Run the follower on ``broadcasts`` (what the driver sends, in order); its call log."""
-    log, sent = [], iter(broadcasts)
+class _Channel:
+    """What the driver sends, in order."""
 
-    def recv(box, src, group):
-        box[0] = next(sent)
+    def __init__(self, sent: list) -> None:
+        self.sent = iter(sent)
 
-    monkeypatch.setattr(rank_core.dist, "broadcast_object_list", recv)
-    monkeypatch.setattr(rank_core.ps, "get_tp_cpu_group", lambda: None)
-    monkeypatch.setattr(rank_core.ps, "get_tp_src_rank", lambda: 0)
+    def recv_step(self):
+        return next(self.sent)
+
+    recv_bitmask = recv_step
+
+
+def _follow(broadcasts: list, async_output_proc: bool, constrained=()) -> list:
+    """Run the follower on ``broadcasts``; its call log."""
+    log = []
     core = type("Core", (), {"runner": _Runner(log, set(constrained)), "async_output_proc": async_output_proc})()
-    rank_core.run_tp_follower(core)
+    rank_core.run_tp_follower(core, _Channel(broadcasts))
     return log
 
 
 @pytest.mark.parametrize("async_output_proc", [True, False])
-def test_follower_order_matches_the_driver(monkeypatch, async_output_proc):
-    log = _follow(monkeypatch, [_Step("1"), _Step("2"), _Step("3", empty=True), _Step("4"), None], async_output_proc)
+def test_follower_order_matches_the_driver(async_output_proc):
+    log = _follow([_Step("1"), _Step("2"), _Step("3", empty=True), _Step("4"), None], async_output_proc)
     if async_output_proc:
         # Step N's result after step N+1's launch; an empty step waits at once (as EngineCore.step).
         assert log == ["launch 1", "launch 2", "result 1", "launch 3", "result 2", "result 3",
@@ -60,7 +67,37 @@ def test_follower_order_matches_the_driver(monkeypatch, async_output_proc):
                        "launch 4", "result 4"]
 
 
-def test_constrained_step_samples_after_the_previous_result(monkeypatch):
+def test_constrained_step_samples_after_the_previous_result():
     """The driver advances grammars with step N's tokens before it sends N+1's bitmask."""
-    log = _follow(monkeypatch, [_Step("1"), _Step("2"), "mask2", None], True, constrained={"2"})
+    log = _follow([_Step("1"), _Step("2"), "mask2", None], True, constrained={"2"})
     assert log == ["launch 1", "launch 2", "result 1", "sample mask2", "result mask2"]
+
+
+@pytest.fixture
+def channel(monkeypatch):
+    monkeypatch.setattr(rank_core.ps, "get_tp_cpu_group", lambda: None)
+    monkeypatch.setattr(rank_core.ps, "get_tp_src_rank", lambda: 0)
+    return rank_core.TPStepChannel()
+
+
+def test_step_messages_round_trip(channel):
+    from tandem.core.sched_output import NewRequestData, ScheduledSequence, SchedulerOutput
+    from tandem.sampling_params import SamplingParams
+    from tandem.structured_output.bitmask import GrammarBitmask
+
+    new = NewRequestData(7, [1, 2, 3], [4], SamplingParams(temperature=0.7, top_k=5, seed=3, stop=["x"]), True)
+    so = SchedulerOutput(11, [ScheduledSequence(7, 0, 3, [1, 2, 3], False, True, [5, 6], new),
+                              ScheduledSequence(8, 40, 1, [], True, True, [])], 4,
+                         preempted_seq_ids=[2], finished_seq_ids=[3], structured_output_seq_ids=[8])
+    assert channel._steps.decode(channel._enc.encode(so)) == so
+    assert channel._steps.decode(channel._enc.encode(None)) is None
+    mask = GrammarBitmask([8, 9], torch.tensor([[-1, 0, 5], [1, 2, -2**31]], dtype=torch.int32))
+    got = channel._bitmasks.decode(channel._enc.encode(mask))
+    assert got.seq_ids == [8, 9] and got.bitmask.dtype == torch.int32 and torch.equal(got.bitmask, mask.bitmask)
+
+
+def test_only_int32_tensors_cross(channel):
+    from tandem.structured_output.bitmask import GrammarBitmask
+
+    with pytest.raises(TypeError, match="only int32 tensors"):
+        channel._enc.encode(GrammarBitmask([1], torch.zeros(1, 2, dtype=torch.float32)))
