@@ -5,7 +5,9 @@ sequences (one new token each, a new KV block every 16th), both methods alternat
 ``--repeats`` rounds of ``--iters`` back-to-back messages; median, min and max milliseconds
 per message as each rank sees it (the driver encodes and sends, the follower receives and
 decodes; a loop of them runs at the pace of the slower side), and each codec's encode and
-decode time and bytes in one process. Two processes on the CPU:
+decode time and bytes in one process, for that decode step and for a prefill step of ``n``
+new requests (whose sampling parameters are validated again when decoded). Two processes
+on the CPU:
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/tp_step_channel.py --out FILE.json
 """
@@ -26,6 +28,19 @@ def decode_step(n: int):
 
     return SchedulerOutput(1, [ScheduledSequence(i, 200, 1, [], True, True, [] if i % 16 else [1000 + i])
                                for i in range(n)], n)
+
+
+def prefill_step(n: int):
+    """``n`` new requests of 128 prompt tokens (default sampling parameters), 8 KV blocks each."""
+    from tandem.core.sched_output import NewRequestData, ScheduledSequence, SchedulerOutput
+    from tandem.sampling_params import SamplingParams
+
+    def prompt(i: int) -> list[int]:
+        return [(i * 131 + j * 7) % 50000 for j in range(128)]
+
+    return SchedulerOutput(1, [ScheduledSequence(i, 0, 128, prompt(i), False, True, list(range(8 * i, 8 * i + 8)),
+                                                 NewRequestData(i, prompt(i), [], SamplingParams(max_tokens=256), False))
+                               for i in range(n)], 128 * n)
 
 
 def codec_ms(fn, k: int = 200, rounds: int = 7) -> float:
@@ -91,7 +106,8 @@ def main() -> None:
                 for k, v in times.items()}
         both = [None, None]
         dist.all_gather_object(both, mine, group=group)
-        row = dict(batch=n, driver=both[0], follower=both[1], codec=codec(so, channel) if driver else None)
+        row = dict(batch=n, driver=both[0], follower=both[1], codec=codec(so, channel) if driver else None,
+                   codec_prefill=codec(prefill_step(n), channel) if driver else None)
         rows.append(row)
         if driver:
             print(json.dumps(row), flush=True)

@@ -6,8 +6,9 @@ build its persistent row; every scheduled sequence carries only its step's delta
 new KV blocks). Nothing here refers to the scheduler's mutable ``Request``, so an output
 can be sent to other ranks (tensor parallelism) and later scheduler updates never reach a
 step already handed over. They are msgspec structs, encoded as arrays: a TP driver sends
-one per step (:class:`tandem.engine.rank_core.TPStepChannel`), at 1024 sequences ~12 KB
-where pickled dataclasses were ~44 KB and several times slower to encode and decode.
+one per step (:class:`tandem.engine.rank_core.TPStepChannel`); a decode step of 1024
+sequences is ~12 KB, where the pickled dataclasses were ~44 KB and several times slower to
+encode and decode.
 """
 
 from __future__ import annotations

@@ -133,6 +133,7 @@ class EngineCore:
         # Tensor parallelism: the driver sends each step's SchedulerOutput to the other TP
         # ranks before running it (set by the launcher, tandem.engine.dp_engine).
         self.step_broadcast = None
+        self._bitmask_owed = False
         # Host time per step (schedule, the runner's input preparation, update_from_output)
         # while a benchmark records it (start_host_timing).
         self.step_times: StepHostTimes | None = None
@@ -285,6 +286,8 @@ class EngineCore:
         self.num_steps += 1
         try:
             handle = self.runner.execute_model(so)
+            # TP followers wait for this step's bitmask until _sample_constrained sends it.
+            self._bitmask_owed = handle is None and self.step_broadcast is not None
             if not self.async_output_proc:
                 handle = handle or self._sample_constrained(so)
                 result = handle.result()
@@ -308,6 +311,9 @@ class EngineCore:
                 self._inflight = (so, handle)
             return outputs
         except Exception as e:
+            if self._bitmask_owed:
+                self._bitmask_owed = False
+                self.step_broadcast(None)  # the followers abandon the step too
             self._pending = outputs
             self._abort_steps(failed, [h for h in (handle, prev[1] if prev is not None else None) if h is not None], e)
             raise
@@ -320,6 +326,7 @@ class EngineCore:
             self.step_times.add(so.step_id, "grammar", time.perf_counter() - t0)
         if self.step_broadcast is not None:
             self.step_broadcast(grammar)
+            self._bitmask_owed = False
         return self.runner.sample_tokens(grammar)
 
     def _fail_uncompiled(self) -> list[EngineCoreOutput]:

@@ -309,8 +309,13 @@ class MPClient:
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         # zmq may still accept a send to a core that exited (its pipe outlives the peer for a
-        # while), so look at the processes first: one non-blocking wait on every sentinel.
-        if wait_sentinels([p.sentinel for p in self.procs], timeout=0):
+        # while), so look at the processes first: one non-blocking select on every sentinel.
+        # A sentinel is ready a moment before its process can be reaped: wait for the code.
+        ready = select.select([p.sentinel for p in self.procs], [], [], 0)[0]
+        if ready:
+            for p in self.procs:
+                if p.sentinel in ready:
+                    p.join(timeout=5)
             self._check_procs()
         frames = (kind.value, self.encoder.encode(payload))
         while True:

@@ -227,7 +227,7 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
 
         faulthandler.dump_traceback_later(envs.TANDEM_DUMP_STACKS_AFTER_S, exit=False)
     from tandem.distributed import parallel_state as ps
-    from tandem.engine.rank_core import build_rank_core, make_tp_broadcaster, run_tp_follower
+    from tandem.engine.rank_core import build_rank_core, run_tp_follower
     from tandem.logging_config import configure_logging
 
     configure_logging()
@@ -242,8 +242,6 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
         if not info.is_driver:
             run_tp_follower(core)
             return
-        if info.tp_size > 1:
-            core.step_broadcast = make_tp_broadcaster()
         lockstep = ps.get_dp_control_group() if info.dp_size > 1 and info.ep_size > 1 else None
         proc = EngineCoreProc(core, [a[info.dp_rank] for a in input_addrs], output_addrs, lockstep)
         try:

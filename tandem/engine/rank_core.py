@@ -39,6 +39,8 @@ def _encode_tensor(obj: Any) -> Any:
 def _decode_tensor(type_: type, obj: Any) -> Any:
     if type_ is torch.Tensor:
         shape, data = obj
+        if not data:  # frombuffer refuses an empty buffer
+            return torch.empty(shape, dtype=torch.int32)
         return torch.frombuffer(bytearray(data), dtype=torch.int32).view(shape)
     raise TypeError(f"a TP step message cannot carry {type_}")
 
@@ -47,9 +49,10 @@ class TPStepChannel:
     """The driver's step messages to the other ranks of its TP group, over the group's gloo
     group: a ``SchedulerOutput`` per step (None to stop) and, for a step with constrained
     sequences, its ``GrammarBitmask``. Typed msgpack (msgspec) of array-like structs, not
-    pickle: at 1024 sequences ~12 x fewer encode and ~1.3 x fewer decode milliseconds than
-    pickling the same structs, ~8 x fewer in all than the pickled dataclasses before
-    (benchmarks/RESULTS.md, "Session 14").
+    pickle: a decode step of 1024 sequences encodes ~12x faster than pickling the same
+    structs and ~8x faster in all (encode + decode) than the pickled dataclasses before; a
+    prefill step of new requests costs about what pickle did (their ``SamplingParams`` are
+    validated again when decoded). Figures: benchmarks/RESULTS.md, "Session 14".
     Each message is two broadcasts: its length (int64), then its bytes (uint8).
     """
 
@@ -57,7 +60,7 @@ class TPStepChannel:
         self.group, self.src = ps.get_tp_cpu_group(), ps.get_tp_src_rank()
         self._enc = msgspec.msgpack.Encoder(enc_hook=_encode_tensor)
         self._steps = msgspec.msgpack.Decoder(SchedulerOutput | None, dec_hook=_decode_tensor)
-        self._bitmasks = msgspec.msgpack.Decoder(GrammarBitmask, dec_hook=_decode_tensor)
+        self._bitmasks = msgspec.msgpack.Decoder(GrammarBitmask | None, dec_hook=_decode_tensor)
 
     def send(self, msg: SchedulerOutput | GrammarBitmask | None) -> None:
         """Driver: broadcast ``msg`` (the ``EngineCore.step_broadcast`` hook)."""
@@ -76,8 +79,9 @@ class TPStepChannel:
         """Follower: the next step's ``SchedulerOutput`` (None: stop)."""
         return self._steps.decode(self._recv())
 
-    def recv_bitmask(self) -> GrammarBitmask:
-        """Follower: the current step's ``GrammarBitmask``."""
+    def recv_bitmask(self) -> GrammarBitmask | None:
+        """Follower: the current step's ``GrammarBitmask``; None: the driver's step failed
+        before it could sample (the step is abandoned, as on the driver)."""
         return self._bitmasks.decode(self._recv())
 
 
@@ -102,7 +106,10 @@ def run_tp_follower(core, channel: TPStepChannel | None = None) -> None:
         if prev is not None:
             prev.result()
         if handle is None:  # constrained sequences: the driver sends their bitmask next
-            handle = core.runner.sample_tokens(channel.recv_bitmask())
+            if (bitmask := channel.recv_bitmask()) is None:
+                prev = None
+                continue
+            handle = core.runner.sample_tokens(bitmask)
         if core.async_output_proc and not so.is_empty:
             prev = handle
         else:

@@ -36,15 +36,21 @@ class _Runner:
 
 
 class _Channel:
-    """What the driver sends, in order."""
+    """What the driver sends, in order: ``_Step``s and None (the stop) for ``recv_step``,
+    bitmask names (str) and None (an abandoned step) for ``recv_bitmask``."""
 
     def __init__(self, sent: list) -> None:
         self.sent = iter(sent)
 
     def recv_step(self):
-        return next(self.sent)
+        msg = next(self.sent)
+        assert msg is None or isinstance(msg, _Step), f"a step expected, {msg!r} received"
+        return msg
 
-    recv_bitmask = recv_step
+    def recv_bitmask(self):
+        msg = next(self.sent)
+        assert msg is None or isinstance(msg, str), f"a bitmask expected, {msg!r} received"
+        return msg
 
 
 def _follow(broadcasts: list, async_output_proc: bool, constrained=()) -> list:
@@ -73,6 +79,13 @@ def test_constrained_step_samples_after_the_previous_result():
     assert log == ["launch 1", "launch 2", "result 1", "sample mask2", "result mask2"]
 
 
+def test_abandoned_constrained_step_is_skipped(monkeypatch):
+    """The driver's step failed before its bitmask (None in its place): the follower does
+    not sample it and goes on with the next step."""
+    log = _follow([_Step("1"), _Step("2"), None, _Step("3"), None], True, constrained={"2"})
+    assert log == ["launch 1", "launch 2", "result 1", "launch 3", "result 3"]
+
+
 @pytest.fixture
 def channel(monkeypatch):
     monkeypatch.setattr(rank_core.ps, "get_tp_cpu_group", lambda: None)
@@ -94,6 +107,10 @@ def test_step_messages_round_trip(channel):
     mask = GrammarBitmask([8, 9], torch.tensor([[-1, 0, 5], [1, 2, -2**31]], dtype=torch.int32))
     got = channel._bitmasks.decode(channel._enc.encode(mask))
     assert got.seq_ids == [8, 9] and got.bitmask.dtype == torch.int32 and torch.equal(got.bitmask, mask.bitmask)
+    got.bitmask[0, 0] = 3  # the runner may write to it (pinning, in place)
+    empty = channel._bitmasks.decode(channel._enc.encode(GrammarBitmask([], torch.zeros(0, 3, dtype=torch.int32))))
+    assert empty.bitmask.shape == (0, 3) and empty.bitmask.dtype == torch.int32
+    assert channel._bitmasks.decode(channel._enc.encode(None)) is None
 
 
 def test_only_int32_tensors_cross(channel):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -284,3 +285,30 @@ def test_a_refused_token_finishes_only_its_request(engines, async_output_proc, c
     assert finish == "stop" and text in ("yes", "no") and len(ids) < 6, got[0]
     assert "does not match its grammar; finishing it" in caplog.text
     assert got[1:] == without
+
+
+def test_failed_constrained_step_tells_tp_followers_to_abandon_it(engines, monkeypatch):
+    """A TP driver whose constrained step fails before its bitmask is sent sends None in its
+    place (tandem.engine.rank_core.run_tp_follower then abandons the step, as the driver
+    does) instead of leaving its followers waiting for a bitmask."""
+    core = engines[True].engine.core
+    sent = []
+    monkeypatch.setattr(core, "step_broadcast", sent.append)
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated bitmask failure")
+
+    monkeypatch.setattr(core.structured_output, "grammar_bitmask", broken)
+    engines[True].engine.add_request("c", "Code:", SamplingParams(
+        temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex=r"ok-[0-9]{3}")))
+    deadline = time.monotonic() + 60  # the grammar compiles in the background first
+    with pytest.raises(RuntimeError, match="simulated bitmask failure"):
+        while time.monotonic() < deadline:
+            core.step()
+    steps = [m for m in sent if m is not None]
+    assert steps and steps[-1].structured_output_seq_ids and sent[-1] is None
+    assert not any(isinstance(m, GrammarBitmask) for m in sent)
+    monkeypatch.undo()
+    while core.has_unfinished_requests():
+        core.step()
+    assert_all_blocks_free(engines[True].engine)
