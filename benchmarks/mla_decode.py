@@ -20,7 +20,8 @@ Modes (each prints a markdown table; times are per call / per layer, microsecond
 * ``layer``: the whole :class:`tandem.layers.mla.MLAAttention` decode forward (projections,
   RoPE, cache write, absorbed attention, output projection) as the engine runs it now
   (``new``) and as it ran at session 8's start (``old``: the same weights through the former
-  sequence of ops and launch), against the floor of reading the layer's weights and latents.
+  sequence of ops and launch), against the floor of reading the layer's weights and latents
+  and against a roofline floor that also counts the projections' math (:func:`layer_floors_us`).
 
 Contexts: an integer ``c`` gives every request ``c`` tokens; ``mix`` draws them uniformly
 from 128..384 (the seed workload: 128 prompt tokens, up to 256 generated).
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 HBM_BYTES_PER_S = 4.8e12
+BF16_FLOPS_PER_S = 989e12  # H200 SXM dense bf16 tensor-core peak (datasheet)
 L2_BYTES = 50 * 2**20
 HEADS, RANK, ROPE, NOPE, V_DIM, HIDDEN, BLOCK = 16, 512, 64, 128, 128, 2048, 16
 SCALE = (NOPE + ROPE) ** -0.5
@@ -215,15 +217,20 @@ def sweep_points(args) -> list[dict]:
     """The launch space; a register cap only for 4-warp programs (8 warps already fit in
     fewer than 170 registers)."""
     points = []
-    for bn, nw, ns, hpp, reg in itertools.product(args.block_n, args.warps, args.stages, args.heads_per_program,
-                                                  args.maxnreg):
-        if reg and nw != 4:
+    for bn, bh, nw, ns, hpp, reg in itertools.product(args.block_n, args.block_h, args.warps, args.stages,
+                                                      args.heads_per_program, args.maxnreg):
+        if (reg and nw != 4) or hpp > bh:
             continue
         for splits in args.splits:
             for min_tok in (args.min_tokens if splits > 1 else [args.min_tokens[0]]):
-                points.append(dict(num_splits=splits, min_tokens_per_split=min_tok, block_n=bn, block_h=16,
+                points.append(dict(num_splits=splits, min_tokens_per_split=min_tok, block_n=bn, block_h=bh,
                                    heads_per_program=hpp, num_warps=nw, num_stages=ns, maxnreg=reg))
     return points
+
+
+def variant_key(p: dict) -> tuple:
+    """What a launch point compiles: its kernel variant and launch options."""
+    return p["block_n"], p["block_h"], p["num_warps"], p["num_stages"], p["maxnreg"], p["num_splits"] == 1
 
 
 def compile_variants(points: list[dict], max_model_len: int) -> list[dict]:
@@ -234,7 +241,7 @@ def compile_variants(points: list[dict], max_model_len: int) -> list[dict]:
     failed: dict[tuple, str] = {}
     start = time.monotonic()
     for p in points:
-        key = (p["block_n"], p["num_warps"], p["num_stages"], p["maxnreg"], p["num_splits"] == 1)
+        key = variant_key(p)
         if key in failed or key in compiled:
             continue
         try:
@@ -246,7 +253,7 @@ def compile_variants(points: list[dict], max_model_len: int) -> list[dict]:
     print(f"compiled {len(compiled)} kernel variants in {time.monotonic() - start:.0f} s; "
           f"failed: {failed or 'none'}", flush=True)
     return [p for p in points
-            if (p["block_n"], p["num_warps"], p["num_stages"], p["maxnreg"], p["num_splits"] == 1) not in failed]
+            if variant_key(p) not in failed]
 
 
 def mode_sweep(args) -> None:
@@ -362,6 +369,25 @@ def decode_meta(batch: DecodeBatch):
                              list(range(nd + 1)), batch.lens, nd)
 
 
+def layer_floors_us(attn, batch: DecodeBatch, x: torch.Tensor) -> tuple[float, float]:
+    """Two lower bounds on one decode layer, in microseconds: reading the layer's weights,
+    the latents and ``x`` / the output once at HBM bandwidth (the issue's floor); and the
+    roofline floor, where the projections (every weight multiplies every token once:
+    ``2 * nd * numel`` FLOPs, ``kv_b_proj``'s through the absorbed bmms) and the attention
+    (``2 * sum(lens) * heads * (2 * rank + rope)`` FLOPs) each take the longer of their
+    bytes at HBM bandwidth and their FLOPs at the bf16 dense peak: from a few hundred rows
+    up the projections are bound by math, not by their weight reads."""
+    nd = x.shape[0]
+    weight_numel = sum(p.numel() for p in attn.parameters() if p.dim() == 2)
+    weight_bytes = sum(p.numel() * p.element_size() for p in attn.parameters())
+    io_bytes = 2 * x.numel() * x.element_size()
+    floor = (weight_bytes + batch.latent_bytes + io_bytes) / HBM_BYTES_PER_S
+    proj = max((weight_bytes + io_bytes) / HBM_BYTES_PER_S, 2 * nd * weight_numel / BF16_FLOPS_PER_S)
+    attn_flops = 2 * sum(batch.lens) * HEADS * (2 * RANK + ROPE)
+    attend = max(batch.latent_bytes / HBM_BYTES_PER_S, attn_flops / BF16_FLOPS_PER_S)
+    return floor * 1e6, (proj + attend) * 1e6
+
+
 @torch.inference_mode()  # as the engine runs the model (and the bmm then writes in place)
 def mode_layer(args) -> None:
     from tandem.layers.mla import MLAAttention
@@ -369,7 +395,8 @@ def mode_layer(args) -> None:
 
     cfg = lite_config()
     torch.manual_seed(0)
-    print("| batch | context | path | us / layer | floor us | x floor | max abs diff new vs old (of max abs out) |\n|---|---|---|---|---|---|---|")
+    print("| batch | context | path | us / layer | floor us | x floor | roofline floor us | x roofline | "
+          "max abs diff new vs old (of max abs out) |\n|---|---|---|---|---|---|---|---|---|")
     for nd in args.batches:
         for spec in args.contexts:
             batch = make_batch(nd, spec, args.max_model_len, min_layers=4)
@@ -384,8 +411,7 @@ def mode_layer(args) -> None:
             meta = decode_meta(batch)
             x = torch.randn(nd, HIDDEN, device=DEVICE, dtype=DTYPE)
             positions = batch.seq_lens.long() - 1
-            weight_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters())
-            floor_us = (weight_bytes + batch.latent_bytes + 2 * x.numel() * 2) / HBM_BYTES_PER_S * 1e6
+            floor_us, roofline_us = layer_floors_us(layers[0], batch, x)
             n = len(layers)
             paths = {"old": lambda i: old_layer_forward(layers[i % n], x, positions, batch.caches[i % n], meta),
                      "new": lambda i: layers[i % n](x, positions, batch.caches[i % n], meta)}
@@ -394,8 +420,8 @@ def mode_layer(args) -> None:
             for name, f in paths.items():
                 us = graph_time_us(f, calls=n, profile=f"the {name} layer, batch {nd}, contexts {spec}"
                                    if args.profile else None)
-                print(f"| {nd} | {spec} | {name} | {us:.1f} | {floor_us:.1f} | {us / floor_us:.2f} | {diff} |",
-                      flush=True)
+                print(f"| {nd} | {spec} | {name} | {us:.1f} | {floor_us:.1f} | {us / floor_us:.2f} | "
+                      f"{roofline_us:.1f} | {us / roofline_us:.2f} | {diff} |", flush=True)
 
 
 def main() -> None:
@@ -411,6 +437,8 @@ def main() -> None:
     ap.add_argument("--splits", type=ints, default=[1, 2, 4, 8], help="sweep: split counts")
     ap.add_argument("--min-tokens", type=ints, default=[32, 64, 128], help="sweep: minimum keys per segment")
     ap.add_argument("--block-n", type=ints, default=[16, 32, 64], help="sweep: keys per iteration")
+    ap.add_argument("--block-h", type=ints, default=[16],
+                    help="sweep: query-tile rows (64: Hopper's warpgroup MMA, rows past the program's heads masked)")
     ap.add_argument("--warps", type=ints, default=[4, 8], help="sweep: warps")
     ap.add_argument("--stages", type=ints, default=[2, 3, 5],
                     help="sweep: pipeline stages (Triton 3.6 gives block_n 16 / 32 a second latent buffer from 5)")

@@ -107,17 +107,17 @@ class MLADecodeLaunch:
 #: heads, 512 + 64) on an H200; ``benchmarks/mla_decode.py sweep`` measures the launch space
 #: and prints rows of this form to paste here. The rows for 65-512 and larger batches are
 #: the sweep's best at batch 256 and 1024 with the seed workload's mixed 128-384 contexts
-#: (an H200 sweep of session 8 whose printed figures were lost with that session's
-#: uncommitted work: see benchmarks/RESULTS.md, "Session 8, unrecorded"): no split (one
-#: program per request and head group, so no reduce kernel); the row up to 64 keeps the
-#: split heuristic for long contexts.
+#: (sessions 8 and 15, benchmarks/RESULTS.md): no split (one program per request and head
+#: group, so no reduce kernel); from 513 requests a register cap of 168 gives a third
+#: program per SM, and two pipeline stages leave the capped kernel the fewest spills; the
+#: row up to 64 keeps the split heuristic for long contexts.
 DECODE_LAUNCH_TABLE: tuple[MLADecodeLaunch, ...] = (
     MLADecodeLaunch(max_batch=64, num_splits=None, min_tokens_per_split=128, block_n=32, block_h=16,
                     heads_per_program=16, num_warps=4, num_stages=5),
     MLADecodeLaunch(max_batch=512, num_splits=1, min_tokens_per_split=32, block_n=32, block_h=16,
                     heads_per_program=16, num_warps=4, num_stages=5),
     MLADecodeLaunch(max_batch=1 << 31, num_splits=1, min_tokens_per_split=32, block_n=32, block_h=16,
-                    heads_per_program=16, num_warps=4, num_stages=3, maxnreg=168),
+                    heads_per_program=16, num_warps=4, num_stages=2, maxnreg=168),
 )
 #: Split-count heuristic bound (``num_splits=None``): at most this many segments.
 MAX_NUM_SPLITS = 32
