@@ -72,8 +72,8 @@ class MLADecodeLaunch:
     Attributes:
         max_batch: the row serves decode batches of up to this many requests (and more
             than the previous row's ``max_batch``).
-        num_splits: KV segments per request, the grid's third dimension; ``None``: enough
-            to give the GPU two programs per SM (:func:`mla_num_splits`).
+        num_splits: KV segments per request, the grid's third dimension; ``None``: as many
+            as fill the GPU in one wave (:func:`mla_num_splits`).
         min_tokens_per_split: a segment holds at least this many keys (rounded up to whole
             ``block_n`` tiles), so short contexts use fewer segments than ``num_splits``
             (the others exit at once); outside CUDA-graph capture it also caps the split
@@ -105,15 +105,23 @@ class MLADecodeLaunch:
 #: Launch parameters by decode batch size; the first row whose ``max_batch`` covers the
 #: batch applies (the last row serves any larger batch). For the DeepSeek-V2-Lite shape (16
 #: heads, 512 + 64) on an H200; ``benchmarks/mla_decode.py sweep`` measures the launch space
-#: and prints rows of this form to paste here. The rows for 65-512 and larger batches are
-#: the sweep's best at batch 256 and 1024 with the seed workload's mixed 128-384 contexts
-#: (sessions 8 and 15, benchmarks/RESULTS.md): no split (one program per request and head
-#: group, so no reduce kernel); from 513 requests a register cap of 168 gives a third
-#: program per SM, and two pipeline stages leave the capped kernel the fewest spills; the
-#: row up to 64 keeps the split heuristic for long contexts.
+#: and prints rows of this form to paste here. Each row is the sweep's best over the seed
+#: workload's mixed 128-384 contexts and 2048-token ones (sessions 8, 15 and 16,
+#: benchmarks/RESULTS.md). Up to 64 requests the GPU has more program slots than requests:
+#: the split heuristic fills them, with segments as short as a tile or two (small batches
+#: of short contexts gain most from more programs). From 65 to 112 requests, fewer than the
+#: SMs, a fixed three segments (of at least 128 keys) keep every SM busy. From 113 no split
+#: (one program per request and head group, so no reduce kernel): splitting still pays on
+#: long contexts there but costs the reduce and fp32 partials on the seed workload's short
+#: ones. From 513 a register cap of 168 gives a third program per SM, and two pipeline
+#: stages leave the capped kernel the fewest spills.
 DECODE_LAUNCH_TABLE: tuple[MLADecodeLaunch, ...] = (
-    MLADecodeLaunch(max_batch=64, num_splits=None, min_tokens_per_split=128, block_n=32, block_h=16,
-                    heads_per_program=16, num_warps=4, num_stages=5),
+    MLADecodeLaunch(max_batch=8, num_splits=None, min_tokens_per_split=32, block_n=32, block_h=16,
+                    heads_per_program=16, num_warps=4, num_stages=2),
+    MLADecodeLaunch(max_batch=64, num_splits=None, min_tokens_per_split=64, block_n=32, block_h=16,
+                    heads_per_program=16, num_warps=4, num_stages=2),
+    MLADecodeLaunch(max_batch=112, num_splits=3, min_tokens_per_split=128, block_n=32, block_h=16,
+                    heads_per_program=16, num_warps=4, num_stages=2),
     MLADecodeLaunch(max_batch=512, num_splits=1, min_tokens_per_split=32, block_n=32, block_h=16,
                     heads_per_program=16, num_warps=4, num_stages=5),
     MLADecodeLaunch(max_batch=1 << 31, num_splits=1, min_tokens_per_split=32, block_n=32, block_h=16,
@@ -121,6 +129,9 @@ DECODE_LAUNCH_TABLE: tuple[MLADecodeLaunch, ...] = (
 )
 #: Split-count heuristic bound (``num_splits=None``): at most this many segments.
 MAX_NUM_SPLITS = 32
+#: Resident programs per SM the split-count heuristic fills: the uncapped 4-warp program
+#: needs 212-242 registers per thread, so two fit an SM's register file. (Off CUDA: 256 slots.)
+PROGRAMS_PER_SM = 2
 
 
 def decode_launch(num_reqs: int, table: tuple[MLADecodeLaunch, ...] = DECODE_LAUNCH_TABLE) -> MLADecodeLaunch:
@@ -253,19 +264,18 @@ def _mla_decode_kernel(
         tl.store(lse_ptr + lse_off, lse, mask=head_valid)
 
 
-def _target_programs(device: torch.device) -> int:
-    return 2 * num_sms(device) if device.type == "cuda" else 256
-
-
 def mla_num_splits(num_reqs: int, num_heads: int, max_len: int, device: torch.device, *, heads_per_program: int,
                    min_tokens_per_split: int, num_splits: int | None = None) -> int:
     """KV segments per request for a decode batch (host ints only, no sync):
-    ``num_splits``, or if ``None`` enough programs to fill the GPU (two per SM) up to
-    :data:`MAX_NUM_SPLITS`; at most one per ``min_tokens_per_split`` keys of ``max_len``
-    (a bound on the context lengths)."""
+    ``num_splits``, or if ``None`` as many as fill the GPU's program slots
+    (:data:`PROGRAMS_PER_SM` per SM) in one wave, up to :data:`MAX_NUM_SPLITS`; at most one
+    per ``min_tokens_per_split`` keys of ``max_len`` (a bound on the context lengths)."""
     if num_splits is None:
         programs = max(1, num_reqs * -(-num_heads // heads_per_program))
-        num_splits = min(-(-_target_programs(device) // programs), MAX_NUM_SPLITS)
+        slots = PROGRAMS_PER_SM * num_sms(device) if device.type == "cuda" else 256
+        # Rounded down: a grid a few programs larger than the slots runs a second wave, which
+        # takes as long as the first.
+        num_splits = max(1, min(slots // programs, MAX_NUM_SPLITS))
     return max(1, min(num_splits, -(-max_len // min_tokens_per_split)))
 
 

@@ -182,6 +182,19 @@ def test_num_splits_heuristic():
     assert mla_num_splits(1024, 16, 300, cpu, num_splits=3, **kw) == 2
 
 
+@pytest.mark.parametrize("heads_per_program", [16, 8])
+def test_num_splits_heuristic_fills_one_wave(heads_per_program):
+    """The heuristic's grid never exceeds the program slots once it splits (a few
+    programs more would run a second wave), and one more split would exceed them."""
+    cpu = torch.device("cpu")  # 256 slots off CUDA
+    groups = 16 // heads_per_program
+    for nd in range(1, 300):
+        s = mla_num_splits(nd, 16, 100_000, cpu, heads_per_program=heads_per_program, min_tokens_per_split=32)
+        programs = nd * groups
+        assert s == 1 or programs * s <= 256, (nd, s)
+        assert s == triton_mla.MAX_NUM_SPLITS or programs * (s + 1) > 256, (nd, s)
+
+
 def test_launch_table_rows():
     """Rows cover growing batch ranges with valid launch parameters; lookup picks the first
     row that covers the batch and the last one past the end."""
