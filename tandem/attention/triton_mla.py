@@ -105,22 +105,22 @@ class MLADecodeLaunch:
 #: Launch parameters by decode batch size; the first row whose ``max_batch`` covers the
 #: batch applies (the last row serves any larger batch). For the DeepSeek-V2-Lite shape (16
 #: heads, 512 + 64) on an H200; ``benchmarks/mla_decode.py sweep`` measures the launch space
-#: and prints rows of this form to paste here. Each row is the sweep's best over the seed
-#: workload's mixed 128-384 contexts and 2048-token ones (sessions 8, 15 and 16,
-#: benchmarks/RESULTS.md). Up to 64 requests the GPU has more program slots than requests:
-#: the split heuristic fills them, with segments as short as a tile or two (small batches
-#: of short contexts gain most from more programs). From 65 to 112 requests, fewer than the
-#: SMs, a fixed three segments (of at least 128 keys) keep every SM busy. From 113 no split
-#: (one program per request and head group, so no reduce kernel): splitting still pays on
-#: long contexts there but costs the reduce and fp32 partials on the seed workload's short
-#: ones. From 513 a register cap of 168 gives a third program per SM, and two pipeline
-#: stages leave the capped kernel the fewest spills.
+#: and prints rows of this form to paste here; the rows were chosen from its runs over the
+#: seed workload's mixed 128-384 contexts (and, up to 256 requests, 2048-token ones), and
+#: benchmarks/RESULTS.md (sessions 8, 15 and 16) gives what each choice trades. Up to 112
+#: requests, fewer than the GPU's program slots, the split heuristic fills one wave; the
+#: minimum segment grows with the batch (one, two, four tiles), since small batches of short
+#: contexts gain most from more programs and larger ones lose to the reduce. From 113 no
+#: split (one program per request and head group, so no reduce kernel): splitting still pays
+#: on long contexts there but costs the reduce and fp32 partials on short ones. From 513 a
+#: register cap of 168 gives a third program per SM, and two pipeline stages leave the
+#: capped kernel the fewest spills.
 DECODE_LAUNCH_TABLE: tuple[MLADecodeLaunch, ...] = (
     MLADecodeLaunch(max_batch=8, num_splits=None, min_tokens_per_split=32, block_n=32, block_h=16,
                     heads_per_program=16, num_warps=4, num_stages=2),
     MLADecodeLaunch(max_batch=64, num_splits=None, min_tokens_per_split=64, block_n=32, block_h=16,
                     heads_per_program=16, num_warps=4, num_stages=2),
-    MLADecodeLaunch(max_batch=112, num_splits=3, min_tokens_per_split=128, block_n=32, block_h=16,
+    MLADecodeLaunch(max_batch=112, num_splits=None, min_tokens_per_split=128, block_n=32, block_h=16,
                     heads_per_program=16, num_warps=4, num_stages=2),
     MLADecodeLaunch(max_batch=512, num_splits=1, min_tokens_per_split=32, block_n=32, block_h=16,
                     heads_per_program=16, num_warps=4, num_stages=5),
@@ -129,8 +129,9 @@ DECODE_LAUNCH_TABLE: tuple[MLADecodeLaunch, ...] = (
 )
 #: Split-count heuristic bound (``num_splits=None``): at most this many segments.
 MAX_NUM_SPLITS = 32
-#: Resident programs per SM the split-count heuristic fills: the uncapped 4-warp program
-#: needs 212-242 registers per thread, so two fit an SM's register file. (Off CUDA: 256 slots.)
+#: Resident programs per SM the split-count heuristic fills: what the register file holds
+#: of the uncapped 4-warp program the heuristic's rows launch (offline ``ptxas``, RESULTS
+#: session 15). Off CUDA: 256 slots.
 PROGRAMS_PER_SM = 2
 
 

@@ -117,7 +117,8 @@ def test_long_contexts_default_splits():
     """Default launch (the table's row; split count from the block-table width)."""
     row = triton_mla.decode_launch(3)
     assert row.num_splits is None
-    assert mla_num_splits(3, 16, 2048 + 64, DEVICE, heads_per_program=16, min_tokens_per_split=256) == 9
+    assert mla_num_splits(3, 16, 129 * 16, DEVICE, heads_per_program=row.heads_per_program,
+                          min_tokens_per_split=row.min_tokens_per_split) == triton_mla.MAX_NUM_SPLITS
     check([2000, 1, 1500], case_kw=dict(max_blocks=129, extra_rows=1), seed=11)
 
 
@@ -170,7 +171,7 @@ def test_default_splits_and_strided_views():
 
 
 def test_num_splits_heuristic():
-    cpu = torch.device("cpu")  # 256 target programs off CUDA
+    cpu = torch.device("cpu")  # 256 program slots off CUDA
     kw = dict(heads_per_program=16, min_tokens_per_split=256)
     assert mla_num_splits(1, 16, 100_000, cpu, **kw) == triton_mla.MAX_NUM_SPLITS
     assert mla_num_splits(1, 16, 1000, cpu, **kw) == 4  # one split per 256 keys
@@ -195,6 +196,18 @@ def test_num_splits_heuristic_fills_one_wave(heads_per_program):
         assert s == triton_mla.MAX_NUM_SPLITS or programs * (s + 1) > 256, (nd, s)
 
 
+def test_num_splits_heuristic_on_an_h200(monkeypatch):
+    """On CUDA the slots are PROGRAMS_PER_SM per SM: an H200's 132 SMs give 264, so 64
+    requests get 4 segments (5 would be 320 programs, a second wave) and 112 get 2."""
+    monkeypatch.setattr(triton_mla, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # no GPU needed: only the device type is read
+    kw = dict(heads_per_program=16, min_tokens_per_split=32)
+    assert mla_num_splits(64, 16, 100_000, cuda, **kw) == 4
+    assert mla_num_splits(112, 16, 100_000, cuda, **kw) == 2
+    assert mla_num_splits(133, 16, 100_000, cuda, **kw) == 1
+    assert mla_num_splits(8, 16, 100_000, cuda, **kw) == triton_mla.MAX_NUM_SPLITS
+
+
 def test_launch_table_rows():
     """Rows cover growing batch ranges with valid launch parameters; lookup picks the first
     row that covers the batch and the last one past the end."""
@@ -205,6 +218,8 @@ def test_launch_table_rows():
         assert r.min_tokens_per_split >= 1 and r.num_warps >= 1 and r.num_stages >= 1
         assert 1 <= r.heads_per_program <= r.block_h
         assert r.maxnreg == 0 or 64 <= r.maxnreg <= 255
+        # The heuristic's slot count (PROGRAMS_PER_SM) is that of the uncapped 4-warp program.
+        assert r.num_splits is not None or (r.num_warps == 4 and r.maxnreg == 0)
         for v in (r.block_n, r.block_h):
             assert v >= 16 and v & (v - 1) == 0
     assert triton_mla.decode_launch(1) is table[0]
