@@ -5,6 +5,7 @@
 * :data:`INTERPRET`: whether the kernels run in Triton's CPU interpreter
   (``TRITON_INTERPRET=1`` when Triton was imported).
 * :func:`num_sms`: streaming multiprocessors of a CUDA device (cached), to size split grids.
+* :func:`program_slots`: programs a device runs at once, for split-KV decode grids.
 * :func:`record_jit_compiles`: the kernel specialisations first launched while it is
   active (what a benchmark's warm-up missed).
 """
@@ -47,6 +48,13 @@ def num_sms(device: torch.device) -> int:
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _NUM_SMS[idx]
+
+
+def program_slots(device: torch.device, programs_per_sm: int) -> int:
+    """Programs ``device`` runs at once when ``programs_per_sm`` fit an SM (what a
+    kernel's registers and shared memory allow); 256 off CUDA (the interpreter), so that
+    tests see GPU-like split counts."""
+    return programs_per_sm * num_sms(device) if device.type == "cuda" else 256
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.triton_reshape_and_cache import reshape_and_cache
 from tandem.triton_utils import INTERPRET as _INTERPRET
 from tandem.triton_utils import dot as _dot
-from tandem.triton_utils import num_sms
+from tandem.triton_utils import program_slots
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -395,17 +395,13 @@ class TritonAttentionBackend:
 
     # ------------------------------------------------------------------ helpers
 
-    @staticmethod
-    def _target_programs(device: torch.device) -> int:
-        return 2 * num_sms(device) if device.type == "cuda" else 256
-
     def num_decode_splits(self, num_decode_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
         """KV splits per decode request for this step (host ints only, no sync)."""
         if self.max_num_splits == 1:
             return 1
         # Rounded up, unlike the MLA heuristic: five of these programs fit an SM, so aiming at
         # two per SM never starts a second wave (rounding down measured worse: RESULTS session 16).
-        splits = -(-self._target_programs(device) // max(1, num_decode_reqs * num_kv_heads))
+        splits = -(-program_slots(device, 2) // max(1, num_decode_reqs * num_kv_heads))
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if not capturing:
             # Eager step: no point splitting short contexts.

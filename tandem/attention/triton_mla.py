@@ -59,7 +59,7 @@ import triton.language as tl
 from tandem.attention.triton_backend import REDUCE_BLOCK_S, _decode_reduce_kernel
 from tandem.triton_utils import INTERPRET as _INTERPRET
 from tandem.triton_utils import dot as _dot
-from tandem.triton_utils import num_sms
+from tandem.triton_utils import program_slots
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -131,7 +131,7 @@ DECODE_LAUNCH_TABLE: tuple[MLADecodeLaunch, ...] = (
 MAX_NUM_SPLITS = 32
 #: Resident programs per SM the split-count heuristic fills: what the register file holds
 #: of the uncapped 4-warp program the heuristic's rows launch (offline ``ptxas``, RESULTS
-#: session 15). Off CUDA: 256 slots.
+#: session 15).
 PROGRAMS_PER_SM = 2
 
 
@@ -273,7 +273,7 @@ def mla_num_splits(num_reqs: int, num_heads: int, max_len: int, device: torch.de
     per ``min_tokens_per_split`` keys of ``max_len`` (a bound on the context lengths)."""
     if num_splits is None:
         programs = max(1, num_reqs * -(-num_heads // heads_per_program))
-        slots = PROGRAMS_PER_SM * num_sms(device) if device.type == "cuda" else 256
+        slots = program_slots(device, PROGRAMS_PER_SM)
         # Rounded down: a grid a few programs larger than the slots runs a second wave, which
         # takes as long as the first.
         num_splits = max(1, min(slots // programs, MAX_NUM_SPLITS))

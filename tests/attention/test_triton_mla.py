@@ -19,6 +19,7 @@ from tests.triton_interpreter import triton_test_setup
 
 DEVICE, INTERPRET = triton_test_setup("tandem.attention.triton_mla")
 
+from tandem import triton_utils  # noqa: E402
 from tandem.attention import triton_mla  # noqa: E402
 from tandem.attention.triton_mla import mla_decode_attention, mla_num_splits  # noqa: E402
 
@@ -199,7 +200,7 @@ def test_num_splits_heuristic_fills_one_wave(heads_per_program):
 def test_num_splits_heuristic_on_an_h200(monkeypatch):
     """On CUDA the slots are PROGRAMS_PER_SM per SM: an H200's 132 SMs give 264, so 64
     requests get 4 segments (5 would be 320 programs, a second wave) and 112 get 2."""
-    monkeypatch.setattr(triton_mla, "num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_utils, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")  # no GPU needed: only the device type is read
     kw = dict(heads_per_program=16, min_tokens_per_split=32)
     assert mla_num_splits(64, 16, 100_000, cuda, **kw) == 4
