@@ -18,26 +18,19 @@ import gc
 import logging
 import time
 
-import torch
-
-from tandem.attention.metadata import AttentionMetadata
-from tandem.attention.selector import get_attention_backend
 from tandem.config import EngineConfig
 from tandem.core.block_manager import KVCacheManager
 from tandem.core.sched_output import SchedulerOutput
 from tandem.core.scheduler import Scheduler
 from tandem.distributed import parallel_state as ps
 from tandem.engine.messages import EngineCoreOutput, EngineCoreReady, EngineCoreRequest, SchedulerStats
-from tandem.layers.quantization.config import get_quantization_config
-from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.model_loader.generation_config import load_generation_defaults
-from tandem.model_loader.loader import build_model, load_hf_config
+from tandem.model_loader.loader import load_hf_config
 from tandem.request import Request, RequestStatus
 from tandem.step_timing import StepHostTimes
 from tandem.structured_output.manager import StructuredOutputManager
-from tandem.worker.kv_cache import allocate_kv_caches
-from tandem.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
-from tandem.worker.step_plan import DBOPolicy
+from tandem.worker.model_runner import AsyncModelRunnerOutput
+from tandem.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -57,72 +50,31 @@ class EngineCore:
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         self.config = config
         self.engine_index = engine_index
-        model_cfg, cache_cfg, sched_cfg, dbo_cfg = (config.model_config, config.cache_config, config.scheduler_config,
-                                                    config.dbo_config)
+        model_cfg, cache_cfg, sched_cfg = config.model_config, config.cache_config, config.scheduler_config
         world_size = config.parallel_config.world_size
         if world_size != ps.get_world_size():
             raise ValueError(f"tensor_parallel_size x data_parallel_size = {world_size} ranks, but this process "
                              f"is not one of them: build the engine through tandem.entrypoints.llm.LLM or "
                              f"tandem.engine.core_client (they launch the ranks)")
-        device, dtype = config.device_config.torch_device, config.torch_dtype
         self.hf_config = load_hf_config(model_cfg.model)
-        model_max = getattr(self.hf_config, "max_position_embeddings", 2048)
-        config.resolve_limits(model_max)
-        if model_cfg.max_model_len > model_max:
-            raise ValueError(f"max_model_len ({model_cfg.max_model_len}) exceeds the model's context length "
-                             f"({model_max}).")
-        backend = get_attention_backend(device, model_cfg.max_model_len)
-        quant_config = get_quantization_config(self.hf_config, model_cfg.quantization, config.load_config.load_format)
-        if quant_config is not None:
-            check_fp8_supported(device, f"quantization={quant_config.method!r}")
-        kv_dtype = config.kv_cache_torch_dtype
-        if kv_dtype != dtype:
-            check_fp8_supported(device, f"kv_cache_dtype={cache_cfg.kv_cache_dtype!r}")
-        self.model = build_model(self.hf_config, model_cfg.model, config.load_config.load_format, backend, dtype, device,
-                                 max_positions=model_cfg.max_model_len, seed=model_cfg.seed, quant_config=quant_config,
-                                 **self._moe_kwargs())
-        torch.manual_seed(model_cfg.seed)
+        _resolve_limits(config, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
-        num_kv_heads, head_dim = self.model.kv_cache_shape_per_block
-        # Planes per layer cache: 2 (keys, values); 1 for models caching one compressed
-        # latent per token (MLA: [1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]).
-        planes = getattr(self.model, "kv_cache_num_planes", 2)
-        num_layers = len(self.model.layers)
-        num_blocks = cache_cfg.num_kv_blocks or self._num_kv_blocks(num_layers, num_kv_heads, head_dim, kv_dtype,
-                                                                    device, planes)
+        # The worker owns this rank's world: the model, the KV cache tensors, the runner.
+        self.worker = Worker(config, self.hf_config)
+        self.model = self.worker.load_model()
         # The TP ranks of one replica share the driver's block ids: agree on the smallest cache.
-        num_blocks = ps.tp_min(num_blocks)
-        self.num_kv_blocks = num_blocks
-        kv_caches = allocate_kv_caches(num_layers, (planes, num_blocks, cache_cfg.block_size, num_kv_heads, head_dim),
-                                       kv_dtype, device)
-        capacity = (num_blocks - 1) * cache_cfg.block_size
-        logger.info("model %s: %s, quantization %s, KV cache %s, %d tokens", model_cfg.model, dtype,
-                    quant_config.method if quant_config is not None else "none", kv_dtype, capacity)
-        if capacity < model_cfg.max_model_len:
-            logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, model_cfg.max_model_len)
-            model_cfg.max_model_len = capacity
-        self.kv_manager = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        self.num_kv_blocks = ps.tp_min(self.worker.determine_num_kv_blocks())
+        self.runner = self.worker.initialize_kv_cache(self.num_kv_blocks)  # may lower max_model_len
+        self.kv_manager = KVCacheManager(self.num_kv_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.eos_token_ids = self._eos_token_ids()
         # Grammars of constrained requests: compiled here, advanced by the scheduler, and
         # turned into each step's bitmask before sampling.
         generation_eos = load_generation_defaults(model_cfg.model, model_cfg.generation_config).eos_token_ids
         self.structured_output = StructuredOutputManager(
             model_cfg.tokenizer or model_cfg.model, self.vocab_size, self.eos_token_ids | set(generation_eos),
-            pin_memory=device.type == "cuda")
+            pin_memory=config.device_config.torch_device.type == "cuda")
         self.scheduler = Scheduler(self.kv_manager, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
                                    model_cfg.max_model_len, sched_cfg.enable_chunked_prefill, self.structured_output)
-        self.runner = ModelRunner(self.model, kv_caches, cache_cfg.block_size, self.vocab_size, sched_cfg.max_num_seqs,
-                                  device, max_model_len=model_cfg.max_model_len, enforce_eager=model_cfg.enforce_eager,
-                                  dbo=DBOPolicy(dbo_cfg.dbo_decode_token_threshold, dbo_cfg.dbo_prefill_token_threshold,
-                                                dbo_cfg.dbo_measure_split)
-                                  if dbo_cfg.enable_dbo else None)
-        if ps.get_ep_size() > 1:
-            # Expert parallelism: every DP rank's forward takes part in the EP collectives, so
-            # the runner agrees on each step (and runs dummy batches) over the DP group.
-            self.runner.dp_group = ps.get_dp_group()
-        if dbo_cfg.enable_dbo and dbo_cfg.dbo_measure_split:
-            # The largest step, as profiled for memory above.
-            self.runner.measure_prefill_split(min(sched_cfg.max_num_batched_tokens, model_cfg.max_model_len))
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.async_output_proc = sched_cfg.async_output_proc
         # Live sequences by request id (the front end's per-sequence id).
@@ -140,90 +92,11 @@ class EngineCore:
         freeze_startup_heap()
         self._heap_frozen = True
 
-    def _moe_kwargs(self) -> dict:
-        """The dispatch/combine backend of MoE layers (dense models take none)."""
-        cfg = self.config
-        if not getattr(self.hf_config, "num_experts", None) and not getattr(self.hf_config, "n_routed_experts", None) \
-                and not getattr(self.hf_config, "num_local_experts", None):
-            if cfg.dbo_config.enable_dbo:
-                logger.warning("--enable-dbo has no effect on the dense model %s", self.hf_config.model_type)
-            return {}
-        ep = ps.get_ep_size()
-        name = cfg.parallel_config.all2all_backend
-        if name == "auto":
-            name = "local" if ep == 1 else "allgather_reducescatter"
-        if ep > 1 or name in ("allgather_reducescatter", "all_to_all"):
-            from tandem.distributed.all2all_factory import make_all2all_factory
-
-            return {"all2all": make_all2all_factory(name, group=ps.get_ep_group(), ep_size=ep, ep_rank=ps.get_ep_rank())}
-        if name == "simulated":
-            from tandem.distributed.all2all import LinkModel, SimulatedAll2All
-
-            sim = cfg.simulated_link_config
-            link = LinkModel(sim.simulated_link_gbps, sim.simulated_link_latency_us, sim.simulated_ep_size)
-            if sim.simulated_ep_rank_experts:
-                logger.warning("--simulated-ep-rank-experts: MoE layers compute one EP rank's share of the experts; "
-                               "outputs are not the model's (timing only)")
-            return {"all2all": lambda num_experts: SimulatedAll2All(num_experts, link=link, record=False,
-                                                                    rank_experts=sim.simulated_ep_rank_experts)}
-        from tandem.distributed.all2all_factory import get_all2all_backend
-
-        return {"all2all": lambda num_experts: get_all2all_backend(name, num_experts)}
-
     def _eos_token_ids(self) -> set[int]:
         """The model config's EOS ids (the front end adds its tokenizer's and
         generation_config.json's)."""
         eos = getattr(self.hf_config, "eos_token_id", None)
         return set([eos] if isinstance(eos, int) else eos or [])
-
-    def _num_kv_blocks(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                       planes: int = 2) -> int:
-        cache_cfg = self.config.cache_config
-        bytes_per_block = planes * num_layers * cache_cfg.block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-        if device.type == "cuda":
-            activations = self._profile_activation_bytes(num_layers, kv_heads, head_dim, dtype, device, planes)
-            free, total = torch.cuda.mem_get_info(device)
-            non_torch = total - free - torch.cuda.memory_reserved(device)
-            weights = torch.cuda.memory_allocated(device)
-            budget = total * cache_cfg.gpu_memory_utilization - non_torch - weights - activations
-            logger.info("GPU memory: %.1f GiB weights, %.1f GiB peak activations, %.1f GiB for the KV cache",
-                        weights / 2**30, activations / 2**30, budget / 2**30)
-        else:
-            budget = cache_cfg.kv_cache_memory_gib * 1024**3
-        n = int(budget // bytes_per_block)
-        if n < 2:
-            raise ValueError("not enough memory for the KV cache; lower the model size or raise the memory limits")
-        return n
-
-    @torch.inference_mode()
-    def _profile_activation_bytes(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                                  device: torch.device, planes: int = 2) -> int:
-        """Peak memory of the largest step: a prefill of ``max_num_batched_tokens`` tokens in
-        sequences of at most ``max_model_len`` (as vLLM's profile run splits it), plus the
-        sampler's working set for ``max_num_seqs`` rows of logits."""
-        cfg = self.config
-        t = cfg.scheduler_config.max_num_batched_tokens
-        meta, nb = _profile_step_metadata(t, cfg.model_config.max_model_len, cfg.cache_config.block_size, device)
-        caches = [torch.zeros(planes, nb, cfg.cache_config.block_size, kv_heads, head_dim, dtype=dtype, device=device)
-                  for _ in range(num_layers)]
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        from tandem.distributed.forward_context import ForwardContext, forward_context
-
-        # Every rank profiles the same t tokens: expert-parallel exchanges pair up.
-        positions = torch.cat([torch.arange(n, device=device) for n in meta.seq_lens_cpu])
-        with forward_context(ForwardContext(max_tokens_per_rank=t)):
-            hidden = self.model(torch.zeros(t, dtype=torch.long, device=device), positions, caches, meta)
-        rows = min(cfg.scheduler_config.max_num_seqs, t)
-        logits = self.model.compute_logits(hidden[:rows])
-        logits.sort(dim=-1)  # top-k/top-p sort, the sampler's largest temporary
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-        del caches, hidden, logits
-        torch.cuda.empty_cache()
-        # Softmax, noise and logprob copies of the logits beside the sort.
-        return peak + 4 * rows * self.vocab_size * 4
 
     def ready_message(self) -> EngineCoreReady:
         """The startup handshake a front end validates requests against."""
@@ -415,27 +288,18 @@ class EngineCore:
         return s
 
 
-def _profile_step_metadata(num_tokens: int, max_model_len: int, block_size: int,
-                           device: torch.device) -> tuple[AttentionMetadata, int]:
-    """Metadata of a prefill of ``num_tokens`` fresh tokens in sequences of ``max_model_len``
-    (the last one shorter), each in its own consecutive blocks after the null block 0;
-    and the number of blocks the cache needs."""
-    full, rest = divmod(num_tokens, max_model_len)
-    lens = [max_model_len] * full + ([rest] if rest else [])
-    per_seq = -(-max(lens) // block_size)
-    i32 = dict(dtype=torch.int32, device=device)
-    block_tables = torch.arange(1, 1 + len(lens) * per_seq, **i32).view(len(lens), per_seq)
-    slots = (block_tables.long()[:, :, None] * block_size + torch.arange(block_size, device=device)).view(len(lens), -1)
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, **i32), seq_lens=torch.tensor(lens, **i32),
-        num_computed_tokens=torch.zeros(len(lens), **i32), block_tables=block_tables,
-        slot_mapping=torch.cat([slots[i, :n] for i, n in enumerate(lens)]), max_query_len=max(lens),
-        max_seq_len=max(lens), query_start_loc_cpu=starts, seq_lens_cpu=lens, num_decode_reqs=0,
-    )
-    return meta, 1 + len(lens) * per_seq
+def _resolve_limits(config: EngineConfig, hf_config) -> None:
+    """Fill the engine's length and batch limits from the model's context length.
+
+    Raises:
+        ValueError: ``max_model_len`` exceeds the model's context, or the limits are
+            inconsistent (:meth:`EngineConfig.resolve_limits`).
+    """
+    model_max = getattr(hf_config, "max_position_embeddings", 2048)
+    config.resolve_limits(model_max)
+    if config.model_config.max_model_len > model_max:
+        raise ValueError(f"max_model_len ({config.model_config.max_model_len}) exceeds the model's context length "
+                         f"({model_max}).")
 
 
 # Engine cores of this process that froze the heap and still run.

@@ -1,0 +1,258 @@
+"""One rank's world: its model, its KV cache and the model runner over them.
+
+As vLLM's ``Worker`` (``load_model`` / ``determine_available_memory`` / ``initialize_cache``)
+and nano-vllm's ``ModelRunner``: the engine core builds a :class:`Worker` and calls, in order,
+
+1. :meth:`Worker.load_model`: the MoE dispatch/combine backend, the weights;
+2. :meth:`Worker.determine_num_kv_blocks`: the KV cache's size in blocks (profiled on CUDA);
+   the TP ranks of a replica then agree on the smallest (the core does, :func:`ps.tp_min`);
+3. :meth:`Worker.initialize_kv_cache`: the cache tensors and the :class:`ModelRunner`.
+
+The core keeps the scheduler, the KV block manager and the grammars; the worker knows
+nothing of requests.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.selector import get_attention_backend
+from tandem.config import EngineConfig
+from tandem.distributed import parallel_state as ps
+from tandem.layers.quantization.config import get_quantization_config
+from tandem.layers.quantization.fp8 import check_fp8_supported
+from tandem.model_loader.loader import build_model
+from tandem.worker.kv_cache import allocate_kv_caches
+from tandem.worker.model_runner import ModelRunner
+from tandem.worker.step_plan import DBOPolicy
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Loads one rank's model, sizes and allocates its KV cache and builds its runner.
+
+    Args:
+        config: engine configuration with its limits resolved
+            (:meth:`EngineConfig.resolve_limits`); :meth:`initialize_kv_cache` may lower
+            ``model_config.max_model_len`` to what the cache holds.
+        hf_config: the model's HF config (:func:`tandem.model_loader.loader.load_hf_config`).
+
+    Attributes:
+        model: the loaded model (after :meth:`load_model`).
+        model_runner: the runner over the model and its cache (after :meth:`initialize_kv_cache`).
+        num_kv_blocks: the cache's size in blocks, block 0 the null block (likewise).
+    """
+
+    def __init__(self, config: EngineConfig, hf_config) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.device = config.device_config.torch_device
+        self.dtype = config.torch_dtype
+        self.kv_dtype = config.kv_cache_torch_dtype
+        self.vocab_size: int = hf_config.vocab_size
+        self.quant_config = None
+        self.model: torch.nn.Module | None = None
+        self.model_runner: ModelRunner | None = None
+        self.num_kv_blocks: int | None = None
+
+    # ----------------------------------------------------------------- the model
+    def load_model(self) -> torch.nn.Module:
+        """Build the model on the device (weights loaded, MoE layers on their all-to-all
+        backend), then seed torch's global generator with ``model_config.seed``.
+
+        Raises:
+            ValueError: the model, its quantization or the KV cache dtype is not supported
+                here (e.g. FP8 on a GPU without FP8).
+        """
+        cfg, model_cfg = self.config, self.config.model_config
+        backend = get_attention_backend(self.device, model_cfg.max_model_len)
+        self.quant_config = get_quantization_config(self.hf_config, model_cfg.quantization, cfg.load_config.load_format)
+        if self.quant_config is not None:
+            check_fp8_supported(self.device, f"quantization={self.quant_config.method!r}")
+        if self.kv_dtype != self.dtype:
+            check_fp8_supported(self.device, f"kv_cache_dtype={cfg.cache_config.kv_cache_dtype!r}")
+        self.model = build_model(self.hf_config, model_cfg.model, cfg.load_config.load_format, backend, self.dtype,
+                                 self.device, max_positions=model_cfg.max_model_len, seed=model_cfg.seed,
+                                 quant_config=self.quant_config, **self._moe_kwargs())
+        torch.manual_seed(model_cfg.seed)
+        return self.model
+
+    def _moe_kwargs(self) -> dict:
+        """The dispatch/combine backend of MoE layers (dense models take none)."""
+        cfg, hf = self.config, self.hf_config
+        if not getattr(hf, "num_experts", None) and not getattr(hf, "n_routed_experts", None) \
+                and not getattr(hf, "num_local_experts", None):
+            if cfg.dbo_config.enable_dbo:
+                logger.warning("--enable-dbo has no effect on the dense model %s", hf.model_type)
+            return {}
+        ep = ps.get_ep_size()
+        name = cfg.parallel_config.all2all_backend
+        if name == "auto":
+            name = "local" if ep == 1 else "allgather_reducescatter"
+        if ep > 1 or name in ("allgather_reducescatter", "all_to_all"):
+            from tandem.distributed.all2all_factory import make_all2all_factory
+
+            factory = make_all2all_factory(name, group=ps.get_ep_group(), ep_size=ep, ep_rank=ps.get_ep_rank())
+            return {"all2all": factory}
+        if name == "simulated":
+            from tandem.distributed.all2all import LinkModel, SimulatedAll2All
+
+            sim = cfg.simulated_link_config
+            link = LinkModel(sim.simulated_link_gbps, sim.simulated_link_latency_us, sim.simulated_ep_size)
+            if sim.simulated_ep_rank_experts:
+                logger.warning("--simulated-ep-rank-experts: MoE layers compute one EP rank's share of the experts; "
+                               "outputs are not the model's (timing only)")
+            return {"all2all": lambda num_experts: SimulatedAll2All(num_experts, link=link, record=False,
+                                                                    rank_experts=sim.simulated_ep_rank_experts)}
+        from tandem.distributed.all2all_factory import get_all2all_backend
+
+        return {"all2all": lambda num_experts: get_all2all_backend(name, num_experts)}
+
+    # ----------------------------------------------------------------- the KV cache
+    @property
+    def _cache_geometry(self) -> tuple[int, int, int, int]:
+        """(layers, planes, KV heads, head dim) of this rank's cache. Planes per layer: 2
+        (keys, values); 1 for models caching one compressed latent per token (MLA:
+        ``[1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]``)."""
+        model = self._loaded_model()
+        num_kv_heads, head_dim = model.kv_cache_shape_per_block
+        return len(model.layers), getattr(model, "kv_cache_num_planes", 2), num_kv_heads, head_dim
+
+    def determine_num_kv_blocks(self) -> int:
+        """This rank's KV cache size in blocks: ``cache_config.num_kv_blocks`` if set; else
+        what fits in ``kv_cache_memory_gib`` on the CPU, or on CUDA in
+        ``gpu_memory_utilization`` of the device after the weights and the peak activations
+        of the largest step (profiled by running it: every rank whose forwards exchange data
+        must call this at the same point).
+
+        Raises:
+            ValueError: fewer than 2 blocks fit.
+        """
+        cache_cfg = self.config.cache_config
+        if cache_cfg.num_kv_blocks:
+            return cache_cfg.num_kv_blocks
+        num_layers, planes, kv_heads, head_dim = self._cache_geometry
+        bytes_per_block = (planes * num_layers * cache_cfg.block_size * kv_heads * head_dim
+                           * torch.finfo(self.kv_dtype).bits // 8)
+        if self.device.type == "cuda":
+            activations = self.profile_activation_bytes()
+            free, total = torch.cuda.mem_get_info(self.device)
+            non_torch = total - free - torch.cuda.memory_reserved(self.device)
+            weights = torch.cuda.memory_allocated(self.device)
+            budget = total * cache_cfg.gpu_memory_utilization - non_torch - weights - activations
+            logger.info("GPU memory: %.1f GiB weights, %.1f GiB peak activations, %.1f GiB for the KV cache",
+                        weights / 2**30, activations / 2**30, budget / 2**30)
+        else:
+            budget = cache_cfg.kv_cache_memory_gib * 1024**3
+        n = int(budget // bytes_per_block)
+        if n < 2:
+            raise ValueError("not enough memory for the KV cache; lower the model size or raise the memory limits")
+        return n
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self) -> int:
+        """Peak CUDA memory in bytes of the largest step: a prefill of
+        ``max_num_batched_tokens`` tokens in sequences of at most ``max_model_len`` (as
+        vLLM's profile run splits it), plus the sampler's working set for ``max_num_seqs``
+        rows of logits. The step's own KV cache is freed before returning."""
+        cfg, device, model = self.config, self.device, self._loaded_model()
+        num_layers, planes, kv_heads, head_dim = self._cache_geometry
+        t = cfg.scheduler_config.max_num_batched_tokens
+        meta, nb = profile_step_metadata(t, cfg.model_config.max_model_len, cfg.cache_config.block_size, device)
+        caches = [torch.zeros(planes, nb, cfg.cache_config.block_size, kv_heads, head_dim, dtype=self.kv_dtype,
+                              device=device) for _ in range(num_layers)]
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        from tandem.distributed.forward_context import ForwardContext, forward_context
+
+        # Every rank profiles the same t tokens: expert-parallel exchanges pair up.
+        positions = torch.cat([torch.arange(n, device=device) for n in meta.seq_lens_cpu])
+        with forward_context(ForwardContext(max_tokens_per_rank=t)):
+            hidden = model(torch.zeros(t, dtype=torch.long, device=device), positions, caches, meta)
+        rows = min(cfg.scheduler_config.max_num_seqs, t)
+        logits = model.compute_logits(hidden[:rows])
+        logits.sort(dim=-1)  # top-k/top-p sort, the sampler's largest temporary
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del caches, hidden, logits
+        torch.cuda.empty_cache()
+        # Softmax, noise and logprob copies of the logits beside the sort.
+        return peak + 4 * rows * self.vocab_size * 4
+
+    def initialize_kv_cache(self, num_blocks: int) -> ModelRunner:
+        """Allocate a cache of ``num_blocks`` blocks (the same number on every TP rank of
+        the replica) and build the model runner over it. A cache holding fewer tokens than
+        ``max_model_len`` lowers ``config.model_config.max_model_len`` to its capacity
+        (logged). With expert parallelism the runner agrees on each step over the DP group;
+        with DBO's ``dbo_measure_split`` it times the largest prefill step plain and split
+        (every rank at this point).
+
+        Raises:
+            RuntimeError: :meth:`load_model` was not called.
+        """
+        cfg, model_cfg, cache_cfg = self.config, self.config.model_config, self.config.cache_config
+        num_layers, planes, kv_heads, head_dim = self._cache_geometry
+        kv_caches = allocate_kv_caches(num_layers, (planes, num_blocks, cache_cfg.block_size, kv_heads, head_dim),
+                                       self.kv_dtype, self.device)
+        self.num_kv_blocks = num_blocks
+        capacity = (num_blocks - 1) * cache_cfg.block_size
+        logger.info("model %s: %s, quantization %s, KV cache %s, %d tokens", model_cfg.model, self.dtype,
+                    self.quant_config.method if self.quant_config is not None else "none", self.kv_dtype, capacity)
+        if capacity < model_cfg.max_model_len:
+            logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, model_cfg.max_model_len)
+            model_cfg.max_model_len = capacity
+        self.model_runner = self._build_model_runner(kv_caches)
+        return self.model_runner
+
+    def _build_model_runner(self, kv_caches: list[torch.Tensor]) -> ModelRunner:
+        cfg, model_cfg, sched_cfg, dbo_cfg = (self.config, self.config.model_config, self.config.scheduler_config,
+                                              self.config.dbo_config)
+        dbo = (DBOPolicy(dbo_cfg.dbo_decode_token_threshold, dbo_cfg.dbo_prefill_token_threshold,
+                         dbo_cfg.dbo_measure_split) if dbo_cfg.enable_dbo else None)
+        runner = ModelRunner(self.model, kv_caches, cfg.cache_config.block_size, self.vocab_size,
+                             sched_cfg.max_num_seqs, self.device, max_model_len=model_cfg.max_model_len,
+                             enforce_eager=model_cfg.enforce_eager, dbo=dbo)
+        if ps.get_ep_size() > 1:
+            # Expert parallelism: every DP rank's forward takes part in the EP collectives, so
+            # the runner agrees on each step (and runs dummy batches) over the DP group.
+            runner.dp_group = ps.get_dp_group()
+        if dbo_cfg.enable_dbo and dbo_cfg.dbo_measure_split:
+            # The largest step, as profiled for memory in determine_num_kv_blocks.
+            runner.measure_prefill_split(min(sched_cfg.max_num_batched_tokens, model_cfg.max_model_len))
+        return runner
+
+    def _loaded_model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("Worker.load_model() must run before the KV cache is sized or allocated")
+        return self.model
+
+
+def profile_step_metadata(num_tokens: int, max_model_len: int, block_size: int,
+                          device: torch.device) -> tuple[AttentionMetadata, int]:
+    """Metadata of a prefill of ``num_tokens`` fresh tokens in sequences of ``max_model_len``
+    (the last one shorter), each in its own consecutive blocks after the null block 0;
+    and the number of blocks the cache needs."""
+    full, rest = divmod(num_tokens, max_model_len)
+    lens = [max_model_len] * full + ([rest] if rest else [])
+    per_seq = -(-max(lens) // block_size)
+    i32 = dict(dtype=torch.int32, device=device)
+    block_tables = torch.arange(1, 1 + len(lens) * per_seq, **i32).view(len(lens), per_seq)
+    slots = (block_tables.long()[:, :, None] * block_size + torch.arange(block_size, device=device)).view(len(lens), -1)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, **i32), seq_lens=torch.tensor(lens, **i32),
+        num_computed_tokens=torch.zeros(len(lens), **i32), block_tables=block_tables,
+        slot_mapping=torch.cat([slots[i, :n] for i, n in enumerate(lens)]), max_query_len=max(lens),
+        max_seq_len=max(lens), query_start_loc_cpu=starts, seq_lens_cpu=lens, num_decode_reqs=0,
+    )
+    return meta, 1 + len(lens) * per_seq
+
+
+__all__ = ["Worker", "profile_step_metadata"]
