@@ -35,6 +35,10 @@ TANDEM_MLA_PREFILL                  auto       MLA prefill attention: auto (the 
                                                attention kernel on CUDA), triton, torch (the
                                                masked-SDPA reference); read when a layer is built
 TANDEM_STARTUP_TIMEOUT_S            1800       seconds spawned ranks may take to build engines
+TANDEM_HOST_JOIN_TIMEOUT_S          600        seconds the head waits for every --headless host
+                                               to join (and a headless host for the head)
+TANDEM_HOST_HEARTBEAT_TIMEOUT_S     4          seconds of silence after which the head and a
+                                               headless host take each other for gone
 TANDEM_DUMP_STACKS_AFTER_S          unset      every spawned rank prints its stacks after this
                                                many seconds (debugging a hang)
 TANDEM_STRUCTURED_OUTPUT_THREADS    min(8,     threads xgrammar uses in an engine core to fill
@@ -144,6 +148,8 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS": _int_at_least("TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS", lambda: 384, 0),
     "TANDEM_MLA_PREFILL": _choice("TANDEM_MLA_PREFILL", "auto", MLA_PREFILL_MODES),
     "TANDEM_STARTUP_TIMEOUT_S": _float("TANDEM_STARTUP_TIMEOUT_S", 1800.0),
+    "TANDEM_HOST_JOIN_TIMEOUT_S": _float("TANDEM_HOST_JOIN_TIMEOUT_S", 600.0),
+    "TANDEM_HOST_HEARTBEAT_TIMEOUT_S": _float("TANDEM_HOST_HEARTBEAT_TIMEOUT_S", 4.0),
     "TANDEM_DUMP_STACKS_AFTER_S": _float("TANDEM_DUMP_STACKS_AFTER_S", None),
     "TANDEM_STRUCTURED_OUTPUT_THREADS": _int_at_least("TANDEM_STRUCTURED_OUTPUT_THREADS", _half_the_cpus_up_to_8, 1),
     "TANDEM_CACHE_ROOT": _cache_root,

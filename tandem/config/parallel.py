@@ -36,13 +36,60 @@ class ParallelConfig:
     master_port: int | None = None
     """Rendezvous port of the ranks. None: MASTER_PORT from the environment, else a free port."""
 
+    data_parallel_size_local: int | None = None
+    """Replicas on this host (several hosts: each runs data_parallel_size_local of the
+    data_parallel_size replicas, TP inside the host). None: all of them."""
+
+    data_parallel_start_rank: int = 0
+    """The first replica's data-parallel rank on this host (0 on the head; a --headless host
+    takes the ranks from here to here + data_parallel_size_local - 1)."""
+
+    data_parallel_address: str | None = None
+    """The head host's address, reachable from every host: its handshake port, the engine
+    cores' sockets and the torch.distributed rendezvous listen there. Needed with several
+    hosts; None: 127.0.0.1."""
+
+    data_parallel_rpc_port: int | None = None
+    """The head's handshake port (TCP) that --headless hosts join. Needed with several hosts."""
+
     def __post_init__(self) -> None:
         check_choices(self)
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size and data_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size} and {self.data_parallel_size}.")
-        if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}.")
+        for name in ("master_port", "data_parallel_rpc_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"{name} must be in 1..65535, got {port}.")
+        self._check_hosts()
+
+    def _check_hosts(self) -> None:
+        local, start, size = self.data_parallel_local_size, self.data_parallel_start_rank, self.data_parallel_size
+        if local < 1 or local > size:
+            raise ValueError(f"data_parallel_size_local must be in 1..data_parallel_size ({size}), got {local}.")
+        if start < 0 or start + local > size:
+            raise ValueError(f"data_parallel_start_rank ({start}) + data_parallel_size_local ({local}) must not "
+                             f"exceed data_parallel_size ({size}).")
+        if self.multi_host and self.data_parallel_rpc_port is None:
+            raise ValueError("data_parallel_rpc_port is required when data_parallel_size_local < "
+                             "data_parallel_size (several hosts): the head's handshake port.")
+
+    @property
+    def data_parallel_local_size(self) -> int:
+        """Replicas on this host (``data_parallel_size_local``, default all)."""
+        return self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
+
+    @property
+    def multi_host(self) -> bool:
+        """The replicas span several hosts (this one runs only some of them)."""
+        return self.data_parallel_local_size < self.data_parallel_size
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks of this host's processes: its replicas' TP ranks."""
+        tp = self.tensor_parallel_size
+        first = self.data_parallel_start_rank * tp
+        return range(first, first + self.data_parallel_local_size * tp)
 
     @property
     def world_size(self) -> int:

@@ -75,9 +75,10 @@ def host_store(rdv: Rendezvous, world_size: int,
                          wait_for_workers=False)
 
 
-def spawn_ranks(target: Callable[..., None], world_size: int, args_of_rank: Callable[[int], Sequence],
+def spawn_ranks(target: Callable[..., None], ranks: int | Sequence[int], args_of_rank: Callable[[int], Sequence],
                 daemon: bool = True, name: str = "tandem-rank") -> list[mp.Process]:
-    """Start ``world_size`` processes ``target(*args_of_rank(rank))`` (spawn start method).
+    """Start one process ``target(*args_of_rank(rank))`` per rank of ``ranks`` (an int
+    ``n``: ranks ``0..n-1``; several hosts: this host's ranks), spawn start method.
 
     ``target`` and its arguments must come from importable modules, never from the
     caller's ``__main__``: the ranks do not re-run the caller's script (see
@@ -90,7 +91,7 @@ def spawn_ranks(target: Callable[..., None], world_size: int, args_of_rank: Call
     ctx = mp.get_context("spawn")
     procs = []
     with _without_main_module():
-        for rank in range(world_size):
+        for rank in range(ranks) if isinstance(ranks, int) else ranks:
             p = ctx.Process(target=target, args=tuple(args_of_rank(rank)), daemon=daemon, name=f"{name}{rank}")
             p.start()
             procs.append(p)

@@ -66,6 +66,10 @@ class EngineArgs:
     all2all_backend: All2AllBackend = ParallelConfig.all2all_backend
     master_addr: str | None = ParallelConfig.master_addr
     master_port: int | None = ParallelConfig.master_port
+    data_parallel_size_local: int | None = ParallelConfig.data_parallel_size_local
+    data_parallel_start_rank: int = ParallelConfig.data_parallel_start_rank
+    data_parallel_address: str | None = ParallelConfig.data_parallel_address
+    data_parallel_rpc_port: int | None = ParallelConfig.data_parallel_rpc_port
     # DBOConfig
     enable_dbo: bool = DBOConfig.enable_dbo
     dbo_decode_token_threshold: int = DBOConfig.dbo_decode_token_threshold

@@ -124,8 +124,19 @@ class EngineZmqAddresses:
 
     @classmethod
     def in_dir(cls, ipc_dir: str, num_clients: int, dp_size: int) -> "EngineZmqAddresses":
+        """Unix sockets in ``ipc_dir`` (every core on this host)."""
         return cls([[f"ipc://{ipc_dir}/input{c}_{e}" for e in range(dp_size)] for c in range(num_clients)],
                    [f"ipc://{ipc_dir}/output{c}" for c in range(num_clients)])
+
+    @classmethod
+    def over_tcp(cls, host: str, num_clients: int, dp_size: int) -> "EngineZmqAddresses":
+        """TCP ports of ``host`` free now (cores on several hosts)."""
+        from tandem.distributed.launch import free_port
+
+        def addr() -> str:
+            return f"tcp://{host}:{free_port(host)}"
+
+        return cls([[addr() for _ in range(dp_size)] for _ in range(num_clients)], [addr() for _ in range(num_clients)])
 
 
 @dataclass(frozen=True)
@@ -187,9 +198,18 @@ class MPClient:
         self.dp_size = config.parallel_config.data_parallel_size
         self.lockstep = self.dp_size > 1 and config.parallel_config.enable_expert_parallel
         self.owns_cores = attach is None
-        self._dir = tempfile.mkdtemp(prefix="tandem-ipc-") if attach is None else None
-        self.addresses = attach.addresses if attach is not None else \
-            EngineZmqAddresses.in_dir(self._dir, api_server_count + 1, self.dp_size)
+        parallel = config.parallel_config
+        self.multi_host = parallel.multi_host
+        self._dir = tempfile.mkdtemp(prefix="tandem-ipc-") if attach is None and not self.multi_host else None
+        if attach is not None:
+            self.addresses = attach.addresses
+        elif self.multi_host:
+            self.addresses = EngineZmqAddresses.over_tcp(parallel.data_parallel_address or "127.0.0.1",
+                                                         api_server_count + 1, self.dp_size)
+        else:
+            self.addresses = EngineZmqAddresses.in_dir(self._dir, api_server_count + 1, self.dp_size)
+        # Several hosts: the handshake with the headless hosts and their heartbeats (launcher only).
+        self.hosts = None
         self.client_index = attach.client_index if attach is not None else api_server_count
         # Cores shared with other clients: balance on the load they report.
         self.shared = len(self.addresses.outputs) > 1
@@ -237,6 +257,8 @@ class MPClient:
             EngineDeadError: a rank failed to start otherwise, or not within the timeout.
         """
         try:
+            if self.hosts is not None:
+                self.hosts.wait_for_hosts()
             self.readies = self._wait_ready(envs.TANDEM_STARTUP_TIMEOUT_S if startup_timeout is None
                                             else startup_timeout)
         except BaseException:
@@ -252,13 +274,22 @@ class MPClient:
         # A missing model fails here, in one line, not after the ranks start.
         check_model_path(config.model_config.model)
         parallel = config.parallel_config
-        rdv = resolve_rendezvous(parallel.master_addr, parallel.master_port) if parallel.world_size > 1 else None
+        rdv = None
+        if parallel.world_size > 1:
+            rdv = resolve_rendezvous(parallel.master_addr or (parallel.data_parallel_address if self.multi_host else None),
+                                     parallel.master_port)
         # Served from here until every rank has exited (see host_store).
         self._store = host_store(rdv, parallel.world_size) if rdv is not None else None
         addrs = self.addresses
-        return spawn_ranks(run_engine_core, parallel.world_size, lambda r: (
+        if self.multi_host:
+            from tandem.engine.host_handshake import HeadHandshake, HostWelcome
+
+            self.hosts = HeadHandshake(config, HostWelcome(addrs.inputs, addrs.outputs, rdv.master_addr,
+                                                           rdv.master_port))
+        first = parallel.local_ranks.start
+        return spawn_ranks(run_engine_core, parallel.local_ranks, lambda r: (
             config, r, parallel.world_size, rdv and rdv.master_addr, rdv and rdv.master_port, addrs.inputs,
-            addrs.outputs, os.getpid()))
+            addrs.outputs, os.getpid(), r - first))
 
     def api_server_configs(self) -> list[EngineClientConfig]:
         """What each API server needs to attach (``api_server_count`` of them)."""
@@ -290,6 +321,8 @@ class MPClient:
         return [readies[i] for i in range(self.dp_size)]
 
     def _check_procs(self) -> None:
+        if self.hosts is not None and self.hosts.lost is not None and not self._closed:
+            self._fail(self.hosts.lost)
         dead = [i for i, p in enumerate(self.procs) if not p.is_alive() and (p.exitcode != 0 or not self._stopping)]
         if dead and not self._closed:
             self._fail(f"engine core process(es) {dead} exited (pids {[self.procs[i].pid for i in dead]}, "
@@ -423,6 +456,8 @@ class MPClient:
         if self._closed:
             return
         self._closed = True
+        if self.hosts is not None:
+            self.hosts.close(None if self.dead_error is None else str(self.dead_error).splitlines()[0])
         if self.owns_cores:
             for p in self.procs:
                 if p.is_alive():
@@ -517,8 +552,9 @@ class AsyncMPClient(MPClient):
             threading.Thread(target=self._monitor, name="tandem-core-monitor", daemon=True).start()
 
     def _monitor(self) -> None:
-        """Wait on the rank processes' sentinels; report the first that exits unasked."""
-        ready = wait_sentinels([p.sentinel for p in self.procs])
+        """Wait on the rank processes' sentinels (and the loss of a host); report the first
+        that exits unasked."""
+        ready = wait_sentinels([p.sentinel for p in self.procs] + ([self.hosts.lost_r] if self.hosts else []))
         if self._stopping:
             return
         # A sentinel is closed before its process can be reaped: wait for the exit code.

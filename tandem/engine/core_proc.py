@@ -209,11 +209,12 @@ class EngineCoreProc:
 
 def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_addr: str | None,
                     master_port: int | None, input_addrs: list[list[str]], output_addrs: list[str],
-                    parent_pid: int) -> None:
+                    parent_pid: int, local_rank: int | None = None) -> None:
     """Entry of a spawned rank process: build the core, then serve (driver) or follow (TP).
 
     ``input_addrs[c][dp_rank]`` is front end ``c``'s input socket of each replica's driver;
-    ``output_addrs[c]`` its output socket.
+    ``output_addrs[c]`` its output socket (``ipc://`` on one host, ``tcp://`` across hosts).
+    ``local_rank``: the rank's index on its host (its GPU; default ``rank``).
     """
     exit_with_parent(parent_pid)
     # Ctrl-C in a terminal (and SIGTERM from `timeout`, `kill -- -PGID`, systemd's default
@@ -234,7 +235,8 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
     proc = core = None
     try:
         if world_size > 1:
-            core, info = build_rank_core(config, rank, world_size, rank, master_addr, master_port, store_hosted=True)
+            core, info = build_rank_core(config, rank, world_size, rank if local_rank is None else local_rank,
+                                         master_addr, master_port, store_hosted=True)
         else:
             from tandem.engine.core import EngineCore
 

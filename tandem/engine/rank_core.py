@@ -132,7 +132,7 @@ def build_rank_core(config: EngineConfig, rank: int | None, world_size: int | No
         lr = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", rank or 0))
         device.device = f"cuda:{lr}"
     elif device.torch_device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(parallel.local_ranks)))
     info = ps.init_distributed(parallel.tensor_parallel_size, parallel.data_parallel_size, parallel.enable_expert_parallel,
                                rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr,
                                master_port=master_port, device=device.torch_device, store_hosted=store_hosted)

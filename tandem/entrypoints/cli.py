@@ -110,7 +110,12 @@ def generation_summary(outs: list, load_s: float) -> str:
 def _serve(args: argparse.Namespace) -> None:
     # Chosen here, as vLLM's serve command does: the API-server processes import the server
     # module, which therefore cannot import their manager back.
-    if args.api_server_count > 1:
+    if args.headless:
+        from tandem.engine.headless import run_headless
+        from tandem.entrypoints.openai.api_server import serve_engine_config
+
+        run_headless(serve_engine_config(args))
+    elif args.api_server_count > 1:
         from tandem.entrypoints.openai.api_server import serve_engine_config
         from tandem.entrypoints.openai.api_server_manager import run_multi_api_server
 

@@ -30,6 +30,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-server-count", type=positive_int, default=1,
                    help="API-server processes (HTTP, tokenization, detokenization, SSE) on the one port, in front of "
                         "the shared engine cores (default 1: one process)")
+    p.add_argument("--headless", action="store_true",
+                   help="run this host's engine cores for a head on another host, with no API server (with "
+                        "--data-parallel-start-rank, --data-parallel-size-local, --data-parallel-address and "
+                        "--data-parallel-rpc-port of the head; see docs/multi_host.md)")
     p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                    help="format of tool calls in chat outputs with tool_choice auto (default: from the chat "
                         "template: llama3_json for Llama 3's, else hermes as Qwen2.5 uses)")

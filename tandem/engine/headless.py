@@ -1,0 +1,106 @@
+"""``tandem serve --headless``: a host that runs engine cores for a head on another host
+(vLLM's headless mode) and no API server.
+
+It joins the head (:class:`tandem.engine.host_handshake.HeadLink`), spawns its ranks
+(``data_parallel_size_local`` replicas from ``data_parallel_start_rank``, times the TP size)
+as core processes connected to the head's API servers over TCP, and watches both sides:
+
+* the head stops normally (it sent SHUTDOWN to every core, then :class:`HostStop`): the
+  cores exit on their own; exit 0;
+* the head is gone (no heartbeat, or it stopped on an error): the cores are killed; exit 1;
+* a core exits unasked: the head is told (it fails its requests and stops), the other
+  cores are killed; exit 1;
+* SIGTERM / SIGINT: the head is told, the cores are killed; exit 0.
+
+The cores also exit on their own when this process is gone (``exit_with_parent``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+from tandem.config import EngineConfig
+
+logger = logging.getLogger("tandem.serve")
+
+# Seconds the cores get to exit after the head's normal stop before they are killed.
+CORE_STOP_TIMEOUT_S = 10.0
+
+
+def run_headless(config: EngineConfig) -> None:
+    """Serve this host's share of the deployment until the head stops (see the module docstring).
+
+    Raises:
+        ValueError: a model path none the loader reads; ``HostRefusedError``: the head refused
+            this host or did not answer (one line naming why).
+        SystemExit: 1 when the head or a core was lost.
+    """
+    from tandem.distributed.launch import spawn_ranks
+    from tandem.engine.core_proc import run_engine_core
+    from tandem.engine.host_handshake import HeadLink
+    from tandem.model_loader.loader import check_model_path
+
+    check_model_path(config.model_config.model)
+    parallel = config.parallel_config
+    link = HeadLink(config)
+    w = link.welcome
+    first = parallel.local_ranks.start
+    logger.info("joined the head at %s: DP ranks %d-%d, ranks %s", link.addr, parallel.data_parallel_start_rank,
+                parallel.data_parallel_start_rank + parallel.data_parallel_local_size - 1, list(parallel.local_ranks))
+    procs = spawn_ranks(run_engine_core, parallel.local_ranks, lambda r: (
+        config, r, parallel.world_size, w.master_addr, w.master_port, w.inputs, w.outputs, os.getpid(), r - first))
+    try:
+        code = _supervise(link, procs)
+    finally:
+        _stop_cores(procs)
+        link.close()
+    if code:
+        raise SystemExit(code)
+
+
+def _supervise(link, procs) -> int:
+    stop: list[int] = []
+    old = {sig: signal.signal(sig, lambda signum, _f: stop.append(signum)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop:
+            gone = link.poll(0.5)
+            if gone == "":
+                logger.info("the head stopped: waiting for the engine cores")
+                _wait(procs, CORE_STOP_TIMEOUT_S)
+                return 0
+            if gone is not None:
+                logger.error("%s: stopping this host's engine cores", gone)
+                return 1
+            failed = [p for p in procs if not p.is_alive() and p.exitcode != 0]
+            if failed:
+                why = ", ".join(f"{p.name} (pid {p.pid}) exited with {p.exitcode}" for p in failed)
+                logger.error("engine core %s: stopping this host", why)
+                link.stop(f"engine core {why}")
+                return 1
+            if not any(p.is_alive() for p in procs):
+                return 0  # the head's SHUTDOWN reached the cores before its HostStop
+        logger.info("signal %d: stopping this host", stop[0])
+        link.stop(f"host stopped by signal {stop[0]}")
+        return 0
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _wait(procs, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+
+
+def _stop_cores(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    _wait(procs, 5.0)
+
+
+__all__ = ["run_headless"]

@@ -1,0 +1,299 @@
+"""Several hosts behind one endpoint: the head's handshake with its ``--headless`` hosts and
+the heartbeat that keeps each side aware of the other (vLLM's multi-node data parallelism:
+``--data-parallel-address`` / ``--data-parallel-rpc-port`` / ``--headless``).
+
+The head (``tandem serve ... --data-parallel-size-local L``) binds a zmq ROUTER on
+``data_parallel_address:data_parallel_rpc_port``. Every headless host connects a DEALER and
+sends a :class:`HostHello`: its Tandem version, its engine configuration and the data-parallel
+ranks it runs. The head answers :class:`HostWelcome` (where its API servers' sockets and the
+torch.distributed rendezvous listen) or :class:`HostRefused` with one line naming what
+differs (version, model, a config field, a rank range taken or outside the deployment).
+
+After the handshake both sides send :class:`Heartbeat` every :data:`HEARTBEAT_INTERVAL_S`;
+silence longer than ``TANDEM_HOST_HEARTBEAT_TIMEOUT_S`` (a ``kill -9`` of the other side, a
+lost network) or a :class:`HostStop` makes each take the other for gone: the head fails its
+requests and stops; a headless host stops its engine cores. The engine cores themselves talk
+to the head's API servers directly (the one client protocol, zmq over TCP), and meet the
+other hosts' ranks in torch.distributed (EP all-to-all, DP lockstep, DBO agreement).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+import msgspec
+import zmq
+
+from tandem import envs
+from tandem.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# Seconds between two heartbeats of either side.
+HEARTBEAT_INTERVAL_S = 1.0
+# Fields that differ from host to host by design (not compared in the handshake).
+_PER_HOST_FIELDS = frozenset({"data_parallel_size_local", "data_parallel_start_rank", "master_addr", "master_port"})
+
+
+class HostHello(msgspec.Struct, tag=True):
+    version: str
+    hostname: str
+    pid: int
+    start_rank: int
+    local_size: int
+    config: dict[str, Any]
+
+
+class HostWelcome(msgspec.Struct, tag=True):
+    """``inputs[c][e]`` / ``outputs[c]``: the API servers' sockets (EngineZmqAddresses);
+    ``master_addr:master_port``: the torch.distributed rendezvous store (served by the head)."""
+
+    inputs: list[list[str]]
+    outputs: list[str]
+    master_addr: str
+    master_port: int
+
+
+class HostRefused(msgspec.Struct, tag=True):
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    pass
+
+
+class HostStop(msgspec.Struct, tag=True):
+    """The sender stops: ``error`` None for a normal shutdown, else why (a core died, a host
+    was lost)."""
+
+    error: str | None = None
+
+
+HostMessage = HostHello | HostWelcome | HostRefused | Heartbeat | HostStop
+
+
+class HostRefusedError(ValueError):
+    """The head refused this host, or never answered; the message is one line."""
+
+
+def comparable_config(config: EngineConfig) -> dict[str, Any]:
+    """``config`` as flat ``group.field`` values, without the fields that are per host."""
+    flat = {}
+    for group, values in asdict(config).items():
+        for name, value in values.items():
+            if name not in _PER_HOST_FIELDS:
+                flat[f"{group}.{name}"] = value
+    return flat
+
+
+def config_difference(head: dict[str, Any], host: dict[str, Any]) -> str | None:
+    """One line naming the fields whose values differ, or None."""
+    diffs = [f"{k.split('.', 1)[1]} {head.get(k)!r} (head) vs {host.get(k)!r} (this host)"
+             for k in sorted(set(head) | set(host)) if head.get(k) != host.get(k)]
+    return "; ".join(diffs) if diffs else None
+
+
+def _ranks(start: int, size: int) -> str:
+    return f"{start}" if size == 1 else f"{start}-{start + size - 1}"
+
+
+class HeadHandshake:
+    """The head's side: waits for the headless hosts, then watches them (one thread owns the
+    socket).
+
+    Args:
+        config: the head's engine configuration (``parallel_config.multi_host``).
+        welcome: what a joining host is told.
+
+    Raises:
+        ConnectionError: the handshake port cannot be bound.
+    """
+
+    def __init__(self, config: EngineConfig, welcome: HostWelcome) -> None:
+        from tandem.version import tandem_version
+
+        parallel = config.parallel_config
+        self.version = tandem_version()
+        self.config = comparable_config(config)
+        self.welcome = welcome
+        mine = range(parallel.data_parallel_start_rank, parallel.data_parallel_start_rank + parallel.data_parallel_local_size)
+        self.missing = set(range(parallel.data_parallel_size)) - set(mine)
+        self.hosts: dict[bytes, tuple[str, int, int]] = {}  # identity -> (name, start, size)
+        self.last_seen: dict[bytes, float] = {}
+        self.joined = threading.Event()
+        self.lost: str | None = None
+        # Readable once a host is lost (a process sentinel's peer for the clients' monitors).
+        self.lost_r, self._lost_w = os.pipe()
+        self._stop = threading.Event()
+        self._stop_error: str | None = None
+        self.ctx = zmq.Context(io_threads=1)
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        addr = f"tcp://{parallel.data_parallel_address or '127.0.0.1'}:{parallel.data_parallel_rpc_port}"
+        try:
+            self.sock.bind(addr)
+        except zmq.ZMQError as e:
+            self.ctx.destroy(linger=0)
+            raise ConnectionError(f"data_parallel_rpc_port: cannot listen on {addr}: {e}") from None
+        self._thread = threading.Thread(target=self._serve, name="tandem-host-handshake", daemon=True)
+        self._thread.start()
+
+    def wait_for_hosts(self, timeout: float | None = None) -> None:
+        """Until every data-parallel rank has a host.
+
+        Raises:
+            HostRefusedError: some ranks had no host within ``timeout`` s
+                (``TANDEM_HOST_JOIN_TIMEOUT_S``) or a host was lost meanwhile.
+        """
+        timeout = envs.TANDEM_HOST_JOIN_TIMEOUT_S if timeout is None else timeout
+        if not self.joined.wait(timeout) or self.lost is not None:
+            missing = sorted(self.missing)
+            raise HostRefusedError(self.lost or f"data-parallel ranks {missing} did not join within {timeout:.0f} s "
+                                   f"(start their --headless hosts with --data-parallel-start-rank {missing[0]})")
+        logger.info("every host joined: %s", ", ".join(f"{n} (DP ranks {_ranks(s, k)})" for n, s, k in
+                                                        self.hosts.values()))
+
+    def _check(self, hello: HostHello) -> str | None:
+        if hello.version != self.version:
+            return f"Tandem version {hello.version} differs from the head's {self.version}"
+        diff = config_difference(self.config, hello.config)
+        if diff is not None:
+            return f"engine configuration differs: {diff}"
+        ranks = set(range(hello.start_rank, hello.start_rank + hello.local_size))
+        if not ranks <= self.missing:
+            return (f"data-parallel ranks {_ranks(hello.start_rank, hello.local_size)} are taken or outside the "
+                    f"deployment (still free: {sorted(self.missing) or 'none'})")
+        return None
+
+    def _on_hello(self, ident: bytes, hello: HostHello, enc: msgspec.msgpack.Encoder) -> None:
+        reason = self._check(hello)
+        if reason is not None:
+            logger.error("refused host %s (pid %d): %s", hello.hostname, hello.pid, reason)
+            self.sock.send_multipart([ident, enc.encode(HostRefused(reason))])
+            return
+        self.missing -= set(range(hello.start_rank, hello.start_rank + hello.local_size))
+        self.hosts[ident] = (hello.hostname, hello.start_rank, hello.local_size)
+        self.last_seen[ident] = time.monotonic()
+        self.sock.send_multipart([ident, enc.encode(self.welcome)])
+        logger.info("host %s (pid %d) joined: DP ranks %s", hello.hostname, hello.pid,
+                    _ranks(hello.start_rank, hello.local_size))
+        if not self.missing:
+            self.joined.set()
+
+    def _lose(self, reason: str) -> None:
+        if self.lost is None:
+            self.lost = reason
+            logger.error("%s", reason)
+            os.write(self._lost_w, b"x")
+            self.joined.set()
+
+    def _serve(self) -> None:
+        enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(HostMessage)
+        beat = enc.encode(Heartbeat())
+        limit = envs.TANDEM_HOST_HEARTBEAT_TIMEOUT_S
+        next_beat = 0.0
+        while not self._stop.is_set():
+            if self.sock.poll(int(HEARTBEAT_INTERVAL_S * 250)):
+                ident, data = self.sock.recv_multipart()
+                msg = dec.decode(data)
+                if isinstance(msg, HostHello):
+                    self._on_hello(ident, msg, enc)
+                elif ident in self.hosts:
+                    self.last_seen[ident] = time.monotonic()
+                    if isinstance(msg, HostStop):
+                        name, start, size = self.hosts.pop(ident)
+                        self._lose(f"host {name} (DP ranks {_ranks(start, size)}) stopped: {msg.error or 'shut down'}")
+            now = time.monotonic()
+            for ident, (name, start, size) in list(self.hosts.items()):
+                if now - self.last_seen[ident] > limit:
+                    del self.hosts[ident]
+                    self._lose(f"host {name} (DP ranks {_ranks(start, size)}) is gone: no heartbeat for {limit:.0f} s")
+            if now >= next_beat:
+                next_beat = now + HEARTBEAT_INTERVAL_S
+                for ident in self.hosts:
+                    self.sock.send_multipart([ident, beat])
+        stop = enc.encode(HostStop(self._stop_error))
+        for ident in self.hosts:
+            self.sock.send_multipart([ident, stop])
+        self.sock.close(linger=1000)
+        self.ctx.term()
+
+    def close(self, error: str | None = None) -> None:
+        """Tell the hosts that the head stops (``error``: why, else a normal shutdown)."""
+        if self._stop.is_set():
+            return
+        self._stop_error = error
+        self._stop.set()
+        self._thread.join(5)
+        os.write(self._lost_w, b"x")  # wakes a monitor waiting on lost_r (it sees the client stopping)
+
+
+class HeadLink:
+    """A headless host's side: joins the head, then exchanges heartbeats (one thread).
+
+    Raises:
+        HostRefusedError: the head refused this host (its reason) or did not answer within
+            ``TANDEM_HOST_JOIN_TIMEOUT_S``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from tandem.version import tandem_version
+
+        parallel = config.parallel_config
+        self.addr = f"tcp://{parallel.data_parallel_address or '127.0.0.1'}:{parallel.data_parallel_rpc_port}"
+        self.enc, self.dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(HostMessage)
+        self.ctx = zmq.Context(io_threads=1)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(self.addr)
+        hello = HostHello(tandem_version(), socket.gethostname(), os.getpid(), parallel.data_parallel_start_rank,
+                          parallel.data_parallel_local_size, comparable_config(config))
+        self.sock.send(self.enc.encode(hello))
+        timeout = envs.TANDEM_HOST_JOIN_TIMEOUT_S
+        if not self.sock.poll(int(timeout * 1000)):
+            self.close()
+            raise HostRefusedError(f"no answer from the head at {self.addr} within {timeout:.0f} s")
+        reply = self.dec.decode(self.sock.recv())
+        if isinstance(reply, HostRefused):
+            self.close()
+            raise HostRefusedError(f"the head at {self.addr} refused this host: {reply.reason}")
+        assert isinstance(reply, HostWelcome), reply
+        self.welcome = reply
+        self.last_seen = time.monotonic()
+        self._next_beat = 0.0
+
+    def poll(self, timeout_s: float) -> str | None:
+        """Heartbeats for up to ``timeout_s``; returns why the head is gone, or None.
+        ``""``: the head shut down normally."""
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._next_beat = now + HEARTBEAT_INTERVAL_S
+            self.sock.send(self.enc.encode(Heartbeat()))
+        if self.sock.poll(int(timeout_s * 1000)):
+            while True:
+                try:
+                    msg = self.dec.decode(self.sock.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                self.last_seen = time.monotonic()
+                if isinstance(msg, HostStop):
+                    return msg.error or ""
+        limit = envs.TANDEM_HOST_HEARTBEAT_TIMEOUT_S
+        if time.monotonic() - self.last_seen > limit:
+            return f"the head at {self.addr} is gone: no heartbeat for {limit:.0f} s"
+        return None
+
+    def stop(self, error: str | None) -> None:
+        """Tell the head that this host stops (``error``: why)."""
+        self.sock.send(self.enc.encode(HostStop(error)), zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self.sock.close(linger=1000)
+        self.ctx.term()
+
+
+__all__ = ["HeadHandshake", "HeadLink", "HostRefusedError", "HostWelcome", "comparable_config", "config_difference"]
