@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import socket
 import time
 
 from tandem.config import EngineConfig
@@ -108,7 +109,7 @@ class EngineCore:
             max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens, vocab_size=self.vocab_size,
             num_kv_blocks=self.num_kv_blocks, eos_token_ids=sorted(self.eos_token_ids),
             kv_cache_shape_per_block=tuple(self.model.kv_cache_shape_per_block), parallel=asdict(info),
-            config=asdict(self.config))
+            config=asdict(self.config), host=socket.gethostname())
 
     # ----------------------------------------------------------------- requests
     def add_request(self, req: EngineCoreRequest) -> None:

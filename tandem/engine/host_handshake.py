@@ -212,7 +212,7 @@ class HeadHandshake:
             for ident, (name, start, size) in list(self.hosts.items()):
                 if now - self.last_seen[ident] > limit:
                     del self.hosts[ident]
-                    self._lose(f"host {name} (DP ranks {_ranks(start, size)}) is gone: no heartbeat for {limit:.0f} s")
+                    self._lose(f"host {name} (DP ranks {_ranks(start, size)}) is gone: no heartbeat for {limit:g} s")
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_INTERVAL_S
                 for ident in self.hosts:
@@ -284,7 +284,7 @@ class HeadLink:
                     return msg.error or ""
         limit = envs.TANDEM_HOST_HEARTBEAT_TIMEOUT_S
         if time.monotonic() - self.last_seen > limit:
-            return f"the head at {self.addr} is gone: no heartbeat for {limit:.0f} s"
+            return f"the head at {self.addr} is gone: no heartbeat for {limit:g} s"
         return None
 
     def stop(self, error: str | None) -> None:

@@ -125,7 +125,8 @@ class EngineCoreReady(msgspec.Struct, array_like=True, gc=False, tag=True):
     tokenizer's; stop tokens unless ``ignore_eos``);
     ``kv_cache_shape_per_block``: ``(num_kv_heads, head_dim)`` on this rank;
     ``parallel``: the rank's ``ParallelInfo`` fields; ``config``: the resolved
-    ``EngineConfig`` as ``dataclasses.asdict`` gives it (``EngineConfig.from_dict`` reads it).
+    ``EngineConfig`` as ``dataclasses.asdict`` gives it (``EngineConfig.from_dict`` reads it);
+    ``host``: the name of the host the replica runs on.
     """
 
     engine_index: int
@@ -137,6 +138,7 @@ class EngineCoreReady(msgspec.Struct, array_like=True, gc=False, tag=True):
     kv_cache_shape_per_block: tuple[int, int]
     parallel: dict[str, int]
     config: dict[str, Any]
+    host: str = ""
 
 
 class MsgpackEncoder:

@@ -32,39 +32,46 @@ _TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 
 class _EngineCollector:
-    """Gauges and counters read from ``AsyncLLM.stats()`` when scraped."""
+    """Gauges and counters read from ``AsyncLLM.replica_stats()`` when scraped."""
 
     def __init__(self, llm: AsyncLLM, model_name: str) -> None:
         self.llm = llm
         self.model_name = model_name
 
     def collect(self):
-        s = self.llm.stats()
-        labels = ["model_name"]
-        lv = [self.model_name]
+        """One series per replica, labelled ``engine`` (its data-parallel rank) and ``host``
+        (where it runs), as vLLM labels its engines' gauges."""
+        readies = {r.engine_index: r for r in getattr(self.llm.client, "readies", [])}
+        replicas = self.llm.replica_stats() or {0: {}}
+        labels = ["model_name", "engine", "host"]
+        families = {}
 
-        def gauge(name: str, doc: str, value: float):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(lv, value)
-            return g
+        def add(kind, name: str, doc: str, e: int, value: float) -> None:
+            fam = families.get(name)
+            if fam is None:
+                fam = families[name] = kind(name, doc, labels=labels)
+            ready = readies.get(e)
+            fam.add_metric([self.model_name, str(e), ready.host if ready is not None else ""], value)
 
-        def counter(name: str, doc: str, value: float):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(lv, value)
-            return c
-
-        yield gauge("tandem:num_requests_running", "Sequences in the running batch.", s.get("num_running", 0))
-        yield gauge("tandem:num_requests_waiting", "Sequences waiting to be scheduled.", s.get("num_waiting", 0))
-        yield gauge("tandem:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", s.get("kv_cache_usage", 0.0))
-        yield gauge("tandem:kv_cache_free_blocks", "Free KV cache blocks.", s.get("num_free_blocks", 0))
-        yield gauge("tandem:kv_cache_usable_blocks", "Usable KV cache blocks (all but the null block).",
-                    s.get("num_usable_blocks", 0))
-        q, h = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
-        yield gauge("tandem:prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since start.",
-                    h / q if q else 0.0)
-        yield counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", q)
-        yield counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", h)
-        yield counter("tandem:num_preemptions", "Preemptions (recompute).", s.get("num_preemptions", 0))
+        for e, s in replicas.items():
+            add(GaugeMetricFamily, "tandem:num_requests_running", "Sequences in the running batch.", e,
+                s.get("num_running", 0))
+            add(GaugeMetricFamily, "tandem:num_requests_waiting", "Sequences waiting to be scheduled.", e,
+                s.get("num_waiting", 0))
+            add(GaugeMetricFamily, "tandem:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", e,
+                s.get("kv_cache_usage", 0.0))
+            add(GaugeMetricFamily, "tandem:kv_cache_free_blocks", "Free KV cache blocks.", e,
+                s.get("num_free_blocks", 0))
+            add(GaugeMetricFamily, "tandem:kv_cache_usable_blocks", "Usable KV cache blocks (all but the null block).",
+                e, s.get("num_usable_blocks", 0))
+            q, h = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
+            add(GaugeMetricFamily, "tandem:prefix_cache_hit_rate",
+                "Prefix cache hits / queries, in tokens, since start.", e, h / q if q else 0.0)
+            add(CounterMetricFamily, "tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e, q)
+            add(CounterMetricFamily, "tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", e, h)
+            add(CounterMetricFamily, "tandem:num_preemptions", "Preemptions (recompute).", e,
+                s.get("num_preemptions", 0))
+        yield from families.values()
 
 
 class ServerMetrics:

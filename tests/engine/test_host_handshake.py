@@ -1,0 +1,136 @@
+"""The head's handshake with ``--headless`` hosts and the heartbeats (in one process, over
+loopback TCP): a matching host is welcomed; a differing version, config field or rank
+range is refused with one line naming it; a host that never joins, or goes silent, is
+reported; the head's stop reaches the host."""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+
+import pytest
+
+from tandem.distributed.launch import free_port
+from tandem.engine.arg_utils import EngineArgs
+from tandem.engine.host_handshake import (HeadHandshake, HeadLink, HostRefusedError, HostWelcome, comparable_config,
+                                          config_difference)
+
+
+def _config(port: int, start: int = 0, **kw):
+    return EngineArgs(data_parallel_size=3, data_parallel_size_local=1, data_parallel_start_rank=start,
+                      data_parallel_address="127.0.0.1", data_parallel_rpc_port=port, **kw).create_engine_config()
+
+
+WELCOME = HostWelcome([["tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "tcp://127.0.0.1:3"]], ["tcp://127.0.0.1:4"],
+                      "127.0.0.1", 5)
+
+
+@pytest.fixture
+def head():
+    port = free_port()
+    hs = HeadHandshake(_config(port), WELCOME)
+    yield hs, port
+    hs.close()
+
+
+def test_per_host_fields_are_not_compared():
+    a, b = comparable_config(_config(1234)), comparable_config(_config(1234, start=2, master_port=99))
+    assert config_difference(a, b) is None
+    diff = config_difference(a, comparable_config(_config(1234, max_model_len=64)))
+    assert diff == "max_model_len None (head) vs 64 (this host)"
+
+
+def test_matching_hosts_are_welcomed_and_beat(head, monkeypatch):
+    hs, port = head
+    links = [HeadLink(_config(port, start=s)) for s in (1, 2)]
+    try:
+        assert all(link.welcome == WELCOME for link in links)
+        hs.wait_for_hosts(timeout=5)
+        assert sorted((s, k) for _, s, k in hs.hosts.values()) == [(1, 1), (2, 1)]
+        for _ in range(3):
+            assert all(link.poll(0.4) is None for link in links)
+        assert hs.lost is None
+    finally:
+        for link in links:
+            link.close()
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("config", "engine configuration differs: max_model_len None (head) vs 64 (this host)"),
+    ("rank_taken", "data-parallel ranks 0 are taken or outside the deployment (still free: [1, 2])"),
+    ("version", "Tandem version 9.9.9 differs from the head's"),
+])
+def test_a_differing_host_is_refused_in_one_line(head, monkeypatch, case, expected):
+    hs, port = head
+    cfg = _config(port, start=0 if case == "rank_taken" else 1, **({"max_model_len": 64} if case == "config" else {}))
+    if case == "version":
+        monkeypatch.setattr("tandem.version.tandem_version", lambda: "9.9.9")
+    with pytest.raises(HostRefusedError) as e:
+        HeadLink(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and expected in msg and f"127.0.0.1:{port} refused this host" in msg
+
+
+def test_ranks_that_never_join_are_named(head):
+    hs, port = head
+    link = HeadLink(_config(port, start=1))
+    try:
+        with pytest.raises(HostRefusedError, match=r"data-parallel ranks \[2\] did not join within 1 s .*"
+                                                   r"--data-parallel-start-rank 2"):
+            hs.wait_for_hosts(timeout=1)
+    finally:
+        link.close()
+
+
+def test_a_silent_host_is_lost_and_a_stopped_head_reaches_its_hosts(monkeypatch):
+    monkeypatch.setenv("TANDEM_HOST_HEARTBEAT_TIMEOUT_S", "2.5")  # heartbeats come every second
+    port = free_port()
+    hs = HeadHandshake(_config(port), WELCOME)
+    try:
+        quiet, beating = HeadLink(_config(port, start=1)), HeadLink(_config(port, start=2))
+        hs.wait_for_hosts(timeout=5)
+        deadline = time.monotonic() + 5
+        while hs.lost is None and time.monotonic() < deadline:
+            assert beating.poll(0.2) is None  # only the quiet one stops beating
+        assert hs.lost == f"host {socket.gethostname()} (DP ranks 1) is gone: no heartbeat for 2.5 s"
+        assert select.select([hs.lost_r], [], [], 0)[0]  # the clients' monitors wake on it
+        hs.close("host lost")
+        deadline = time.monotonic() + 5
+        while (gone := beating.poll(0.2)) is None and time.monotonic() < deadline:
+            pass
+        assert gone == "host lost"
+    finally:
+        hs.close()
+        quiet.close()
+        beating.close()
+
+
+def test_a_head_that_vanishes_is_noticed(monkeypatch):
+    import msgspec
+    import zmq
+
+    monkeypatch.setenv("TANDEM_HOST_HEARTBEAT_TIMEOUT_S", "1")
+    port = free_port()
+    ctx = zmq.Context()
+    head = ctx.socket(zmq.ROUTER)  # welcomes, then stays silent (as after a kill -9)
+    head.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        from threading import Thread
+
+        def welcome() -> None:
+            ident, _ = head.recv_multipart()
+            head.send_multipart([ident, msgspec.msgpack.encode(WELCOME)])
+
+        t = Thread(target=welcome)
+        t.start()
+        link = HeadLink(_config(port, start=1))
+        t.join()
+        deadline = time.monotonic() + 5
+        while (gone := link.poll(0.2)) is None and time.monotonic() < deadline:
+            pass
+        assert gone == f"the head at tcp://127.0.0.1:{port} is gone: no heartbeat for 1 s"
+        link.close()
+    finally:
+        head.close(linger=0)
+        ctx.term()
