@@ -244,7 +244,7 @@ class AsyncLLM:
 
     def _check_running(self) -> None:
         if not self.is_running:
-            raise EngineDeadError(f"the engine is not running ({self.dead_error!r})")
+            raise EngineDeadError(f"the engine is not running: {self.dead_error}")
 
     def start(self) -> None:
         """Start the output task on the running event loop (idempotent; the first request

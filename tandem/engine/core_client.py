@@ -185,6 +185,8 @@ class MPClient:
         attach: attach to cores launched by another process instead of spawning them.
         wait_ready: wait for the cores' handshakes here; False: the caller calls
             :meth:`wait_ready` (the launcher of API servers starts them meanwhile).
+        external: the sockets of cores that another launcher started (torchrun: every rank
+            is a process of its own); this client binds them, and stops the cores at shutdown.
 
     Raises:
         ValueError: the model path is none the loader reads (before any rank starts).
@@ -193,20 +195,22 @@ class MPClient:
     """
 
     def __init__(self, config: EngineConfig, startup_timeout: float | None = None, asyncio_mode: bool = False,
-                 api_server_count: int = 0, attach: EngineClientConfig | None = None, wait_ready: bool = True) -> None:
+                 api_server_count: int = 0, attach: EngineClientConfig | None = None, wait_ready: bool = True,
+                 external: EngineZmqAddresses | None = None) -> None:
         self.config = config
         self.dp_size = config.parallel_config.data_parallel_size
         self.lockstep = self.dp_size > 1 and config.parallel_config.enable_expert_parallel
         self.owns_cores = attach is None
         parallel = config.parallel_config
         self.multi_host = parallel.multi_host
-        self._dir = tempfile.mkdtemp(prefix="tandem-ipc-") if attach is None and not self.multi_host else None
-        if attach is not None:
-            self.addresses = attach.addresses
+        self._dir = None
+        if attach is not None or external is not None:
+            self.addresses = attach.addresses if attach is not None else external
         elif self.multi_host:
             self.addresses = EngineZmqAddresses.over_tcp(parallel.data_parallel_address or "127.0.0.1",
                                                          api_server_count + 1, self.dp_size)
         else:
+            self._dir = tempfile.mkdtemp(prefix="tandem-ipc-")
             self.addresses = EngineZmqAddresses.in_dir(self._dir, api_server_count + 1, self.dp_size)
         # Several hosts: the handshake with the headless hosts and their heartbeats (launcher only).
         self.hosts = None
@@ -242,7 +246,10 @@ class MPClient:
         self.procs: list = []
         atexit.register(self.shutdown)
         try:
-            self.procs = self._spawn(config) if attach is None else [_ForeignProcess(pid) for pid in attach.core_pids]
+            if attach is not None:
+                self.procs = [_ForeignProcess(pid) for pid in attach.core_pids]
+            elif external is None:
+                self.procs = self._spawn(config)
         except BaseException:
             self._kill()
             raise
@@ -330,7 +337,7 @@ class MPClient:
 
     def _fail(self, message: str) -> None:
         if self.dead_error is None:
-            self.dead_error = EngineDeadError(message)
+            self.dead_error = EngineDeadError(_one_line(message))  # what clients are told
             logger.error("%s", message)
         self._kill()
         raise self.dead_error
@@ -473,12 +480,21 @@ class MPClient:
         atexit.unregister(self.shutdown)
 
 
+def _one_line(message: str) -> str:
+    """A failure in one line: its first line and, after a traceback, the exception's line."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else message
+    return f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
 class SyncMPClient(MPClient):
     """Blocking client of spawned cores (offline ``LLM`` with several ranks)."""
 
     def __init__(self, config: EngineConfig, startup_timeout: float | None = None, api_server_count: int = 0,
-                 wait_ready: bool = True) -> None:
-        super().__init__(config, startup_timeout, api_server_count=api_server_count, wait_ready=wait_ready)
+                 wait_ready: bool = True, external: EngineZmqAddresses | None = None) -> None:
+        super().__init__(config, startup_timeout, api_server_count=api_server_count, wait_ready=wait_ready,
+                         external=external)
         self._backlog: list[EngineCoreOutputs] = []
 
     def get_output(self) -> EngineCoreOutputs:

@@ -94,6 +94,15 @@ class EngineCoreProc:
         self.lockstep_group = lockstep_group
         self.stop_requested = False
 
+    @classmethod
+    def for_rank(cls, core, info, input_addrs: list[list[str]], output_addrs: list[str]) -> "EngineCoreProc":
+        """The loop of the driver ``info`` (a ``ParallelInfo``): its replica's input socket
+        of every front end; lockstep with the other replicas under expert parallelism."""
+        from tandem.distributed import parallel_state as ps
+
+        lockstep = ps.get_dp_control_group() if info.dp_size > 1 and info.ep_size > 1 else None
+        return cls(core, [a[info.dp_rank] for a in input_addrs], output_addrs, lockstep)
+
     def send(self, msg, client: int | None = None) -> None:
         """Send ``msg`` to front end ``client``, or to every front end (None)."""
         data = self.encoder.encode(msg)
@@ -207,6 +216,15 @@ class EngineCoreProc:
         self.ctx.term()
 
 
+def serve(proc: EngineCoreProc, info) -> None:
+    """A driver's loop until SHUTDOWN; then its TP followers are told to stop."""
+    try:
+        proc.run()
+    finally:
+        if info.tp_size > 1:
+            proc.core.step_broadcast(None)
+
+
 def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_addr: str | None,
                     master_port: int | None, input_addrs: list[list[str]], output_addrs: list[str],
                     parent_pid: int, local_rank: int | None = None) -> None:
@@ -244,13 +262,8 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
         if not info.is_driver:
             run_tp_follower(core)
             return
-        lockstep = ps.get_dp_control_group() if info.dp_size > 1 and info.ep_size > 1 else None
-        proc = EngineCoreProc(core, [a[info.dp_rank] for a in input_addrs], output_addrs, lockstep)
-        try:
-            proc.run()
-        finally:
-            if info.tp_size > 1:
-                core.step_broadcast(None)
+        proc = EngineCoreProc.for_rank(core, info, input_addrs, output_addrs)
+        serve(proc, info)
     except BaseException as e:
         if proc is None:  # failed while loading: tell the front end which rank and why
             ctx = zmq.Context()
@@ -275,4 +288,4 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
         ps.destroy_distributed()
 
 
-__all__ = ["EngineCoreProc", "LOCKSTEP_IDLE_POLL_MS", "exit_with_parent", "run_engine_core"]
+__all__ = ["EngineCoreProc", "LOCKSTEP_IDLE_POLL_MS", "exit_with_parent", "run_engine_core", "serve"]

@@ -9,7 +9,7 @@ ranks (**followers**) run the same step on their shards (the all-reduces after r
 layers pair up).
 Sampling runs on every TP rank on identical logits with the same seed; only the driver's
 tokens are emitted. Used by both launchers: Tandem's own (:mod:`tandem.engine.core_proc`)
-and torchrun's (:mod:`tandem.engine.dp_engine`).
+and the external launchers' (torchrun: :mod:`tandem.engine.external_launcher`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tandem.config import EngineConfig
 from tandem.core.sched_output import SchedulerOutput
 from tandem.distributed import parallel_state as ps
 from tandem.structured_output.bitmask import GrammarBitmask
+from tandem.structured_output.params import validated_elsewhere
 
 
 # ----------------------------------------------------------------------------- TP
@@ -52,7 +53,8 @@ class TPStepChannel:
     pickle: a decode step of 1024 sequences encodes ~12x faster than pickling the same
     structs and ~8x faster in all (encode + decode) than the pickled dataclasses before; a
     prefill step of new requests costs about what pickle did (their ``SamplingParams`` are
-    validated again when decoded). Figures: benchmarks/RESULTS.md, "Session 14".
+    checked again when decoded, their constraints not parsed again). Figures:
+    benchmarks/RESULTS.md, "Session 14".
     Each message is two broadcasts: its length (int64), then its bytes (uint8).
     """
 
@@ -76,8 +78,11 @@ class TPStepChannel:
         return memoryview(data.numpy())
 
     def recv_step(self) -> SchedulerOutput | None:
-        """Follower: the next step's ``SchedulerOutput`` (None: stop)."""
-        return self._steps.decode(self._recv())
+        """Follower: the next step's ``SchedulerOutput`` (None: stop); its constraints are
+        not parsed again (the driver's front end did)."""
+        data = self._recv()
+        with validated_elsewhere():
+            return self._steps.decode(data)
 
     def recv_bitmask(self) -> GrammarBitmask | None:
         """Follower: the current step's ``GrammarBitmask``; None: the driver's step failed

@@ -3,17 +3,79 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import fields
 
 from tqdm import tqdm
 
+from tandem.config.model import check_model_path
 from tandem.engine.arg_utils import EngineArgs
-from tandem.engine.llm_engine import LLMEngine
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, str]]
+Prompt = str | list[int] | Mapping
+
+
+def _prompt_list(prompts) -> list:
+    """``generate``'s prompts as a list of single prompts (each then checked by the engine).
+
+    Raises:
+        ValueError: ``prompts`` is none of the accepted forms.
+    """
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a string, a list of token ids, a {{'prompt': ...}} / "
+                         f"{{'prompt_token_ids': [...]}} dict, or a list of those; got {type(prompts).__name__}.")
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return list(prompts)
+
+
+def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt.
+
+    Raises:
+        ValueError: not a SamplingParams, None or a list of them, one per prompt.
+    """
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * n
+    if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(sampling_params, Sequence):
+        raise ValueError(f"sampling_params must be a SamplingParams, a list of them or None; "
+                         f"got {type(sampling_params).__name__}.")
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts.")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}.")
+    return params
+
+
+def _conversations(messages) -> list[list[Mapping]]:
+    """``chat``'s messages as a list of conversations.
+
+    Raises:
+        ValueError: not a list of ``{"role": ..., "content": ...}`` dicts or a list of such lists.
+    """
+    def checked(conv, where: str) -> list[Mapping]:
+        if isinstance(conv, (str, bytes, Mapping)) or not isinstance(conv, Sequence) or not conv:
+            raise ValueError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
+                             f"got {conv!r:.60}.")
+        for i, m in enumerate(conv):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+                raise ValueError(f"{where}[{i}] must be a dict with a string 'role', got {m!r:.60}.")
+        return list(conv)
+
+    if isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) and messages \
+            and isinstance(messages[0], Mapping):
+        return [checked(messages, "messages")]
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError(f"messages must be a conversation (a non-empty list of {{'role': ..., 'content': ...}} "
+                         f"dicts) or a list of conversations, got {messages!r:.60}.")
+    return [checked(c, f"messages[{i}]") for i, c in enumerate(messages)]
 
 
 class LLM:
@@ -26,24 +88,33 @@ class LLM:
             enable_prefix_caching, async_output_proc, ...). With ``data_parallel_size *
             tensor_parallel_size > 1`` the ranks are launched as engine-core processes
             (``tandem.engine.core_client``; under torchrun this process is one of them,
-            ``tandem.engine.dp_engine``); ``engine`` is their front end.
+            ``tandem.engine.external_launcher``); ``engine`` is their front end.
 
     Raises:
         TypeError: an unknown keyword argument.
-        ValueError: a bad value, naming the field (before anything loads).
+        ValueError: a bad value, naming the field, or a model path that does not exist (before
+            torch is imported or anything loads).
     """
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
+    def __init__(self, model: str | os.PathLike | None = None, **kwargs) -> None:
         known = {f.name for f in fields(EngineArgs)}
         unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
-        config = EngineArgs(model=model, **kwargs).create_engine_config()
-        if config.parallel_config.world_size > 1:  # data / tensor parallel: launch (or join) the ranks
-            from tandem.engine.dp_engine import make_parallel_engine
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path (str), got {type(model).__name__}.")
+        config = EngineArgs(model=None if model is None else os.fspath(model), **kwargs).create_engine_config()
+        check_model_path(config.model_config.model)
+        # Imported here, not at module level: the checks above answer before torch loads.
+        from tandem.distributed.parallel_state import env_rendezvous
 
-            self.engine = make_parallel_engine(config)
-        else:
+        if config.parallel_config.world_size > 1 and env_rendezvous():  # torchrun & co.: this process is a rank
+            from tandem.engine.external_launcher import make_external_launcher_engine
+
+            self.engine = make_external_launcher_engine(config)
+        else:  # one rank in this process, or several spawned as core processes (core_client)
+            from tandem.engine.llm_engine import LLMEngine
+
             self.engine = LLMEngine(config)
         self._counter = itertools.count()
 
@@ -64,39 +135,86 @@ class LLM:
         ``sampling_params`` is one for all prompts or one per prompt.
 
         Raises:
-            ValueError: invalid prompt or parameters (nothing is left queued).
+            ValueError: invalid prompt or parameters, naming the field (nothing is left queued).
         """
-        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts.")
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params):
-                rid = str(next(self._counter))
-                self.engine.add_request(rid, prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY))
-                ids.append(rid)
-        except ValueError:
-            self.engine.abort_request(ids)
-            raise
+        prompts = _prompt_list(prompts)
+        ids = self._add(prompts, _params_list(sampling_params, len(prompts)), RequestOutputKind.FINAL_ONLY)
         return self._run(ids, use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Generate for one prompt (any single form ``generate`` takes), yielding its output as it
+        grows: each ``RequestOutput`` holds the text and token ids so far; the last one is
+        finished. Leaving the loop early aborts the request.
+
+        Raises:
+            ValueError: invalid prompt or parameters, naming the field.
+        """
+        (rid,) = self._add([prompt], _params_list(sampling_params, 1), RequestOutputKind.CUMULATIVE)
+        return self._follow(rid)
+
+    def _follow(self, rid: str) -> Iterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort_request([rid])
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tok = self.engine.tokenizer
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt) for c in convs]
-        # The template already holds the BOS token where the model wants it.
-        token_ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        Raises:
+            ValueError: ``messages`` is not a conversation (a list of dicts with a ``role``) or a
+                list of them, or invalid parameters.
+        """
+        prompts, token_ids = self._chat_prompts(messages, add_generation_prompt)
         outs = self.generate(token_ids, sampling_params, use_tqdm)
         for o, p in zip(outs, prompts):
             o.prompt = p
         return outs
+
+    def stream_chat(self, messages: ChatMessages, sampling_params: SamplingParams | None = None,
+                    add_generation_prompt: bool = True) -> Iterator[RequestOutput]:
+        """:meth:`stream` for one conversation, through the model's chat template.
+
+        Raises:
+            ValueError: ``messages`` is not one conversation, or invalid parameters.
+        """
+        prompts, token_ids = self._chat_prompts(messages, add_generation_prompt)
+        if len(token_ids) != 1:
+            raise ValueError("messages must be one conversation; chat() takes several.")
+        return self._with_prompt(self.stream(token_ids[0], sampling_params), prompts[0])
+
+    @staticmethod
+    def _with_prompt(outs: Iterator[RequestOutput], prompt: str) -> Iterator[RequestOutput]:
+        for out in outs:
+            out.prompt = prompt
+            yield out
+
+    def _chat_prompts(self, messages, add_generation_prompt: bool) -> tuple[list[str], list[list[int]]]:
+        tok = self.engine.tokenizer
+        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+                   for c in _conversations(messages)]
+        # The template already holds the BOS token where the model wants it.
+        return prompts, [tok.encode(p, add_special_tokens=False) for p in prompts]
+
+    def _add(self, prompts: list, params: list[SamplingParams], kind: RequestOutputKind) -> list[str]:
+        """Queue the requests; on a bad one, none stays queued."""
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._counter))
+                self.engine.add_request(rid, prompt, p.clone(output_kind=kind))
+                ids.append(rid)
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -27,6 +28,8 @@ import os
 import signal
 import socket
 import threading
+import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -39,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.config import EngineConfig
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError
 from tandem.entrypoints.openai import protocol as P
-from tandem.entrypoints.openai.cli_args import served_names
+from tandem.entrypoints.openai.cli_args import serve_engine_config, served_names
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.serving import (OpenAIError, OpenAIServing, SSEStream, bad_request, error_body,
                                                model_not_found)
@@ -250,7 +253,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
     @app.get("/health")
     async def health():
         if not llm.is_running:
-            return _error(503, f"the engine is not running: {llm.dead_error!r}")
+            return _error(503, f"the engine is not running: {llm.dead_error}")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -312,17 +315,24 @@ def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket
 
 # Seconds between an engine core's death and the server's exit (clients get their errors first).
 DEAD_ENGINE_EXIT_DELAY_S = 2.0
+# Stopping: seconds uvicorn waits for open connections once every live request has been
+# ended, then the engine cores' budget (their final message, then a second to exit before
+# they are killed): SIGTERM of an idle server exits within about 3 s.
+GRACEFUL_HTTP_S = 1.0
+ENGINE_STOP_TIMEOUT_S = 2.0
 
 
-def _uvicorn_server(config, app: FastAPI):
-    """uvicorn's server that, on SIGINT/SIGTERM, also ends every live request at once (HTTP
-    500; a stream with an error event, then ``[DONE]``), so that stopping never waits for
-    long generations (uvicorn alone waits for every response to finish), and then returns:
-    the stop asked for is a clean exit (uvicorn alone raises the signal again once it has
-    stopped, and the process ends killed by it, status 143)."""
+def _uvicorn_server(config, on_stop: Callable[[str], None]):
+    """uvicorn's server that, on SIGINT/SIGTERM, also calls ``on_stop(reason)`` (which ends
+    every live request at once: HTTP 500; a stream with an error event, then ``[DONE]``), so
+    that stopping never waits for long generations (uvicorn alone waits for every response
+    to finish), and then returns: the stop asked for is a clean exit (uvicorn alone raises
+    the signal again once it has stopped, and the process ends killed by it, status 143)."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        stop_signal: int | None = None
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
@@ -337,64 +347,154 @@ def _uvicorn_server(config, app: FastAPI):
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
-            loop = getattr(app.state, "loop", None)
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(app.state.llm.abort_all, f"the server is stopping (signal {sig})")
+            self.stop_signal = sig
+            on_stop(f"the server is stopping (signal {sig})")
 
     return Server(config)
 
 
-def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine config of ``tandem serve``'s flags, for serving (usage context
-    ``"openai_api_server"``: the served default batch limits, tandem.platform).
+class _LoadingGate:
+    """The ASGI application uvicorn serves: it answers every request with 503 (``/health``
+    included) while the engine loads, then hands everything to the server's FastAPI app,
+    whose lifespan it runs once that app exists.
 
-    Raises:
-        ValueError: a bad engine flag, naming it.
+    Args:
+        loaded: the future of the loaded ``AsyncLLM`` (set by the loading thread).
+        make_app: builds the server's app around it (on the event loop).
+        on_failed: called on the event loop when loading failed (the server then stops).
     """
-    from tandem.engine.arg_utils import EngineArgs
 
-    return EngineArgs.from_cli_args(args).create_engine_config("openai_api_server")
+    def __init__(self, loaded: concurrent.futures.Future, make_app: Callable[[AsyncLLM], FastAPI],
+                 on_failed: Callable[[], None]) -> None:
+        self.loaded = loaded
+        self.make_app = make_app
+        self.on_failed = on_failed
+        self.app: FastAPI | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._lifespan = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return await self._serve_lifespan(receive, send)
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "http":
+            await _error(503, "the model is loading; retry when /health answers 200")(scope, receive, send)
+
+    def abort_all(self, reason: str) -> None:
+        """End every live request (safe from a signal handler)."""
+        if self.app is not None and self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.app.state.llm.abort_all, reason)
+
+    async def _serve_lifespan(self, receive, send) -> None:
+        await receive()  # lifespan.startup
+        self.loop = asyncio.get_running_loop()
+        waiter = asyncio.create_task(self._open_when_loaded())
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        waiter.cancel()
+        if self._lifespan is not None:
+            await self._lifespan.__aexit__(None, None, None)
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def _open_when_loaded(self) -> None:
+        try:
+            llm = await asyncio.wrap_future(self.loaded)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:  # noqa: BLE001 - raised again once the server has stopped
+            self.on_failed()
+            return
+        app = self.make_app(llm)
+        lifespan = app.router.lifespan_context(app)
+        await lifespan.__aenter__()
+        self._lifespan, self.app = lifespan, app
 
 
-def run_server(args: argparse.Namespace) -> None:
-    """Bind the address, start the engine cores, and serve until interrupted (SIGINT/SIGTERM:
-    exit 0) or until an engine core dies (exit 1, after failing every live request). One API
-    server: ``tandem serve --api-server-count N`` > 1 runs
-    :func:`tandem.entrypoints.openai.api_server_manager.run_multi_api_server` instead.
+def _load_in_thread(load: Callable[[], AsyncLLM]) -> tuple[threading.Thread, concurrent.futures.Future]:
+    """Run ``load()`` on a daemon thread; its result or error lands in the future."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    fut.set_running_or_notify_cancel()  # a waiter that gives up cannot cancel the load
+
+    def run() -> None:
+        try:
+            fut.set_result(load())
+        except BaseException as e:  # noqa: BLE001 - handed to the server's thread
+            fut.set_exception(e)
+
+    thread = threading.Thread(target=run, name="tandem-engine-load", daemon=True)
+    thread.start()
+    return thread, fut
+
+
+def _stop_loading(thread: threading.Thread) -> None:
+    """Stopped while the engine loads: kill the engine cores this process spawned (again
+    until the loading thread ends: it may spawn them late), so that the loading thread sees
+    them gone and cleans up; its error is the stop, not a fault. An API server attached to
+    another process's cores spawned none: its loading thread ends with the process."""
+    import multiprocessing
+
+    core_log = logging.getLogger("tandem.engine.core_client")
+    core_log.disabled = True  # it would log the cores' deaths as a failure
+    start = time.monotonic()
+    try:
+        while thread.is_alive() and time.monotonic() < start + ENGINE_STOP_TIMEOUT_S + 3.0:
+            children = multiprocessing.active_children()
+            if not children and time.monotonic() > start + 0.5:
+                return  # none spawned here (attached), or none left
+            for p in children:
+                p.kill()
+            thread.join(0.1)
+    finally:
+        core_log.disabled = False
+
+
+def run_server(args: argparse.Namespace, cfg: EngineConfig | None = None) -> None:
+    """Bind the address, answer HTTP at once (503 while loading), load the engine cores,
+    and serve until interrupted (SIGINT/SIGTERM: exit 0) or until an engine core dies (exit
+    1, after failing every live request). One API server: ``tandem serve --api-server-count
+    N`` > 1 runs :func:`tandem.entrypoints.openai.api_server_manager.run_multi_api_server`
+    instead. ``cfg``: the engine config of ``args`` (:func:`serve_engine_config`).
 
     Raises:
-        ValueError: a bad engine flag (before anything loads), a model path none the loader
-            reads (before the cores start), a core failed to start on bad input
-            (``EngineConfigError``).
+        ValueError: a bad engine flag or model path (before anything loads), a core failed to
+            start on bad input (``EngineConfigError``, once the server has stopped).
+        EngineDeadError: a core failed to start otherwise.
         ConnectionError: the address cannot be bound (before anything loads).
         SystemExit: 1 when an engine core died.
     """
-    cfg = serve_engine_config(args)
+    cfg = cfg or serve_engine_config(args)
     sock = bind_socket(args.host, args.port)
-    logger.info("loading %s", cfg.model_config.model)
-    serve_http(AsyncLLM(cfg), sock, args)
+    logger.info("loading %s; /health answers 503 until it is ready", cfg.model_config.model)
+    serve_http(lambda: AsyncLLM(cfg), sock, args)
 
 
-def serve_http(llm: AsyncLLM, sock: socket.socket, args: argparse.Namespace, api_server_index: int = 0,
-               metrics_dir: str | None = None) -> None:
-    """Serve ``llm`` on the bound socket until interrupted or until an engine core dies
-    (then exit 1 after failing every live request); shuts ``llm`` down.
+def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argparse.Namespace,
+               api_server_index: int = 0, metrics_dir: str | None = None) -> None:
+    """Serve on the bound socket at once while ``load_llm()`` builds the engine front end on
+    another thread (every request is a 503 until it is ready), then serve it until
+    interrupted or until an engine core dies (then exit 1 after failing every live
+    request); shuts the engine down.
 
     Raises:
+        Exception: what ``load_llm`` raised (once the server has stopped).
         SystemExit: 1 when an engine core died.
     """
     import uvicorn
 
-    cfg = llm.config
     names = served_names(args)
     host, port = sock.getsockname()[:2]
     server = None
 
-    def on_engine_dead() -> None:
-        logger.error("engine core died: %s; the server stops", llm.client.dead_error)
-        asyncio.get_running_loop().call_later(DEAD_ENGINE_EXIT_DELAY_S, setattr, server, "should_exit", True)
+    def stop_soon(delay: float = 0.0) -> None:
+        asyncio.get_running_loop().call_later(delay, setattr, server, "should_exit", True)
 
-    try:
+    def make_app(llm: AsyncLLM) -> FastAPI:
+        def on_engine_dead() -> None:
+            logger.error("engine core died: %s; the server stops", llm.client.dead_error)
+            stop_soon(DEAD_ENGINE_EXIT_DELAY_S)
+
+        cfg = llm.config
         app = build_app(llm, names, model_root=cfg.model_config.model, tool_call_parser=args.tool_call_parser,
                         api_server_index=api_server_index, api_server_count=args.api_server_count,
                         metrics_dir=metrics_dir)
@@ -407,13 +507,27 @@ def serve_http(llm: AsyncLLM, sock: socket.socket, args: argparse.Namespace, api
                     host, port, cfg.model_config.model, ", ".join(names), llm.max_model_len, sched.max_num_seqs,
                     sched.max_num_batched_tokens, usable * cfg.cache_config.block_size, usable,
                     cfg.cache_config.block_size, cfg.parallel_config.data_parallel_size, os.getpid())
-        config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
-                                timeout_keep_alive=args.timeout_keep_alive)
-        server = _uvicorn_server(config, app)
+        return app
+
+    thread, loaded = _load_in_thread(load_llm)
+    gate = _LoadingGate(loaded, make_app, on_failed=stop_soon)
+    llm = None
+    try:
+        config = uvicorn.Config(gate, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+                                timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=GRACEFUL_HTTP_S)
+        server = _uvicorn_server(config, gate.abort_all)
         server.run(sockets=[sock])
     finally:
-        dead = llm.client.dead_error is not None
-        llm.shutdown()
         sock.close()
+        if not loaded.done():
+            _stop_loading(thread)
+        if loaded.done() and loaded.exception() is None:
+            llm = loaded.result()
+            dead = llm.client.dead_error is not None
+            llm.shutdown(ENGINE_STOP_TIMEOUT_S)
+    if llm is None:
+        if server is not None and server.stop_signal is not None:
+            return  # stopped while loading
+        raise loaded.exception()
     if dead:
         raise SystemExit(1)
