@@ -52,6 +52,8 @@ class RequestOutput:
 
     ``prompt_logprobs[0]`` is None (the first prompt token has no context).
     ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
+    ``error`` says why the engine dropped the request (its grammar did not compile, its
+    model step failed); its unfinished completions then end as "abort".
     """
 
     request_id: str
@@ -62,6 +64,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
 
 
 @dataclass

@@ -185,13 +185,21 @@ class Scheduler:
         """Advance the grammars of ``result``'s live constrained sequences by their sampled
         tokens, in one batched call (the first part of taking in a step's outputs: the
         engine core runs it alone before filling the next step's bitmask, then
-        ``update_from_output(result, grammars_advanced=True)``)."""
+        ``update_from_output(result, grammars_advanced=True)``).
+
+        A sequence whose grammar could only end while ``min_tokens`` masked its stop
+        tokens (``structured_output.forced_stop``) gets that stop token in place of its
+        sample, in ``result`` too: the grammar's end wins over ``min_tokens``."""
         reqs, toks = [], []
-        for sid, tok in zip(result.seq_ids, result.sampled_token_ids):
+        sampled = result.sampled_token_ids
+        for i, sid in enumerate(result.seq_ids):
             req = self.requests.get(sid)
             if req is not None and req.structured_output is not None:
+                so = req.structured_output
+                if so.forced_stop is not None:
+                    sampled[i], so.forced_stop = so.forced_stop, None
                 reqs.append(req)
-                toks.append(tok)
+                toks.append(sampled[i])
         if reqs:
             self.structured_output_manager.accept_tokens(reqs, toks)
 
@@ -200,8 +208,8 @@ class Scheduler:
         (EOS, ``stop_token_ids``, ``max_tokens``, ``min_tokens``, the context length), the
         advance of constrained sequences' grammars by their token (unless
         ``grammars_advanced``: :meth:`advance_grammars` already ran on ``result``; a
-        completed or broken grammar finishes the sequence as "stop") and freeing of
-        finished sequences.
+        completed grammar finishes the sequence as "stop", and so does one that refused
+        its token, which is left out of the output) and freeing of finished sequences.
 
         Returns one output per live sequence that got a token (a token of a sequence that
         finished or was aborted before its step was processed is dropped), plus prompt
@@ -221,8 +229,15 @@ class Scheduler:
             if req is None:
                 continue
             req.num_output_placeholders -= 1  # the token reached the host
-            req.output_token_ids.append(tok)
             out = outputs.get(sid)
+            if req.structured_output is not None and req.structured_output.refused:
+                # Its grammar refused the token: not part of the output; the grammar ends it.
+                if out is None:
+                    out = outputs[sid] = EngineCoreOutput(req.request_id, [])
+                self.finish_request(sid, RequestStatus.FINISHED_STOPPED)
+                out.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
+                continue
+            req.output_token_ids.append(tok)
             if out is None:
                 out = outputs[sid] = EngineCoreOutput(req.request_id, [tok])
             else:

@@ -137,7 +137,9 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; returns the outputs produced by it.
+        """Run one engine iteration; returns the outputs produced by it. A request its
+        core dropped (its grammar did not compile, its model step failed) gets a final
+        output with ``error`` set and its unfinished completions as "abort".
 
         Raises:
             Exception: a model step failed (in-process core): the requests of the failed
@@ -150,7 +152,7 @@ class LLMEngine:
         for rid, err in res.errors.items():
             logger.error("request %s dropped by its engine core: %s", rid, err)
         self.client.abort_requests(res.reqs_to_abort)
-        return res.request_outputs
+        return res.request_outputs + res.failed_outputs
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from tandem.structured_output.params import validated_elsewhere
+
 from tandem.sampling_params import SamplingParams
 
 
@@ -152,13 +154,15 @@ class MsgpackEncoder:
 
 
 class MsgpackDecoder:
-    """msgpack decoder into ``type_`` (a struct, or a union of them)."""
+    """msgpack decoder into ``type_`` (a struct, or a union of them). Constraints it
+    decodes are not parsed again (their front end did; an engine core's loop must not)."""
 
     def __init__(self, type_: Any) -> None:
         self._dec = msgspec.msgpack.Decoder(type_)
 
     def decode(self, data: bytes | memoryview) -> Any:
-        return self._dec.decode(data)
+        with validated_elsewhere():
+            return self._dec.decode(data)
 
 
 CoreMessage = EngineCoreOutputs | EngineCoreReady

@@ -64,12 +64,16 @@ class OutputProcessorOutput:
 
     ``request_outputs``: one per request that changed; ``reqs_to_abort``: core request ids
     finished here by a stop string (abort them in their core); ``errors``: request id ->
-    message, for requests their core dropped (a failed step); they are gone here too.
+    message, for requests their core dropped (a failed step, a grammar that did not
+    compile); they are gone here too. ``failed_outputs``: the final output of each of
+    those (what it had, unfinished completions as "abort", ``error`` set), for callers
+    that answer with one (``LLMEngine``).
     """
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
+    failed_outputs: list[RequestOutput] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -144,10 +148,16 @@ class OutputProcessor:
                 res.errors[parent.request_id] = o.error
                 res.reqs_to_abort += [c for c in self.abort(parent.request_id) if c != o.request_id]
                 touched.pop(parent.request_id, None)
+                res.failed_outputs.append(self._failed_output(parent, o.error, now))
                 continue
             if o.new_prompt_logprobs is not None and parent.prompt_logprobs is not None and s is parent.seqs[0]:
                 self._add_prompt_logprobs(parent, o.new_prompt_logprobs)
             if not o.new_token_ids:
+                if o.finish_reason is None:
+                    continue
+                s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason  # finished without a token
+                del self.seqs[o.request_id]
+                touched[parent.request_id] = parent
                 continue
             if s.index == 0:
                 parent.num_cached_tokens = o.num_cached_tokens
@@ -184,6 +194,16 @@ class OutputProcessor:
                 s.finish_reason, s.stop_reason = "stop", stop_str
             if s.finished:
                 return
+
+    def _failed_output(self, parent: ParentState, error: str, now: float) -> RequestOutput:
+        """The last output of a request its core dropped: its completions so far, the
+        unfinished ones ending as "abort"."""
+        for s in parent.seqs:
+            if not s.finished:
+                s.finish_reason = "abort"
+        out = self._make_output(parent, now)
+        out.error = error
+        return out
 
     def _position_logprobs(self, ids: list[int], lps: list[float], rank: int, k: int) -> PositionLogprobs:
         token_string = self.token_bytes.token_string

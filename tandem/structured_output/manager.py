@@ -34,11 +34,12 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tandem import envs
 from tandem.structured_output.bitmask import GrammarBitmask
-from tandem.structured_output.params import StructuredOutputsParams, xgrammar_error
+from tandem.structured_output.params import ANY_OBJECT, StructuredOutputsParams, xgrammar_error
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -68,6 +69,11 @@ class StructuredOutputRequest:
         # The grammar takes no more tokens: it accepted its stop token, or refused the
         # last sampled one (set by StructuredOutputManager.accept_tokens).
         self.finished = False
+        # The last sampled token was refused: it is not part of the output.
+        self.refused = False
+        # The stop token that replaces the sample of a row whose grammar can only end
+        # while min_tokens masks its stop tokens (set by grammar_bitmask).
+        self.forced_stop: int | None = None
 
     def is_ready(self) -> bool:
         """Compiled without error: the sequence may be scheduled."""
@@ -149,9 +155,12 @@ class StructuredOutputManager:
         """Advance each sequence's matcher by its sampled token (one xgrammar call).
 
         A sequence whose grammar accepted its stop token, or refused its token, gets
-        ``structured_output.finished`` set (the scheduler then finishes it as "stop"). A
-        refusal only happens past the grammar's end (e.g. ``min_tokens`` masking the stop
-        token leaves no allowed token): the runner samples within the bitmask.
+        ``structured_output.finished`` set (the scheduler then finishes it as "stop"); a
+        refused token also sets ``structured_output.refused`` (the scheduler leaves it out
+        of the output). A refusal only happens when other masks (``logit_bias``, bad
+        words) leave the row no token its grammar allows: the runner samples within the
+        bitmask, and a grammar that can only end gets its stop token whatever
+        ``min_tokens`` says (:meth:`grammar_bitmask`).
 
         Args:
             reqs: live sequences with a compiled grammar, at most one entry each.
@@ -164,7 +173,7 @@ class StructuredOutputManager:
         for req, matcher, tok, ok in zip(reqs, matchers, token_ids, accepted):
             if not ok:
                 logger.warning("request %s: token %d does not match its grammar; finishing it", req.request_id, tok)
-                req.structured_output.finished = True
+                req.structured_output.finished = req.structured_output.refused = True
             elif tok in self._grammar_stop_ids and matcher.is_terminated():  # only a stop token ends a grammar
                 req.structured_output.finished = True
 
@@ -175,7 +184,9 @@ class StructuredOutputManager:
 
         A sequence no longer in ``requests`` (finished by the step processed meanwhile),
         or whose grammar is finished, gets an all-allowed row: its sampled token is
-        discarded.
+        discarded. A sequence below ``min_tokens`` whose grammar can only end (the sampler
+        would mask every token its row allows) gets ``structured_output.forced_stop``:
+        the grammar's end wins, and that stop token replaces its sample.
 
         The rows live in one buffer that the next call overwrites: a step's bitmask is
         read by that step's sampling, and the next step's fill waits for that step's
@@ -185,12 +196,15 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         bitmask = self._rows(len(seq_ids))
-        matchers, rows, allow_all = [], [], []
+        matchers, rows, allow_all, below_min = [], [], [], []
         for row, sid in enumerate(seq_ids):
             req = requests.get(sid)
             if req is not None and not req.structured_output.finished:
                 matchers.append(req.structured_output.matcher)
                 rows.append(row)
+                # Tokens before this sample: the host's, plus the samples in flight but this one.
+                if req.sampling_params.min_tokens > len(req.output_token_ids) + req.num_output_placeholders - 1:
+                    below_min.append((row, req))
             else:
                 allow_all.append(row)
         # xgrammar writes whole rows: only the others need resetting (no 4 MB memset per step).
@@ -202,7 +216,19 @@ class StructuredOutputManager:
             if filler is None:
                 filler = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
             filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        for row, req in below_min:
+            req.structured_output.forced_stop = self._only_stop(bitmask[row], req.structured_output.matcher)
         return GrammarBitmask(seq_ids, bitmask)
+
+    def _only_stop(self, row: torch.Tensor, matcher: "xgr.GrammarMatcher") -> int | None:
+        """The first stop token ``row`` allows when it allows no other token, else None."""
+        if not matcher.is_completed():
+            return None
+        words = row.numpy().view(np.uint32).copy()
+        stops = [t for t in self._grammar_stop_ids if words[t >> 5] >> (t & 31) & 1]
+        for t in stops:
+            words[t >> 5] &= ~np.uint32(1 << (t & 31))
+        return min(stops) if stops and not words.any() else None
 
     def _rows(self, n: int) -> torch.Tensor:
         """The first ``n`` rows of the reused bitmask buffer (contents undefined)."""
@@ -219,9 +245,9 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         kind = params.kind
         if kind == "json":
-            return compiler.compile_json_schema(params.schema_text(), any_whitespace=not params.disable_any_whitespace)
+            return compiler.compile_json_schema(params.schema_text(), **params.json_options())
         if kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+            return compiler.compile_json_schema(ANY_OBJECT, strict_mode=False, **params.json_options())
         if kind == "regex":
             return compiler.compile_regex(params.regex)
         if kind == "choice":

@@ -4,10 +4,17 @@ Exactly one constraint per request: ``json`` (a JSON schema, dict or string),
 ``json_object`` (any JSON object), ``regex``, ``choice`` (one of some strings),
 ``grammar`` (EBNF/GBNF, xgrammar's dialect) or ``structural_tag`` (xgrammar's structural
 tag JSON). The constraint is parsed when the params are built (xgrammar's tokenizer-free
-parsers, plus a meta-schema check of a JSON schema: milliseconds for a nested schema,
-once per process for equal constraints), so an invalid one is a ``ValueError`` naming the
-field before anything reaches the engine; compiling it against the tokenizer happens
-later, off the engine loop (:class:`tandem.structured_output.manager.StructuredOutputManager`).
+parsers, plus a meta-schema check of a JSON schema and a check that xgrammar enforces
+every keyword it uses: milliseconds for a nested schema, once per process for equal
+constraints), so an invalid one is a ``ValueError`` naming the field before anything
+reaches the engine. A message decoder of the engine (:func:`validated_elsewhere`) builds
+them without that parse: the front end did it, and the engine core's loop must not.
+Compiling against the tokenizer happens off the engine loop
+(:class:`tandem.structured_output.manager.StructuredOutputManager`).
+
+JSON whitespace: free whitespace between tokens is bounded to
+:data:`MAX_WHITESPACE` characters per gap (unbounded, a small model at temperature 0.7
+fills ``max_tokens`` with newlines); ``disable_any_whitespace`` gives compact JSON.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +38,29 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 _PARSED: OrderedDict[tuple, None] = OrderedDict()
 _PARSED_SIZE = 256
 _PARSED_LOCK = threading.Lock()
+# Most whitespace characters xgrammar allows between two JSON tokens: room for a newline
+# and a space, not for a run (benchmarks/RESULTS.md, "structured outputs: bounded
+# whitespace": at 2, the embedded SmolLM2 at temperature 0.7 completes bounded schemas
+# well within 128 tokens; unbounded, half of them run to max_tokens on newlines).
+MAX_WHITESPACE = 2
+# The schema of ``json_object``: any object (xgrammar's builtin JSON grammar also allows
+# arrays and scalars).
+ANY_OBJECT = '{"type": "object"}'
+# Set while a message decoder of the engine builds params the front end validated.
+_TRUSTED = threading.local()
+
+
+@contextmanager
+def validated_elsewhere() -> Iterator[None]:
+    """Params built in this block (on this thread) skip the parse: for the engine's
+    message decoders, whose params a front end already validated. A constraint that does
+    not compile still fails, on the compile thread, as that request's error."""
+    prev = getattr(_TRUSTED, "on", False)
+    _TRUSTED.on = True
+    try:
+        yield
+    finally:
+        _TRUSTED.on = prev
 
 
 def xgrammar_error(e: Exception) -> str:
@@ -48,14 +80,16 @@ class StructuredOutputsParams:
         grammar: an EBNF (GBNF) grammar with a ``root`` rule.
         json_object: True: the output is one JSON object.
         structural_tag: xgrammar structural-tag JSON text.
-        disable_any_whitespace: JSON without free whitespace (compact), which keeps
-            small models from looping on whitespace.
+        disable_any_whitespace: JSON without free whitespace: compact separators
+            (``,`` and ``:``); else at most :data:`MAX_WHITESPACE` whitespace characters
+            between two tokens.
         whitespace_pattern: accepted for vLLM compatibility; xgrammar has no such
             option, so it must be None.
 
     Raises:
-        ValueError: not exactly one constraint, or the constraint does not parse; the
-            message names the field (``structured_outputs.<kind>``).
+        ValueError: not exactly one constraint, the constraint does not parse, or a JSON
+            schema uses a keyword the grammar cannot enforce; the message names the
+            field (``structured_outputs.<kind>``), and the keyword and its location.
     """
 
     json: str | dict[str, Any] | None = None
@@ -75,7 +109,8 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None:
             raise ValueError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "
                              "use disable_any_whitespace.")
-        _parse_once(self)  # an invalid constraint fails here
+        if not getattr(_TRUSTED, "on", False):
+            _parse_once(self)  # an invalid constraint fails here
 
     @property
     def kind(self) -> str:
@@ -88,6 +123,12 @@ class StructuredOutputsParams:
     def choice_ebnf(self) -> str:
         """The EBNF grammar ``root ::= "a" | "b" | ...`` of a ``choice``."""
         return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+
+    def json_options(self) -> dict[str, Any]:
+        """xgrammar's JSON-schema options for this constraint's whitespace."""
+        if self.disable_any_whitespace:
+            return {"any_whitespace": False, "separators": (",", ":")}
+        return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE}
 
     def cache_key(self) -> tuple:
         """Identifies the compiled grammar: equal keys compile to the same grammar."""
@@ -119,9 +160,10 @@ class StructuredOutputsParams:
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("a JSON schema must be an object or a boolean")
                 _check_schema(schema)
-                return xgr.Grammar.from_json_schema(self.schema_text(), any_whitespace=not self.disable_any_whitespace)
+                _check_enforced(schema)
+                return xgr.Grammar.from_json_schema(self.schema_text(), **self.json_options())
             if kind == "json_object":
-                return xgr.Grammar.builtin_json_grammar()
+                return xgr.Grammar.from_json_schema(ANY_OBJECT, strict_mode=False, **self.json_options())
             if kind == "regex":
                 if not isinstance(self.regex, str) or not self.regex:
                     raise ValueError("must be a non-empty string")
@@ -145,11 +187,9 @@ class StructuredOutputsParams:
 def _parse_once(params: StructuredOutputsParams) -> None:
     """``params.to_grammar()`` unless an equal constraint parsed in this process already.
 
-    Every request's constraint is parsed twice: by the front end, and by the engine core
-    when msgspec decodes the request (it runs ``__post_init__``), on the core's loop
-    thread, ahead of the next step. For a schema like the bench's user profile that is
-    milliseconds (meta-schema check and xgrammar's parse); requests sharing a schema pay
-    it once per process. Invalid constraints are never remembered.
+    For a schema like the bench's user profile the parse is milliseconds (meta-schema
+    check, keyword check and xgrammar's parse); requests sharing a schema pay it once per
+    process. Invalid constraints are never remembered.
     """
     try:
         key = params.cache_key()
@@ -179,6 +219,18 @@ def _check_schema(schema: dict | bool) -> None:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
         raise ValueError(f"{e.message}" + (f" (at {where})" if where else "")) from None
+
+
+def _check_enforced(schema: dict | bool) -> None:
+    """Refuse a schema the grammar would not enforce, naming the keyword(s) and where."""
+    from tandem.structured_output.schema_check import unenforced_keywords
+
+    found = unenforced_keywords(schema)
+    if found:
+        where = ", ".join(f"{kw!r} at {at or '/'}" for kw, at in found)
+        raise ValueError(f"the grammar backend cannot enforce {where}; remove or rewrite "
+                         f"{'it' if len(found) == 1 else 'them'} (the output would not be checked against "
+                         f"{'it' if len(found) == 1 else 'them'})")
 
 
 # vLLM's name for the same parameters before v0.10.2.
