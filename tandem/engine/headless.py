@@ -48,8 +48,9 @@ def run_headless(config: EngineConfig) -> None:
     link = HeadLink(config)
     w = link.welcome
     first = parallel.local_ranks.start
-    logger.info("joined the head at %s: DP ranks %d-%d, ranks %s", link.addr, parallel.data_parallel_start_rank,
-                parallel.data_parallel_start_rank + parallel.data_parallel_local_size - 1, list(parallel.local_ranks))
+    dp_ranks = range(parallel.data_parallel_start_rank, parallel.data_parallel_start_rank + parallel.data_parallel_local_size)
+    logger.info("joined the head at %s: DP ranks %s (global ranks %s)", link.addr, list(dp_ranks),
+                list(parallel.local_ranks))
     procs = spawn_ranks(run_engine_core, parallel.local_ranks, lambda r: (
         config, r, parallel.world_size, w.master_addr, w.master_port, w.inputs, w.outputs, os.getpid(), r - first))
     try:
@@ -81,6 +82,7 @@ def _supervise(link, procs) -> int:
                 link.stop(f"engine core {why}")
                 return 1
             if not any(p.is_alive() for p in procs):
+                logger.info("the engine cores stopped (the head shut them down)")
                 return 0  # the head's SHUTDOWN reached the cores before its HostStop
         logger.info("signal %d: stopping this host", stop[0])
         link.stop(f"host stopped by signal {stop[0]}")
