@@ -71,6 +71,19 @@ def smol_tokenizer(embedded_model_path):
     return load_tokenizer(embedded_model_path)
 
 
+@pytest.fixture(scope="session")
+def moe_fixture_path(tmp_path_factory):
+    """The real-text Mixtral whose experts copy the embedded SmolLM2's MLP
+    (tests/models/moe_fixture.py), built once a session; removed at its end (1.4 GB)."""
+    import shutil
+
+    from tests.models.moe_fixture import build_moe_fixture
+
+    path = build_moe_fixture(str(tmp_path_factory.mktemp("moe_fixture")))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def assert_all_blocks_free(engine) -> None:
     """Every KV block is back in the free queue (block 0 is the reserved null block)."""
     pool = engine.kv_manager.pool
