@@ -128,6 +128,7 @@ def two_hosts(tmp_path):
     """``start(family, dp, local, extra)``: a head with ``local`` replicas and a headless host
     with the rest; returns (url, head, headless)."""
     trees: list[Tree] = []
+    shm = set(os.listdir("/dev/shm"))
 
     def start(family: str, dp: int = 4, local: int = 2, extra: list[str] = ()):
         model = tmp_path / family
@@ -145,6 +146,7 @@ def two_hosts(tmp_path):
     yield start
     for t in trees:
         t.close()
+    assert not set(os.listdir("/dev/shm")) - shm  # no shared-memory file left behind on either host
 
 
 def _offline(model: str, prompts, n: int = 1) -> list[list[str]]:
@@ -163,10 +165,11 @@ def _stats(url: str) -> dict:
     return httpx.get(f"{url}/debug/engine_stats", timeout=30).json()
 
 
-def test_two_hosts_serve_the_single_process_tokens(two_hosts):
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_two_hosts_serve_the_single_process_tokens(two_hosts, family):
     from tests.entrypoints.test_server_parallel import cut_streams_and_wait_freed
 
-    url, head, headless, model = two_hosts("qwen3_moe", extra=DBO)
+    url, head, headless, model = two_hosts(family, extra=DBO)
     want = _offline(model, PROMPTS)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
     name = client.models.list().data[0].id
