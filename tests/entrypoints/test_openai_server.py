@@ -280,3 +280,36 @@ def test_prompt_logprobs_extension(server):
     assert len(plp) == body["usage"]["prompt_tokens"] and plp[0] is None
     for pos in plp[1:]:
         assert 1 <= len(pos) <= 2 and all(v["logprob"] <= 0.0 and v["rank"] >= 1 for v in pos.values())
+
+
+# -------------------------------------------- OpenAI / vLLM semantics of unset fields
+def test_empty_model_is_the_served_model(server, client):
+    """The OpenAI SDK requires ``model``: ``""`` is how its users defer to the server."""
+    r = client.completions.create(model="", prompt="Hi", max_tokens=2)
+    assert r.model == MODEL_NAME and r.usage.completion_tokens == 2
+    r = client.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert r.model == MODEL_NAME
+    for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
+        assert httpx.post(f"{server.url}{path}", json={"model": "", **body}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="Hi", max_tokens=2)
+
+
+# 40 digits, one token each at least, and the grammar's end: a stop after more than 16 tokens.
+FORTY_DIGITS = {"guided_regex": "([0-9] ){40}", "temperature": 0.0}
+
+
+def test_completions_max_tokens_default_is_16(server):
+    body = {"model": MODEL_NAME, "prompt": "Digits:", **FORTY_DIGITS}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["finish_reason"] == "length"
+    # An explicit null: up to the end of the context (vLLM).
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": None}, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] > 16
+
+
+def test_chat_max_tokens_default_is_the_context(server):
+    """Chat without max_tokens is bounded by the context only (vLLM's default)."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Digits, please."}], **FORTY_DIGITS}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] > 16

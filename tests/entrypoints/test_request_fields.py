@@ -84,6 +84,7 @@ def test_chat_logprob_bytes_join_to_the_content(client):
 # ------------------------------------------------------- kind 4: continuous usage stats
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_completion_continuous_usage_stats(client, include_usage):
+    """As vLLM: usage in every chunk only with include_usage too; alone it is ignored."""
     kw = dict(model=MODEL_NAME, prompt=["The capital of France is", "One, two,"], max_tokens=6, n=2,
               temperature=0.0, extra_body={"ignore_eos": True})
     ref = client.completions.create(**kw)
@@ -95,32 +96,43 @@ def test_completion_continuous_usage_stats(client, include_usage):
         if not chunk.choices:
             final = chunk.usage
             continue
-        assert chunk.usage is not None, "a content chunk without usage"
         (c,) = chunk.choices
+        if not include_usage:
+            assert chunk.usage is None
+            continue
+        assert chunk.usage is not None, "a content chunk without usage"
         prompt_lens.setdefault(c.index // 2, chunk.usage.prompt_tokens)
         assert chunk.usage.prompt_tokens == prompt_lens[c.index // 2]
         assert chunk.usage.completion_tokens > seen.get(c.index, 0) or c.finish_reason
         assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
         seen[c.index] = chunk.usage.completion_tokens
-    assert seen == {i: 6 for i in range(4)}
-    assert sum(prompt_lens.values()) == ref.usage.prompt_tokens
     assert (final is not None) == include_usage
     if include_usage:
+        assert seen == {i: 6 for i in range(4)}
+        assert sum(prompt_lens.values()) == ref.usage.prompt_tokens
         assert final.completion_tokens == ref.usage.completion_tokens == 24
 
 
-def test_chat_continuous_usage_stats(client):
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chat_continuous_usage_stats(client, include_usage):
     kw = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Count to five."}], max_tokens=5,
               temperature=0.0, n=2)
     ref = client.chat.completions.create(**kw)
     last: dict[int, int] = {}
-    for chunk in client.chat.completions.create(stream=True, stream_options={"continuous_usage_stats": True}, **kw):
-        assert chunk.choices and chunk.usage is not None
+    opts = {"include_usage": include_usage, "continuous_usage_stats": True}
+    for chunk in client.chat.completions.create(stream=True, stream_options=opts, **kw):
+        if not chunk.choices:  # the final usage chunk
+            assert include_usage and chunk.usage.completion_tokens == ref.usage.completion_tokens
+            continue
         (c,) = chunk.choices
+        if not include_usage:
+            assert chunk.usage is None
+            continue
         assert chunk.usage.prompt_tokens == ref.usage.prompt_tokens
         assert chunk.usage.completion_tokens >= last.get(c.index, 0)
         last[c.index] = chunk.usage.completion_tokens
-    assert sum(last.values()) == ref.usage.completion_tokens
+    if include_usage:
+        assert sum(last.values()) == ref.usage.completion_tokens
 
 
 # ---------------------------------------------------------- kind 6: request fields

@@ -13,6 +13,9 @@ import httpx
 import jsonschema
 import pytest
 
+from tandem.entrypoints.openai import protocol as P
+from tandem.entrypoints.openai.structured_outputs import tool_plan
+
 MODEL_NAME = "SmolLM2-135M-Instruct"  # as served by the conftest fixture
 
 CITY = {
@@ -36,8 +39,9 @@ TIME_TOOL = {"type": "function", "function": {
 USER = [{"role": "user", "content": "Tell me about Paris as JSON."}]
 
 
-def _chat(client, stream: bool, max_tokens: int = 96, **kw):
-    """(content, tool_calls as [(name, arguments)], finish_reason) of choice 0."""
+def _chat(client, stream: bool, max_tokens: int = 96, arrivals: list | None = None, **kw):
+    """(content, tool_calls as [(name, arguments, id)], finish_reason) of choice 0.
+    ``arrivals`` (streamed): gets (chunk number, that chunk's finish_reason) per call."""
     kw.update(model=MODEL_NAME, temperature=0, max_tokens=max_tokens)
     if not stream:
         r = client.chat.completions.create(stream=False, **kw)
@@ -45,11 +49,13 @@ def _chat(client, stream: bool, max_tokens: int = 96, **kw):
         calls = [(t.function.name, t.function.arguments, t.id) for t in m.tool_calls or []]
         return m.content, calls, r.choices[0].finish_reason
     content, calls, finish = None, {}, None
-    for chunk in client.chat.completions.create(stream=True, **kw):
+    for n, chunk in enumerate(client.chat.completions.create(stream=True, **kw)):
         for c in chunk.choices:
             if c.delta.content:
                 content = (content or "") + c.delta.content
             for t in c.delta.tool_calls or []:
+                if t.index not in calls and arrivals is not None:
+                    arrivals.append((n, c.finish_reason))
                 entry = calls.setdefault(t.index, ["", "", None])
                 if t.function and t.function.name:
                     entry[0] = t.function.name
@@ -128,20 +134,65 @@ def test_tool_choice_named(client, stream):
     assert finish == "stop"
 
 
-def test_tool_choice_named_streamed_equals_whole(client):
-    kw = dict(messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER_TOOL],
-              tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert [c[:2] for c in _chat(client, False, **kw)[1]] == [c[:2] for c in _chat(client, True, **kw)[1]]
+NOW_TOOL = {"type": "function", "function": {"name": "now", "description": "The current time.",
+                                            "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [WEATHER_TOOL, TIME_TOOL, NOW_TOOL]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ROME_TOKYO = [{"role": "user", "content": "Weather in Rome and the time in Tokyo?"}]  # several calls, cut
+OSLO = [{"role": "user", "content": "Call get_time for UTC and get_weather for Oslo."}]
+# auto (hermes): two calls with a newline between them, forced by a regex.
+TWO_HERMES_CALLS = r'(<tool_call>\{"name": "now", "arguments": \{\}\}</tool_call>\n){2}'
+CALL_CASES = {
+    "required, several calls": dict(messages=ROME_TOKYO, tool_choice="required", max_tokens=80),
+    "required, one call then cut": dict(messages=OSLO, tool_choice="required", max_tokens=40),
+    "required, parallel_tool_calls false": dict(messages=ROME_TOKYO, tool_choice="required",
+                                                parallel_tool_calls=False, max_tokens=48),
+    "named": dict(messages=ROME_TOKYO, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                  max_tokens=32),
+    "auto, two calls": dict(messages=ROME_TOKYO, extra_body={"guided_regex": TWO_HERMES_CALLS}, max_tokens=110),
+}
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_tool_choice_required(client, stream):
-    content, calls, finish = _chat(client, stream, messages=[{"role": "user", "content": "What time is it in Berlin?"}],
-                                   tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
-    assert calls and finish == "tool_calls"
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
-    for name, args, _ in calls:
-        jsonschema.validate(json.loads(args), schemas[name])
+def _complete_elements(text: str) -> list[tuple[str, dict]]:
+    """The complete elements of a (possibly cut) JSON array: the longest prefix that,
+    closed with ``]``, is a JSON array."""
+    for end in sorted((i + 1 for i, ch in enumerate(text) if ch == "}"), reverse=True):
+        try:
+            return [(e["name"], e["parameters"]) for e in json.loads(text[:end] + "]")]
+        except json.JSONDecodeError:
+            continue
+    return []
+
+
+@pytest.mark.parametrize("case", sorted(CALL_CASES))
+def test_tool_calls_streamed_equal_whole(client, case):
+    """Every complete call is returned even when the output is cut, streamed as a delta
+    once it completes (not at the end), whitespace around and between calls is no
+    content, at most one call without parallel calls; streamed == non-streamed."""
+    kw = dict(CALL_CASES[case], tools=TOOLS)
+    content, calls, finish = _chat(client, False, **kw)
+    arrivals = []
+    s_content, s_calls, s_finish = _chat(client, True, arrivals=arrivals, **kw)
+    assert content is None and s_content is None, (content, s_content)
+    assert [c[:2] for c in s_calls] == [c[:2] for c in calls] and s_finish == finish
+    assert calls, "tool_choice required / named / a call in the output: at least one call"
+    for name, args, call_id in calls:
+        jsonschema.validate(json.loads(args), SCHEMAS[name])
+        assert call_id.startswith("chatcmpl-tool-")
+    if kw.get("parallel_tool_calls") is False or isinstance(kw.get("tool_choice"), dict):
+        assert len(calls) == 1
+    assert arrivals[0][1] is None, "the first call arrived only with the finish"
+    assert len({n for n, _ in arrivals}) == len(arrivals)  # each call in the chunk that completed it
+    if kw.get("tool_choice") == "required":
+        # The same constrained output as plain content: the calls are its complete elements.
+        constraint = tool_plan(P.ChatCompletionRequest(**{k: v for k, v in kw.items() if k != "max_tokens"})).constraint
+        raw = client.chat.completions.create(
+            model=MODEL_NAME, temperature=0, max_tokens=kw["max_tokens"], messages=kw["messages"], tools=TOOLS,
+            tool_choice="none", extra_body={"structured_outputs": {"json": constraint.json}}).choices[0]
+        assert raw.finish_reason == ("stop" if finish == "tool_calls" else finish)
+        assert [(n, json.loads(a)) for n, a, _ in calls] == _complete_elements(raw.message.content)
+    if case == "required, several calls":
+        assert len(calls) >= 2
 
 
 def test_tool_round_trip(client):

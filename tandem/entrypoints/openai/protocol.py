@@ -128,7 +128,8 @@ class CompletionRequest(_SamplingFields):
     ids, or a list of token-id lists (one choice group per prompt)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=None, le=INT64_MAX)
+    # OpenAI's and vLLM's default; an explicit null generates up to the context's end.
+    max_tokens: int | None = Field(default=16, le=INT64_MAX)
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
@@ -146,7 +147,8 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``; the prompt is the model's chat template applied to
-    ``messages``."""
+    ``messages``. Without ``max_tokens`` / ``max_completion_tokens`` the output may run
+    to the end of the context (vLLM's default)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, le=INT64_MAX)

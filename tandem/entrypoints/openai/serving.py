@@ -25,8 +25,7 @@ from tandem.engine.processor import PromptError
 from tandem.engine.token_bytes import TokenBytes, token_id_string
 from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.structured_outputs import FieldError, ToolPlan, structured_outputs_of, tool_plan
-from tandem.entrypoints.openai.tool_parsers import (StreamingToolParser, ToolCall, extract_tool_calls,
-                                                    parser_for_chat_template)
+from tandem.entrypoints.openai.tool_parsers import ToolCall, parser_for_chat_template
 from tandem.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.structured_output import StructuredOutputsParams
@@ -188,12 +187,14 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
 
     def check_model(self, name: str | None) -> None:
-        """Reject a ``model`` field that names no served model (None: the first one).
+        """Reject a ``model`` field that names no served model. None or ``""`` (how the
+        OpenAI SDK, whose ``model`` is required, defers to the server) is unset: the
+        first served model, as in vLLM.
 
         Raises:
             OpenAIError: 404 NotFoundError naming ``model``.
         """
-        if name is not None and name not in self.served_model_names:
+        if name and name not in self.served_model_names:
             raise model_not_found(name)
 
     def _check_token_ids(self, ids: list[int], what: str) -> None:
@@ -266,7 +267,8 @@ class OpenAIServing:
 
     @staticmethod
     def _stream_options(req: P._SamplingFields) -> tuple[bool, bool]:
-        """(final usage chunk, usage in every content chunk) of a streamed request.
+        """(final usage chunk, usage in every content chunk) of a streamed request; as in
+        vLLM, ``continuous_usage_stats`` only counts together with ``include_usage``.
 
         Raises:
             OpenAIError: ``stream_options`` without ``stream``; ``prompt_logprobs`` with it.
@@ -276,7 +278,8 @@ class OpenAIServing:
         if req.stream and req.prompt_logprobs is not None:
             raise bad_request("prompt_logprobs is not available when stream is true.", "prompt_logprobs")
         opts = req.stream_options
-        return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+        include = bool(opts and opts.include_usage)
+        return include, include and bool(opts.continuous_usage_stats)
 
     def _token_str(self, token_id: int, as_ids: bool) -> str:
         return token_id_string(token_id) if as_ids else self.token_bytes.token_string(token_id)
@@ -620,7 +623,7 @@ class OpenAIServing:
         for c in sorted(out.outputs, key=lambda c: c.index):
             num_gen += len(c.token_ids)
             logprobs = self._chat_logprobs(c, params, top, as_ids) if lp is not None else None
-            content, calls = self._tool_calls(plan, c.text)
+            content, calls = plan.split(c.text, self.tool_call_parser)
             choices.append(P.ChatCompletionResponseChoice(
                 index=c.index, message=P.ChatResponseMessage(role="assistant", content=content,
                                                              tool_calls=[t.to_dict() for t in calls]),
@@ -629,14 +632,6 @@ class OpenAIServing:
         usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=num_gen, total_tokens=len(ids) + num_gen)
         return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage,
                                         prompt_logprobs=self._prompt_logprobs(out, as_ids))
-
-    def _tool_calls(self, plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A finished output's (content, tool calls)."""
-        if plan.mode == "auto":
-            return extract_tool_calls(self.tool_call_parser, text)
-        if plan.mode in ("named", "required"):
-            return None, plan.calls_from_text(text)
-        return text, []
 
     @staticmethod
     def _finish_reason(plan: ToolPlan, calls: list[ToolCall], finish: str | None) -> str | None:
@@ -671,6 +666,8 @@ class OpenAIServing:
                                 if params.logprobs is not None else None)
                     delta, any_calls = tools[c.index].delta(c.text, c.finish_reason is not None)
                     finish = self._finish_reason(plan, [None] if any_calls else [], c.finish_reason)
+                    if delta.content is None and delta.tool_calls is None and logprobs is None and finish is None:
+                        continue  # text held back by the tool parser
                     yield chunk([P.ChatCompletionResponseStreamChoice(
                         index=c.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish, stop_reason=c.stop_reason if c.finish_reason else None)], c.index)
@@ -739,17 +736,18 @@ def _template_tool_call(call: Any) -> Any:
 
 
 class _ToolStream:
-    """One streamed chat choice's tool calls: turns text deltas into ``DeltaMessage``s.
+    """One streamed chat choice's tool calls: turns text deltas into ``DeltaMessage``s
+    whose joined content and calls equal :meth:`ToolPlan.split` of the whole text.
 
     ``named``: the first delta opens the call (id, name), the text deltas are its
-    arguments. ``required``: the JSON array is sent as calls when complete. ``auto``: the
-    tool parser's content and finished calls. ``none``: plain content.
+    arguments. ``required`` / ``auto``: each call whole once the plan's parser completes
+    it, at most ``plan.max_calls``; ``auto`` also the parser's content. ``none``: plain
+    content.
     """
 
     def __init__(self, plan: ToolPlan, parser: str) -> None:
         self.plan = plan
-        self.parser = StreamingToolParser(parser) if plan.mode == "auto" else None
-        self.text = ""
+        self.parser = plan.parser(parser)
         self.num_calls = 0
         self.call_id = ToolCall("", "").id
 
@@ -765,17 +763,14 @@ class _ToolStream:
                 call["function"]["name"] = self.plan.name
                 self.num_calls = 1
             return P.DeltaMessage(tool_calls=[call]), True
-        if mode == "required":
-            self.text += text
-            calls = self.plan.calls_from_text(self.text) if final else []
-            content = None
-        else:
-            content, calls = self.parser.feed(text)
-            if final:
-                tail, more = self.parser.finish()
-                content, calls = content + tail, calls + more
+        content, calls = self.parser.feed(text)
+        if final:
+            tail, more = self.parser.finish()
+            content, calls = content + tail, calls + more
+        limit = self.plan.max_calls
         dicts = []
         for call in calls:
-            dicts.append({"index": self.num_calls, **call.to_dict()})
-            self.num_calls += 1
+            if limit is None or self.num_calls < limit:
+                dicts.append({"index": self.num_calls, **call.to_dict()})
+                self.num_calls += 1
         return P.DeltaMessage(content=content or None, tool_calls=dicts or None), self.num_calls > 0

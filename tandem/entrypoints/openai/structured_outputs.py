@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tandem.entrypoints.openai import protocol as P
-from tandem.entrypoints.openai.tool_parsers import ToolCall
+from tandem.entrypoints.openai.tool_parsers import CallArrayParser, StreamingToolParser, ToolCall, parse_whole
 from tandem.structured_output import StructuredOutputsParams
 
 _PARAM_FIELDS = {f.name for f in fields(StructuredOutputsParams)}
@@ -103,24 +103,36 @@ class ToolPlan:
     """How a chat request uses its tools.
 
     ``mode``: ``none`` (no tools, or tool_choice none: plain output), ``auto`` (free
-    output, parsed for calls), ``required`` (a JSON array of calls), ``named`` (the
-    arguments of ``name``). ``constraint``: the grammar that ``required``/``named`` impose.
+    output, parsed for calls), ``required`` (a JSON array of at least one call), ``named``
+    (the arguments of ``name``). ``constraint``: the grammar that ``required``/``named``
+    impose. ``max_calls``: 1 with ``parallel_tool_calls: false`` (and for ``named``),
+    else None (any number).
     """
 
     mode: str
     tools: list[dict]
     name: str | None = None
     constraint: StructuredOutputsParams | None = None
+    max_calls: int | None = None
 
-    def calls_from_text(self, text: str) -> list[ToolCall]:
-        """The calls of a finished ``required`` / ``named`` output."""
+    def parser(self, tool_call_parser: str) -> StreamingToolParser | CallArrayParser | None:
+        """A fresh incremental parser of one output's calls (``auto``: in
+        ``tool_call_parser``'s format; ``required``: the array), None for ``none`` and
+        ``named`` (whose whole output is content, or the arguments)."""
+        if self.mode == "auto":
+            return StreamingToolParser(tool_call_parser)
+        if self.mode == "required":
+            return CallArrayParser()
+        return None
+
+    def split(self, text: str, tool_call_parser: str) -> tuple[str | None, list[ToolCall]]:
+        """A finished (or cut) output's (content, calls), at most ``max_calls`` of them."""
+        if self.mode == "none":
+            return text, []
         if self.mode == "named":
-            return [ToolCall(self.name, text)]
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            return []  # cut by max_tokens: no complete call
-        return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in items]
+            return None, [ToolCall(self.name, text)]
+        content, calls = parse_whole(self.parser(tool_call_parser), text)
+        return (content if self.mode == "auto" else None), calls[:self.max_calls]
 
 
 def _check_tools(tools: list[dict]) -> dict[str, dict]:
@@ -139,8 +151,9 @@ def _check_tools(tools: list[dict]) -> dict[str, dict]:
 
 
 def tool_plan(req: P.ChatCompletionRequest) -> ToolPlan:
-    """Resolve ``tools`` / ``tool_choice`` (OpenAI semantics: ``auto`` when tools are
-    given and no choice is).
+    """Resolve ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (OpenAI semantics:
+    ``auto`` when tools are given and no choice is; parallel calls unless false; vLLM's
+    schemas, ``maxItems`` 1 for ``required`` without parallel calls).
 
     Raises:
         FieldError: malformed tools, an unknown tool_choice or function name, or
@@ -155,14 +168,17 @@ def tool_plan(req: P.ChatCompletionRequest) -> ToolPlan:
         return ToolPlan("none", tools)
     if not tools:
         raise FieldError("tool_choice requires tools.", "tool_choice")
+    max_calls = 1 if req.parallel_tool_calls is False else None
     if choice == "auto":
-        return ToolPlan("auto", tools)
+        return ToolPlan("auto", tools, max_calls=max_calls)
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]},
                                                    "parameters": fn.get("parameters") or {"type": "object"}},
                   "required": ["name", "parameters"]} for n, fn in by_name.items()]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        return ToolPlan("required", tools, constraint=_build("tool_choice", json=schema))
+        if max_calls is not None:
+            schema["maxItems"] = max_calls
+        return ToolPlan("required", tools, constraint=_build("tool_choice", json=schema), max_calls=max_calls)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if name is None:
         raise FieldError(f"tool_choice must be none, auto, required or {{\"type\": \"function\", \"function\": "
@@ -171,4 +187,4 @@ def tool_plan(req: P.ChatCompletionRequest) -> ToolPlan:
         raise FieldError(f"tool_choice names the function {name!r}, which is not among the tools "
                          f"{sorted(by_name)}.", "tool_choice")
     schema = by_name[name].get("parameters") or {"type": "object"}
-    return ToolPlan("named", tools, name=name, constraint=_build("tool_choice", json=schema))
+    return ToolPlan("named", tools, name=name, constraint=_build("tool_choice", json=schema), max_calls=1)

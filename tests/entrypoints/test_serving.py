@@ -1,0 +1,60 @@
+"""A streamed chat choice's tool-call deltas (``serving._ToolStream``) against
+``ToolPlan.split`` of the whole text, for every tool_choice and any split into deltas."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.entrypoints.openai import protocol as P
+from tandem.entrypoints.openai.serving import _ToolStream
+from tandem.entrypoints.openai.structured_outputs import tool_plan
+
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("f", "g")]
+HERMES = ('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n\n'
+          '<tool_call>{"name": "g", "arguments": {}}</tool_call>\n')
+ARRAY = '[\n  {"name": "f", "parameters": {"x": 1}},\n  {"name": "g", "parameters": {}}\n]'
+CASES = [
+    ("auto", None, HERMES), ("auto", False, HERMES), ("auto", None, HERMES[:70]),
+    ("required", None, ARRAY), ("required", False, ARRAY[:45]), ("required", None, ARRAY[:60]),
+    ({"type": "function", "function": {"name": "g"}}, None, '{\n "y": 2}'),
+    ("none", None, " plain\n"),
+]
+
+
+def _streamed(plan, text: str, size: int):
+    """(joined content or None, [(name, arguments)], the delta of each call's first
+    piece) from feeding ``text`` in pieces of ``size`` characters."""
+    ts = _ToolStream(plan, "hermes")
+    content, calls, first_at = None, {}, []
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    for i, piece in enumerate(pieces):
+        delta, _ = ts.delta(piece, i == len(pieces) - 1)
+        if delta.content is not None:
+            # Beside tool calls, whitespace alone is no content (it goes with text that follows).
+            assert plan.mode == "none" or delta.content.strip(), f"whitespace-only content {delta.content!r}"
+            content = (content or "") + delta.content
+        for t in delta.tool_calls or []:
+            if t["index"] not in calls:
+                first_at.append(i)
+                calls[t["index"]] = [t["function"]["name"], ""]
+            calls[t["index"]][1] += t["function"]["arguments"]
+    return content, [tuple(calls[k]) for k in sorted(calls)], first_at
+
+
+@pytest.mark.parametrize("choice, parallel, text", CASES)
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_streamed_tool_calls_equal_whole(choice, parallel, text, size):
+    plan = tool_plan(P.ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
+                                             tool_choice=choice, parallel_tool_calls=parallel))
+    content, calls = plan.split(text, "hermes")
+    s_content, s_calls, first_at = _streamed(plan, text, size)
+    assert s_content == content
+    assert s_calls == [(c.name, c.arguments) for c in calls]
+    if parallel is False:
+        assert len(calls) <= 1
+    if plan.mode in ("auto", "required") and size == 1 and calls:
+        assert first_at[0] < len(text) - 1  # the first call went out as soon as it was complete
+    for name, args in s_calls:
+        json.loads(args)
