@@ -5,7 +5,9 @@ Sources of a constraint (at most one per request, as in vLLM): OpenAI's
 ``structured_outputs`` object and its older ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar`` fields, and for chat ``tool_choice`` ``required``
 or a named function (vLLM's schemas: the named function's parameters; for ``required`` an
-array of ``{"name", "parameters"}`` objects, one ``anyOf`` branch per tool).
+array of at least one ``{"name", "parameters"}`` object, one ``anyOf`` branch per tool, and
+at most one with ``parallel_tool_calls: false``). The array's grammar ends the output once
+it closes; cut before that (``max_tokens``), its complete elements are still the calls.
 """
 
 from __future__ import annotations

@@ -188,15 +188,18 @@ class StreamingToolParser:
                 self._buf = self._buf[_skip(self._buf, 0, _WS + ";"):]
             if not self._buf:
                 return "", calls
-            found = self._objects.decode(self._buf, 0) if self._buf.startswith("{") else False
+            if not self._buf.startswith("{"):
+                self._to_content(bool(calls))
+                break
+            found = self._objects.decode(self._buf, 0)
             if found is None:
                 return "", calls  # not complete yet
-            call = _call_from_json(found[0], "parameters") if found else None
+            call = _call_from_json(found[0], "parameters")
             if call is None:
                 self._to_content(bool(calls))
-            else:
-                calls.append(call)
-                self._buf = self._buf[found[1]:]
+                break
+            calls.append(call)
+            self._buf = self._buf[found[1]:]
         out, self._buf = self._buf, ""
         return out, calls
 
