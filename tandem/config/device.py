@@ -17,14 +17,16 @@ class DeviceConfig:
     """auto (CUDA when available), cpu, cuda or cuda:N."""
 
     def __post_init__(self) -> None:
+        if self.device in ("auto", "cpu"):
+            return  # valid anywhere; torch stays unimported until the engine loads
         import torch
 
         bad = f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}."
         try:
-            dev = torch.device("cuda" if self.device == "auto" else self.device)
+            dev = torch.device(self.device)
         except RuntimeError:
             raise ValueError(bad) from None
-        if self.device == "auto" or dev.type == "cpu":
+        if dev.type == "cpu":
             return
         if dev.type != "cuda":
             raise ValueError(bad)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -108,22 +110,38 @@ def generation_summary(outs: list, load_s: float) -> str:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from tandem.entrypoints.openai.cli_args import serve_engine_config
+
+    cfg = serve_engine_config(args)  # flags and model path checked before the server's imports (torch)
     # Chosen here, as vLLM's serve command does: the API-server processes import the server
     # module, which therefore cannot import their manager back.
     if args.headless:
         from tandem.engine.headless import run_headless
-        from tandem.entrypoints.openai.api_server import serve_engine_config
 
-        run_headless(serve_engine_config(args))
-    elif args.api_server_count > 1:
-        from tandem.entrypoints.openai.api_server import serve_engine_config
-        from tandem.entrypoints.openai.api_server_manager import run_multi_api_server
+        run_headless(cfg)
+        return
+    try:
+        if args.api_server_count > 1:
+            from tandem.entrypoints.openai.api_server_manager import run_multi_api_server
 
-        run_multi_api_server(args, serve_engine_config(args))
-    else:
-        from tandem.entrypoints.openai.api_server import run_server
+            run_multi_api_server(args, cfg)
+        else:
+            from tandem.entrypoints.openai.api_server import run_server
 
-        run_server(args)
+            run_server(args, cfg)
+    except SystemExit as e:
+        _exit_now(e.code if isinstance(e.code, int) else 1)
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """End a server that has stopped everything it started, without the interpreter's
+    teardown: finalizing torch and the tokenizers' modules takes 1-2 s on a busy CPU, and
+    SIGTERM of a server must end it within 3 s (atexit handlers left: none of Tandem's)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

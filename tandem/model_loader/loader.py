@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tandem.attention.backend import AttentionBackend
+from tandem.config.model import check_model_path
 from tandem.distributed import parallel_state as ps
 from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_scales, prepare_fp8_model,
                                               rename_checkpoint_scales)
@@ -27,19 +28,6 @@ from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
 from tandem.model_loader.gguf_weights import iterate_gguf_weights
 from tandem.model_loader.param_cache import load_cached_parameters, save_parameters
 from tandem.models.registry import get_model_class
-
-
-def check_model_path(model: str) -> None:
-    """Check that ``model`` is a path of a kind the loader reads (a folder, a config.json, a
-    .gguf file), without reading it: cheap enough for a front end to run before it spawns
-    engine cores, which would otherwise fail in another process.
-
-    Raises:
-        ValueError: it is none of them (a missing path, for one).
-    """
-    if not (os.path.isdir(model) or (os.path.isfile(model) and model.endswith((".json", ".gguf")))):
-        raise ValueError(f"model must be a Hugging Face folder, a config.json or a .gguf file; {model!r} is none "
-                         f"of them.")
 
 
 def _split_gguf_path(path: str) -> tuple[str, str]:

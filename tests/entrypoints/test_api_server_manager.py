@@ -56,11 +56,16 @@ def _processes(srv) -> tuple[list[psutil.Process], list[psutil.Process], list[ps
 
 def _per_api_server(url: str, timeout: float = 60.0) -> dict[int, dict]:
     """``/debug/engine_stats`` of both API servers (a new connection each time: the kernel
-    spreads connections over the servers' sockets by address hash)."""
+    spreads connections over the servers' sockets by address hash; one still attaching to
+    the cores answers 503)."""
     seen: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
     while len(seen) < 2 and time.monotonic() < deadline:
-        s = httpx.get(f"{url}/debug/engine_stats", timeout=30).json()
+        r = httpx.get(f"{url}/debug/engine_stats", timeout=30)
+        if r.status_code == 503:
+            time.sleep(0.1)
+            continue
+        s = r.json()
         seen[s["api_server"]["index"]] = s
     assert sorted(seen) == [0, 1], seen
     return seen

@@ -109,7 +109,58 @@ def test_device_cuda_without_cuda():
                                  ["eval", "--task", "mmlu", "--limit", "2"]])
 def test_bad_model_path_is_one_line(cmd):
     """As ``generate``: every command that starts an engine, spawned cores or not."""
-    assert_one_line_error(tandem(*cmd, "--model", "/nonexistent.gguf"), 2, "'/nonexistent.gguf' is none of them")
+    assert_one_line_error(tandem(*cmd, "--model", "/nonexistent.gguf"), 2, "'/nonexistent.gguf' does not exist")
+
+
+def test_a_path_of_another_kind_is_one_line(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    assert_one_line_error(tandem("generate", "hi", "--model", str(tmp_path / "weights.bin")), 2, "is none of them")
+
+
+@pytest.fixture(scope="module")
+def no_torch(tmp_path_factory) -> dict[str, str]:
+    """An environment where importing torch fails: a command that answers in it answered
+    before its heavy imports."""
+    root = tmp_path_factory.mktemp("no_torch")
+    (root / "torch").mkdir()
+    (root / "torch" / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.getcwd()])}
+
+
+@pytest.mark.parametrize("cmd", [["generate", "hi", "--model", MISSING_MODEL],
+                                 ["serve", MISSING_MODEL],
+                                 ["serve", "--served-model-name", "smol", MISSING_MODEL],  # the flag takes one value
+                                 ["serve", "--api-server-count", "2", MISSING_MODEL],
+                                 ["bench", "throughput", "--model", MISSING_MODEL]])
+def test_missing_model_is_reported_before_heavy_imports(cmd, no_torch):
+    res = subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", *cmd], capture_output=True, text=True,
+                         timeout=120, env=no_torch)
+    assert_one_line_error(res, 2, f"model {MISSING_MODEL!r} does not exist")
+
+
+def test_llm_with_a_missing_model_answers_before_heavy_imports(no_torch):
+    code = f"from tandem import LLM\ntry:\n    LLM(model={MISSING_MODEL!r})\nexcept ValueError as e:\n    print(e)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=no_torch)
+    assert res.returncode == 0 and res.stdout.strip() == f"model {MISSING_MODEL!r} does not exist.", res.stderr
+
+
+def test_no_flag_takes_a_variable_number_of_values_where_a_positional_follows():
+    """``--served-model-name smol MODEL`` once served the embedded model as ``smol``: a flag
+    with nargs "+", "*" or "?" takes the positional after it. None in a command that has one."""
+    import argparse
+
+    positional = {cmd for cmd, _, a in _subcommand_flags() if not a.option_strings}
+    greedy = [f"{cmd} {'/'.join(a.option_strings)}" for cmd, _, a in _subcommand_flags()
+              if cmd in positional and a.option_strings and a.nargs in ("+", "*", "?", argparse.REMAINDER)]
+    assert positional and not greedy, greedy
+
+
+def test_served_model_name_repeats():
+    from tandem.entrypoints.cli import build_parser
+    from tandem.entrypoints.openai.cli_args import served_names
+
+    args = build_parser().parse_args(["serve", "--served-model-name", "a", "--served-model-name", "b", "m.gguf"])
+    assert served_names(args) == ["a", "b"] and args.model_pos == "m.gguf"
 
 
 def test_model_the_engine_core_rejects_is_one_line(tmp_path):
@@ -118,12 +169,13 @@ def test_model_the_engine_core_rejects_is_one_line(tmp_path):
     assert_one_line_error(tandem("serve", str(tmp_path), "--port", "0"), 2, str(tmp_path))
 
 
-def test_busy_port_is_reported_before_loading():
+def test_busy_port_is_reported_before_loading(tmp_path):
+    """An empty folder passes the path check, and loading it would fail with another message."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        res = tandem("serve", MISSING_MODEL, "--port", str(port))
+        res = tandem("serve", str(tmp_path), "--port", str(port))
     assert_one_line_error(res, 1, f"127.0.0.1:{port}", "in use")
 
 
@@ -196,9 +248,43 @@ def test_serve_builds_its_engine_for_serving(monkeypatch, count):
         seen.extend(x for x in a if isinstance(x, EngineConfig))
         raise Stop
 
-    monkeypatch.setattr(api_server, "AsyncLLM", capture)
+    monkeypatch.setattr(api_server, "run_server", capture)
     monkeypatch.setattr(api_server_manager, "run_multi_api_server", capture)
     args = cli.build_parser().parse_args(["serve", "--port", "0", "--api-server-count", str(count)])
     with pytest.raises(Stop):
         args.func(args)
     assert seen[0].scheduler_config.usage_context == "openai_api_server"
+
+
+def _run_install_requirements() -> list[str]:
+    """The requirements scripts/setup.sh installs: the core's and those of its extras."""
+    import tomllib
+
+    with open("scripts/setup.sh") as f:
+        (extras,) = re.findall(r'pip install -q -e "\.\[([\w,]+)\]"', f.read())
+    with open("pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    return project["dependencies"] + [r for e in extras.split(",") for r in project["optional-dependencies"][e]]
+
+
+def test_the_run_install_covers_the_readme_commands():
+    """Each package a README command needs beyond the core is in scripts/setup.sh's install
+    (the tests, `tandem eval` and the ShareGPT data set say they need setup_dev.sh)."""
+    needed = {"tandem bench serve ... --plot": "matplotlib", "tandem serve": "uvicorn", "tandem bench serve": "aiohttp",
+              "benchmarks/serve_vs_offline.py": "httpx"}
+    names = {re.split(r"[\s<>=;\[!~]", r, maxsplit=1)[0].lower() for r in _run_install_requirements()}
+    assert {cmd: pkg for cmd, pkg in needed.items() if pkg not in names} == {}
+
+
+def test_a_flag_whose_package_is_missing_fails_before_the_run(tmp_path):
+    """Without matplotlib, ``--plot`` is one line before any request (here: before the
+    check for a server, which would fail the run at once otherwise)."""
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve", "--port", str(port),
+                          "--num-prompts", "2", "--plot"], capture_output=True, text=True, timeout=120, env=env)
+    assert_one_line_error(res, 2, "--plot", "pip install matplotlib")

@@ -112,3 +112,52 @@ def test_sigterm_to_the_process_group_is_a_clean_stop(model):
         assert _gone(children, 10) == []
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def loading_server():
+    """``tandem serve`` of the embedded model, polled from its start: the statuses ``/health``
+    gave (None: no connection) until the first 200."""
+    import subprocess
+    import sys
+
+    from tandem.entrypoints.openai.testing import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--port", str(port),
+                             "--max-model-len", "512", "--kv-cache-memory-gib", "0.25", "--device", "cpu"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    statuses: list[int | None] = []
+    deadline = time.monotonic() + 240
+    try:
+        while not statuses or statuses[-1] != 200:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            try:
+                statuses.append(httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code)
+            except httpx.TransportError:
+                statuses.append(None)
+            time.sleep(0.2)
+        yield proc, statuses
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_health_is_503_while_the_model_loads(loading_server):
+    _, statuses = loading_server
+    answered = [s for s in statuses if s is not None]
+    assert answered[0] == 503 and set(answered) == {503, 200}, statuses
+    # Once listening, it never refuses a connection.
+    assert None not in statuses[statuses.index(503):], statuses
+
+
+def test_sigterm_of_an_idle_server_exits_within_3_s(loading_server):
+    proc, _ = loading_server
+    children = psutil.Process(proc.pid).children(recursive=True)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(30)
+    took = time.monotonic() - start
+    assert code == 0 and took < 3.0, (code, took, proc.stderr.read()[-2000:])
+    assert _gone(children, 3) == []

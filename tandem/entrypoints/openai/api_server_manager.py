@@ -39,7 +39,7 @@ from multiprocessing.connection import wait as wait_sentinels
 
 from tandem.config import EngineConfig
 from tandem.engine.core_client import EngineClientConfig, EngineDeadError, SyncMPClient
-from tandem.entrypoints.openai.api_server import DEAD_ENGINE_EXIT_DELAY_S, bind_socket
+from tandem.entrypoints.openai.api_server import DEAD_ENGINE_EXIT_DELAY_S, ENGINE_STOP_TIMEOUT_S, bind_socket
 
 logger = logging.getLogger("tandem.serve")
 
@@ -71,13 +71,16 @@ def run_api_server_worker(args: argparse.Namespace, sock: socket.socket, client_
     """Entry of one API-server process: attach to the cores and serve on ``sock``."""
     from tandem.engine.async_llm import AsyncLLM
     from tandem.engine.core_proc import exit_with_parent
-    from tandem.entrypoints.openai.api_server import serve_engine_config, serve_http
+    from tandem.entrypoints.openai.api_server import serve_http
+    from tandem.entrypoints.openai.cli_args import serve_engine_config
     from tandem.logging_config import configure_logging
 
     exit_with_parent(parent_pid)
     configure_logging(default_level="INFO")
-    llm = AsyncLLM(serve_engine_config(args), client_config)
-    serve_http(llm, sock, args, api_server_index=client_config.client_index, metrics_dir=metrics_dir)
+    cfg = serve_engine_config(args)
+    # Answers 503 while it waits for the cores' handshakes.
+    serve_http(lambda: AsyncLLM(cfg, client_config), sock, args, api_server_index=client_config.client_index,
+               metrics_dir=metrics_dir)
 
 
 class APIServerProcessManager:
@@ -192,8 +195,9 @@ def run_multi_api_server(args: argparse.Namespace, cfg: EngineConfig) -> None:
                         [p.pid for p in client.procs], n, host, port, [p.pid for p in servers.procs])
             code = _supervise(client, servers)
         finally:
+            # The servers first: cores that stopped under them would read as dead.
             codes = servers.close() if servers is not None else []
-            client.shutdown()
+            client.shutdown(ENGINE_STOP_TIMEOUT_S)
         if code == 0 and any(codes):
             logger.error("API server exit codes %s after the stop", codes)
             code = 1

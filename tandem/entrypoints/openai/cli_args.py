@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from typing import TYPE_CHECKING
+
 from tandem.entrypoints.arg_types import port_number, positive_int
+
+if TYPE_CHECKING:
+    from tandem.config import EngineConfig
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
@@ -14,12 +19,32 @@ def served_names(args: argparse.Namespace) -> list[str]:
     return [model] if model else ["SmolLM2-135M-Instruct"]
 
 
+def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config of ``tandem serve``'s flags, for serving (usage context
+    ``"openai_api_server"``: the served default batch limits, tandem.platform), its model
+    path checked: both before the server's modules (and torch) are imported.
+
+    Raises:
+        ValueError: a bad engine flag, naming it; a model path that does not exist or that
+            the loader does not read.
+    """
+    from tandem.config.model import check_model_path
+    from tandem.engine.arg_utils import EngineArgs
+
+    cfg = EngineArgs.from_cli_args(args).create_engine_config("openai_api_server")
+    check_model_path(cfg.model_config.model)
+    return cfg
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """``tandem serve`` flags (engine flags are added by the caller)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free port)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) accepted in requests (default: the MODEL argument, or SmolLM2-135M-Instruct)")
+    # One name per flag (repeat it for several): a flag taking a variable number of values
+    # would also take the MODEL argument after it (vLLM's nargs="+" does).
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="a model name accepted in requests; repeat for several, the first is reported (default: "
+                        "the MODEL argument, or SmolLM2-135M-Instruct)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default %(default)s)")
