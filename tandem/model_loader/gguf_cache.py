@@ -16,18 +16,24 @@ checkpoint; every later load reads that folder:
 Location: ``$TANDEM_CACHE_ROOT/gguf/<key>`` (``~/.cache/tandem/gguf/<key>`` by default, see
 :mod:`tandem.envs`). The entry also holds the model's parameters as loaded, per dtype
 (:mod:`tandem.model_loader.param_cache`).
-The key hashes the file's real path, size, modification time (ns) and content (all of it
-up to :data:`FULL_HASH_MAX_BYTES`, else its first and last 64 MiB), the versions of
-tandem, transformers and gguf, and :data:`CACHE_FORMAT`: a changed file, or a converter
-that may convert differently, gets a new entry. An entry is built in a temporary folder
-next to it and renamed into place (atomic on POSIX), so a reader never sees a partial
-entry and concurrent first loads do not corrupt each other (one rename wins). Writing a
-new entry removes older entries made from the same path. When the cache cannot be written
-(read-only home, full disk) loading works as without it.
+The key hashes the file's content (its size and SHA-256), the versions of tandem,
+transformers and gguf, and :data:`CACHE_FORMAT`, not its path: copies of one file in
+several installations (virtual environments, checkouts) share one entry, while a changed
+file, or a converter that may convert differently, gets a new one. The SHA-256 of the whole
+file is computed once per (path, size, modification and change times, inode) and kept in
+``<root>/hashes/`` (:func:`content_digest`), so later loads only stat the file.
+
+An entry is built in a temporary folder next to it and renamed into place (atomic on
+POSIX), so a reader never sees a partial entry and concurrent first loads do not corrupt
+each other (one rename wins). ``source.json`` lists the paths loaded from the entry; when
+one of them changes, its new entry drops it from the old one, and removes the old one once
+none of its paths still holds that content. When the cache cannot be written (read-only
+home, full disk) loading works as without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -44,12 +50,12 @@ logger = logging.getLogger(__name__)
 
 # Bump when the conversion's output changes (names, layout, dtype).
 CACHE_FORMAT = 1
-FULL_HASH_MAX_BYTES = 1 << 30
-_SAMPLE_BYTES = 64 << 20
+_HASH_CHUNK_BYTES = 1 << 20
 # fp32 bytes of the dequantized weights above which they are not cached (disk space).
 MAX_CACHED_WEIGHT_BYTES = 4 << 30
 WEIGHTS_FILE = "model.safetensors"
 SOURCE_FILE = "source.json"
+HASHES_DIR = "hashes"
 
 
 def cache_root() -> str:
@@ -64,33 +70,85 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
-def _content_digest(path: str, size: int) -> str:
+def _file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        if size <= FULL_HASH_MAX_BYTES:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        else:
-            h.update(f.read(_SAMPLE_BYTES))
-            f.seek(size - _SAMPLE_BYTES)
-            h.update(f.read(_SAMPLE_BYTES))
+        for chunk in iter(lambda: f.read(_HASH_CHUNK_BYTES), b""):
+            h.update(chunk)
     return h.hexdigest()
 
 
-def source_info(path: str) -> dict:
-    """What identifies a GGUF file and its conversion (the cache key is its hash).
+def _stamp(real: str, st: os.stat_result) -> dict:
+    """What says a file is unchanged since its hash was taken (the inode change time moves
+    on every write, and on a modification time set back by hand)."""
+    return {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "inode": st.st_ino}
+
+
+def _hash_record(real: str) -> str:
+    return os.path.join(cache_root(), HASHES_DIR, hashlib.sha256(real.encode()).hexdigest()[:32] + ".json")
+
+
+def _recorded_digest(real: str, st: os.stat_result) -> str | None:
+    """The SHA-256 remembered for this path, if the file is unchanged since."""
+    try:
+        with open(_hash_record(real)) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    stamp = _stamp(real, st)
+    return rec.get("sha256") if {k: rec.get(k) for k in stamp} == stamp else None
+
+
+def _write_json(path: str, data: dict) -> None:
+    """Write ``data`` atomically (a temporary file renamed over ``path``).
+
+    Raises:
+        OSError: the folder is not writable.
+    """
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".", suffix=".json", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def content_digest(path: str) -> str:
+    """SHA-256 of the file's bytes, read in full only when the file is new or changed (its
+    path, size, modification or change time or inode differ from when it was last hashed).
 
     Raises:
         FileNotFoundError: no such file.
     """
     real = os.path.realpath(path)
     st = os.stat(real)
+    digest = _recorded_digest(real, st)
+    if digest is None:
+        digest = _file_sha256(real)
+        try:
+            _write_json(_hash_record(real), {**_stamp(real, st), "sha256": digest})
+        except OSError:
+            pass  # an unwritable cache: hashed again next time
+    return digest
+
+
+def source_info(path: str) -> dict:
+    """What identifies a GGUF file's content and its conversion (the cache key is its hash);
+    the same for every copy of the file.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
     return {
         "format": CACHE_FORMAT,
-        "path": real,
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
-        "sha256": _content_digest(real, st.st_size),
+        "size": os.path.getsize(path),
+        "sha256": content_digest(path),
         "versions": {d: _version(d) for d in ("tandem", "transformers", "gguf")},
     }
 
@@ -115,32 +173,32 @@ def _converted_folder(real: str, size: int, mtime_ns: int) -> str | None:
     info = source_info(real)
     root = cache_root()
     dest = os.path.join(root, cache_key(info))
-    if os.path.isfile(os.path.join(dest, SOURCE_FILE)):
-        return dest
-    try:
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.", dir=root)
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
-    except OSError as e:
-        logger.warning("GGUF cache %s not writable (%s): converting %s at every load", root, e, real)
-        return None
-    try:
-        logger.info("converting %s into the GGUF cache (first load only)", real)
-        _convert(real, tmp)
-        with open(os.path.join(tmp, SOURCE_FILE), "w") as f:
-            json.dump(info, f, indent=1)
+    if not os.path.isfile(os.path.join(dest, SOURCE_FILE)):
         try:
-            os.rename(tmp, dest)
-        except OSError:
-            if not os.path.isfile(os.path.join(dest, SOURCE_FILE)):
-                raise
-            # Another process renamed its conversion of the same file first.
-    except OSError as e:
-        logger.warning("could not write the GGUF cache entry %s (%s): converting at every load", dest, e)
-        return None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _remove_stale(root, info["path"], os.path.basename(dest))
+            os.makedirs(root, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.", dir=root)
+            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+        except OSError as e:
+            logger.warning("GGUF cache %s not writable (%s): converting %s at every load", root, e, real)
+            return None
+        try:
+            logger.info("converting %s into the GGUF cache (first load only)", real)
+            _convert(real, tmp)
+            with open(os.path.join(tmp, SOURCE_FILE), "w") as f:
+                json.dump({**info, "paths": [real]}, f, indent=1)
+            try:
+                os.rename(tmp, dest)
+            except OSError:
+                if not os.path.isfile(os.path.join(dest, SOURCE_FILE)):
+                    raise
+                # Another process renamed its conversion of the same content first.
+        except OSError as e:
+            logger.warning("could not write the GGUF cache entry %s (%s): converting at every load", dest, e)
+            return None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _add_path(dest, real)
+    _remove_stale(root, real, os.path.basename(dest))
     return dest
 
 
@@ -157,15 +215,52 @@ def _convert(path: str, out: str) -> None:
         save_file(dict(iterate_gguf_weights(reader, config)), os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt"})
 
 
+def _read_source(entry: str) -> dict | None:
+    try:
+        with open(os.path.join(entry, SOURCE_FILE)) as f:
+            src = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if "paths" not in src:  # an entry keyed by its path (before content keys)
+        src["paths"] = [src["path"]] if "path" in src else []
+    return src
+
+
+def _add_path(entry: str, real: str) -> None:
+    """Record that ``real`` loads from ``entry`` (best effort: two processes adding paths at
+    once may drop one, which only lets a later cleanup remove the entry early)."""
+    src = _read_source(entry)
+    if src is not None and real not in src["paths"]:
+        with contextlib.suppress(OSError):
+            _write_json(os.path.join(entry, SOURCE_FILE), {**src, "paths": [*src["paths"], real]})
+
+
+def _still_holds(path: str, src: dict) -> bool:
+    """Whether the file at ``path`` may still be the content ``src`` was made from (unsure
+    counts as yes: an entry is removed only when no path can need it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if st.st_size != src.get("size"):
+        return False
+    digest = _recorded_digest(path, st)
+    return digest is None or digest == src.get("sha256")
+
+
 def _remove_stale(root: str, real: str, keep: str) -> None:
-    """Drop the entries of earlier versions of the same file (same path, other key)."""
+    """``real`` now loads from ``keep``: drop it from the other entries, and remove those no
+    other path still holds the content of (earlier versions of the file)."""
     for entry in os.listdir(root):
-        if entry == keep or entry.startswith("."):
+        if entry in (keep, HASHES_DIR) or entry.startswith("."):
             continue
-        try:
-            with open(os.path.join(root, entry, SOURCE_FILE)) as f:
-                same = json.load(f).get("path") == real
-        except (OSError, ValueError):
+        folder = os.path.join(root, entry)
+        src = _read_source(folder)
+        if src is None or real not in src["paths"]:
             continue
-        if same:
-            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        others = [p for p in src["paths"] if p != real and _still_holds(p, src)]
+        if others:
+            with contextlib.suppress(OSError):
+                _write_json(os.path.join(folder, SOURCE_FILE), {**src, "paths": others})
+        else:
+            shutil.rmtree(folder, ignore_errors=True)

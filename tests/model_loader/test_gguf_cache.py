@@ -37,7 +37,7 @@ def fake_convert(monkeypatch):
 
 
 def _entries(root) -> list[str]:
-    return sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return sorted(e for e in os.listdir(root) if e != gguf_cache.HASHES_DIR) if os.path.isdir(root) else []
 
 
 def test_reused_then_invalidated_when_the_file_changes(tmp_path, cache_home, fake_convert):
@@ -50,7 +50,7 @@ def test_reused_then_invalidated_when_the_file_changes(tmp_path, cache_home, fak
     assert gguf_cache.converted_folder(str(src)) == first
     assert len(fake_convert) == 1
     with open(os.path.join(first, gguf_cache.SOURCE_FILE)) as f:
-        assert json.load(f)["path"] == os.path.realpath(src)
+        assert json.load(f)["paths"] == [os.path.realpath(src)]
 
     src.write_bytes(b"v2")  # new content (and mtime)
     second = gguf_cache.converted_folder(str(src))
@@ -59,21 +59,63 @@ def test_reused_then_invalidated_when_the_file_changes(tmp_path, cache_home, fak
     assert _entries(cache_home) == [os.path.basename(second)]  # the stale entry is gone
 
     st = os.stat(src)
-    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes, touched
-    third = gguf_cache.converted_folder(str(src))
-    assert third not in (first, second) and len(fake_convert) == 3
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes, touched: same content
+    assert gguf_cache.converted_folder(str(src)) == second and len(fake_convert) == 2
 
 
-def test_same_size_same_mtime_other_content_is_a_new_key(tmp_path):
+def test_copies_of_one_file_share_one_entry(tmp_path, cache_home, fake_convert, embedded_model_path):
+    """Two installations of the same GGUF file (other paths, other modification times): one
+    conversion, one copy on disk."""
+    a, b = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        shutil.copyfile(embedded_model_path, p)
+    os.utime(b, ns=(10**18, 10**18))
+    assert gguf_cache.converted_folder(str(a)) == gguf_cache.converted_folder(str(b))
+    assert len(fake_convert) == 1 and len(_entries(cache_home)) == 1
+    (entry,) = _entries(cache_home)
+    with open(cache_home / entry / gguf_cache.SOURCE_FILE) as f:
+        assert json.load(f)["paths"] == [os.path.realpath(a), os.path.realpath(b)]
+
+
+def test_an_entry_stays_while_another_path_holds_its_content(tmp_path, cache_home, fake_convert):
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"v1")
+    b.write_bytes(b"v1")
+    shared = gguf_cache.converted_folder(str(a))
+    assert gguf_cache.converted_folder(str(b)) == shared
+    a.write_bytes(b"v2")  # a is upgraded; b still holds v1
+    new_a = gguf_cache.converted_folder(str(a))
+    assert sorted(_entries(cache_home)) == sorted([os.path.basename(shared), os.path.basename(new_a)])
+    b.write_bytes(b"v2")  # b too: v1's entry has no user left
+    assert gguf_cache.converted_folder(str(b)) == new_a
+    assert _entries(cache_home) == [os.path.basename(new_a)] and len(fake_convert) == 2
+
+
+def test_the_file_is_hashed_once_per_change(tmp_path, cache_home, monkeypatch):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"abcd")
+    hashed = []
+    real_hash = gguf_cache._file_sha256
+    monkeypatch.setattr(gguf_cache, "_file_sha256", lambda p: hashed.append(p) or real_hash(p))
+    first = gguf_cache.content_digest(str(src))
+    assert gguf_cache.content_digest(str(src)) == first and len(hashed) == 1  # remembered on disk
+    st = os.stat(src)
+    src.write_bytes(b"abce")
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert gguf_cache.content_digest(str(src)) != first and len(hashed) == 2
+
+
+def test_same_size_same_mtime_other_content_is_a_new_key(tmp_path, cache_home):
+    a = tmp_path / "a.gguf"
     a.write_bytes(b"abcd")
-    b.write_bytes(b"abcd")
     ia = gguf_cache.source_info(str(a))
     st = os.stat(a)
+    gguf_cache._converted_folder.cache_clear()
+    os.remove(a)  # a new file with other bytes, the same size and mtime (and maybe the same inode)
     a.write_bytes(b"abce")
     os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert gguf_cache.cache_key(gguf_cache.source_info(str(a))) != gguf_cache.cache_key(ia)
-    assert gguf_cache.cache_key(gguf_cache.source_info(str(b))) != gguf_cache.cache_key(ia)  # other path
 
 
 def test_failed_conversion_leaves_nothing(tmp_path, cache_home, monkeypatch):
