@@ -289,8 +289,9 @@ class MPClient:
         self._store = host_store(rdv, parallel.world_size) if rdv is not None else None
         addrs = self.addresses
         if self.multi_host:
-            from tandem.engine.host_handshake import HeadHandshake, HostWelcome
+            from tandem.engine.host_handshake import HeadHandshake, HostWelcome, check_host_role
 
+            check_host_role(parallel, headless=False)
             self.hosts = HeadHandshake(config, HostWelcome(addrs.inputs, addrs.outputs, rdv.master_addr,
                                                            rdv.master_port))
         first = parallel.local_ranks.start

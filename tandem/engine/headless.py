@@ -34,17 +34,18 @@ def run_headless(config: EngineConfig) -> None:
     """Serve this host's share of the deployment until the head stops (see the module docstring).
 
     Raises:
-        ValueError: a model path none the loader reads; ``HostRefusedError``: the head refused
-            this host or did not answer (one line naming why).
+        ValueError: flags that do not fit a headless host, a model path none the loader reads;
+            ``HostRefusedError``: the head refused this host or did not answer (one line naming why).
         SystemExit: 1 when the head or a core was lost.
     """
     from tandem.distributed.launch import spawn_ranks
     from tandem.engine.core_proc import run_engine_core
-    from tandem.engine.host_handshake import HeadLink
+    from tandem.engine.host_handshake import HeadLink, check_host_role
     from tandem.model_loader.loader import check_model_path
 
-    check_model_path(config.model_config.model)
     parallel = config.parallel_config
+    check_host_role(parallel, headless=True)
+    check_model_path(config.model_config.model)
     link = HeadLink(config)
     w = link.welcome
     first = parallel.local_ranks.start

@@ -99,6 +99,22 @@ def config_difference(head: dict[str, Any], host: dict[str, Any]) -> str | None:
     return "; ".join(diffs) if diffs else None
 
 
+def check_host_role(parallel, headless: bool) -> None:
+    """Refuse a host whose flags do not fit its role (a ``ParallelConfig``).
+
+    Raises:
+        ValueError: a headless host that runs every replica or has no handshake port, or a
+            head of several hosts whose first replica is not DP rank 0.
+    """
+    if headless and not parallel.multi_host:
+        raise ValueError("--headless runs some of the replicas of a head on another host: it needs "
+                         "--data-parallel-size-local < --data-parallel-size, --data-parallel-start-rank, "
+                         "--data-parallel-address and --data-parallel-rpc-port of the head.")
+    if not headless and parallel.multi_host and parallel.data_parallel_start_rank != 0:
+        raise ValueError(f"data_parallel_start_rank must be 0 on the head (the host with the API server), got "
+                         f"{parallel.data_parallel_start_rank}; the other hosts run with --headless.")
+
+
 def _ranks(start: int, size: int) -> str:
     return f"{start}" if size == 1 else f"{start}-{start + size - 1}"
 
@@ -296,4 +312,5 @@ class HeadLink:
         self.ctx.term()
 
 
-__all__ = ["HeadHandshake", "HeadLink", "HostRefusedError", "HostWelcome", "comparable_config", "config_difference"]
+__all__ = ["HeadHandshake", "HeadLink", "HostRefusedError", "HostWelcome", "check_host_role", "comparable_config",
+           "config_difference"]
