@@ -106,3 +106,62 @@ def test_engine_core_decode_of_a_request_does_not_parse_again(parses):
     for _ in range(3):
         assert decoder.decode(msg).sampling_params.structured_outputs == params.structured_outputs
     assert parses == ["json"]
+
+
+def _accepts(params: StructuredOutputsParams, text: str) -> bool:
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return _is_grammar_accept_string(params.to_grammar(), text)
+
+
+NAME_AGE_TAGS = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                                  "tags": {"type": "array", "items": {"type": "string"}}},
+                 "required": ["name", "age", "tags"]}
+
+
+@pytest.mark.parametrize("kwargs", [{"json": NAME_AGE_TAGS}, {"json_object": True}])
+def test_json_whitespace_is_bounded(kwargs):
+    from tandem.structured_output.params import MAX_WHITESPACE
+
+    p = StructuredOutputsParams(**kwargs)
+    gap = "\n" * MAX_WHITESPACE
+    assert _accepts(p, f'{{{gap}"name"{gap}:{gap}"x",{gap}"age": 1, "tags": [{gap}"a" ]{gap}}}')
+    assert _accepts(p, '{"name": "x", "age": 1, "tags": []}')
+    assert not _accepts(p, '{"name":' + "\n" * (MAX_WHITESPACE + 1) + '"x", "age": 1, "tags": []}')
+
+
+@pytest.mark.parametrize("kwargs", [{"json": NAME_AGE_TAGS}, {"json_object": True}])
+def test_disable_any_whitespace_is_compact(kwargs):
+    p = StructuredOutputsParams(disable_any_whitespace=True, **kwargs)
+    assert _accepts(p, '{"name":"x","age":1,"tags":["a","b"]}')
+    for spaced in ('{"name": "x","age":1,"tags":[]}', '{"name":"x", "age":1,"tags":[]}',
+                   '{"name":"x","age":1,"tags":["a", "b"]}', '{ "name":"x","age":1,"tags":[]}'):
+        assert not _accepts(p, spaced), spaced
+
+
+@pytest.mark.parametrize("ws", [False, True])
+def test_json_object_is_an_object(ws):
+    p = StructuredOutputsParams(json_object=True, disable_any_whitespace=ws)
+    assert _accepts(p, '{"a":[1,{"b":null}],"c":"d"}')
+    for other in ("[1]", "1", '"s"', "null", "true", "[]"):
+        assert not _accepts(p, other), other
+
+
+def test_engine_decoders_do_not_parse_constraints(monkeypatch):
+    """A constraint decoded by the engine's message decoder (the engine core's loop) is
+    not parsed again: neither xgrammar's parse nor the schema checks run."""
+    from tandem.engine.messages import EngineCoreRequest, MsgpackDecoder, MsgpackEncoder
+    from tandem.structured_output import params as params_mod
+
+    schema = {"type": "object", "properties": {"decoded_only": {"type": "integer"}}}
+    sp = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=schema))
+    data = MsgpackEncoder().encode(EngineCoreRequest("r", [1, 2], sp, 4, 0.0))
+    calls = []
+    for name in ("_check_schema", "_check_enforced", "_parse_once"):
+        monkeypatch.setattr(params_mod, name, lambda *a, name=name: calls.append(name))
+    monkeypatch.setattr(StructuredOutputsParams, "to_grammar", lambda self: calls.append("to_grammar"))
+    req = MsgpackDecoder(EngineCoreRequest).decode(data)
+    assert req.sampling_params.structured_outputs.json == schema
+    assert calls == []
+    StructuredOutputsParams(json=schema)  # outside the decoder: parsed as ever
+    assert calls == ["_parse_once"]
