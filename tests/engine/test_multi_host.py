@@ -276,3 +276,11 @@ def test_a_differing_host_is_refused_and_missing_ranks_stop_the_head(tmp_path):
     finally:
         head.close()
         bad.close()
+
+
+def test_sigterm_of_the_head_stops_every_host_cleanly(two_hosts):
+    url, head, headless, _ = two_hosts("qwen3_moe", dp=2, local=1)
+    head.proc.send_signal(signal.SIGTERM)
+    assert head.wait_gone(EXIT_WITHIN_S) <= EXIT_WITHIN_S
+    assert headless.wait_gone(EXIT_WITHIN_S) <= EXIT_WITHIN_S
+    assert (head.proc.returncode, headless.proc.returncode) == (0, 0), headless.text()[-2000:]
