@@ -74,20 +74,51 @@ def _generate(args: argparse.Namespace) -> None:
         if params.temperature is None and "temperature" not in load_generation_defaults(
                 model_cfg.model, model_cfg.generation_config).sampling:
             params = params.clone(temperature=0.0)  # the command's default: greedy
-        if args.chat:
-            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+        if len(args.prompt) == 1 and args.n == 1 and sys.stdout.isatty():
+            outs = [_print_streamed(llm, args, params)]  # a terminal sees the text as it comes
         else:
-            outs = llm.generate(args.prompt, params, use_tqdm=False)
-        for out in outs:
-            for c in out.outputs:
-                if len(outs) > 1 or len(out.outputs) > 1:
-                    print(f"--- prompt {outs.index(out)} completion {c.index} ({c.finish_reason})")
-                print(c.text)
-                if c.finish_reason == "length":
-                    print(f"[cut at {len(c.token_ids)} tokens: --max-tokens {args.max_tokens}]", file=sys.stderr)
+            if args.chat:
+                outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+            else:
+                outs = llm.generate(args.prompt, params, use_tqdm=False)
+            for i, out in enumerate(outs):
+                for c in out.outputs:
+                    if len(outs) > 1 or len(out.outputs) > 1:
+                        print(f"--- prompt {i} completion {c.index} ({c.finish_reason})")
+                    if c.text:
+                        print(c.text)
+                    _completion_notes(c, args.max_tokens)
         print(generation_summary(outs, load_s), file=sys.stderr)
     finally:
         llm.engine.shutdown()
+
+
+def _print_streamed(llm, args: argparse.Namespace, params):
+    """Generate the one prompt's completion, printing its text as it grows; returns the
+    final ``RequestOutput``."""
+    prompt = args.prompt[0]
+    outs = llm.stream_chat([{"role": "user", "content": prompt}], params) if args.chat else llm.stream(prompt, params)
+    shown, out = "", None
+    try:
+        for out in outs:
+            text = out.outputs[0].text
+            # Cumulative text only grows (held-back stop-string prefixes are never shown).
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    finally:
+        if shown:
+            print(flush=True)
+    _completion_notes(out.outputs[0], args.max_tokens)
+    return out
+
+
+def _completion_notes(c, max_tokens: int) -> None:
+    """What stdout does not say of a completion, on stderr: that it was empty, or cut."""
+    if not c.text:
+        print(f"[empty completion: finish_reason {c.finish_reason} after {len(c.token_ids)} token(s), no text]",
+              file=sys.stderr)
+    if c.finish_reason == "length":
+        print(f"[cut at {len(c.token_ids)} tokens: --max-tokens {max_tokens}]", file=sys.stderr)
 
 
 def generation_summary(outs: list, load_s: float) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 from tandem.entrypoints.cli import generation_summary, main
 from tandem.outputs import CompletionOutput, RequestOutput
@@ -40,3 +43,50 @@ def test_summary_without_timings_keeps_the_load_time():
     out = _out(4, [2], 0.0, 0.0, 0.0)
     out.metrics = {}
     assert generation_summary([out], load_s=2.0) == "model load 2.0 s"
+
+
+SMALL = ["--max-model-len", "256", "--num-kv-blocks", "64", "--temperature", "0"]
+
+
+def _generate_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tandem.entrypoints.cli", "generate", *args, *SMALL]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.getcwd()}
+
+
+def test_one_prompt_streams_to_a_terminal_and_prints_the_same_text():
+    """On a terminal the text arrives in pieces while it is generated; piped, it is one
+    write at the end; the text is the same."""
+    import pty
+
+    cmd = _generate_cmd("Once upon a time", "--max-tokens", "40", "--ignore-eos")
+    piped = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    assert piped.returncode == 0, piped.stderr
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, stdout=slave, stderr=subprocess.DEVNULL, env=_env())
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(60) == 0
+    tty_text = b"".join(chunks).decode().replace("\r\n", "\n")
+    assert tty_text == piped.stdout and piped.stdout.strip()
+    assert len(chunks) >= 5, chunks  # 40 tokens arrive in many reads, not in one
+
+
+def test_empty_completion_is_a_note_not_a_blank_line():
+    # Greedy, the first token is " Paris": the stop string leaves no text.
+    res = subprocess.run(_generate_cmd("The capital of France is", "--stop", " Paris", "--max-tokens", "8"),
+                         capture_output=True, text=True, timeout=300, env=_env())
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == ""
+    assert "[empty completion: finish_reason stop" in res.stderr, res.stderr
