@@ -215,8 +215,12 @@ class HeadHandshake:
         next_beat = 0.0
         while not self._stop.is_set():
             if self.sock.poll(int(HEARTBEAT_INTERVAL_S * 250)):
-                ident, data = self.sock.recv_multipart()
-                msg = dec.decode(data)
+                frames = self.sock.recv_multipart()
+                try:
+                    ident, msg = frames[0], dec.decode(frames[-1])
+                except (msgspec.DecodeError, IndexError) as e:  # not a Tandem host (a port scan, another version)
+                    logger.warning("ignored a message on the handshake port that is not a host's: %s", e)
+                    continue
                 if isinstance(msg, HostHello):
                     self._on_hello(ident, msg, enc)
                 elif ident in self.hosts:
@@ -273,7 +277,11 @@ class HeadLink:
         if not self.sock.poll(int(timeout * 1000)):
             self.close()
             raise HostRefusedError(f"no answer from the head at {self.addr} within {timeout:.0f} s")
-        reply = self.dec.decode(self.sock.recv())
+        try:
+            reply = self.dec.decode(self.sock.recv())
+        except msgspec.DecodeError as e:
+            self.close()
+            raise HostRefusedError(f"{self.addr} is not a Tandem head's handshake port: {e}") from None
         if isinstance(reply, HostRefused):
             self.close()
             raise HostRefusedError(f"the head at {self.addr} refused this host: {reply.reason}")
@@ -295,6 +303,8 @@ class HeadLink:
                     msg = self.dec.decode(self.sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
+                except msgspec.DecodeError:
+                    continue
                 self.last_seen = time.monotonic()
                 if isinstance(msg, HostStop):
                     return msg.error or ""

@@ -149,3 +149,21 @@ def test_flags_that_do_not_fit_the_host_role_are_refused():
     with pytest.raises(ValueError, match="must not exceed data_parallel_size"):
         EngineArgs(data_parallel_size=2, data_parallel_size_local=1, data_parallel_start_rank=2,
                    data_parallel_rpc_port=1234).create_engine_config()
+
+
+def test_stray_messages_on_the_handshake_port_are_ignored(head):
+    import zmq
+
+    hs, port = head
+    ctx = zmq.Context()
+    stray = ctx.socket(zmq.DEALER)
+    stray.connect(f"tcp://127.0.0.1:{port}")
+    stray.send(b"GET / HTTP/1.1")
+    stray.send_multipart([b"a", b"b"])
+    link = HeadLink(_config(port, start=1))  # the head still answers
+    try:
+        assert link.welcome == WELCOME and hs._thread.is_alive()
+    finally:
+        link.close()
+        stray.close(linger=0)
+        ctx.term()
