@@ -26,7 +26,7 @@ def add_bench_parser(sub) -> None:
                    help="the schema of the constrained requests (default: the serving benchmark's user profile)")
 
     def run(args: argparse.Namespace) -> None:
-        from tandem.config.model import check_model_path
+        from tandem.model_loader.model_path import check_model_path
 
         # Flags and model path checked before the benchmark's imports (torch) and its load.
         check_model_path(EngineArgs.from_cli_args(args).create_engine_config().model_config.model)

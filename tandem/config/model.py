@@ -37,21 +37,6 @@ def embedded_default_model() -> str:
     return os.path.join(spec.submodule_search_locations[0], EMBEDDED_MODEL_FILE)
 
 
-def check_model_path(model: str) -> None:
-    """Check that ``model`` is a path of a kind the loader reads (a folder, a config.json, a
-    .gguf file), without reading it and without importing torch: every entry point runs it
-    before loading anything, so that a wrong path is reported at once.
-
-    Raises:
-        ValueError: the path does not exist, or is none of those kinds.
-    """
-    if not os.path.exists(model):
-        raise ValueError(f"model {model!r} does not exist.")
-    if not (os.path.isdir(model) or (os.path.isfile(model) and model.endswith((".json", ".gguf")))):
-        raise ValueError(f"model must be a Hugging Face folder, a config.json or a .gguf file; {model!r} is none "
-                         f"of them.")
-
-
 def resolve_dtype(dtype: ModelDType, device: torch.device, model: str | None) -> torch.dtype:
     """The torch dtype of ``dtype`` on ``device`` for the checkpoint at ``model``: ``auto`` is
     :func:`tandem.platform.auto_dtype`'s choice."""

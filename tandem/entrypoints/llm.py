@@ -9,8 +9,8 @@ from dataclasses import fields
 
 from tqdm import tqdm
 
-from tandem.config.model import check_model_path
 from tandem.engine.arg_utils import EngineArgs
+from tandem.model_loader.model_path import check_model_path
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 

@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from tandem.attention.backend import AttentionBackend
-from tandem.config.model import check_model_path
 from tandem.distributed import parallel_state as ps
 from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_scales, prepare_fp8_model,
                                               rename_checkpoint_scales)
 from tandem.layers.quantization.config import Fp8Config
 from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
 from tandem.model_loader.gguf_weights import iterate_gguf_weights
+from tandem.model_loader.model_path import check_model_path
 from tandem.model_loader.param_cache import load_cached_parameters, save_parameters
 from tandem.models.registry import get_model_class
 

@@ -28,7 +28,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         ValueError: a bad engine flag, naming it; a model path that does not exist or that
             the loader does not read.
     """
-    from tandem.config.model import check_model_path
+    from tandem.model_loader.model_path import check_model_path
     from tandem.engine.arg_utils import EngineArgs
 
     cfg = EngineArgs.from_cli_args(args).create_engine_config("openai_api_server")
