@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 import time
 from dataclasses import asdict
@@ -161,18 +159,12 @@ def _serve(args: argparse.Namespace) -> None:
 
             run_server(args, cfg)
     except SystemExit as e:
-        _exit_now(e.code if isinstance(e.code, int) else 1)
-    _exit_now(0)
+        code = e.code if isinstance(e.code, int) else 1
+    else:
+        code = 0
+    from tandem.entrypoints.openai.api_server import exit_now
 
-
-def _exit_now(code: int) -> None:
-    """End a server that has stopped everything it started, without the interpreter's
-    teardown: finalizing torch and the tokenizers' modules takes 1-2 s on a busy CPU, and
-    SIGTERM of a server must end it within 3 s (atexit handlers left: none of Tandem's)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

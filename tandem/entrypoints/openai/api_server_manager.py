@@ -71,16 +71,20 @@ def run_api_server_worker(args: argparse.Namespace, sock: socket.socket, client_
     """Entry of one API-server process: attach to the cores and serve on ``sock``."""
     from tandem.engine.async_llm import AsyncLLM
     from tandem.engine.core_proc import exit_with_parent
-    from tandem.entrypoints.openai.api_server import serve_http
+    from tandem.entrypoints.openai.api_server import exit_now, serve_http
     from tandem.entrypoints.openai.cli_args import serve_engine_config
     from tandem.logging_config import configure_logging
 
     exit_with_parent(parent_pid)
     configure_logging(default_level="INFO")
     cfg = serve_engine_config(args)
-    # Answers 503 while it waits for the cores' handshakes.
-    serve_http(lambda: AsyncLLM(cfg, client_config), sock, args, api_server_index=client_config.client_index,
-               metrics_dir=metrics_dir)
+    try:
+        # Answers 503 while it waits for the cores' handshakes.
+        serve_http(lambda: AsyncLLM(cfg, client_config), sock, args, api_server_index=client_config.client_index,
+                   metrics_dir=metrics_dir)
+    except SystemExit as e:
+        exit_now(e.code if isinstance(e.code, int) else 1)
+    exit_now(0)
 
 
 class APIServerProcessManager:
