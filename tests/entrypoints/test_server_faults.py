@@ -161,3 +161,36 @@ def test_sigterm_of_an_idle_server_exits_within_3_s(loading_server):
     took = time.monotonic() - start
     assert code == 0 and took < 3.0, (code, took, proc.stderr.read()[-2000:])
     assert _gone(children, 3) == []
+
+
+def test_sigterm_while_loading_is_a_clean_stop():
+    import subprocess
+    import sys
+
+    from tandem.entrypoints.openai.testing import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--port", str(port),
+                             "--max-model-len", "512", "--device", "cpu"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        status = None
+        while status is None and time.monotonic() < deadline:
+            try:
+                status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert status == 503
+        children = psutil.Process(proc.pid).children(recursive=True)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        err = proc.stderr.read()
+        assert code == 0 and time.monotonic() - start < 3.0, err[-2000:]
+        assert "Traceback" not in err and "exited" not in err and "died" not in err, err[-2000:]
+        assert _gone(children, 3) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

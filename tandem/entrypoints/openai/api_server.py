@@ -7,6 +7,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 ``--api-server-count N`` (N > 1) runs N such servers in their own processes on the one
 port, in front of the shared engine cores (:mod:`tandem.entrypoints.openai.api_server_manager`).
 
+The server listens before the engine loads: until it is ready every route answers 503
+(``/health`` included), and a stop (SIGTERM/SIGINT) meanwhile kills the loading cores.
+
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``. User input
 never yields a 500: invalid JSON, validation failures (FastAPI's 422 included),
 out-of-range values, over-long prompts and out-of-vocabulary token ids are 400; unknown
@@ -538,8 +541,10 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
             dead = llm.client.dead_error is not None
             llm.shutdown(ENGINE_STOP_TIMEOUT_S)
     if llm is None:
-        if server is not None and server.stop_signal is not None:
+        if server.stop_signal is not None:
             return  # stopped while loading
-        raise loaded.exception()
+        if loaded.done():
+            raise loaded.exception()  # loading failed
+        raise RuntimeError("the HTTP server stopped before the engine was loaded")
     if dead:
         raise SystemExit(1)
