@@ -143,7 +143,7 @@ OSLO = [{"role": "user", "content": "Call get_time for UTC and get_weather for O
 # auto (hermes): two calls with a newline between them, forced by a regex.
 TWO_HERMES_CALLS = r'(<tool_call>\{"name": "now", "arguments": \{\}\}</tool_call>\n){2}'
 CALL_CASES = {
-    "required, several calls": dict(messages=ROME_TOKYO, tool_choice="required", max_tokens=80),
+    "required, several calls": dict(messages=ROME_TOKYO, tool_choice="required", max_tokens=64),
     "required, one call then cut": dict(messages=OSLO, tool_choice="required", max_tokens=40),
     "required, parallel_tool_calls false": dict(messages=ROME_TOKYO, tool_choice="required",
                                                 parallel_tool_calls=False, max_tokens=48),
@@ -193,6 +193,25 @@ def test_tool_calls_streamed_equal_whole(client, case):
         assert [(n, json.loads(a)) for n, a, _ in calls] == _complete_elements(raw.message.content)
     if case == "required, several calls":
         assert len(calls) >= 2
+
+
+def test_required_n2_each_choice_streamed_equal_whole(client):
+    """n > 1: each choice its own calls (sampled, seeded), streamed == non-streamed."""
+    kw = dict(model=MODEL_NAME, messages=OSLO, tools=TOOLS, tool_choice="required", n=2, temperature=0.8, seed=7,
+              max_tokens=40)
+    ref = client.chat.completions.create(**kw)
+    whole = {c.index: [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+             for c in ref.choices}
+    streamed: dict[int, dict[int, list]] = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            assert not c.delta.content
+            for t in c.delta.tool_calls or []:
+                entry = streamed.setdefault(c.index, {}).setdefault(t.index, ["", ""])
+                entry[0] += t.function.name or ""
+                entry[1] += t.function.arguments or ""
+    assert {i: [tuple(v) for _, v in sorted(calls.items())] for i, calls in streamed.items()} == whole
+    assert sorted(whole) == [0, 1] and all(whole.values())
 
 
 def test_tool_round_trip(client):
