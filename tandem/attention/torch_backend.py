@@ -5,19 +5,25 @@ kernels do fast (``scaled_dot_product_attention`` dispatches to a flash-attentio
 only for 4-D inputs and no grouped-query broadcast under a mask; ``aten::index`` copies
 element by element while ``index_select`` copies rows):
 
+* Prefill tokens (a fresh prompt, a chunk of one, a chunk on top of a cached prefix) go
+  through :func:`split_attention`, whose arithmetic per query does not depend on how many
+  queries are computed with it nor on how many keys were cached before: a prompt's logits
+  are the same bits whether its prefix came from the prefix cache, how it was chunked and
+  what else is in the step. (SDPA's flash kernel blocks the queries and keys by the
+  chunk's own sizes: a prefix-cache hit changed the first sampled token's logprobs.)
 * Decode requests run as one batch. Their blocks are gathered with one ``index_select``
   per plane into ``[num_decode, num_blocks * block_size, num_kv_heads, head_dim]`` (a
   buffer reused by every layer and step, grown when too small), and
   the query heads sharing a KV head are packed as that head's queries (``[num_decode,
   num_kv_heads, group, head_dim]``, as transformers' ``pack_gqa``), so no K/V head is
-  repeated.
+  repeated. In deterministic mode (:mod:`tandem.layers.batch_invariant`) they go through
+  :func:`split_attention` too: a token's attention is then the same in decode and in
+  prefill, alone or batched.
 * A single decode request (latency: one sequence) attends to exactly its ``seq_len`` keys
   with no mask (the flash kernel's unmasked path, as transformers' contiguous cache
   gives), read in place when its blocks are consecutive in the cache (the block pool
-  hands out consecutive ids to a lone sequence) and gathered otherwise.
-* A prefill with nothing cached before it attends to its own new keys and values (no
-  gather) with ``is_causal``.
-* A chunk on top of a cached prefix gathers its blocks and uses a bottom-right causal mask.
+  hands out consecutive ids to a lone sequence) and gathered otherwise: the same values
+  with the same strides, so the same bits.
 * An FP8 cache (``--kv-cache-dtype fp8``) is always read back (gathered and converted to
   the query dtype, a fresh prefill included); the scales fold into the softmax scale and
   the output (exact: attention is linear in V).
@@ -33,6 +39,13 @@ import torch.nn.functional as F
 
 from tandem.attention.backend import write_kv_cache
 from tandem.attention.metadata import AttentionMetadata
+from tandem.layers import batch_invariant
+
+KV_SPLIT = 256
+"""Keys per split of :func:`split_attention`: fixed, whatever the batch or the phase."""
+Q_BLOCK = 16
+"""Queries per block of :func:`split_attention` (each GEMM has a multiple of
+``Q_BLOCK * group`` rows: MKL's fp32 GEMM rounds differently under 12 rows)."""
 
 
 def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, dtype: torch.dtype | None = None,
@@ -112,6 +125,8 @@ class TorchAttentionBackend:
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """``q [nd, Hq, D]`` of the leading ``nd`` decode requests -> ``[nd, Hq, D]``."""
         nd, hq, d = q.shape
+        if batch_invariant.enabled():
+            return self._decode_split(q, kv_cache, meta, scale)
         if nd == 1:
             return self._decode_one(q, kv_cache, meta, scale)
         hk, bs = kv_cache.shape[3], kv_cache.shape[2]
@@ -153,20 +168,98 @@ class TorchAttentionBackend:
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, r: int, scale: float) -> torch.Tensor:
-        """Request ``r``'s ``q_len`` new tokens (``q [q_len, Hq, D]``, its new ``k``/``v``)."""
+        """Request ``r``'s ``q_len`` new tokens (``q [q_len, Hq, D]``, its new ``k``/``v``)
+        by :func:`split_attention`: the same bits for a token however its prompt was
+        chunked or cached."""
         q_len, seq_len = q.shape[0], meta.seq_lens_cpu[r]
-        gqa = q.shape[1] != k.shape[1]
-        if seq_len == q_len and kv_cache.dtype == q.dtype:  # nothing cached before: its own keys, top-left causal
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=gqa)
-            return o[0].transpose(0, 1)
-        nb = -(-seq_len // kv_cache.shape[2])
-        kc, vc = gather_kv(kv_cache, meta.block_tables[r : r + 1], nb, q.dtype)
-        kc, vc = kc[0, :seq_len], vc[0, :seq_len]
-        mask = _bottom_right_causal_mask(q_len, seq_len, q.device)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
-                                           attn_mask=mask, scale=scale, enable_gqa=gqa)
-        return o[0].transpose(0, 1)
+        if seq_len == q_len and kv_cache.dtype == q.dtype:  # nothing cached before: its own keys are the cache's
+            kc, vc = k[None], v[None]
+        else:
+            kc, vc = gather_kv(kv_cache, meta.block_tables[r : r + 1], -(-seq_len // kv_cache.shape[2]), q.dtype)
+        hk, rows = kv_cache.shape[3], -(-q_len // Q_BLOCK) * Q_BLOCK
+        pos = torch.arange(seq_len - q_len, seq_len - q_len + rows, device=q.device)
+        pos[q_len:] = -1
+        o = split_attention(_packed_queries(q[None], hk, rows), _pad_keys(kc, seq_len), _pad_keys(vc, seq_len),
+                            pos.repeat_interleave(q.shape[1] // hk)[None], scale)
+        return _unpacked(o, q_len, q.shape[1])[0].to(q.dtype)
+
+    def _decode_split(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+        """Deterministic mode's decode: ``q [nd, Hq, D]`` -> ``[nd, Hq, D]`` by
+        :func:`split_attention`, each request's query alone in its block of queries."""
+        nd, hq, _ = q.shape
+        hk, g = kv_cache.shape[3], hq // kv_cache.shape[3]
+        seq = max(meta.seq_lens_cpu[:nd])
+        kc, vc = gather_kv(kv_cache, meta.block_tables[:nd], -(-seq // kv_cache.shape[2]), q.dtype)
+        pos = torch.full((nd, Q_BLOCK * g), -1, dtype=torch.long, device=q.device)
+        pos[:, :g] = (meta.seq_lens[:nd].long() - 1)[:, None]
+        o = split_attention(_packed_queries(q[:, None], hk, Q_BLOCK), _pad_keys(kc, seq), _pad_keys(vc, seq), pos, scale)
+        return _unpacked(o, 1, hq)[:, 0].to(q.dtype)
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention computed in a fixed order per query, in fp32.
+
+    Args:
+        q: ``[B, Hk, M, D]``: ``M`` query rows per KV head (query heads of a KV head
+            packed), a multiple of ``Q_BLOCK * group`` (pad rows of zeros).
+        k, v: ``[B or 1, S, Hk, D]``, keys/values by position, ``S`` a multiple of
+            :data:`KV_SPLIT` (positions past a query are masked, whatever they hold).
+        q_pos: ``[B, M]`` int64 position of each query row; it sees keys ``<=`` it
+            (-1: a pad row, whose output is NaN).
+        scale: softmax scale.
+
+    Returns ``[B, Hk, M, D]`` fp32. The keys are taken :data:`KV_SPLIT` at a time in order,
+    each split's scores and weighted values are GEMMs of the same shapes whatever ``B``,
+    ``M`` or ``S``, and the splits merge as in flash-decoding (Dao et al. 2023). A split
+    wholly past a query adds exact zeros and multiplies by exactly 1, so how many splits a
+    batch needs does not change a query's bits.
+    """
+    floor = torch.finfo(torch.float32).min
+    q = q.float() * scale
+    key_pos = torch.arange(KV_SPLIT, device=q.device)
+    acc = m_run = l_run = None
+    for j in range(k.shape[1] // KV_SPLIT):
+        k_j = k[:, j * KV_SPLIT:(j + 1) * KV_SPLIT].float().permute(0, 2, 3, 1)  # [B, Hk, D, KV]
+        v_j = v[:, j * KV_SPLIT:(j + 1) * KV_SPLIT].float().transpose(1, 2)  # [B, Hk, KV, D]
+        s = torch.matmul(q, k_j)  # [B, Hk, M, KV]
+        masked = (key_pos + j * KV_SPLIT)[None, None, :] > q_pos[:, :, None]  # [B, M, KV]
+        s.masked_fill_(masked[:, None], float("-inf"))
+        m = s.amax(dim=-1, keepdim=True).clamp_min_(floor)
+        p = (s - m).exp_()
+        l_j, o = p.sum(dim=-1, keepdim=True), torch.matmul(p, v_j)
+        if acc is None:
+            acc, m_run, l_run = o, m, l_j
+            continue
+        m_new = torch.maximum(m_run, m)
+        a, b = (m_run - m_new).exp_(), (m - m_new).exp_()
+        acc, l_run, m_run = acc * a + o * b, l_run * a + l_j * b, m_new
+    return acc / l_run
+
+
+def _pad_keys(x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``x [B, >= seq_len, Hk, D]`` cut or zero-padded to ``seq_len`` rounded up to
+    :data:`KV_SPLIT` positions."""
+    want = -(-seq_len // KV_SPLIT) * KV_SPLIT
+    x = x[:, :min(want, x.shape[1])]
+    return F.pad(x, (0, 0, 0, 0, 0, want - x.shape[1])) if x.shape[1] < want else x
+
+
+def _packed_queries(q: torch.Tensor, hk: int, rows: int) -> torch.Tensor:
+    """``q [B, n, Hq, D]`` -> ``[B, Hk, rows * group, D]`` (``rows >= n``; pad rows zero),
+    the query heads of each KV head packed row by row."""
+    b, n, hq, d = q.shape
+    g = hq // hk
+    if rows > n:
+        q = F.pad(q, (0, 0, 0, 0, 0, rows - n))
+    return q.reshape(b, rows, hk, g, d).permute(0, 2, 1, 3, 4).reshape(b, hk, rows * g, d)
+
+
+def _unpacked(o: torch.Tensor, n: int, hq: int) -> torch.Tensor:
+    """Inverse of :func:`_packed_queries`: ``[B, Hk, rows * group, D]`` -> ``[B, n, Hq, D]``."""
+    b, hk, m, d = o.shape
+    g = hq // hk
+    return o.reshape(b, hk, m // g, g, d).permute(0, 2, 1, 3, 4)[:, :n].reshape(b, n, hq, d)
 
 
 def _first_of_consecutive(blocks: torch.Tensor) -> int | None:

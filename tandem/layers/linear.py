@@ -8,7 +8,9 @@ projection; a SwiGLU MLP is a column-parallel gate/up and a row-parallel down pr
 one all-reduce per block.
 
 With ``tp_size == 1`` every layer is an ``nn.Linear`` (same parameter names ``weight`` /
-``bias``, same math). The TP size and rank default to :mod:`tandem.distributed.parallel_state`.
+``bias``, same math). In deterministic mode the high-precision GEMMs run on fixed row blocks
+(:func:`tandem.layers.batch_invariant.linear`), so a row's result does not depend on the batch.
+The TP size and rank default to :mod:`tandem.distributed.parallel_state`.
 
 Every sharded parameter carries
 * ``weight_loader(tensor, shard_id=None)``: copies a *full* checkpoint tensor (or one
@@ -38,10 +40,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed import parallel_state as ps
+from tandem.layers import batch_invariant
 from tandem.layers.quantization.fp8 import (FP8_DTYPE, QuantizedActivation, UnscaledProduct, block_fp8_linear,
                                             fp8_linear, fp8_linear_takes_quantized_input, fp8_linear_unscaled)
 
@@ -99,7 +101,7 @@ class _FP8Forward:
 
     def _matmul(self, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight.dtype != FP8_DTYPE:
-            return F.linear(x, self.weight, bias)
+            return batch_invariant.linear(x, self.weight, bias)
         if self.weight_block is not None:
             return block_fp8_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
         return fp8_linear(x, self.weight, self.weight_scale, getattr(self, "input_scale", None), bias,

@@ -23,13 +23,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.fused_ops import silu_and_mul, silu_and_mul_dynamic_per_token_quant
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tandem.layers import batch_invariant
 from tandem.layers.norm import RMSNorm
 from tandem.layers.quantization.fp8 import QuantizedActivation, UnscaledProduct
 from tandem.layers.rotary import RotaryEmbedding
@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return batch_invariant.linear(hidden, w).float()
 
     _STACKED = {  # HF name part -> (fused param name part, shard index)
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

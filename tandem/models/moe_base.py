@@ -12,13 +12,13 @@ import re
 from collections.abc import Callable, Generator, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.attention.metadata import AttentionMetadata
 from tandem.distributed.all2all import All2AllBackend
 from tandem.layers.linear import RowParallelLinear
 from tandem.layers.moe import FusedMoE, SparseMoeBlock, drain
+from tandem.layers import batch_invariant
 from tandem.layers.norm import RMSNorm
 from tandem.layers.quantization.fp8 import UnscaledProduct
 
@@ -206,7 +206,7 @@ class MoECausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return batch_invariant.linear(hidden, w).float()
 
 
 def check_no_sliding_window(hf_config, max_positions: int) -> None:
