@@ -87,6 +87,12 @@ class ModelConfig:
     enforce_eager: bool = False
     """Run every step eagerly: no CUDA graphs."""
 
+    deterministic: bool = False
+    """Batch-invariant execution: a request's tokens and logprobs are the same bits whatever it
+    is batched with, where it sits in the batch, how its prompt was chunked and whether its
+    prefix came from the cache (GEMMs on fixed row blocks, attention with fixed splits; slower).
+    Off, the same batch still gives the same bits whatever ran before."""
+
     def __post_init__(self) -> None:
         check_choices(self)
         if self.model is None:

@@ -43,6 +43,7 @@ class EngineArgs:
     quantization: QuantizationMethods | None = ModelConfig.quantization
     seed: int = ModelConfig.seed
     enforce_eager: bool = ModelConfig.enforce_eager
+    deterministic: bool = ModelConfig.deterministic
     # LoadConfig
     load_format: LoadFormat = LoadConfig.load_format
     # DeviceConfig
