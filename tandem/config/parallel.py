@@ -50,7 +50,8 @@ class ParallelConfig:
     hosts; None: 127.0.0.1."""
 
     data_parallel_rpc_port: int | None = None
-    """The head's handshake port (TCP) that --headless hosts join. Needed with several hosts."""
+    """The head's handshake port (TCP) that --headless hosts join. Needed with several hosts;
+    None: one host."""
 
     def __post_init__(self) -> None:
         check_choices(self)
