@@ -22,6 +22,7 @@ from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.selector import get_attention_backend
 from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
+from tandem.layers import batch_invariant
 from tandem.layers.quantization.config import get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.model_loader.loader import build_model
@@ -69,6 +70,7 @@ class Worker:
                 here (e.g. FP8 on a GPU without FP8).
         """
         cfg, model_cfg = self.config, self.config.model_config
+        batch_invariant.set_enabled(model_cfg.deterministic)
         backend = get_attention_backend(self.device, model_cfg.max_model_len)
         self.quant_config = get_quantization_config(self.hf_config, model_cfg.quantization, cfg.load_config.load_format)
         if self.quant_config is not None:
