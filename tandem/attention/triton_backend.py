@@ -45,6 +45,7 @@ import triton.language as tl
 
 from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.triton_reshape_and_cache import reshape_and_cache
+from tandem.layers import batch_invariant
 from tandem.triton_utils import INTERPRET as _INTERPRET
 from tandem.triton_utils import dot as _dot
 from tandem.triton_utils import program_slots
@@ -396,8 +397,11 @@ class TritonAttentionBackend:
     # ------------------------------------------------------------------ helpers
 
     def num_decode_splits(self, num_decode_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-        """KV splits per decode request for this step (host ints only, no sync)."""
-        if self.max_num_splits == 1:
+        """KV splits per decode request for this step (host ints only, no sync). In
+        deterministic mode (:mod:`tandem.layers.batch_invariant`) always 1: each request's
+        keys are then reduced tile by tile in one program, whatever the batch (the split
+        count, and with it the segment boundaries, otherwise follows the batch size)."""
+        if self.max_num_splits == 1 or batch_invariant.enabled():
             return 1
         # Rounded up, unlike the MLA heuristic: five of these programs fit an SM, so aiming at
         # two per SM never starts a second wave (rounding down measured worse: RESULTS session 16).

@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from tandem.attention.triton_backend import REDUCE_BLOCK_S, _decode_reduce_kernel
+from tandem.layers import batch_invariant
 from tandem.triton_utils import INTERPRET as _INTERPRET
 from tandem.triton_utils import dot as _dot
 from tandem.triton_utils import program_slots
@@ -368,6 +369,8 @@ def mla_decode_attention(
 
     cache = kv_cache[0, :, :, 0]  # [num_blocks, block_size, R + P]
     head_groups = -(-num_heads // heads_per_program)
+    if num_splits is None and batch_invariant.enabled():
+        num_splits = 1  # deterministic mode: segment boundaries independent of the batch
     if num_splits is None:
         bound = block_tables.shape[1] * block_size
         capturing = q_lat.is_cuda and torch.cuda.is_current_stream_capturing()

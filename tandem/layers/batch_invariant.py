@@ -38,8 +38,7 @@ def enabled() -> bool:
 def set_enabled(on: bool) -> None:
     """Switch batch-invariant execution on or off for the models run in this process."""
     global _enabled
-    if on != _enabled:
-        logger.info("Deterministic (batch-invariant) execution: %s", "on" if on else "off")
+    logger.info("Deterministic (batch-invariant) execution: %s", "on" if on else "off")
     _enabled = bool(on)
 
 
