@@ -199,6 +199,7 @@ def main(args: argparse.Namespace) -> None:
             json.dump(asdict(res) | {"async_output_proc": cfg.scheduler_config.async_output_proc,
                                      "model": cfg.model_config.model, "dtype": cfg.model_config.dtype,
                                      "quantization": cfg.model_config.quantization,
+                                     "deterministic": cfg.model_config.deterministic,
                                      "kv_cache_dtype": cfg.cache_config.kv_cache_dtype}, f, indent=2)
     llm.engine.shutdown()
 

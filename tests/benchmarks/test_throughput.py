@@ -161,8 +161,8 @@ def test_bench_throughput_flag_rejects_a_bad_ratio_while_parsing(capsys):
 
 
 def test_bench_throughput_json_names_the_settings_that_tell_runs_apart(tmp_path):
-    """``--output-json`` records dtype, quantization and KV cache dtype beside the figures,
-    so bf16 / FP8 / FP8-cache result files can be told apart."""
+    """``--output-json`` records dtype, quantization, KV cache dtype and deterministic mode
+    beside the figures, so bf16 / FP8 / FP8-cache / deterministic result files can be told apart."""
     import json
 
     from tandem.benchmarks.throughput import main
@@ -171,7 +171,8 @@ def test_bench_throughput_json_names_the_settings_that_tell_runs_apart(tmp_path)
     out = tmp_path / "res.json"
     main(build_parser().parse_args(["bench", "throughput", "--num-prompts", "2", "--input-len", "8",
                                     "--output-len", "2", "--max-model-len", "128", "--quantization", "fp8",
-                                    "--kv-cache-dtype", "fp8", "--output-json", str(out)]))
+                                    "--kv-cache-dtype", "fp8", "--deterministic", "--output-json", str(out)]))
     res = json.loads(out.read_text())
     assert (res["quantization"], res["kv_cache_dtype"], res["dtype"]) == ("fp8", "fp8", "auto")
+    assert res["deterministic"] is True
     assert res["num_prompts"] == 2 and res["requests_per_s"] > 0

@@ -269,6 +269,7 @@ def test_metrics(server, client):
     assert values["tandem:e2e_request_latency_seconds_count"] >= 1
     assert values["tandem:generation_tokens_total"] >= 4
     assert values["tandem:prompt_tokens_total"] > 0
+    assert values["tandem:deterministic"] == 0.0  # the server runs in the default mode
 
 
 def test_prompt_logprobs_extension(server):

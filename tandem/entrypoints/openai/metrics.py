@@ -72,6 +72,11 @@ class _EngineCollector:
             add(CounterMetricFamily, "tandem:num_preemptions", "Preemptions (recompute).", e,
                 s.get("num_preemptions", 0))
         yield from families.values()
+        config = getattr(self.llm, "config", None)
+        det = GaugeMetricFamily("tandem:deterministic", "1: batch-invariant execution (--deterministic), 0: default.",
+                                labels=["model_name"])
+        det.add_metric([self.model_name], float(bool(config is not None and config.model_config.deterministic)))
+        yield det
 
 
 class ServerMetrics:
