@@ -149,8 +149,10 @@ def _serve(args: argparse.Namespace) -> None:
 
         run_headless(cfg)
         return
+    from tandem.entrypoints.openai.cli_args import resolve_api_server_count
+
     try:
-        if args.api_server_count > 1:
+        if resolve_api_server_count(args, cfg) > 1:
             from tandem.entrypoints.openai.api_server_manager import run_multi_api_server
 
             run_multi_api_server(args, cfg)

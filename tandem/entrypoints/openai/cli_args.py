@@ -12,6 +12,40 @@ if TYPE_CHECKING:
     from tandem.config import EngineConfig
 
 
+# CPU cores an API server gets when their count is left to Tandem: one busy core for HTTP,
+# detokenization and SSE plus room for its threads (tokenizer, zmq I/O) and the kernel's TCP work.
+CPUS_PER_API_SERVER = 3
+# API servers per local GPU replica at most (one replica's outputs no longer gain beyond).
+MAX_API_SERVERS_PER_REPLICA = 4
+
+
+def default_api_server_count(cpus: int, local_ranks: int, local_replicas: int, on_gpu: bool) -> int:
+    """The API servers ``tandem serve`` starts when ``--api-server-count`` is not given.
+
+    On the CPU the engine cores use every core: one server. On GPUs, the CPUs the local
+    engine ranks leave free, ``CPUS_PER_API_SERVER`` each, at most
+    ``MAX_API_SERVERS_PER_REPLICA`` per local replica and at least one. The front end costs
+    tens of microseconds of CPU per output token (benchmarks/RESULTS.md, issue 35): a replica
+    streaming ~20k tokens/s keeps about two cores busy, which one process cannot give.
+    """
+    if not on_gpu:
+        return 1
+    spare = max(0, cpus - local_ranks) // CPUS_PER_API_SERVER
+    return max(1, min(spare, MAX_API_SERVERS_PER_REPLICA * local_replicas))
+
+
+def resolve_api_server_count(args: argparse.Namespace, cfg: "EngineConfig") -> int:
+    """``args.api_server_count``, or :func:`default_api_server_count` for this host (sets it)."""
+    if args.api_server_count is None:
+        import os
+
+        parallel = cfg.parallel_config
+        on_gpu = cfg.device_config.torch_device.type == "cuda"  # no CUDA context is created
+        args.api_server_count = default_api_server_count(len(os.sched_getaffinity(0)), len(parallel.local_ranks),
+                                                         parallel.data_parallel_local_size, on_gpu)
+    return args.api_server_count
+
+
 def served_names(args: argparse.Namespace) -> list[str]:
     if args.served_model_name:
         return list(args.served_model_name)
@@ -52,9 +86,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="do not log each request (default: log them)")
     p.add_argument("--timeout-keep-alive", type=int, default=5,
                    help="seconds an idle keep-alive connection stays open (default %(default)s)")
-    p.add_argument("--api-server-count", type=positive_int, default=1,
+    p.add_argument("--api-server-count", type=positive_int, default=None,
                    help="API-server processes (HTTP, tokenization, detokenization, SSE) on the one port, in front of "
-                        "the shared engine cores (default 1: one process)")
+                        "the shared engine cores (default: chosen from the CPUs and the replicas, see "
+                        "default_api_server_count: 1 on the CPU, up to 4 per GPU replica)")
     p.add_argument("--headless", action="store_true",
                    help="run this host's engine cores for a head on another host, with no API server (with "
                         "--data-parallel-start-rank, --data-parallel-size-local, --data-parallel-address and "
