@@ -338,3 +338,69 @@ def test_fp8_kv_cache_rejects_other_cache_dtypes():
     q, k, v, kv_cache, meta = make_case([(3, 1)], 1, 4, 2, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="unsupported dtypes"):
         TritonAttentionBackend().forward(q, k, v, kv_cache.to(torch.float16), meta, 1.0)
+
+
+# ------------------------------------------------ deterministic mode (issue 36)
+
+
+@pytest.fixture
+def deterministic_mode():
+    from tandem.layers import batch_invariant
+
+    before = batch_invariant.enabled()
+    batch_invariant.set_enabled(True)
+    yield
+    batch_invariant.set_enabled(before)
+
+
+def _decode_step(seq_lens: list[int], tables: list[list[int]], q, k, v):
+    """Metadata of a decode-only step over requests with these contexts and block tables."""
+    bs = 16
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(len(tables), width, dtype=torch.int32)
+    for r, t in enumerate(tables):
+        bt[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    slots = [tables[r][(s - 1) // bs] * bs + (s - 1) % bs for r, s in enumerate(seq_lens)]
+    n = len(seq_lens)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        num_computed_tokens=torch.tensor([s - 1 for s in seq_lens], dtype=torch.int32, device=DEVICE),
+        block_tables=bt.to(DEVICE), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        max_query_len=1, max_seq_len=max(seq_lens), query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=seq_lens,
+        num_decode_reqs=n)
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), meta
+
+
+def test_deterministic_decode_row_does_not_depend_on_the_batch(deterministic_mode):
+    """A decode request's output is the same bits alone and among others at any position,
+    one of them with a long context: the heuristic would split the target's 600 tokens in
+    3 segments alone and in 5 beside a 1500-token context (the cap follows the batch's
+    longest context); in deterministic mode the split count is pinned to 1."""
+    import random
+
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    hq, hk, d, bs, num_blocks = 4, 2, 32, 16, 300
+    cache = torch.randn(2, num_blocks, bs, hk, d, generator=g)
+    target_len, target_blocks = 600, list(range(1, 39))
+    tq, tk, tv = (torch.randn(1, h, d, generator=g) for h in (hq, hk, hk))
+    backend = TritonAttentionBackend()
+    assert backend.num_decode_splits(1, hk, target_len, DEVICE) == 1
+
+    def run(others: list[tuple[int, list[int]]], pos: int) -> torch.Tensor:
+        reqs = others[:pos] + [(target_len, target_blocks)] + others[pos:]
+        n = len(reqs)
+        q, k, v = (torch.randn(n, h, d, generator=g) for h in (hq, hk, hk))
+        q[pos], k[pos], v[pos] = tq[0], tk[0], tv[0]
+        q, k, v, meta = _decode_step([s for s, _ in reqs], [t for _, t in reqs], q, k, v)
+        return backend.forward(q, k, v, cache.clone().to(DEVICE), meta, d**-0.5)[pos].cpu()
+
+    alone = run([], 0)
+    free = list(range(39, num_blocks))
+    for n in (2, 4):
+        others = []
+        for i in range(n - 1):
+            s = 1500 if i == 0 else rng.randint(1, 300)
+            others.append((s, [free.pop() for _ in range(-(-s // bs))]))
+        assert torch.equal(run(others, rng.randrange(n)), alone), n
