@@ -14,9 +14,10 @@ The model dtype (read by ``EngineConfig.torch_dtype``):
 
 The batch limits (read by ``EngineConfig.resolve_limits``): on CUDA vLLM's defaults for its
 V1 engine: a GPU of >= 70 GiB other than the A100 (H100, H200, B200: memory for a thousand
-sequences' KV and the compute to batch them) takes 1024 sequences and 16384 tokens per step
-offline, 8192 when served (shorter prefill steps delay the running streams' next tokens
-less); a smaller GPU 256 sequences and 8192 / 2048 tokens. The CPU keeps Tandem's 256
+sequences' KV and the compute to batch them) takes 1024 sequences and 16384 tokens per step,
+served as offline (vLLM serves 8192: shorter prefill steps delay the running streams' next
+tokens less, but the server then trails the engine; benchmarks/RESULTS.md, session 17); a
+smaller GPU 256 sequences and 8192 / 2048 tokens offline / served. The CPU keeps Tandem's 256
 sequences and 2048 tokens in both uses (vLLM's CPU backend takes 4096 offline and 128
 sequences served; here a 2048-token prefill step already takes seconds on a few cores).
 """
@@ -81,7 +82,7 @@ def default_batch_limits(device: torch.device, usage_context: UsageContext) -> t
         return 256, 2048
     props = torch.cuda.get_device_properties(device)
     if props.total_memory >= _LARGE_GPU_BYTES and "A100" not in props.name:
-        return 1024, 16384 if offline else 8192
+        return 1024, 16384
     return 256, 8192 if offline else 2048
 
 

@@ -74,7 +74,7 @@ def test_bf16_default_prompt_logprobs_match_transformers_bf16(embedded_model_pat
 
 @pytest.mark.parametrize("name, gib, usage, want", [
     ("NVIDIA H200", 139.8, "llm_class", (1024, 16384)),
-    ("NVIDIA H100 80GB HBM3", 79.1, "openai_api_server", (1024, 8192)),
+    ("NVIDIA H100 80GB HBM3", 79.1, "openai_api_server", (1024, 16384)),
     ("NVIDIA A100-SXM4-80GB", 79.2, "llm_class", (256, 8192)),
     ("NVIDIA L4", 22.0, "openai_api_server", (256, 2048)),
 ])
