@@ -19,9 +19,9 @@ class SchedulerConfig:
     such as the H100/H200, 256 on smaller GPUs and the CPU; tandem.platform)."""
 
     max_num_batched_tokens: int | None = None
-    """Token budget of one step. None: sized for the device and use (GPUs of >= 70 GiB: 16384
-    offline, 8192 served; smaller GPUs: 8192 / 2048; CPU: 2048; tandem.platform); without
-    chunked prefill at least max_model_len."""
+    """Token budget of one step. None: sized for the device and use (GPUs of >= 70 GiB: 16384;
+    smaller GPUs: 8192 offline, 2048 served; CPU: 2048; tandem.platform); without chunked
+    prefill at least max_model_len."""
 
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps (within the token budget)."""
