@@ -91,3 +91,96 @@ def test_gather_into_buffer_matches_fresh():
     buf = torch.full((2 * 2 * 3 * 4 * 2 * 3 + 5,), float("nan"))
     for a, b in zip(gather_kv(kv, bt, 3), gather_kv(kv, bt, 3, out=buf)):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------ invariance (issue 36)
+
+H, HK, D = 9, 3, 64  # SmolLM2's heads
+
+
+@pytest.fixture
+def deterministic_mode():
+    from tandem.layers import batch_invariant
+
+    before = batch_invariant.enabled()
+    batch_invariant.set_enabled(True)
+    yield
+    batch_invariant.set_enabled(before)
+
+
+class _Request:
+    """One request's tokens (q/k/v per position) and blocks, replayed in any split of steps."""
+
+    def __init__(self, length: int, dtype: torch.dtype, seed: int, first_block: int, block_size: int = 16):
+        g = torch.Generator().manual_seed(seed)
+        self.q = torch.randn(length, H, D, generator=g).to(dtype)
+        self.k = (3 * torch.randn(length, HK, D, generator=g)).to(dtype)
+        self.v = torch.randn(length, HK, D, generator=g).to(dtype)
+        self.blocks = list(range(first_block, first_block + -(-length // block_size)))
+
+
+def _forward(cache: torch.Tensor, steps: list[list[tuple[_Request, int, int]]]) -> list[torch.Tensor]:
+    """Run ``steps`` (each a list of ``(request, computed, new)``; query-length-1 entries
+    first) on one backend; returns each step's output."""
+    backend, outs = TorchAttentionBackend(), []
+    for step in steps:
+        meta = step_metadata([n for _, _, n in step], [c for _, c, _ in step], [r.blocks for r, _, _ in step], 16)
+        cat = lambda name: torch.cat([getattr(r, name)[c:c + n] for r, c, n in step])  # noqa: E731
+        outs.append(backend.forward(cat("q"), cat("k"), cat("v"), cache, meta, D**-0.5))
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [17, 19, 33, 300, 530])
+def test_prefill_bits_do_not_depend_on_chunks_or_cached_prefix(dtype, length):
+    """Default mode: a prompt computed in one step, on top of a cached first block, or in
+    chunks of 64 beside another request gives the same bits for every token of a chunk of
+    two or more (SDPA's flash kernel, used before, blocked queries and keys by the chunk's
+    sizes: 19 tokens differed after a 16-token cache hit in both dtypes)."""
+    req, other = _Request(length, dtype, 0, 1), _Request(40, dtype, 1, 60)
+    cache = lambda: torch.zeros(2, 100, 16, HK, D, dtype=dtype)  # noqa: E731
+    whole = _forward(cache(), [[(req, 0, length)]])[0]
+    if length - 16 > 1:  # a 1-token rest is a decode step's query (see the next test)
+        cached = torch.cat([o for o in _forward(cache(), [[(req, 0, 16)], [(req, 16, length - 16)]])])
+        assert torch.equal(cached, whole)
+    chunks = [(c, min(64, length - c)) for c in range(0, length, 64)]
+    steps = [[(req, c, n), (other, 0, 40)] if i == 0 else [(req, c, n)] for i, (c, n) in enumerate(chunks)]
+    outs = _forward(cache(), steps)
+    pieces = [o[:n] for o, (_, n) in zip(outs, chunks) if n > 1]
+    assert torch.equal(torch.cat(pieces), whole[: sum(n for _, n in chunks if n > 1)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deterministic_decode_equals_prefill_alone_or_batched(deterministic_mode, dtype):
+    """Deterministic mode: a token's attention is the same bits computed in its prompt's
+    prefill, as a lone decode, or as a decode among others at any position."""
+    length = 300
+    req = _Request(length, dtype, 0, 1)
+    others = [_Request(n, dtype, 2 + i, 40 + 20 * i) for i, n in enumerate((5, 290, 17))]
+    cache = lambda: torch.zeros(2, 140, 16, HK, D, dtype=dtype)  # noqa: E731
+    whole = _forward(cache(), [[(req, 0, length)]])[0][-1]
+    alone = _forward(cache(), [[(req, 0, length - 1)], [(req, length - 1, 1)]])[1][0]
+    assert torch.equal(alone, whole)
+    for pos in range(len(others) + 1):
+        batch = [(o, 0, o.q.shape[0] - 1) for o in others] + [(req, 0, length - 1)]
+        decode = [(o, o.q.shape[0] - 1, 1) for o in others]
+        decode.insert(pos, (req, length - 1, 1))
+        assert torch.equal(_forward(cache(), [batch, decode])[1][pos], whole), pos
+
+
+@pytest.mark.parametrize("case", ["mixed", "chunk_on_cached_prefix", "decode_only", "one_decode"])
+def test_deterministic_mode_matches_reference(deterministic_mode, case):
+    out, ref = run_case(CASES[case], 9, 3, block_size=4, seed=3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lone_decode_bits_do_not_depend_on_the_block_layout(dtype):
+    """A lone decode request read in place (consecutive blocks) or gathered (scattered
+    blocks) gives the same bits: the physical layout chooses no arithmetic."""
+    req = _Request(70, dtype, 0, 3)
+    steps = [[(req, 0, 69)], [(req, 69, 1)]]
+    in_place = _forward(torch.zeros(2, 40, 16, HK, D, dtype=dtype), steps)[1]
+    req.blocks = [30, 7, 19, 2, 11]
+    gathered = _forward(torch.zeros(2, 40, 16, HK, D, dtype=dtype), steps)[1]
+    assert torch.equal(in_place, gathered)
