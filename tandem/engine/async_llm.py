@@ -76,8 +76,11 @@ class StatListener(Protocol):
 class RequestStream:
     """The front end's handle on one request: an async iterator of ``RequestOutput``.
 
-    Closing the iterator (``aclose()``, ``abort()``, cancelling the task that reads it)
-    before the last output aborts the request in the engine.
+    Outputs wait in a plain list with one waiter future at a time (cheaper than an
+    ``asyncio.Queue`` per output); :meth:`next_outputs` takes every output that arrived
+    since the last call at once, so that a reader behind by several engine steps frames
+    them in one pass. Closing the iterator (``aclose()``, ``abort()``, cancelling the task
+    that reads it) before the last output aborts the request in the engine.
     """
 
     request_id: str  # unique engine-side id
@@ -85,28 +88,70 @@ class RequestStream:
     owner: "AsyncLLM"
     arrival_time: float  # time.monotonic()
     num_prompt_tokens: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     aborted: bool = False
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+    _pending: list = field(default_factory=list)  # RequestOutputs, then possibly one exception
+    _waiter: asyncio.Future | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Deliver an output (or the exception that ends the stream); event-loop thread only."""
+        self._pending.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
+        await self._wait()
+        item = self._pending.pop(0)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        return self._deliver(item)
+
+    async def next_outputs(self) -> list[RequestOutput]:
+        """Every output that arrived since the last call, in order (waits for the first).
+
+        An exception that ends the stream is raised once the outputs before it are taken.
+
+        Raises:
+            StopAsyncIteration: after the last output (or an abort).
+        """
+        await self._wait()
+        items = self._pending
+        cut = next((k for k, x in enumerate(items) if isinstance(x, BaseException)), len(items))
+        if cut == 0:
+            self.finished = True
+            raise items[0]
+        self._pending = items[cut:]
+        outs = []
+        for x in items[:cut]:
+            outs.append(self._deliver(x))
+            if self.finished:  # nothing follows the last output
+                break
+        return outs
+
+    async def _wait(self) -> None:
         if self.finished or self.aborted:
             raise StopAsyncIteration
+        if self._pending:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
         try:
-            item = await self.queue.get()
+            await self._waiter
         except BaseException:
             # Cancelled (client disconnect) while waiting: stop the request.
             self.abort()
             raise
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
+        finally:
+            self._waiter = None
+
+    def _deliver(self, item: RequestOutput) -> RequestOutput:
         item.request_id = self.user_request_id
         self._observe(item)
         if item.finished:
@@ -115,7 +160,8 @@ class RequestStream:
 
     def _observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
-        n = sum(len(c.token_ids) for c in out.outputs)
+        cs = out.outputs
+        n = len(cs[0].token_ids) if len(cs) == 1 else sum(len(c.token_ids) for c in cs)
         listeners = self.owner.stat_listeners
         if n:
             if self.first_token_time is None:
@@ -297,7 +343,7 @@ class AsyncLLM:
         err = EngineDeadError(reason)
         for rid, stream in list(self._streams.items()):
             core_ids = self.output_processor.abort(rid)
-            stream.queue.put_nowait(err)
+            stream.put(err)
             if core_ids and self.is_running:
                 self.client.abort_requests(core_ids)
         self._streams.clear()
@@ -333,11 +379,11 @@ class AsyncLLM:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            stream.queue.put_nowait(out)
+            stream.put(out)
         for rid, err in res.errors.items():
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.queue.put_nowait(EngineDeadError(f"request failed in its engine core: {err}"))
+                stream.put(EngineDeadError(f"request failed in its engine core: {err}"))
         if res.reqs_to_abort:
             self.client.abort_requests(res.reqs_to_abort)
         self._report_tokens()
@@ -356,5 +402,5 @@ class AsyncLLM:
     def _fail_all(self, err: EngineDeadError) -> None:
         for rid, stream in list(self._streams.items()):
             self.output_processor.abort(rid)
-            stream.queue.put_nowait(err)
+            stream.put(err)
         self._streams.clear()

@@ -130,8 +130,11 @@ class _Stream:
         if text is None:
             self._pending_ids.extend(ids)
             return ""
-        self._chunk_ids = self._pending_ids + ids
-        self._pending_ids = []
+        if self._pending_ids:
+            self._chunk_ids = self._pending_ids + ids
+            self._pending_ids = []
+        else:  # the common case: no list built per token
+            self._chunk_ids = ids
         return text
 
     def flush(self) -> str:
@@ -230,6 +233,10 @@ class IncrementalDetokenizer:
             self._text += self._stream.step([int(t) for t in new_token_ids])
         if stop_terminated:
             self._text += self._stream.flush()
+        if not self.stop:  # nothing to match or hold back
+            self._released = len(self._text)
+            self._finished = stop_terminated
+            return None
 
         matched = self._match_stop(old_len) if check_stop else None
         if matched is not None:

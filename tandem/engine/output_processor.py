@@ -135,12 +135,14 @@ class OutputProcessor:
         return live
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
-        """Process the core outputs of one step (see the module docstring)."""
+        """Process the core outputs of one step (see the module docstring), in one pass."""
         now = time.monotonic()
         res = OutputProcessorOutput()
         touched: dict[str, ParentState] = {}
+        seqs = self.seqs
+        num_generated = 0
         for o in outputs:
-            entry = self.seqs.get(o.request_id)
+            entry = seqs.get(o.request_id)
             if entry is None:
                 continue  # finished or aborted before this step was processed
             parent, s = entry
@@ -156,35 +158,40 @@ class OutputProcessor:
                 if o.finish_reason is None:
                     continue
                 s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason  # finished without a token
-                del self.seqs[o.request_id]
+                del seqs[o.request_id]
                 touched[parent.request_id] = parent
                 continue
             if s.index == 0:
                 parent.num_cached_tokens = o.num_cached_tokens
-            self._take_tokens(s, o, now, res)
-            if s.finished:
-                del self.seqs[o.request_id]
+            num_generated += self._take_tokens(s, o, now, res)
+            if s.finish_reason is not None:
+                del seqs[o.request_id]
             touched[parent.request_id] = parent
-        res.request_outputs = [r for p in touched.values() if (r := self._make_output(p, now)) is not None]
+        self.stats["generation_tokens"] += num_generated
+        make = self._make_output
+        res.request_outputs = [r for p in touched.values() if (r := make(p, now)) is not None]
         return res
 
-    def _take_tokens(self, s: SeqOutputState, o: EngineCoreOutput, now: float, res: OutputProcessorOutput) -> None:
+    def _take_tokens(self, s: SeqOutputState, o: EngineCoreOutput, now: float, res: OutputProcessorOutput) -> int:
+        """Take a step's new tokens of one sequence; returns how many were taken (the
+        tokens after a stop string that ends the sequence are dropped)."""
         sp = s.params
-        n = len(o.new_token_ids)
-        for k, tok in enumerate(o.new_token_ids):
-            s.output_token_ids.append(tok)
-            self.stats["generation_tokens"] += 1
-            if s.first_token_time is None:
-                s.first_token_time = now
+        new = o.new_token_ids
+        last = len(new) - 1
+        if s.first_token_time is None:
+            s.first_token_time = now
+        out_ids, detok = s.output_token_ids, s.detok
+        for k, tok in enumerate(new):
+            out_ids.append(tok)
             if s.logprobs is not None:
                 ids, lps, rank = o.new_logprobs[k]
                 s.logprobs.append(self._position_logprobs(ids, lps, rank, sp.logprobs))
                 s.cumulative_logprob += lps[0]
-            reason = o.finish_reason if k == n - 1 else None
+            reason = o.finish_reason if k == last else None
             # As in vLLM, an EOS / stop token's own text is left out unless asked for.
             hide = reason == "stop" and not sp.include_stop_str_in_output
-            stop_str = s.detok.update([] if hide else [tok], reason is not None,
-                                      check_stop=len(s.output_token_ids) >= sp.min_tokens)
+            stop_str = detok.update([] if hide else [tok], reason is not None,
+                                    check_stop=len(out_ids) >= sp.min_tokens)
             if reason is not None:
                 s.finish_reason, s.stop_reason = reason, o.stop_reason
             # A stop string completed by the last allowed token still ends it as "stop".
@@ -192,8 +199,9 @@ class OutputProcessor:
                 if reason is None:
                     res.reqs_to_abort.append(s.core_request_id)
                 s.finish_reason, s.stop_reason = "stop", stop_str
-            if s.finished:
-                return
+            if s.finish_reason is not None:
+                return k + 1
+        return last + 1
 
     def _failed_output(self, parent: ParentState, error: str, now: float) -> RequestOutput:
         """The last output of a request its core dropped: its completions so far, the
@@ -221,28 +229,29 @@ class OutputProcessor:
             parent.prompt_logprobs.append(self._position_logprobs(ids, lps, rank, k))
 
     def _make_output(self, parent: ParentState, now: float) -> RequestOutput | None:
-        finished = all(s.finished for s in parent.seqs)
+        seqs = parent.seqs
+        if len(seqs) == 1:
+            finished = seqs[0].finish_reason is not None
+        else:
+            finished = all(s.finish_reason is not None for s in seqs)
         kind = parent.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA
         completions = []
-        for s in parent.seqs:
-            if delta and len(s.output_token_ids) == s.sent_tokens and (s.finish_sent or not s.finished):
+        for s in seqs:
+            s_finished = s.finish_reason is not None
+            n = len(s.output_token_ids)
+            if delta and n == s.sent_tokens and (s.finish_sent or not s_finished):
                 continue  # nothing new for this sequence in a streamed output
-            text = s.detok.get_next_output_text(s.finished, delta)
+            text = s.detok.get_next_output_text(s_finished, delta)
             start = s.sent_tokens if delta else 0
             completions.append(CompletionOutput(
-                index=s.index,
-                text=text,
-                token_ids=s.output_token_ids[start:],
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.logprobs[start:] if s.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
+                s.index, text, s.output_token_ids[start:], s.cumulative_logprob,
+                s.logprobs[start:] if s.logprobs is not None else None, s.finish_reason, s.stop_reason,
             ))
-            s.sent_tokens = len(s.output_token_ids)
-            s.finish_sent = s.finished
+            s.sent_tokens = n
+            s.finish_sent = s_finished
         prompt_lp = parent.prompt_logprobs
         if delta and prompt_lp is not None:
             prompt_lp = None if parent.prompt_logprobs_sent else prompt_lp

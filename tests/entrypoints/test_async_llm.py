@@ -8,7 +8,8 @@ import time
 import pytest
 
 from tandem.engine.arg_utils import EngineArgs
-from tandem.engine.async_llm import AsyncLLM, EngineDeadError
+from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -127,6 +128,55 @@ def test_death_found_by_a_liveness_check_fails_live_requests():
         asyncio.run(main())
     finally:
         own.shutdown()
+
+
+class _Owner:
+    """What a ``RequestStream`` needs of its ``AsyncLLM``: listeners and the abort hook."""
+
+    def __init__(self) -> None:
+        self.stat_listeners: list = []
+        self.aborted: list[str] = []
+
+    def _abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _out(text: str, finished: bool = False) -> RequestOutput:
+    return RequestOutput("core-id", None, [1], [CompletionOutput(0, text, [7], finish_reason="length" if finished
+                                                                 else None)], finished)
+
+
+def test_stream_batches_what_arrived_and_ends_at_the_last_output():
+    """``next_outputs`` takes every output that arrived since the last call (the user's id
+    set on each), waits when there is none, and nothing after the last one; outputs
+    before an exception come first, the exception on the next call."""
+    async def main():
+        owner = _Owner()
+        s = RequestStream("core-id", "user-id", owner, time.monotonic(), 1)
+        s.put(_out("a"))
+        s.put(_out("b"))
+        first = await s.next_outputs()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, s.put, _out("c", finished=True))
+        second = await s.next_outputs()  # waits for it
+        with pytest.raises(StopAsyncIteration):
+            await s.next_outputs()
+        assert [o.request_id for o in first + second] == ["user-id"] * 3
+        e = RequestStream("core-2", "u2", owner, time.monotonic(), 1)
+        e.put(_out("x"))
+        e.put(EngineDeadError("gone"))
+        got = await e.next_outputs()
+        with pytest.raises(EngineDeadError, match="gone"):
+            await e.next_outputs()
+        w = RequestStream("core-3", "u3", owner, time.monotonic(), 1)
+        t = asyncio.create_task(w.next_outputs())
+        await asyncio.sleep(0.01)
+        t.cancel()  # a reader cancelled while waiting aborts its request
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        return [o.outputs[0].text for o in first + second], [o.outputs[0].text for o in got], owner.aborted
+
+    assert asyncio.run(main()) == (["a", "b", "c"], ["x"], ["core-3"])
 
 
 def test_shutdown_fails_new_requests(llm):

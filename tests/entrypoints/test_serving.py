@@ -1,5 +1,6 @@
 """A streamed chat choice's tool-call deltas (``serving._ToolStream``) against
-``ToolPlan.split`` of the whole text, for every tool_choice and any split into deltas."""
+``ToolPlan.split`` of the whole text, for every tool_choice and any split into deltas;
+the SSE chunks written without pydantic models against the models' JSON."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 
 from tandem.entrypoints.openai import protocol as P
-from tandem.entrypoints.openai.serving import _ToolStream
+from tandem.entrypoints.openai.serving import ChunkFrames, _js, _ToolStream, sse
 from tandem.entrypoints.openai.structured_outputs import tool_plan
 
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("f", "g")]
@@ -58,3 +59,35 @@ def test_streamed_tool_calls_equal_whole(choice, parallel, text, size):
         assert first_at[0] < len(text) - 1  # the first call went out as soon as it was complete
     for name, args in s_calls:
         json.loads(args)
+
+
+TEXTS = ["", " hello", 'q"uo\\te/', "\n\t\r\b\f\x00\x1f\x7f", "é中🙂\u2028\u2029\ufffd", "</script>"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("finish, stop_reason", [(None, None), ("stop", 2), ("stop", "a\"b"), ("length", None)])
+@pytest.mark.parametrize("usage", [None, (7, 3)])
+def test_chunk_frames_are_the_models_json(text, finish, stop_reason, usage):
+    """``ChunkFrames`` writes, byte for byte, what ``model_dump_json`` of the stream
+    response models writes (ids and model names with characters JSON escapes too)."""
+
+    rid, model, created = 'cmpl-"x"\\é', "m/ö\n", 1700000000
+    u = P.UsageInfo(prompt_tokens=usage[0], completion_tokens=usage[1], total_tokens=sum(usage)) if usage else None
+    u_json = ChunkFrames.usage(*usage) if usage else "null"
+    lp = P.CompletionLogProbs(text_offset=[0], token_logprobs=[-1e-5], tokens=[text], top_logprobs=[{text: -0.5}])
+    for logprobs in (None, lp):
+        want = P.CompletionStreamResponse(id=rid, created=created, model=model, usage=u, choices=[
+            P.CompletionResponseStreamChoice(index=3, text=text, logprobs=logprobs, finish_reason=finish,
+                                             stop_reason=stop_reason)])
+        got = ChunkFrames("text_completion", rid, created, model).frame(
+            3, _js(text), logprobs.model_dump_json() if logprobs else "null", finish, stop_reason, u_json)
+        assert got == sse(want)
+    plan = tool_plan(P.ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}]))
+    delta_json, calls = _ToolStream(plan, "hermes").delta_json(text, finish is not None)
+    assert not calls
+    want = P.ChatCompletionStreamResponse(id=rid, created=created, model=model, usage=u, choices=[
+        P.ChatCompletionResponseStreamChoice(index=1, delta=P.DeltaMessage(content=text), finish_reason=finish,
+                                             stop_reason=stop_reason)])
+    got = ChunkFrames("chat.completion.chunk", rid, created, model).frame(1, delta_json, "null", finish,
+                                                                         stop_reason, u_json)
+    assert got == sse(want)

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
+import msgspec
+
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from tandem.engine.processor import PromptError
 from tandem.engine.token_bytes import TokenBytes, token_id_string
@@ -74,19 +76,28 @@ def _clamp(lp: float) -> float:
     return -9999.0 if math.isnan(lp) or math.isinf(lp) else max(lp, -9999.0)
 
 
-async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several request streams as ``(stream index, output)``, in arrival order."""
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """Interleave several request streams as ``(stream index, output)``, in arrival order,
+    in batches: each batch is every output that arrived since the last one (at least one)."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
+        s = streams[0]
+        while True:
+            try:
+                outs = await s.next_outputs()
+            except StopAsyncIteration:
+                return
+            yield [(0, o) for o in outs]
     q: asyncio.Queue = asyncio.Queue()
     done = object()
 
     async def pump(i: int, s: RequestStream) -> None:
         try:
-            async for out in s:
-                q.put_nowait((i, out))
+            while True:
+                try:
+                    outs = await s.next_outputs()
+                except StopAsyncIteration:
+                    break
+                q.put_nowait((i, outs))
         except BaseException as e:  # noqa: BLE001 - forwarded to the reader
             q.put_nowait((i, e))
             return
@@ -96,13 +107,23 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple
     try:
         remaining = len(tasks)
         while remaining:
-            i, item = await q.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+            batch: list[tuple[int, RequestOutput]] = []
+            item = await q.get()
+            while True:
+                i, x = item
+                if x is done:
+                    remaining -= 1
+                elif isinstance(x, BaseException):
+                    if batch:
+                        yield batch
+                    raise x
+                else:
+                    batch += [(i, o) for o in x]
+                if q.empty():
+                    break
+                item = q.get_nowait()
+            if batch:
+                yield batch
     finally:
         for t in tasks:
             t.cancel()
@@ -133,6 +154,41 @@ def sse(data: Any) -> str:
     if isinstance(data, P.OpenAIBaseModel):
         return f"data: {data.model_dump_json()}\n\n"
     return f"data: {json.dumps(data)}\n\n"
+
+
+_json_encoder = msgspec.json.Encoder()
+
+
+def _js(value: str | int | None) -> str:
+    """JSON of a string, an int or None, as pydantic writes it (both escape only what JSON
+    requires and write every other character as itself, in UTF-8)."""
+    return _json_encoder.encode(value).decode()
+
+
+class ChunkFrames:
+    """SSE frames of one streamed response's chunks (``CompletionStreamResponse``, ``object``
+    "text_completion", or ``ChatCompletionStreamResponse``, "chat.completion.chunk") with
+    one choice each, byte for byte their ``model_dump_json``, without building pydantic
+    models per token: the fields every chunk shares are serialized once.
+    """
+
+    def __init__(self, obj: str, rid: str, created: int, model: str) -> None:
+        self._head = (f'data: {{"id":{_js(rid)},"object":{_js(obj)},"created":{created},"model":{_js(model)},'
+                      f'"choices":[{{"index":')
+        self._field = ',"text":' if obj == "text_completion" else ',"delta":'
+
+    def frame(self, index: int, value_json: str, logprobs_json: str, finish_reason: str | None,
+              stop_reason: int | str | None, usage_json: str) -> str:
+        """One chunk: ``value_json`` is the choice's ``text`` (completions) or ``delta``
+        (chat) already as JSON; ``logprobs_json`` / ``usage_json``: JSON or ``null``."""
+        return (f'{self._head}{index}{self._field}{value_json},"logprobs":{logprobs_json},"finish_reason":'
+                f'{_js(finish_reason)},"stop_reason":{_js(stop_reason)}}}],"usage":{usage_json}}}\n\n')
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> str:
+        """``UsageInfo`` as JSON (no prompt token details)."""
+        return (f'{{"prompt_tokens":{prompt_tokens},"completion_tokens":{completion_tokens},'
+                f'"total_tokens":{prompt_tokens + completion_tokens},"prompt_tokens_details":null}}')
 
 
 class TextOffsets:
@@ -472,38 +528,45 @@ class OpenAIServing:
     async def _completion_stream(self, streams, prompts, echo_texts, echo_only: bool, params: SamplingParams,
                                  rid: str, include_usage: bool, continuous_usage: bool,
                                  as_ids: bool) -> AsyncIterator[str]:
+        """One SSE event per choice and output; the events of the outputs that arrived
+        together go out as one write."""
         created = int(time.time())
+        chunks = ChunkFrames("text_completion", rid, created, self.model_name)
         n = params.n
         offsets: dict[int, TextOffsets] = {}  # per choice: characters sent so far
         num_gen: dict[int, int] = {}  # per choice: tokens sent so far
+        frames: list[str] = []
+
+        def frame(i: int, out: RequestOutput, c: CompletionOutput) -> str | None:
+            idx = i * n + c.index
+            first = idx not in offsets
+            if first:
+                offsets[idx] = TextOffsets(self.token_bytes)
+            toks = [] if echo_only else c.token_ids
+            text = "" if echo_only else c.text
+            num_gen[idx] = num_gen.get(idx, 0) + len(toks)
+            with_prompt = echo_texts is not None and first
+            if with_prompt:
+                text = echo_texts[i] + text
+            logprobs = "null"
+            if params.logprobs is not None:
+                logprobs = self._completion_choice_logprobs(i, out, c, prompts, echo_texts, echo_only, params,
+                                                            offsets[idx], with_prompt, as_ids).model_dump_json()
+            finish = ("length" if echo_only else c.finish_reason) if c.finish_reason else None
+            if not text and not toks and finish is None:
+                return None
+            usage = chunks.usage(len(prompts[i][1]), num_gen[idx]) if continuous_usage else "null"
+            return chunks.frame(idx, _js(text), logprobs, finish, c.stop_reason if finish else None, usage)
+
         try:
-            async for i, out in merge_streams(streams):
-                for c in out.outputs:
-                    idx = i * n + c.index
-                    first = idx not in offsets
-                    offs = offsets.setdefault(idx, TextOffsets(self.token_bytes))
-                    toks = [] if echo_only else c.token_ids
-                    text = "" if echo_only else c.text
-                    num_gen[idx] = num_gen.get(idx, 0) + len(toks)
-                    with_prompt = echo_texts is not None and first
-                    if with_prompt:
-                        text = echo_texts[i] + text
-                    logprobs = None
-                    if params.logprobs is not None:
-                        logprobs = self._completion_choice_logprobs(i, out, c, prompts, echo_texts, echo_only, params,
-                                                                    offs, with_prompt, as_ids)
-                    finish = ("length" if echo_only else c.finish_reason) if c.finish_reason else None
-                    if not text and not toks and finish is None:
-                        continue
-                    usage = None
-                    if continuous_usage:
-                        usage = P.UsageInfo(prompt_tokens=len(prompts[i][1]), completion_tokens=num_gen[idx],
-                                            total_tokens=len(prompts[i][1]) + num_gen[idx])
-                    chunk = P.CompletionStreamResponse(id=rid, created=created, model=self.model_name, usage=usage,
-                                                       choices=[P.CompletionResponseStreamChoice(
-                                                           index=idx, text=text, logprobs=logprobs, finish_reason=finish,
-                                                           stop_reason=c.stop_reason if finish else None)])
-                    yield sse(chunk)
+            async for batch in merge_streams(streams):
+                for i, out in batch:
+                    for c in out.outputs:
+                        if (f := frame(i, out, c)) is not None:
+                            frames.append(f)
+                if frames:
+                    yield "".join(frames)
+                    frames.clear()
             if include_usage:
                 num_prompt = sum(len(ids) for _, ids in prompts)
                 total_gen = sum(num_gen.values())
@@ -512,10 +575,10 @@ class OpenAIServing:
                 yield sse(P.CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                      usage=usage))
         except EngineDeadError as e:
-            yield sse(error_body(str(e), 500, "InternalServerError"))
+            yield "".join(frames) + sse(error_body(str(e), 500, "InternalServerError"))
         except Exception as e:  # noqa: BLE001 - report, then close the stream
             logger.exception("streaming completion failed")
-            yield sse(error_body(f"internal error: {e!r}", 500, "InternalServerError"))
+            yield "".join(frames) + sse(error_body(f"internal error: {e!r}", 500, "InternalServerError"))
         finally:
             for s in streams:
                 s.abort()
@@ -641,46 +704,56 @@ class OpenAIServing:
     async def _chat_stream(self, stream: RequestStream, num_prompt: int, params: SamplingParams, rid: str,
                            include_usage: bool, continuous_usage: bool, as_ids: bool,
                            plan: ToolPlan) -> AsyncIterator[str]:
+        """The role chunk of each choice, then one SSE event per choice and output; the
+        events of the outputs that arrived together go out as one write."""
         created = int(time.time())
+        chunks = ChunkFrames("chat.completion.chunk", rid, created, self.model_name)
         num_gen = [0] * params.n  # per choice: tokens sent so far
         tools = [_ToolStream(plan, self.tool_call_parser) for _ in range(params.n)]
+        frames: list[str] = []
 
-        def chunk(choices, i: int | None = None) -> str:
-            usage = None
-            if continuous_usage and i is not None:
-                usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen[i],
-                                    total_tokens=num_prompt + num_gen[i])
-            return sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                                      usage=usage))
+        def frame(c: CompletionOutput) -> str | None:
+            num_gen[c.index] += len(c.token_ids)
+            if not c.text and not c.token_ids and c.finish_reason is None:
+                return None
+            logprobs = (self._chat_logprobs(c, params, params.logprobs, as_ids).model_dump_json()
+                        if params.logprobs is not None else "null")
+            delta, any_calls = tools[c.index].delta_json(c.text, c.finish_reason is not None)
+            finish = self._finish_reason(plan, [None] if any_calls else [], c.finish_reason)
+            if delta == "{}" and logprobs == "null" and finish is None:
+                return None  # text held back by the tool parser
+            usage = chunks.usage(num_prompt, num_gen[c.index]) if continuous_usage else "null"
+            return chunks.frame(c.index, delta, logprobs, finish, c.stop_reason if c.finish_reason else None, usage)
 
         try:
             for i in range(params.n):
-                yield chunk([P.ChatCompletionResponseStreamChoice(
-                    index=i, delta=P.DeltaMessage(role="assistant", content=""))], i)
-            async for out in stream:
-                for c in out.outputs:
-                    num_gen[c.index] += len(c.token_ids)
-                    if not c.text and not c.token_ids and c.finish_reason is None:
-                        continue
-                    logprobs = (self._chat_logprobs(c, params, params.logprobs, as_ids)
-                                if params.logprobs is not None else None)
-                    delta, any_calls = tools[c.index].delta(c.text, c.finish_reason is not None)
-                    finish = self._finish_reason(plan, [None] if any_calls else [], c.finish_reason)
-                    if delta.content is None and delta.tool_calls is None and logprobs is None and finish is None:
-                        continue  # text held back by the tool parser
-                    yield chunk([P.ChatCompletionResponseStreamChoice(
-                        index=c.index, delta=delta, logprobs=logprobs,
-                        finish_reason=finish, stop_reason=c.stop_reason if c.finish_reason else None)], c.index)
+                usage = P.UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt) if continuous_usage else None
+                yield sse(P.ChatCompletionStreamResponse(
+                    id=rid, created=created, model=self.model_name, usage=usage, choices=[
+                        P.ChatCompletionResponseStreamChoice(index=i, delta=P.DeltaMessage(role="assistant",
+                                                                                           content=""))]))
+            while True:
+                try:
+                    outs = await stream.next_outputs()
+                except StopAsyncIteration:
+                    break
+                for out in outs:
+                    for c in out.outputs:
+                        if (f := frame(c)) is not None:
+                            frames.append(f)
+                if frames:
+                    yield "".join(frames)
+                    frames.clear()
             if include_usage:
                 total = sum(num_gen)
                 usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=total, total_tokens=num_prompt + total)
                 yield sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
                                                          usage=usage))
         except EngineDeadError as e:
-            yield sse(error_body(str(e), 500, "InternalServerError"))
+            yield "".join(frames) + sse(error_body(str(e), 500, "InternalServerError"))
         except Exception as e:  # noqa: BLE001
             logger.exception("streaming chat completion failed")
-            yield sse(error_body(f"internal error: {e!r}", 500, "InternalServerError"))
+            yield "".join(frames) + sse(error_body(f"internal error: {e!r}", 500, "InternalServerError"))
         finally:
             stream.abort()
         yield "data: [DONE]\n\n"
@@ -750,6 +823,13 @@ class _ToolStream:
         self.parser = plan.parser(parser)
         self.num_calls = 0
         self.call_id = ToolCall("", "").id
+
+    def delta_json(self, text: str, final: bool) -> tuple[str, bool]:
+        """:meth:`delta` as the JSON of the ``DeltaMessage`` (``{}`` when empty)."""
+        if self.plan.mode == "none":  # the common case, without a pydantic model per token
+            return f'{{"content":{_js(text)}}}', False
+        delta, any_calls = self.delta(text, final)
+        return delta.model_dump_json(), any_calls
 
     def delta(self, text: str, final: bool) -> tuple[P.DeltaMessage, bool]:
         """(the delta to send, whether this choice made any call so far)."""
