@@ -41,11 +41,12 @@ from tandem.attention.backend import write_kv_cache
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers import batch_invariant
 
-KV_SPLIT = 256
+KV_SPLIT = 128
 """Keys per split of :func:`split_attention`: fixed, whatever the batch or the phase."""
-Q_BLOCK = 16
-"""Queries per block of :func:`split_attention` (each GEMM has a multiple of
-``Q_BLOCK * group`` rows: MKL's fp32 GEMM rounds differently under 12 rows)."""
+MIN_GEMM_ROWS = 16
+"""Fewest rows of each GEMM of :func:`split_attention`: a query is padded to
+``ceil(MIN_GEMM_ROWS / group)`` rows when it has fewer (a decode), since MKL's fp32 GEMM
+rounds 1 to 11 rows differently from more (RESULTS: deterministic inference)."""
 
 
 def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, dtype: torch.dtype | None = None,
@@ -168,62 +169,71 @@ class TorchAttentionBackend:
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, r: int, scale: float) -> torch.Tensor:
-        """Request ``r``'s ``q_len`` new tokens (``q [q_len, Hq, D]``, its new ``k``/``v``)
-        by :func:`split_attention`: the same bits for a token however its prompt was
-        chunked or cached."""
-        q_len, seq_len = q.shape[0], meta.seq_lens_cpu[r]
-        if seq_len == q_len and kv_cache.dtype == q.dtype:  # nothing cached before: its own keys are the cache's
-            kc, vc = k[None], v[None]
-        else:
-            kc, vc = gather_kv(kv_cache, meta.block_tables[r : r + 1], -(-seq_len // kv_cache.shape[2]), q.dtype)
-        hk, rows = kv_cache.shape[3], -(-q_len // Q_BLOCK) * Q_BLOCK
+        """Request ``r``'s ``q_len`` new tokens (``q [q_len, Hq, D]``; its new K/V are in
+        the cache) by :func:`split_attention`: the same bits for a token however its prompt
+        was chunked or cached."""
+        q_len, seq_len, hq = q.shape[0], meta.seq_lens_cpu[r], q.shape[1]
+        hk = kv_cache.shape[3]
+        kc, vc = _split_keys(kv_cache, meta.block_tables[r : r + 1], seq_len)
+        rows = max(q_len, _min_rows(hq // hk))
         pos = torch.arange(seq_len - q_len, seq_len - q_len + rows, device=q.device)
         pos[q_len:] = -1
-        o = split_attention(_packed_queries(q[None], hk, rows), _pad_keys(kc, seq_len), _pad_keys(vc, seq_len),
-                            pos.repeat_interleave(q.shape[1] // hk)[None], scale)
-        return _unpacked(o, q_len, q.shape[1])[0].to(q.dtype)
+        o = split_attention(_packed_queries(q[None], hk, rows), kc, vc, pos.repeat_interleave(hq // hk)[None], scale,
+                            first_pos=seq_len - q_len)
+        return _unpacked(o, q_len, hq)[0].to(q.dtype)
 
     def _decode_split(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
         """Deterministic mode's decode: ``q [nd, Hq, D]`` -> ``[nd, Hq, D]`` by
-        :func:`split_attention`, each request's query alone in its block of queries."""
+        :func:`split_attention`, each request's query padded as a prefill's would be."""
         nd, hq, _ = q.shape
         hk, g = kv_cache.shape[3], hq // kv_cache.shape[3]
-        seq = max(meta.seq_lens_cpu[:nd])
-        kc, vc = gather_kv(kv_cache, meta.block_tables[:nd], -(-seq // kv_cache.shape[2]), q.dtype)
-        pos = torch.full((nd, Q_BLOCK * g), -1, dtype=torch.long, device=q.device)
+        kc, vc = _split_keys(kv_cache, meta.block_tables[:nd], max(meta.seq_lens_cpu[:nd]))
+        rows = _min_rows(g)
+        pos = torch.full((nd, rows * g), -1, dtype=torch.long, device=q.device)
         pos[:, :g] = (meta.seq_lens[:nd].long() - 1)[:, None]
-        o = split_attention(_packed_queries(q[:, None], hk, Q_BLOCK), _pad_keys(kc, seq), _pad_keys(vc, seq), pos, scale)
+        o = split_attention(_packed_queries(q[:, None], hk, rows), kc, vc, pos, scale)
         return _unpacked(o, 1, hq)[:, 0].to(q.dtype)
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, first_pos: int | None = None) -> torch.Tensor:
     """Causal attention computed in a fixed order per query, in fp32.
 
     Args:
         q: ``[B, Hk, M, D]``: ``M`` query rows per KV head (query heads of a KV head
-            packed), a multiple of ``Q_BLOCK * group`` (pad rows of zeros).
-        k, v: ``[B or 1, S, Hk, D]``, keys/values by position, ``S`` a multiple of
+            packed), at least :data:`MIN_GEMM_ROWS` (pad rows of zeros).
+        k, v: ``[B or 1, S, Hk, D]`` fp32, keys/values by position, ``S`` a multiple of
             :data:`KV_SPLIT` (positions past a query are masked, whatever they hold).
         q_pos: ``[B, M]`` int64 position of each query row; it sees keys ``<=`` it
             (-1: a pad row, whose output is NaN).
         scale: softmax scale.
+        first_pos: for ``B = 1`` with rows in position order (a prefill: consecutive
+            positions from ``first_pos``, ``group`` rows each, pad rows last), the first
+            row's position: rows wholly before a split skip it (bit for bit what computing
+            it gives, see below) down to :data:`MIN_GEMM_ROWS` rows. None: no skipping.
 
-    Returns ``[B, Hk, M, D]`` fp32. The keys are taken :data:`KV_SPLIT` at a time in order,
-    each split's scores and weighted values are GEMMs of the same shapes whatever ``B``,
-    ``M`` or ``S``, and the splits merge as in flash-decoding (Dao et al. 2023). A split
+    Returns ``[B, Hk, M, D]`` fp32. The keys are taken :data:`KV_SPLIT` at a time in order;
+    each split's scores and weighted values are GEMMs with a reduction of fixed length
+    (``D``, then ``KV_SPLIT``) and at least :data:`MIN_GEMM_ROWS` rows, where a row's bits
+    do not depend on the row count or the batch (measured, and tested); the splits merge
+    as in flash-decoding (Dao et al. 2023), in order. A split
     wholly past a query adds exact zeros and multiplies by exactly 1, so how many splits a
     batch needs does not change a query's bits.
     """
     floor = torch.finfo(torch.float32).min
     q = q.float() * scale
+    rows = q.shape[2]
+    group = int((q_pos[0] == first_pos).sum()) if first_pos is not None else 0
     key_pos = torch.arange(KV_SPLIT, device=q.device)
     acc = m_run = l_run = None
     for j in range(k.shape[1] // KV_SPLIT):
-        k_j = k[:, j * KV_SPLIT:(j + 1) * KV_SPLIT].float().permute(0, 2, 3, 1)  # [B, Hk, D, KV]
-        v_j = v[:, j * KV_SPLIT:(j + 1) * KV_SPLIT].float().transpose(1, 2)  # [B, Hk, KV, D]
-        s = torch.matmul(q, k_j)  # [B, Hk, M, KV]
-        masked = (key_pos + j * KV_SPLIT)[None, None, :] > q_pos[:, :, None]  # [B, M, KV]
+        m0 = 0
+        if first_pos is not None and j:
+            m0 = min(max(0, j * KV_SPLIT - first_pos) * group, max(0, rows - MIN_GEMM_ROWS))
+        k_j = k[:, j * KV_SPLIT:(j + 1) * KV_SPLIT].permute(0, 2, 3, 1)  # [B, Hk, D, KV]
+        v_j = v[:, j * KV_SPLIT:(j + 1) * KV_SPLIT].transpose(1, 2)  # [B, Hk, KV, D]
+        s = torch.matmul(q[:, :, m0:], k_j)  # [B, Hk, M - m0, KV]
+        masked = (key_pos + j * KV_SPLIT)[None, None, :] > q_pos[:, m0:, None]  # [B, M - m0, KV]
         s.masked_fill_(masked[:, None], float("-inf"))
         m = s.amax(dim=-1, keepdim=True).clamp_min_(floor)
         p = (s - m).exp_()
@@ -231,18 +241,30 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
         if acc is None:
             acc, m_run, l_run = o, m, l_j
             continue
-        m_new = torch.maximum(m_run, m)
-        a, b = (m_run - m_new).exp_(), (m - m_new).exp_()
-        acc, l_run, m_run = acc * a + o * b, l_run * a + l_j * b, m_new
+        m_new = torch.maximum(m_run[:, :, m0:], m)
+        a, b = (m_run[:, :, m0:] - m_new).exp_(), (m - m_new).exp_()
+        acc[:, :, m0:] = acc[:, :, m0:] * a + o * b
+        l_run[:, :, m0:] = l_run[:, :, m0:] * a + l_j * b
+        m_run[:, :, m0:] = m_new
     return acc / l_run
 
 
-def _pad_keys(x: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """``x [B, >= seq_len, Hk, D]`` cut or zero-padded to ``seq_len`` rounded up to
-    :data:`KV_SPLIT` positions."""
+def _min_rows(group: int) -> int:
+    """Query rows that give a :func:`split_attention` GEMM :data:`MIN_GEMM_ROWS` rows."""
+    return -(-MIN_GEMM_ROWS // group)
+
+
+def _split_keys(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requests' keys and values ``[R, S, Hk, D]`` in fp32, ``S`` = ``seq_len`` rounded
+    up to :data:`KV_SPLIT`; blocks past a request's table are the null block's (masked)."""
     want = -(-seq_len // KV_SPLIT) * KV_SPLIT
-    x = x[:, :min(want, x.shape[1])]
-    return F.pad(x, (0, 0, 0, 0, 0, want - x.shape[1])) if x.shape[1] < want else x
+    nb = -(-want // kv_cache.shape[2])
+    table = block_tables[:, :nb]
+    if table.shape[1] < nb:
+        table = F.pad(table, (0, nb - table.shape[1]))
+    k, v = gather_kv(kv_cache, table, nb, torch.float32)
+    return k[:, :want], v[:, :want]
 
 
 def _packed_queries(q: torch.Tensor, hk: int, rows: int) -> torch.Tensor:
