@@ -63,7 +63,8 @@ def _generate(args: argparse.Namespace) -> None:
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos)
     engine_args = EngineArgs.from_cli_args(args)
-    model_cfg = engine_args.create_engine_config().model_config  # checked, and the model path resolved
+    engine_cfg = engine_args.create_engine_config()  # checked, and the model path resolved
+    model_cfg = engine_cfg.model_config
     start = time.perf_counter()
     llm = LLM(**asdict(engine_args))
     load_s = time.perf_counter() - start
@@ -86,7 +87,9 @@ def _generate(args: argparse.Namespace) -> None:
                     if c.text:
                         print(c.text)
                     _completion_notes(c, args.max_tokens)
-        print(generation_summary(outs, load_s), file=sys.stderr)
+        from tandem.layers.quantization.config import weights_mode
+
+        print(generation_summary(outs, load_s, weights_mode(engine_cfg)), file=sys.stderr)
     finally:
         llm.engine.shutdown()
 
@@ -119,13 +122,15 @@ def _completion_notes(c, max_tokens: int) -> None:
         print(f"[cut at {len(c.token_ids)} tokens: --max-tokens {max_tokens}]", file=sys.stderr)
 
 
-def generation_summary(outs: list, load_s: float) -> str:
+def generation_summary(outs: list, load_s: float, weights: str | None = None) -> str:
     """One line of speeds: prompt tokens/s (arrival of the first request to the last first
     token), generation tokens/s (tokens after each completion's first, from the last first
-    token to the last finish) and the model load time (speeds left out when an engine
-    front-end reports no request timings)."""
+    token to the last finish), the model load time (speeds left out when an engine
+    front-end reports no request timings) and, given, how the weights run (``weights``:
+    :func:`tandem.layers.quantization.config.weights_mode`)."""
+    tail = f"model load {load_s:.1f} s" + (f"; weights {weights}" if weights else "")
     if not all({"arrival_time", "first_token_time", "finished_time"} <= o.metrics.keys() for o in outs):
-        return f"model load {load_s:.1f} s"
+        return tail
     arrival = min(o.metrics["arrival_time"] for o in outs)
     first = max(o.metrics["first_token_time"] for o in outs)
     end = max(o.metrics["finished_time"] for o in outs)
@@ -135,7 +140,7 @@ def generation_summary(outs: list, load_s: float) -> str:
     rate = lambda n, s: f"{n / s:.1f} tok/s" if s > 0 and n > 0 else "n/a"  # noqa: E731
     return (f"prompt: {n_prompt} tokens in {first - arrival:.2f} s ({rate(n_prompt, first - arrival)}); "
             f"generation: {n_gen} tokens in {end - first:.2f} s ({rate(n_gen, end - first)}); "
-            f"model load {load_s:.1f} s")
+            f"{tail}")
 
 
 def _serve(args: argparse.Namespace) -> None:

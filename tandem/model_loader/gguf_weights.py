@@ -1,14 +1,17 @@
-"""Tensors of a GGUF file under their Hugging Face names, dequantized with ``gguf``.
+"""Tensors of a GGUF file under their Hugging Face names: dequantized with ``gguf``
+(:func:`iterate_gguf_weights`), or as their raw quantized blocks (:func:`raw_gguf_weights`,
+for the layers that run them quantized, :mod:`tandem.layers.quantization.gguf`).
 
 llama.cpp's converter (``convert_hf_to_gguf.py``) interleaves the two RoPE halves of the
-Llama q/k projection rows; :func:`iterate_gguf_weights` undoes that, so the tensors equal
-the HF checkpoint's (up to the quantization).
+Llama q/k projection rows; both undo that (the raw blocks through ``RawWeight.unpermute``),
+so the tensors equal the HF checkpoint's (up to the quantization).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,6 +52,66 @@ def dequantized_bytes(reader) -> int:
     return sum(int(t.n_elements) for t in reader.tensors) * 4
 
 
+def _hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor; None for one Tandem recomputes (``rope_freqs``).
+
+    Raises:
+        ValueError: the name has no HF equivalent.
+    """
+    for pat, repl in _GGUF_NAMES:
+        if re.match(pat, gguf_name):
+            return re.sub(pat, repl, gguf_name)
+    if gguf_name == "rope_freqs.weight":
+        return None  # llama3 RoPE factors; recomputed from the config
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent")
+
+
+def _permuted_heads(name: str, hf_config) -> int | None:
+    """The head count whose RoPE halves llama.cpp interleaved in this tensor's rows, or None."""
+    if hf_config.model_type != "llama":
+        return None
+    if name.endswith("q_proj.weight"):
+        return hf_config.num_attention_heads
+    if name.endswith("k_proj.weight"):
+        return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return None
+
+
+@dataclass
+class RawWeight:
+    """A 2-D GGUF tensor as stored: ``data`` its blocks (``uint8``), ``qtype`` the GGML type
+    name (``"Q4_1"``...), ``[rows, cols]`` the HF (output x input) shape, ``permute_heads``
+    the head count of llama.cpp's q/k row interleaving (None: rows as in HF)."""
+
+    data: np.ndarray
+    qtype: str
+    rows: int
+    cols: int
+    permute_heads: int | None
+
+    def unpermute(self, per_row: np.ndarray) -> np.ndarray:
+        """``per_row`` (``[rows, ...]``, values derived from this tensor's rows) in HF row order."""
+        return per_row if self.permute_heads is None else _unpermute_rows(per_row, self.permute_heads)
+
+
+def raw_gguf_weights(source, hf_config) -> dict[str, RawWeight]:
+    """The 2-D tensors of a GGUF file by HF name, undequantized (memory-mapped by the reader).
+
+    Raises:
+        ValueError: a tensor name has no HF equivalent.
+    """
+    reader = open_gguf(source) if isinstance(source, str) else source
+    out = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None or len(t.shape) != 2:
+            continue
+        # GGUF shapes list the fastest dimension first: [cols, rows].
+        out[name] = RawWeight(t.data, t.tensor_type.name, int(t.shape[1]), int(t.shape[0]),
+                              _permuted_heads(name, hf_config))
+    return out
+
+
 def iterate_gguf_weights(source, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 tensor) for every tensor of a GGUF file.
 
@@ -62,21 +125,12 @@ def iterate_gguf_weights(source, hf_config) -> Iterator[tuple[str, torch.Tensor]
     from gguf import dequantize
 
     reader = open_gguf(source) if isinstance(source, str) else source
-    permute = hf_config.model_type == "llama"
-    n_head = hf_config.num_attention_heads
-    n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
     for t in reader.tensors:
-        for pat, repl in _GGUF_NAMES:
-            if re.match(pat, t.name):
-                name = re.sub(pat, repl, t.name)
-                break
-        else:
-            if t.name == "rope_freqs.weight":
-                continue  # llama3 RoPE factors; recomputed from the config
-            raise ValueError(f"GGUF tensor {t.name!r} has no Hugging Face equivalent")
+        name = _hf_name(t.name)
+        if name is None:
+            continue
         w = dequantize(t.data, t.tensor_type)
-        if permute and name.endswith("q_proj.weight"):
-            w = _unpermute_rows(w, n_head)
-        elif permute and name.endswith("k_proj.weight"):
-            w = _unpermute_rows(w, n_kv)
+        heads = _permuted_heads(name, hf_config)
+        if heads is not None:
+            w = _unpermute_rows(w, heads)
         yield name, torch.from_numpy(np.array(w, dtype=np.float32))

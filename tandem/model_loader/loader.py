@@ -22,9 +22,10 @@ from tandem.attention.backend import AttentionBackend
 from tandem.distributed import parallel_state as ps
 from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_scales, prepare_fp8_model,
                                               rename_checkpoint_scales)
-from tandem.layers.quantization.config import Fp8Config
+from tandem.layers.quantization.config import Fp8Config, GGUFQuantConfig
+from tandem.layers.quantization.gguf import quantize_gguf_linears
 from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
-from tandem.model_loader.gguf_weights import iterate_gguf_weights
+from tandem.model_loader.gguf_weights import iterate_gguf_weights, raw_gguf_weights
 from tandem.model_loader.model_path import check_model_path
 from tandem.model_loader.param_cache import load_cached_parameters, save_parameters
 from tandem.models.registry import get_model_class
@@ -177,18 +178,21 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def build_model(hf_config, model_path: str, load_format: str, backend: AttentionBackend, dtype: torch.dtype,
-                device: torch.device, max_positions: int, seed: int = 0, quant_config: Fp8Config | None = None,
-                **model_kwargs) -> nn.Module:
+                device: torch.device, max_positions: int, seed: int = 0,
+                quant_config: Fp8Config | GGUFQuantConfig | None = None, **model_kwargs) -> nn.Module:
     """Instantiate the model class of the config and load its weights; ``model_kwargs``
-    go to the model's constructor (e.g. ``all2all`` for MoE models). With
+    go to the model's constructor (e.g. ``all2all`` for MoE models). With an FP8
     ``quant_config`` the linear and expert layers get FP8 weights
-    (:mod:`tandem.layers.quantization.apply`).
+    (:mod:`tandem.layers.quantization.apply`); with a GGUF one the linear layers of 4-bit
+    GGUF weights run them quantized (:mod:`tandem.layers.quantization.gguf`).
 
     Raises:
         ValueError: unknown architecture, unknown load format, weights not matching, or
             an FP8 checkpoint lacking scales.
     """
     cls = get_model_class(hf_config)
+    gguf_config = quant_config if isinstance(quant_config, GGUFQuantConfig) else None
+    quant_config = None if gguf_config is not None else quant_config
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in the model dtype, on the device
     try:
@@ -214,4 +218,9 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
         raise ValueError(f"cannot load weights from {model_path!r} with load_format={load_format!r}")
     if quant_config is not None:
         finish_fp8_model(model, quant_config, dtype)
+    if gguf_config is not None:
+        if ps.get_tp_size() != 1 or ps.get_ep_size() != 1:
+            raise ValueError("quantization='gguf' runs on one rank; use quantization='none' with tensor/expert "
+                             "parallelism")
+        quantize_gguf_linears(model, raw_gguf_weights(gguf_config.path, hf_config))
     return model.eval()

@@ -27,7 +27,13 @@ The device-to-host copy of the sampled ids is started non-blocking on a side str
 
 On the CPU, where torch kernels run synchronously, steps execute on one worker thread
 (torch releases the GIL inside kernels), so the caller's output processing still overlaps
-the model's compute, with the same pipeline structure as on a GPU.
+the model's compute, with the same pipeline structure as on a GPU. ``TANDEM_CPU_STEP_THREAD
+=off`` runs them inline instead (``execute_model`` then returns a handle of a finished step:
+the same results in the same order, without the overlap). The thread stays the default on
+every core count: on the shared 2-core development machine (2 torch threads, load 5-10)
+inline steps of the embedded model ran at 1-3 tok/s against 20-40 on the thread (torch's
+two OpenMP threads on the caller's thread stalled; the issue's earlier 28.5 vs 19 tok/s
+for inline was not reproduced), see benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tandem import envs
 from tandem.core.sched_output import ScheduledSequence, SchedulerOutput
 from tandem.outputs import ModelRunnerOutput, PromptLogprobs
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
@@ -94,6 +101,12 @@ class _ForwardedStep:
     timing: tuple[torch.cuda.Event, int, bool, int] | None
 
 
+def cpu_step_thread(device: torch.device) -> bool:
+    """Whether steps on ``device`` run on a worker thread (module docstring): on the CPU
+    unless ``TANDEM_CPU_STEP_THREAD=off``; never on CUDA (kernels are asynchronous there)."""
+    return device.type != "cuda" and envs.TANDEM_CPU_STEP_THREAD == "on"
+
+
 class ModelRunner:
     """Executes ``SchedulerOutput``s on one device.
 
@@ -127,7 +140,7 @@ class ModelRunner:
         self._deferred: _ForwardedStep | Future | None = None
         self._is_cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._is_cuda else None
-        self._executor = None if self._is_cuda else ThreadPoolExecutor(1, thread_name_prefix="tandem-step")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tandem-step") if cpu_step_thread(device) else None
         self.cuda_graphs: DecodeCUDAGraphs | None = None
         if self._is_cuda and not enforce_eager:
             self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, max_blocks, block_size, device,

@@ -23,7 +23,7 @@ from tandem.attention.selector import get_attention_backend
 from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
 from tandem.layers import batch_invariant
-from tandem.layers.quantization.config import get_quantization_config
+from tandem.layers.quantization.config import get_gguf_config, get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.model_loader.loader import build_model
 from tandem.worker.kv_cache import allocate_kv_caches
@@ -72,9 +72,13 @@ class Worker:
         cfg, model_cfg = self.config, self.config.model_config
         batch_invariant.set_enabled(model_cfg.deterministic)
         backend = get_attention_backend(self.device, model_cfg.max_model_len)
-        self.quant_config = get_quantization_config(self.hf_config, model_cfg.quantization, cfg.load_config.load_format)
+        load_format = cfg.load_config.load_format
+        self.quant_config = get_quantization_config(self.hf_config, model_cfg.quantization, load_format)
         if self.quant_config is not None:
             check_fp8_supported(self.device, f"quantization={self.quant_config.method!r}")
+        else:
+            self.quant_config = get_gguf_config(model_cfg.model, model_cfg.quantization, self.device.type, load_format,
+                                                model_cfg.dtype)
         if self.kv_dtype != self.dtype:
             check_fp8_supported(self.device, f"kv_cache_dtype={cfg.cache_config.kv_cache_dtype!r}")
         self.model = build_model(self.hf_config, model_cfg.model, cfg.load_config.load_format, backend, self.dtype,

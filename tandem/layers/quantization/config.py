@@ -18,6 +18,9 @@ Formats read (tensor names as published):
   ``input_scale``.
 * ``--quantization fp8`` on a bf16/fp16/fp32 (or dummy) checkpoint: online quantization at
   load time, per-output-channel weight scales, dynamic per-token activation scales.
+* ``--quantization gguf`` (the default for a GGUF file on the CPU): the GGUF's 4-bit
+  blocks run as they are (:mod:`tandem.layers.quantization.gguf`); ``--quantization none``
+  dequantizes every weight to ``--dtype`` at load, as on CUDA.
 
 Anything else is a ValueError that names the unsupported field and value.
 """
@@ -28,8 +31,70 @@ import re
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-QuantizationMethods = Literal["fp8", "compressed-tensors"]
+QuantizationMethods = Literal["fp8", "compressed-tensors", "gguf", "none"]
 QUANTIZATION_METHODS = get_args(QuantizationMethods)
+_FP8_METHODS = ("fp8", "compressed-tensors")
+
+
+@dataclass(frozen=True)
+class GGUFQuantConfig:
+    """A GGUF file's Q4_0 / Q4_1 / Q4_K linear weights run quantized (CPU int4 GEMM);
+    ``path`` the file."""
+
+    path: str
+    method: str = "gguf"
+
+
+def get_gguf_config(model: str | None, quantization: str | None, device_type: str, load_format: str = "auto",
+                    dtype: str = "auto") -> GGUFQuantConfig | None:
+    """The GGUF scheme of a run, or None (any other scheme, or ``quantization="none"``).
+
+    ``quantization`` None takes ``"gguf"`` for a GGUF file on the CPU (real weights) at
+    ``dtype="auto"``; an explicit ``dtype`` keeps the dequantized path in that dtype (as
+    before GGUF ran quantized: exact fp32 comparisons stay exact).
+
+    Raises:
+        ValueError: ``quantization="gguf"`` for a model that is not a GGUF file, dummy
+            weights, or a device other than the CPU.
+    """
+    is_gguf = model is not None and model.endswith(".gguf") and load_format != "dummy"
+    if quantization is None:
+        return GGUFQuantConfig(model) if is_gguf and device_type == "cpu" and dtype == "auto" else None
+    if quantization != "gguf":
+        return None
+    if not is_gguf:
+        raise ValueError(f"quantization='gguf' runs a GGUF file's weights; model {model!r} with "
+                         f"load_format={load_format!r} is not one")
+    if device_type != "cpu":
+        raise ValueError(f"quantization='gguf' runs on the CPU (device {device_type!r}); use quantization='none' "
+                         f"to dequantize the GGUF's weights")
+    return GGUFQuantConfig(model)
+
+
+def weights_mode(config) -> str:
+    """How a run holds its linear weights, for the speed line of ``tandem generate``:
+    ``"gguf int4 + bfloat16"`` (GGUF blocks run quantized, activations in the model
+    dtype), ``"fp8"`` / ``"compressed-tensors"`` (FP8), or the model dtype (``"float32"``...).
+
+    Args:
+        config: the run's ``EngineConfig`` (reads the checkpoint's config for its own FP8
+            scheme).
+    """
+    m = config.model_config
+    dtype = str(config.torch_dtype).removeprefix("torch.")
+    if get_gguf_config(m.model, m.quantization, config.device_config.torch_device.type,
+                       config.load_config.load_format, m.dtype) is not None:
+        return f"gguf int4 + {dtype}"
+    if m.quantization in _FP8_METHODS:
+        return m.quantization
+    if m.quantization is None and not m.model.endswith(".gguf"):
+        from tandem.model_loader.loader import load_hf_config  # lazy: the loader imports the layers
+
+        qc = getattr(load_hf_config(m.model), "quantization_config", None)
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        if method in _FP8_METHODS:
+            return str(method)
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -80,7 +145,8 @@ def get_quantization_config(hf_config, quantization: str | None, load_format: st
 
     Args:
         hf_config: the model's HF config (its ``quantization_config``, if any).
-        quantization: ``--quantization`` (None, ``"fp8"`` or ``"compressed-tensors"``).
+        quantization: ``--quantization`` (None, ``"fp8"`` or ``"compressed-tensors"``;
+            ``"gguf"`` and ``"none"`` are not FP8: None, see :func:`get_gguf_config`).
         load_format: with ``"dummy"`` the checkpoint format is moot: random weights are
             quantized online.
 
@@ -90,16 +156,23 @@ def get_quantization_config(hf_config, quantization: str | None, load_format: st
     """
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {quantization!r}")
+    if quantization == "gguf":
+        return None
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
         qc = qc.to_dict()
+    if quantization == "none":
+        if qc and load_format != "dummy":
+            raise ValueError(f"quantization='none': the checkpoint is quantized (quant_method="
+                             f"{qc.get('quant_method')!r}); leave quantization unset to run it")
+        return None
     if not qc or load_format == "dummy":
         if quantization == "compressed-tensors":
             raise ValueError("quantization='compressed-tensors' needs a checkpoint with a compressed-tensors "
                              "quantization_config; use quantization='fp8' to quantize a bf16/fp16 model at load time")
         return Fp8Config() if quantization else None
     method = qc.get("quant_method")
-    if quantization is not None and method not in QUANTIZATION_METHODS:
+    if quantization is not None and method not in _FP8_METHODS:
         raise ValueError(f"quantization={quantization!r} was asked for, but the checkpoint is quantized with "
                          f"quant_method={method!r}")
     if method == "fp8":
@@ -107,7 +180,7 @@ def get_quantization_config(hf_config, quantization: str | None, load_format: st
     if method == "compressed-tensors":
         return _from_compressed_tensors(qc)
     raise ValueError(f"unsupported quantization_config.quant_method {method!r}: Tandem loads "
-                     f"{QUANTIZATION_METHODS} checkpoints")
+                     f"{_FP8_METHODS} checkpoints")
 
 
 def _from_fp8(qc: dict) -> Fp8Config:
@@ -180,4 +253,5 @@ def _from_compressed_tensors(qc: dict) -> Fp8Config:
                      "compressed-tensors")
 
 
-__all__ = ["Fp8Config", "QUANTIZATION_METHODS", "get_quantization_config"]
+__all__ = ["Fp8Config", "GGUFQuantConfig", "QUANTIZATION_METHODS", "get_gguf_config", "get_quantization_config",
+           "weights_mode"]
