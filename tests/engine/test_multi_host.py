@@ -20,19 +20,16 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from tandem.distributed.launch import free_port
 from tests.distributed.conftest import CONFIGS, ENGINE, make_llm
+from tests.hosts import Host, wait_healthy
 
 MAX_TOKENS = 10
 PROMPTS = [list(range(7 + i, 7 + i + n)) for i, n in enumerate([5, 23, 11, 2, 37, 8, 14, 3])] * 2  # 16
@@ -50,84 +47,11 @@ def _engine_args(model: str, rpc_port: int, dp: int, local: int) -> list[str]:
             "--enable-expert-parallel", "--all2all-backend", "all_to_all"]
 
 
-class Tree:
-    """One host: a ``tandem serve`` process in a session of its own, and its descendants."""
-
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="tandem-host-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", "serve", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "TANDEM_STARTUP_TIMEOUT_S": "300", **(env or {})})
-        self.pids: set[int] = {self.proc.pid}
-
-    def text(self) -> str:
-        with open(self.log.name) as f:
-            return f.read()
-
-    def record(self) -> None:
-        """Remember every process of the tree now (they are checked for orphans later)."""
-        try:
-            self.pids |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
-
-    def alive(self) -> list[int]:
-        out = []
-        for pid in self.pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    out.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return out
-
-    def kill9(self) -> None:
-        self.record()
-        for pid in self.alive():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def wait_gone(self, timeout: float) -> float:
-        """Seconds until the launcher exited and no process of the tree is left (or raises)."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            self.proc.poll()
-            if self.proc.returncode is not None and not self.alive():
-                return time.monotonic() - t0
-            time.sleep(0.1)
-        raise AssertionError(f"processes {self.alive()} still alive after {timeout} s:\n{self.text()[-3000:]}")
-
-    def close(self) -> None:
-        self.kill9()
-        self.proc.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
-
-
-def _wait_healthy(url: str, trees: list[Tree], timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for t in trees:
-            if t.proc.poll() is not None:
-                raise AssertionError(f"a host exited with {t.proc.returncode}:\n{t.text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                for t in trees:
-                    t.record()
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("the two-host server did not become healthy:\n" + "\n".join(t.text()[-3000:] for t in trees))
-
-
 @pytest.fixture
 def two_hosts(tmp_path):
     """``start(family, dp, local, extra)``: a head with ``local`` replicas and a headless host
     with the rest; returns (url, head, headless)."""
-    trees: list[Tree] = []
+    trees: list[Host] = []
     shm = set(os.listdir("/dev/shm"))
 
     def start(family: str, dp: int = 4, local: int = 2, extra: list[str] = ()):
@@ -136,11 +60,11 @@ def two_hosts(tmp_path):
         (model / "config.json").write_text(json.dumps(CONFIGS[family]))
         port, rpc = free_port(), free_port()
         args = [*_engine_args(str(model), rpc, dp, local), *extra]
-        head = Tree([*args, "--host", "127.0.0.1", "--port", str(port)])
-        headless = Tree([*args, "--headless", "--data-parallel-start-rank", str(local)])
+        head = Host([*args, "--host", "127.0.0.1", "--port", str(port)])
+        headless = Host([*args, "--headless", "--data-parallel-start-rank", str(local)])
         trees.extend([head, headless])
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, [head, headless])
+        wait_healthy(url, [head, headless])
         return url, head, headless, str(model)
 
     yield start
@@ -264,8 +188,8 @@ def test_a_differing_host_is_refused_and_missing_ranks_stop_the_head(tmp_path):
     (model / "config.json").write_text(json.dumps(CONFIGS["qwen3_moe"]))
     rpc = free_port()
     args = _engine_args(str(model), rpc, 2, 1)
-    head = Tree([*args, "--host", "127.0.0.1", "--port", str(free_port())], env={"TANDEM_HOST_JOIN_TIMEOUT_S": "20"})
-    bad = Tree([*args, "--max-model-len", "64", "--headless", "--data-parallel-start-rank", "1"])
+    head = Host([*args, "--host", "127.0.0.1", "--port", str(free_port())], env={"TANDEM_HOST_JOIN_TIMEOUT_S": "20"})
+    bad = Host([*args, "--max-model-len", "64", "--headless", "--data-parallel-start-rank", "1"])
     try:
         assert bad.proc.wait(120) == 2
         last = bad.text().strip().splitlines()[-1]

@@ -14,18 +14,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
-import psutil
 import pytest
 
 from tandem.distributed.launch import free_port
+from tests.hosts import Host, wait_healthy
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-eval)")
 
@@ -100,86 +97,6 @@ def _offline(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
 
 
-class _Processes:
-    """``tandem serve`` launchers, each in a session of its own, and every descendant seen."""
-
-    def __init__(self) -> None:
-        self.launchers: list[subprocess.Popen] = []
-        self.pids: set[int] = set()
-        self._logs: list = []
-
-    def start(self, args: list[str]) -> subprocess.Popen:
-        log = tempfile.NamedTemporaryFile("w+", prefix="tandem-host-", suffix=".log", delete=False)
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", "serve", *args], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "TANDEM_STARTUP_TIMEOUT_S": "300"})
-        self.launchers.append(proc)
-        self._logs.append(log)
-        self.pids.add(proc.pid)
-        return proc
-
-    def logs(self) -> str:
-        out = []
-        for log in self._logs:
-            with open(log.name) as f:
-                out.append(f.read()[-3000:])
-        return "\n----\n".join(out)
-
-    def record(self) -> None:
-        for p in self.launchers:
-            try:
-                self.pids |= {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
-
-    def alive(self) -> list[int]:
-        out = []
-        for pid in self.pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    out.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return out
-
-    def wait_healthy(self, url: str, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in self.launchers):
-                raise AssertionError(f"a host exited:\n{self.logs()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    self.record()
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"not healthy within {timeout} s:\n{self.logs()}")
-
-    def stop(self) -> list[int]:
-        """SIGTERM the first launcher (the head: the others follow it), then wait for every
-        process; kills what is left after STOP_WITHIN_S and returns those pids."""
-        self.record()
-        if self.launchers and self.launchers[0].poll() is None:
-            self.launchers[0].terminate()
-        deadline = time.monotonic() + STOP_WITHIN_S
-        while self.alive() and time.monotonic() < deadline:
-            for p in self.launchers:
-                p.poll()
-            time.sleep(0.2)
-        left = self.alive()
-        for pid in left:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.NoSuchProcess:
-                pass
-        for p, log in zip(self.launchers, self._logs):
-            p.wait(10)
-            log.close()
-            os.unlink(log.name)
-        return left
-
-
 @contextmanager
 def _deployment(model: str, hosts: int, extra: list[str] = ()) -> Iterator[str]:
     """One plain ``tandem serve`` (``hosts=1``) or a head and a headless host (``hosts=2``:
@@ -191,17 +108,25 @@ def _deployment(model: str, hosts: int, extra: list[str] = ()) -> Iterator[str]:
         args += ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address",
                  "127.0.0.1", "--data-parallel-rpc-port", str(free_port()), "--enable-expert-parallel",
                  "--all2all-backend", "all_to_all"]
-    procs = _Processes()
+    hosts_started: list[Host] = []
     try:
-        procs.start([*args, "--host", "127.0.0.1", "--port", str(port)])
+        hosts_started.append(Host([*args, "--host", "127.0.0.1", "--port", str(port)]))
         if hosts == 2:
-            procs.start([*args, "--headless", "--data-parallel-start-rank", "1"])
+            hosts_started.append(Host([*args, "--headless", "--data-parallel-start-rank", "1"]))
         url = f"http://127.0.0.1:{port}"
-        procs.wait_healthy(url)
-        assert len(procs.pids) > hosts, "the launchers have no engine-core processes"
+        wait_healthy(url, hosts_started)
+        assert sum(len(h.pids) for h in hosts_started) > hosts, "the launchers have no engine-core processes"
         yield url
     finally:
-        left = procs.stop()
+        # SIGTERM of the head stops the headless host too: each must be gone within STOP_WITHIN_S.
+        left = hosts_started[0].stop(STOP_WITHIN_S) if hosts_started else []
+        for h in hosts_started[1:]:
+            try:
+                h.wait_gone(STOP_WITHIN_S)
+            except AssertionError:
+                left += h.alive()
+        for h in hosts_started:
+            h.close()
     assert not left, f"processes {left} outlived the head by {STOP_WITHIN_S} s (killed)"
 
 
