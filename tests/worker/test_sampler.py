@@ -94,3 +94,33 @@ def test_masked_tokens_are_never_sampled_when_the_noise_is_zero(monkeypatch):
     logits[0, 11] = 5.0
     got = sample(logits, make_batch([dict(temperature=1.0, top_k=1, top_p=0.5)]), None, None).sampled
     assert got.item() == 11
+
+
+def test_a_row_samples_the_same_bits_whatever_the_batch():
+    """Issue 36: a seeded row (top-p, top-k, min-p) and a greedy row give the same token,
+    logprobs and rank alone and among random rows of other parameters at any position."""
+    from tandem.worker.sampler import token_seed
+
+    vocab = 4096
+    gen = torch.Generator().manual_seed(1)
+    target_logits = torch.randn(vocab, generator=gen) * 3
+    targets = [dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, seed=11), dict(temperature=0.0)]
+
+    def run(rows: list[dict], logits: torch.Tensor, pos: int) -> tuple:
+        b = make_batch([{"top_k": vocab, **r} for r in rows])  # top_k = vocab: off
+        b.seeded = [(i, token_seed(r["seed"], 3)) for i, r in enumerate(rows) if "seed" in r]
+        b.max_num_logprobs = 5
+        out = sample(logits, b, None, None)
+        return (int(out.sampled[pos]), out.logprobs[pos].tolist(), out.logprob_token_ids[pos].tolist(),
+                int(out.sampled_ranks[pos]))
+
+    for target in targets:
+        alone = run([target], target_logits[None], 0)
+        for n in (2, 9, 64):
+            others = [dict(temperature=float(t), top_p=0.95, seed=int(s)) if s % 2 else dict(temperature=0.0)
+                      for t, s in zip(torch.rand(n - 1, generator=gen) + 0.1, torch.randint(0, 99, (n - 1,), generator=gen))]
+            pos = int(torch.randint(0, n, (1,), generator=gen))
+            rows = others[:pos] + [target] + others[pos:]
+            logits = torch.randn(n, vocab, generator=gen) * 3
+            logits[pos] = target_logits
+            assert run(rows, logits, pos) == alone, (target, n, pos)
