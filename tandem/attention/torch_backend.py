@@ -104,7 +104,6 @@ class TorchAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
-        v = v.contiguous()  # the qkv_proj view; the masked SDPA below reads it per request
         write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
         out_scale = 1.0
         if kv_cache.dtype != q.dtype:
@@ -120,7 +119,7 @@ class TorchAttentionBackend:
             for r in range(nd, meta.num_reqs):
                 start, end = qsl[r], qsl[r + 1]
                 if end > start:
-                    out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache, meta, r, scale)
+                    out[start:end] = self._prefill(q[start:end], kv_cache, meta, r, scale)
         return out if out_scale == 1.0 else out * out_scale
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -167,8 +166,8 @@ class TorchAttentionBackend:
                                            vc[:, :seq_len].transpose(1, 2), scale=scale)
         return o.reshape(1, hq, d)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata, r: int, scale: float) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, r: int,
+                 scale: float) -> torch.Tensor:
         """Request ``r``'s ``q_len`` new tokens (``q [q_len, Hq, D]``; its new K/V are in
         the cache) by :func:`split_attention`: the same bits for a token however its prompt
         was chunked or cached."""
