@@ -1,0 +1,165 @@
+"""GGUF blocks run quantized (tandem.layers.quantization.gguf): the int4 mapping of each
+format against gguf's own dequantization, the kernel's weight, the layer swap, and the
+embedded model's greedy tokens against the dequantized fp32 path."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from tandem.layers.quantization.gguf import KERNEL_DTYPE, GGUFInt4Linear, int4_groups, quantize_gguf_linears
+from tandem.model_loader.gguf_weights import RawWeight
+
+
+def _weight(q, scale, zero) -> np.ndarray:
+    return (q.astype(np.float32) - 8) * np.repeat(scale, 32, 1) + np.repeat(zero, 32, 1)
+
+
+def _q4_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K super-blocks: every scale/min/nibble bit pattern, finite fp16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    d = (rng.standard_normal((rows, cols // 256, 2)) * 0.01).astype(np.float16)
+    raw[..., 0:4] = d.view(np.uint8).reshape(rows, cols // 256, 4)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1])
+def test_q4_0_q4_1_map_exactly(qtype):
+    w = np.random.default_rng(1).standard_normal((48, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)
+    q, scale, zero = int4_groups(raw, qtype.name, 48, 256)
+    assert q.min() >= 0 and q.max() <= 15
+    np.testing.assert_array_equal(_weight(q, scale, zero), gguf.quants.dequantize(raw, qtype))
+
+
+def test_q4_k_maps_exactly():
+    raw = _q4_k_blocks(8, 512)
+    q, scale, zero = int4_groups(raw, "Q4_K", 8, 512)
+    np.testing.assert_array_equal(_weight(q, scale, zero), gguf.quants.dequantize(raw, T.Q4_K))
+
+
+def test_embedded_q4_1_tensor_maps_exactly(embedded_model_path):
+    t = next(t for t in gguf.GGUFReader(embedded_model_path).tensors if t.name == "blk.0.ffn_down.weight")
+    rows, cols = int(t.shape[1]), int(t.shape[0])
+    q, scale, zero = int4_groups(t.data, "Q4_1", rows, cols)
+    np.testing.assert_array_equal(_weight(q, scale, zero), gguf.quants.dequantize(t.data, t.tensor_type))
+
+
+def test_other_types_and_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="Q8_0 has no int4 mapping"):
+        int4_groups(np.zeros((4, 34), np.uint8), "Q8_0", 4, 32)
+    with pytest.raises(ValueError, match=r"does not hold a \[4, 64\] weight"):
+        int4_groups(np.zeros((4, 20), np.uint8), "Q4_1", 4, 64)
+
+
+def test_kernel_computes_the_mapped_weight():
+    """The packed layer's weight is (q - 8) * scale + zero with the scales and zeros in
+    bf16 (the kernel's dtype), within bf16 output rounding; its product with the GGUF's
+    own dequantized weight agrees to < 1 % (relative Frobenius)."""
+    raw = _q4_k_blocks(64, 512, seed=3)
+    q, scale, zero = int4_groups(raw, "Q4_K", 64, 512)
+    layer = GGUFInt4Linear(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero))
+    s16, z16 = (torch.from_numpy(a).to(KERNEL_DTYPE).float().numpy() for a in (scale, zero))
+    expected = _weight(q, s16, z16)
+    got = layer.dequantized_weight().numpy()
+    np.testing.assert_allclose(got, expected, rtol=2**-8, atol=1e-6)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K))
+    x = torch.randn(3, 512)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (3, 64)
+    assert ((y - x @ ref.T).norm() / (x @ ref.T).norm()).item() < 1e-2
+
+
+def test_large_inputs_use_the_dense_weight():
+    raw = gguf.quants.quantize(np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32), T.Q4_0)
+    q, scale, zero = (torch.from_numpy(a) for a in int4_groups(raw, "Q4_0", 32, 64))
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_0))
+    bias = torch.randn(32)
+    layer = GGUFInt4Linear(q, scale, zero, bias, dense, max_rows=2)
+    big, small = torch.randn(3, 64), torch.randn(2, 64)
+    torch.testing.assert_close(layer(big), big @ dense.T + bias)  # F.linear on the dense fp32 weight
+    assert ((layer(small) - (small @ dense.T + bias)).abs().max() < 0.1)
+    with pytest.raises(ValueError, match="dense weight"):
+        GGUFInt4Linear(q, scale, zero, dense=dense[:4])
+
+
+class _Tiny(torch.nn.Module):
+    """One fused q/k/v layer and one plain layer under the decoder's module names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tandem.layers.linear import QKVParallelLinear, RowParallelLinear
+
+        attn = torch.nn.Module()
+        attn.qkv_proj = QKVParallelLinear(64, 16, 2, 1, bias=True, tp_size=1, tp_rank=0)
+        attn.o_proj = RowParallelLinear(32, 64, tp_size=1, tp_rank=0)
+        layer = torch.nn.Module()
+        layer.self_attn = attn
+        self.layers = torch.nn.ModuleList([layer])
+
+
+def test_swap_fuses_parts_in_order_and_unpermutes():
+    rng = np.random.default_rng(4)
+    model = _Tiny()
+    parts, dense = {}, []
+    for name, rows, heads in (("q_proj", 32, 2), ("k_proj", 16, 1), ("v_proj", 16, None)):
+        w = rng.standard_normal((rows, 64)).astype(np.float32)
+        raw = gguf.quants.quantize(w, T.Q4_1)
+        parts[f"model.layers.0.self_attn.{name}.weight"] = RawWeight(raw, "Q4_1", rows, 64, heads)
+        deq = gguf.quants.dequantize(raw, T.Q4_1)
+        if heads:  # the file's rows are interleaved; HF order is the unpermuted one
+            deq = deq.reshape(heads, rows // heads // 2, 2, 64).swapaxes(1, 2).reshape(rows, 64)
+        dense.append(deq)
+    parts["model.layers.0.self_attn.o_proj.weight"] = RawWeight(np.zeros((64, 34), np.uint8), "Q8_0", 64, 32, None)
+    model.layers[0].self_attn.qkv_proj.bias.data.normal_()
+    counts = quantize_gguf_linears(model, parts)
+    assert counts == {"int4": 1, "dequantized": 1}
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, GGUFInt4Linear) and qkv.bias is not None
+    np.testing.assert_allclose(qkv.dequantized_weight().numpy(), np.concatenate(dense), atol=0.02, rtol=0.02)
+    assert not isinstance(model.layers[0].self_attn.o_proj, GGUFInt4Linear)
+    del parts["model.layers.0.self_attn.k_proj.weight"]
+    with pytest.raises(ValueError, match="no tensor 'model.layers.0.self_attn.k_proj.weight'"):
+        quantize_gguf_linears(_Tiny(), parts)
+
+
+_CONTINUATION_PROMPTS = [
+    "The capital of France is", "Here is the English alphabet: ABC", "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who", "1, 2, 3, 4,",
+    "Translate to French: I like cheese. ->", "The three primary colors are",
+    "Q: What is the boiling point of water at sea level in Celsius?\nA:", "The best way to learn programming is",
+    "Water is made of", "In 1492, Columbus", "The largest planet in our solar system is", "A recipe for pancakes:\n1.",
+    "import numpy as np\n", "Dear Sir or Madam,", "The quick brown fox",
+]
+
+
+@pytest.mark.slow
+def test_embedded_model_greedy_tokens_close_to_dequantized_fp32(embedded_model_path):
+    """Teacher-forced on the dequantized fp32 path's greedy continuations (32 tokens), the
+    int4 path's argmax equals fp32's at >= 95 % of positions, as the bf16 dequantized path
+    (the previous default) does; whole 32-token continuations diverge more often (a
+    flipped near-tie changes the rest), so they are reported, not asserted on."""
+    from tandem import SamplingParams
+    from tests.conftest import make_llm
+
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ref = make_llm(model=embedded_model_path, quantization="none")
+    ref_out = [list(o.outputs[0].token_ids) for o in ref.generate(_CONTINUATION_PROMPTS, sp, use_tqdm=False)]
+    ref.engine.shutdown()
+    llm = make_llm(model=embedded_model_path, quantization="gguf", dtype="auto")
+    assert sum(isinstance(m, GGUFInt4Linear) for m in llm.engine.model.modules()) == 30 * 4
+    full = [list(o.prompt_token_ids) for o in llm.generate(_CONTINUATION_PROMPTS, SamplingParams(max_tokens=1),
+                                                            use_tqdm=False)]
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    agree = total = 0
+    for prompt_ids, cont in zip(full, ref_out):
+        prefixes = [prompt_ids + cont[:i] for i in range(len(cont))]
+        got = [o.outputs[0].token_ids[0] for o in llm.generate(prefixes, one, use_tqdm=False)]
+        agree += sum(g == c for g, c in zip(got, cont))
+        total += len(cont)
+    llm.engine.shutdown()
+    assert agree / total >= 0.95, f"{agree}/{total} positions agree"
