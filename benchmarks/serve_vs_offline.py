@@ -52,11 +52,15 @@ def frontend_pids(srv: RemoteServer) -> list[int]:
     """The server's front-end processes: the launching process and every API server (each
     found through ``/debug/engine_stats`` on new connections)."""
     pids = {srv.proc.pid}
-    first = httpx.get(f"{srv.url}/debug/engine_stats", timeout=60).json()["api_server"]
-    seen = {first["index"]: first["pid"]}
-    deadline = time.monotonic() + 60
-    while len(seen) < first["count"] and time.monotonic() < deadline:
-        info = httpx.get(f"{srv.url}/debug/engine_stats", timeout=60).json()["api_server"]
+    seen: dict[int, int] = {}
+    count, deadline = None, time.monotonic() + 120
+    while (count is None or len(seen) < count) and time.monotonic() < deadline:
+        r = httpx.get(f"{srv.url}/debug/engine_stats", timeout=60)
+        if r.status_code != 200:  # an API server still attaching to the cores answers 503
+            time.sleep(0.2)
+            continue
+        info = r.json()["api_server"]
+        count = info["count"]
         seen[info["index"]] = info["pid"]
     return sorted(pids | set(seen.values()))
 
