@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tandem.core.sched_output import NewRequestData, ScheduledSequence, SchedulerOutput
@@ -67,3 +68,17 @@ def test_unconstrained_step_samples_at_once():
         assert handle is not None and handle.result().sampled_token_ids == [0]
     finally:
         runner.shutdown()
+
+
+def test_cpu_step_thread_env(monkeypatch):
+    """CPU steps run on the worker thread unless TANDEM_CPU_STEP_THREAD=off; never on CUDA."""
+    from tandem.worker.model_runner import cpu_step_thread
+
+    monkeypatch.delenv("TANDEM_CPU_STEP_THREAD", raising=False)
+    assert cpu_step_thread(torch.device("cpu"))
+    assert not cpu_step_thread(torch.device("cuda"))
+    monkeypatch.setenv("TANDEM_CPU_STEP_THREAD", "off")
+    assert not cpu_step_thread(torch.device("cpu"))
+    monkeypatch.setenv("TANDEM_CPU_STEP_THREAD", "sometimes")
+    with pytest.raises(ValueError, match="TANDEM_CPU_STEP_THREAD"):
+        cpu_step_thread(torch.device("cpu"))
