@@ -27,6 +27,8 @@ Anything else is a ValueError that names the unsupported field and value.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -77,8 +79,8 @@ def weights_mode(config) -> str:
     dtype), ``"fp8"`` / ``"compressed-tensors"`` (FP8), or the model dtype (``"float32"``...).
 
     Args:
-        config: the run's ``EngineConfig`` (reads the checkpoint's config for its own FP8
-            scheme).
+        config: the run's ``EngineConfig`` (reads the checkpoint's config.json for its own
+            FP8 scheme).
     """
     m = config.model_config
     dtype = str(config.torch_dtype).removeprefix("torch.")
@@ -87,14 +89,21 @@ def weights_mode(config) -> str:
         return f"gguf int4 + {dtype}"
     if m.quantization in _FP8_METHODS:
         return m.quantization
-    if m.quantization is None and not m.model.endswith(".gguf"):
-        from tandem.model_loader.loader import load_hf_config  # lazy: the loader imports the layers
-
-        qc = getattr(load_hf_config(m.model), "quantization_config", None)
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if m.quantization is None:
+        method = _checkpoint_method(m.model)
         if method in _FP8_METHODS:
-            return str(method)
+            return method
     return dtype
+
+
+def _checkpoint_method(model: str) -> str | None:
+    """``quantization_config.quant_method`` of a HF folder's (or a config.json's) config, or None."""
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not path.endswith(".json") or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        qc = json.load(f).get("quantization_config") or {}
+    return qc.get("quant_method") if isinstance(qc, dict) else None
 
 
 @dataclass(frozen=True)

@@ -57,3 +57,18 @@ def test_weights_mode(embedded_model_path, kwargs, expected):
     cfg = EngineArgs(model=embedded_model_path, device="cpu", **kwargs).create_engine_config()
     auto = str(auto_dtype(torch.device("cpu"), embedded_model_path)).removeprefix("torch.")
     assert weights_mode(cfg) == expected.format(auto=auto)
+
+
+def test_weights_mode_names_a_checkpoints_fp8_scheme(tmp_path):
+    import json
+
+    from tandem.engine.arg_utils import EngineArgs
+    from tests.layers.quantization.fp8_checkpoints import QUANTIZATION_CONFIGS
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 128,
+              "rms_norm_eps": 1e-5, "max_position_embeddings": 64,
+              "quantization_config": QUANTIZATION_CONFIGS["ct-channel-dynamic"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = EngineArgs(model=str(tmp_path), device="cpu", load_format="dummy", tokenizer=None).create_engine_config()
+    assert weights_mode(cfg) == "compressed-tensors"
