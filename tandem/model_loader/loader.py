@@ -5,6 +5,8 @@ transformers' GGUF support; weights are dequantized to fp32 with the ``gguf`` li
 renamed to HF names (:mod:`tandem.model_loader.gguf_weights`). The first load converts the
 file into a cached HF folder (:mod:`tandem.model_loader.gguf_cache`); later loads read it,
 and map the model's parameters as loaded from it (:mod:`tandem.model_loader.param_cache`).
+With ``quantization="gguf"`` (the CPU default) the linear layers of 4-bit weights are then
+rebuilt from the file's raw blocks and run quantized (:mod:`tandem.layers.quantization.gguf`).
 """
 
 from __future__ import annotations
