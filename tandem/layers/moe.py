@@ -51,6 +51,7 @@ from torch import nn
 
 from tandem import envs
 from tandem.distributed.all2all import All2AllBackend, LocalAll2All
+from tandem.layers import batch_invariant
 from tandem.layers.linear import check_fp8_source
 from tandem.layers.quantization.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight_per_channel
 
@@ -150,7 +151,8 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._use_triton(x):
             return self._forward_triton(x)
-        logits = F.linear(x.float(), self.weight.float()) if self.fp32_logits else F.linear(x, self.weight)
+        logits = (batch_invariant.linear(x.float(), self.weight.float()) if self.fp32_logits
+                  else batch_invariant.linear(x, self.weight))
         if self.method == "softmax_topk":
             return softmax_topk(logits, self.top_k, self.renormalize)
         return deepseek_v2_topk(logits, self.top_k, self.topk_method, self.n_group, self.topk_group,
@@ -262,6 +264,8 @@ def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0, fp8: bool = Fa
         impl = _impl_from_env()
     if impl != "auto":
         return impl
+    if x.device.type == "cpu" and batch_invariant.enabled():
+        return "loop"  # deterministic mode: each expert's rows through the row-blocked GEMM
     if x.device.type == "cuda":
         grouped = grouped_mm_available(x.device, x.dtype)
         if (x.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(x.device) >= (9, 0)
@@ -383,7 +387,7 @@ def reference_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         tok, slot = torch.where(topk_ids == e)
         if tok.numel() == 0:
             continue
-        y = F.linear(silu_and_mul(F.linear(x[tok], w13[e])), w2[e])
+        y = batch_invariant.linear(silu_and_mul(batch_invariant.linear(x[tok], w13[e])), w2[e])
         out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
     return out.to(x.dtype)
 

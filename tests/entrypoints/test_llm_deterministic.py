@@ -120,3 +120,25 @@ def test_default_mode_same_requests_twice_give_the_same_bits(embedded_model_path
         assert [_bits(o) for o in second] == [_bits(o) for o in first]
     finally:
         llm.engine.shutdown()
+
+
+def test_moe_with_dbo_on_equals_alone_without(tmp_path_factory):
+    """The tiny Qwen3-MoE (router and experts through the row-blocked GEMMs): the target
+    alone with DBO off, and among others with DBO on over the simulated all-to-all (steps
+    cut in two ubatches, the target's rows in either), give the same bits."""
+    d = tmp_path_factory.mktemp("tiny_moe")
+    (d / "config.json").write_text(json.dumps(CONFIGS["qwen3_moe"]))
+    off = _llm(str(d), "float32")
+    try:
+        alone = _bits(_run(off, [TARGET], GREEDY)[0])
+    finally:
+        off.engine.shutdown()
+    on = _llm(str(d), "float32", enable_dbo=True, all2all_backend="simulated", dbo_decode_token_threshold=2,
+              dbo_prefill_token_threshold=8, dbo_measure_split=False)
+    try:
+        others = _others(random.Random(11), 6)
+        outs = _run(on, others[:2] + [TARGET] + others[2:], GREEDY)
+        assert on.engine.runner.num_dbo_steps > 0
+        assert _bits(outs[2]) == alone
+    finally:
+        on.engine.shutdown()
