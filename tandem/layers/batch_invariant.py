@@ -7,8 +7,10 @@ sum behind one output row can be ordered differently when the batch has another 
 CPU (torch 2.13): MKL's fp32 GEMM gives other bits for 1, 2, 3, 5, 6, 7, 9, 10 and 11 rows
 than for 4, 8 or 12 and more. In deterministic mode every matmul of the model therefore
 runs on blocks of exactly :data:`ROW_BLOCK` rows (the last one padded with zeros): each
-row is computed by a call of the one shape, whatever the batch. Row-wise operations
-(RMSNorm, SiLU, RoPE, softmax) already reduce each row alone in a fixed order.
+row is computed by a call of the one shape, whatever the batch (the MoE router and experts
+too, :mod:`tandem.layers.moe`). Row-wise operations (RMSNorm, SiLU, RoPE, softmax) already
+reduce each row alone in a fixed order. Not covered: FP8 GEMMs and the CUDA GEMMs (their
+library kernels are kept).
 
 The mode is one process-wide switch, set by the worker from ``ModelConfig.deterministic``
 before the model is built (:func:`set_enabled`); kernels read it with :func:`enabled`.
