@@ -48,22 +48,28 @@ class GGUFQuantConfig:
 
 
 def get_gguf_config(model: str | None, quantization: str | None, device_type: str, load_format: str = "auto",
-                    dtype: str = "auto") -> GGUFQuantConfig | None:
+                    dtype: str = "auto", deterministic: bool = False) -> GGUFQuantConfig | None:
     """The GGUF scheme of a run, or None (any other scheme, or ``quantization="none"``).
 
     ``quantization`` None takes ``"gguf"`` for a GGUF file on the CPU (real weights) at
-    ``dtype="auto"``; an explicit ``dtype`` keeps the dequantized path in that dtype (as
-    before GGUF ran quantized: exact fp32 comparisons stay exact).
+    ``dtype="auto"``, not in deterministic mode; an explicit ``dtype`` keeps the dequantized
+    path in that dtype (as before GGUF ran quantized: exact fp32 comparisons stay exact),
+    and so does ``deterministic`` (its batch-invariant GEMMs; the int4 layers switch
+    kernels with the row count).
 
     Raises:
         ValueError: ``quantization="gguf"`` for a model that is not a GGUF file, dummy
-            weights, or a device other than the CPU.
+            weights, a device other than the CPU, or with ``deterministic``.
     """
     is_gguf = model is not None and model.endswith(".gguf") and load_format != "dummy"
     if quantization is None:
-        return GGUFQuantConfig(model) if is_gguf and device_type == "cpu" and dtype == "auto" else None
+        default = is_gguf and device_type == "cpu" and dtype == "auto" and not deterministic
+        return GGUFQuantConfig(model) if default else None
     if quantization != "gguf":
         return None
+    if deterministic:
+        raise ValueError("quantization='gguf' is not batch-invariant (int4 kernel at decode sizes, bf16 GEMM "
+                         "above): use quantization='none' with deterministic=True")
     if not is_gguf:
         raise ValueError(f"quantization='gguf' runs a GGUF file's weights; model {model!r} with "
                          f"load_format={load_format!r} is not one")
@@ -85,7 +91,7 @@ def weights_mode(config) -> str:
     m = config.model_config
     dtype = str(config.torch_dtype).removeprefix("torch.")
     if get_gguf_config(m.model, m.quantization, config.device_config.torch_device.type,
-                       config.load_config.load_format, m.dtype) is not None:
+                       config.load_config.load_format, m.dtype, m.deterministic) is not None:
         return f"gguf int4 + {dtype}"
     if m.quantization in _FP8_METHODS:
         return m.quantization

@@ -22,6 +22,7 @@ def test_default_is_gguf_for_a_gguf_on_the_cpu_at_dtype_auto():
     assert get_gguf_config("/models/folder", None, "cpu") is None
     assert get_gguf_config(GGUF, "none", "cpu") is None
     assert get_gguf_config(GGUF, "fp8", "cpu") is None
+    assert get_gguf_config(GGUF, None, "cpu", deterministic=True) is None
 
 
 def test_gguf_where_it_cannot_run_is_a_value_error():
@@ -31,6 +32,8 @@ def test_gguf_where_it_cannot_run_is_a_value_error():
         get_gguf_config(GGUF, "gguf", "cpu", load_format="dummy")
     with pytest.raises(ValueError, match="runs on the CPU"):
         get_gguf_config(GGUF, "gguf", "cuda")
+    with pytest.raises(ValueError, match="not batch-invariant"):
+        get_gguf_config(GGUF, "gguf", "cpu", deterministic=True)
 
 
 def test_gguf_and_none_are_not_fp8_schemes():
@@ -47,6 +50,7 @@ def test_gguf_and_none_are_not_fp8_schemes():
     ({"dtype": "float32"}, "float32"),
     ({"quantization": "none", "dtype": "bfloat16"}, "bfloat16"),
     ({"quantization": "gguf", "dtype": "float32"}, "gguf int4 + float32"),
+    ({"deterministic": True}, "{auto}"),
 ])
 def test_weights_mode(embedded_model_path, kwargs, expected):
     import torch
