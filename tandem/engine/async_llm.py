@@ -124,6 +124,9 @@ class RequestStream:
         """
         await self._wait()
         items = self._pending
+        if len(items) == 1 and not isinstance(items[0], BaseException):  # the common case
+            self._pending = []
+            return [self._deliver(items[0])]
         cut = next((k for k, x in enumerate(items) if isinstance(x, BaseException)), len(items))
         if cut == 0:
             self.finished = True

@@ -116,7 +116,10 @@ class _Stream:
     def step(self, ids: list[int]) -> str:
         """Text released by the stream for ``ids`` ("" while a character is incomplete)."""
         try:
-            text = self._raw_step(self._stream, ids, self._step_takes_lists)
+            if self._step_takes_lists:  # the common case, one call less per token
+                text = self._stream.step(self._backend, ids)
+            else:
+                text = self._raw_step(self._stream, ids, False)
         except Exception as exc:  # noqa: BLE001 - narrowed right below
             if not _is_invalid_prefix_error(exc):
                 raise

@@ -76,9 +76,10 @@ def _clamp(lp: float) -> float:
     return -9999.0 if math.isnan(lp) or math.isinf(lp) else max(lp, -9999.0)
 
 
-async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
-    """Interleave several request streams as ``(stream index, output)``, in arrival order,
-    in batches: each batch is every output that arrived since the last one (at least one)."""
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[list[tuple[int, list[RequestOutput]]]]:
+    """Interleave several request streams as ``(stream index, its outputs)``, in arrival
+    order, in batches: each batch holds every output that arrived since the last one (at
+    least one)."""
     if len(streams) == 1:
         s = streams[0]
         while True:
@@ -86,7 +87,7 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[list[
                 outs = await s.next_outputs()
             except StopAsyncIteration:
                 return
-            yield [(0, o) for o in outs]
+            yield [(0, outs)]
     q: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -107,7 +108,7 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[list[
     try:
         remaining = len(tasks)
         while remaining:
-            batch: list[tuple[int, RequestOutput]] = []
+            batch: list[tuple[int, list[RequestOutput]]] = []
             item = await q.get()
             while True:
                 i, x = item
@@ -118,7 +119,7 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[list[
                         yield batch
                     raise x
                 else:
-                    batch += [(i, o) for o in x]
+                    batch.append((i, x))
                 if q.empty():
                     break
                 item = q.get_nowait()
@@ -560,10 +561,11 @@ class OpenAIServing:
 
         try:
             async for batch in merge_streams(streams):
-                for i, out in batch:
-                    for c in out.outputs:
-                        if (f := frame(i, out, c)) is not None:
-                            frames.append(f)
+                for i, outs in batch:
+                    for out in outs:
+                        for c in out.outputs:
+                            if (f := frame(i, out, c)) is not None:
+                                frames.append(f)
                 if frames:
                     yield "".join(frames)
                     frames.clear()
