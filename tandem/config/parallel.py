@@ -69,11 +69,28 @@ class ParallelConfig:
         if local < 1 or local > size:
             raise ValueError(f"data_parallel_size_local must be in 1..data_parallel_size ({size}), got {local}.")
         if start < 0 or start + local > size:
-            raise ValueError(f"data_parallel_start_rank ({start}) + data_parallel_size_local ({local}) must not "
-                             f"exceed data_parallel_size ({size}).")
+            given = "" if self.data_parallel_size_local is not None else ", its default"
+            raise ValueError(f"data_parallel_start_rank ({start}) + data_parallel_size_local ({local}{given}) must "
+                             f"not exceed data_parallel_size ({size}).")
         if self.multi_host and self.data_parallel_rpc_port is None:
             raise ValueError("data_parallel_rpc_port is required when data_parallel_size_local < "
                              "data_parallel_size (several hosts): the head's handshake port.")
+
+    def check_host_role(self, headless: bool) -> None:
+        """Refuse flags that do not fit this host's role (``headless``: ``tandem serve
+        --headless``).
+
+        Raises:
+            ValueError: a headless host that runs every replica, or a head of several hosts
+                whose first replica is not DP rank 0.
+        """
+        if headless and not self.multi_host:
+            raise ValueError("--headless runs some of the replicas of a head on another host: it needs "
+                             "--data-parallel-size-local < --data-parallel-size, --data-parallel-start-rank, "
+                             "--data-parallel-address and --data-parallel-rpc-port of the head.")
+        if not headless and self.multi_host and self.data_parallel_start_rank != 0:
+            raise ValueError(f"data_parallel_start_rank must be 0 on the head (the host with the API server), got "
+                             f"{self.data_parallel_start_rank}; the other hosts run with --headless.")
 
     @property
     def data_parallel_local_size(self) -> int:

@@ -265,7 +265,7 @@ class MPClient:
         """
         try:
             if self.hosts is not None:
-                self.hosts.wait_for_hosts()
+                self.hosts.wait_for_hosts(check=self._check_procs)
             self.readies = self._wait_ready(envs.TANDEM_STARTUP_TIMEOUT_S if startup_timeout is None
                                             else startup_timeout)
         except BaseException:
@@ -289,9 +289,9 @@ class MPClient:
         self._store = host_store(rdv, parallel.world_size) if rdv is not None else None
         addrs = self.addresses
         if self.multi_host:
-            from tandem.engine.host_handshake import HeadHandshake, HostWelcome, check_host_role
+            from tandem.engine.host_handshake import HeadHandshake, HostWelcome
 
-            check_host_role(parallel, headless=False)
+            parallel.check_host_role(headless=False)
             self.hosts = HeadHandshake(config, HostWelcome(addrs.inputs, addrs.outputs, rdv.master_addr,
                                                            rdv.master_port))
         first = parallel.local_ranks.start

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -263,7 +264,12 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
             run_tp_follower(core)
             return
         proc = EngineCoreProc.for_rank(core, info, input_addrs, output_addrs)
-        serve(proc, info)
+        try:
+            serve(proc, info)
+        except Exception:  # noqa: BLE001 - its traceback went to the front ends (engine_dead), which log it
+            failed = True
+        else:
+            failed = False
     except BaseException as e:
         if proc is None:  # failed while loading: tell the front end which rank and why
             ctx = zmq.Context()
@@ -286,6 +292,8 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
         if core is not None:
             core.shutdown()
         ps.destroy_distributed()
+    if failed:
+        sys.exit(1)  # a failed step: not a second copy of its traceback on stderr
 
 
 __all__ = ["EngineCoreProc", "LOCKSTEP_IDLE_POLL_MS", "exit_with_parent", "run_engine_core", "serve"]

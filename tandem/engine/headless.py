@@ -40,11 +40,11 @@ def run_headless(config: EngineConfig) -> None:
     """
     from tandem.distributed.launch import spawn_ranks
     from tandem.engine.core_proc import run_engine_core
-    from tandem.engine.host_handshake import HeadLink, check_host_role
-    from tandem.model_loader.loader import check_model_path
+    from tandem.engine.host_handshake import HeadLink
+    from tandem.model_loader.model_path import check_model_path
 
     parallel = config.parallel_config
-    check_host_role(parallel, headless=True)
+    parallel.check_host_role(headless=True)
     check_model_path(config.model_config.model)
     link = HeadLink(config)
     w = link.welcome

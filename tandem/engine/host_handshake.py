@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -99,22 +100,6 @@ def config_difference(head: dict[str, Any], host: dict[str, Any]) -> str | None:
     return "; ".join(diffs) if diffs else None
 
 
-def check_host_role(parallel, headless: bool) -> None:
-    """Refuse a host whose flags do not fit its role (a ``ParallelConfig``).
-
-    Raises:
-        ValueError: a headless host that runs every replica or has no handshake port, or a
-            head of several hosts whose first replica is not DP rank 0.
-    """
-    if headless and not parallel.multi_host:
-        raise ValueError("--headless runs some of the replicas of a head on another host: it needs "
-                         "--data-parallel-size-local < --data-parallel-size, --data-parallel-start-rank, "
-                         "--data-parallel-address and --data-parallel-rpc-port of the head.")
-    if not headless and parallel.multi_host and parallel.data_parallel_start_rank != 0:
-        raise ValueError(f"data_parallel_start_rank must be 0 on the head (the host with the API server), got "
-                         f"{parallel.data_parallel_start_rank}; the other hosts run with --headless.")
-
-
 def _ranks(start: int, size: int) -> str:
     return f"{start}" if size == 1 else f"{start}-{start + size - 1}"
 
@@ -150,24 +135,34 @@ class HeadHandshake:
         self._stop_error: str | None = None
         self.ctx = zmq.Context(io_threads=1)
         self.sock = self.ctx.socket(zmq.ROUTER)
-        addr = f"tcp://{parallel.data_parallel_address or '127.0.0.1'}:{parallel.data_parallel_rpc_port}"
+        self.addr = f"tcp://{parallel.data_parallel_address or '127.0.0.1'}:{parallel.data_parallel_rpc_port}"
         try:
-            self.sock.bind(addr)
+            self.sock.bind(self.addr)
         except zmq.ZMQError as e:
             self.ctx.destroy(linger=0)
-            raise ConnectionError(f"data_parallel_rpc_port: cannot listen on {addr}: {e}") from None
+            self._close_pipe()
+            raise ConnectionError(f"data_parallel_rpc_port: cannot listen on {self.addr}: {e}") from None
         self._thread = threading.Thread(target=self._serve, name="tandem-host-handshake", daemon=True)
         self._thread.start()
 
-    def wait_for_hosts(self, timeout: float | None = None) -> None:
-        """Until every data-parallel rank has a host.
+    def wait_for_hosts(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> None:
+        """Until every data-parallel rank has a host; ``check()`` is called every second
+        meanwhile (the caller's own processes: it raises when one died).
 
         Raises:
             HostRefusedError: some ranks had no host within ``timeout`` s
                 (``TANDEM_HOST_JOIN_TIMEOUT_S``) or a host was lost meanwhile.
         """
         timeout = envs.TANDEM_HOST_JOIN_TIMEOUT_S if timeout is None else timeout
-        if not self.joined.wait(timeout) or self.lost is not None:
+        deadline = time.monotonic() + timeout
+        logger.info("waiting up to %.0f s for the hosts of DP ranks %s to join on %s", timeout, sorted(self.missing),
+                    self.addr)
+        while not self.joined.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if check is not None:
+                check()
+            if time.monotonic() >= deadline:
+                break
+        if not self.joined.is_set() or self.lost is not None:
             missing = sorted(self.missing)
             raise HostRefusedError(self.lost or f"data-parallel ranks {missing} did not join within {timeout:.0f} s "
                                    f"(start their --headless hosts with --data-parallel-start-rank {missing[0]})")
@@ -209,6 +204,13 @@ class HeadHandshake:
             self.joined.set()
 
     def _serve(self) -> None:
+        try:
+            self._serve_loop()
+        except Exception as e:  # noqa: BLE001 - without this thread no host is watched: that is a lost deployment
+            logger.exception("the host handshake thread failed")
+            self._lose(f"the head's host handshake failed: {e!r}")
+
+    def _serve_loop(self) -> None:
         enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(HostMessage)
         beat = enc.encode(Heartbeat())
         limit = envs.TANDEM_HOST_HEARTBEAT_TIMEOUT_S
@@ -251,6 +253,11 @@ class HeadHandshake:
         self._stop.set()
         self._thread.join(5)
         os.write(self._lost_w, b"x")  # wakes a monitor waiting on lost_r (it sees the client stopping)
+        os.close(self._lost_w)  # lost_r stays readable (EOF) for a monitor still waiting on it
+
+    def _close_pipe(self) -> None:
+        os.close(self.lost_r)
+        os.close(self._lost_w)
 
 
 class HeadLink:
@@ -270,6 +277,7 @@ class HeadLink:
         self.ctx = zmq.Context(io_threads=1)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.connect(self.addr)
+        logger.info("joining the head at %s (waiting up to %.0f s for it)", self.addr, envs.TANDEM_HOST_JOIN_TIMEOUT_S)
         hello = HostHello(tandem_version(), socket.gethostname(), os.getpid(), parallel.data_parallel_start_rank,
                           parallel.data_parallel_local_size, comparable_config(config))
         self.sock.send(self.enc.encode(hello))
@@ -322,5 +330,4 @@ class HeadLink:
         self.ctx.term()
 
 
-__all__ = ["HeadHandshake", "HeadLink", "HostRefusedError", "HostWelcome", "check_host_role", "comparable_config",
-           "config_difference"]
+__all__ = ["HeadHandshake", "HeadLink", "HostRefusedError", "HostWelcome", "comparable_config", "config_difference"]

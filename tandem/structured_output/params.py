@@ -38,11 +38,12 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 _PARSED: OrderedDict[tuple, None] = OrderedDict()
 _PARSED_SIZE = 256
 _PARSED_LOCK = threading.Lock()
-# Most whitespace characters xgrammar allows between two JSON tokens: room for a newline
-# and a space, not for a run (benchmarks/RESULTS.md, "structured outputs: bounded
-# whitespace": at 2, the embedded SmolLM2 at temperature 0.7 completes bounded schemas
-# well within 128 tokens; unbounded, half of them run to max_tokens on newlines).
-MAX_WHITESPACE = 2
+# Most whitespace characters xgrammar allows between two JSON tokens: a newline or a space,
+# not a run (benchmarks/RESULTS.md, "structured outputs: bounded whitespace": the embedded
+# SmolLM2 at temperature 0.7 on name/age/tags takes 45 tokens at 1, 69 at 2, where it puts
+# "\n\n" in every gap and overruns max_tokens 80 in half the seeds; unbounded, half of the
+# outputs run to max_tokens on newlines).
+MAX_WHITESPACE = 1
 # The schema of ``json_object``: any object (xgrammar's builtin JSON grammar also allows
 # arrays and scalars).
 ANY_OBJECT = '{"type": "object"}'
@@ -180,6 +181,8 @@ class StructuredOutputsParams:
             return xgr.Grammar.from_structural_tag(self.structural_tag)
         except ValueError as e:
             raise ValueError(f"{field} is invalid: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{field} is invalid: nested too deeply") from None
         except Exception as e:  # xgrammar's parse errors (RuntimeError, InvalidStructuralTagError, ...)
             raise ValueError(f"{field} is invalid: {xgrammar_error(e)}") from None
 
@@ -194,7 +197,7 @@ def _parse_once(params: StructuredOutputsParams) -> None:
     try:
         key = params.cache_key()
         hash(key)
-    except (TypeError, ValueError):  # e.g. a schema JSON cannot encode: to_grammar names the field
+    except (TypeError, ValueError, RecursionError):  # a schema JSON cannot encode: to_grammar names the field
         key = None
     if key is not None:
         with _PARSED_LOCK:

@@ -13,8 +13,8 @@ import pytest
 
 from tandem.distributed.launch import free_port
 from tandem.engine.arg_utils import EngineArgs
-from tandem.engine.host_handshake import (HeadHandshake, HeadLink, HostRefusedError, HostWelcome, check_host_role,
-                                          comparable_config, config_difference)
+from tandem.engine.host_handshake import (HeadHandshake, HeadLink, HostRefusedError, HostWelcome, comparable_config,
+                                          config_difference)
 
 
 def _config(port: int, start: int = 0, **kw):
@@ -139,16 +139,18 @@ def test_a_head_that_vanishes_is_noticed(monkeypatch):
 def test_flags_that_do_not_fit_the_host_role_are_refused():
     single = EngineArgs(data_parallel_size=2).create_engine_config().parallel_config
     with pytest.raises(ValueError, match="--headless runs some of the replicas"):
-        check_host_role(single, headless=True)
-    check_host_role(single, headless=False)
+        single.check_host_role(headless=True)
+    single.check_host_role(headless=False)
     with pytest.raises(ValueError, match="data_parallel_start_rank must be 0 on the head"):
-        check_host_role(_config(1234, start=1).parallel_config, headless=False)
-    check_host_role(_config(1234, start=1).parallel_config, headless=True)
+        _config(1234, start=1).parallel_config.check_host_role(headless=False)
+    _config(1234, start=1).parallel_config.check_host_role(headless=True)
     with pytest.raises(ValueError, match="data_parallel_rpc_port is required"):
         EngineArgs(data_parallel_size=2, data_parallel_size_local=1).create_engine_config()
     with pytest.raises(ValueError, match="must not exceed data_parallel_size"):
         EngineArgs(data_parallel_size=2, data_parallel_size_local=1, data_parallel_start_rank=2,
                    data_parallel_rpc_port=1234).create_engine_config()
+    with pytest.raises(ValueError, match=r"data_parallel_size_local \(2, its default\)"):
+        EngineArgs(data_parallel_size=2, data_parallel_start_rank=1).create_engine_config()
 
 
 def test_stray_messages_on_the_handshake_port_are_ignored(head):

@@ -25,6 +25,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tandem.distributed.launch import free_port
@@ -208,3 +209,24 @@ def test_sigterm_of_the_head_stops_every_host_cleanly(two_hosts):
     assert head.wait_gone(EXIT_WITHIN_S) <= EXIT_WITHIN_S
     assert headless.wait_gone(EXIT_WITHIN_S) <= EXIT_WITHIN_S
     assert (head.proc.returncode, headless.proc.returncode) == (0, 0), headless.text()[-2000:]
+
+
+def test_a_core_that_dies_while_the_head_waits_for_hosts_is_reported(tmp_path):
+    model = tmp_path / "qwen3_moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIGS["qwen3_moe"]))
+    head = Host([*_engine_args(str(model), free_port(), 2, 1), "--host", "127.0.0.1", "--port", str(free_port())],
+                env={"TANDEM_HOST_JOIN_TIMEOUT_S": "300"})
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting up to" not in head.text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        head.record()
+        cores = [pid for pid in head.pids if pid != head.proc.pid and "spawn_main" in " ".join(
+            psutil.Process(pid).cmdline())]
+        assert cores, head.text()[-2000:]
+        os.kill(cores[0], signal.SIGKILL)
+        assert head.wait_gone(EXIT_WITHIN_S) <= EXIT_WITHIN_S
+        assert head.proc.returncode != 0 and "engine core process" in head.text(), head.text()[-2000:]
+    finally:
+        head.close()

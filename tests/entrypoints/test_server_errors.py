@@ -89,7 +89,8 @@ def test_bad_chat_requests(server, case):
 def test_invalid_json_and_bodies(server):
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         for content in (b"{not json", b"", b"[1, 2]", b"null", b'"text"', b"\xff\xfe",
-                        b'{"prompt": "Hi", "temperature": Infinity}', b'{"prompt": "Hi", "top_p": NaN}'):
+                        b'{"prompt": "Hi", "temperature": Infinity}', b'{"prompt": "Hi", "top_p": NaN}',
+                        b'{"prompt": "Hi", "logit_bias": ' + b"[" * 100000 + b"]" * 100000 + b"}"):
             _assert_400(httpx.post(f"{server.url}{path}", content=content,
                                    headers={"Content-Type": "application/json"}))
     _assert_400(httpx.post(f"{server.url}/detokenize", json={"tokens": [10**9]}))

@@ -165,3 +165,11 @@ def test_engine_decoders_do_not_parse_constraints(monkeypatch):
     assert calls == []
     StructuredOutputsParams(json=schema)  # outside the decoder: parsed as ever
     assert calls == ["_parse_once"]
+
+
+def test_a_schema_nested_too_deeply_is_a_value_error_naming_the_field():
+    schema: dict = {"type": "string"}
+    for _ in range(3000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(ValueError, match=r"structured_outputs.json is invalid: nested too deeply"):
+        StructuredOutputsParams(json=schema)

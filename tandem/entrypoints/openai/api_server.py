@@ -86,10 +86,14 @@ async def _parse(raw: Request, model: type[BaseModel]):
         data = json.loads(body, parse_constant=_reject_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"Invalid JSON in the request body: {e}") from None
+    except RecursionError:
+        raise bad_request("Invalid JSON in the request body: nested too deeply.") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object.")
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply.") from None
     except ValidationError as e:
         msg, param = _validation_message(e.errors(include_url=False))
         raise bad_request(msg, param) from None
@@ -374,6 +378,7 @@ class _LoadingGate:
         self.make_app = make_app
         self.on_failed = on_failed
         self.app: FastAPI | None = None
+        self.app_failed = False  # the engine loaded, its app did not start (the server exits 1)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._lifespan = None
 
@@ -409,9 +414,15 @@ class _LoadingGate:
         except BaseException:  # noqa: BLE001 - raised again once the server has stopped
             self.on_failed()
             return
-        app = self.make_app(llm)
-        lifespan = app.router.lifespan_context(app)
-        await lifespan.__aenter__()
+        try:
+            app = self.make_app(llm)
+            lifespan = app.router.lifespan_context(app)
+            await lifespan.__aenter__()
+        except Exception:  # noqa: BLE001 - else the server would answer 503 forever
+            logger.exception("the server's app failed to start")
+            self.app_failed = True
+            self.on_failed()
+            return
         self._lifespan, self.app = lifespan, app
 
 
@@ -546,5 +557,5 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
         if loaded.done():
             raise loaded.exception()  # loading failed
         raise RuntimeError("the HTTP server stopped before the engine was loaded")
-    if dead:
+    if dead or gate.app_failed:
         raise SystemExit(1)

@@ -59,13 +59,15 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
     path checked: both before the server's modules (and torch) are imported.
 
     Raises:
-        ValueError: a bad engine flag, naming it; a model path that does not exist or that
-            the loader does not read.
+        ValueError: a bad engine flag, naming it; flags that do not fit the host's role
+            (``--headless`` or head); a model path that does not exist or that the loader
+            does not read.
     """
     from tandem.model_loader.model_path import check_model_path
     from tandem.engine.arg_utils import EngineArgs
 
     cfg = EngineArgs.from_cli_args(args).create_engine_config("openai_api_server")
+    cfg.parallel_config.check_host_role(headless=getattr(args, "headless", False))
     check_model_path(cfg.model_config.model)
     return cfg
 
