@@ -108,9 +108,8 @@ def main() -> None:
         loads = []
         for r in range(args.rounds):
             loads.append(os.getloadavg()[0])
-            for name, fn in (("llama.cpp", lambda: llamacpp_run(args, n)),
-                             ("tandem", lambda: tandem_run(llm, n, args, seed=1000 * n + r))):
-                pp, tg = fn()
+            for name in ("llama.cpp", "tandem"):
+                pp, tg = llamacpp_run(args, n) if name == "llama.cpp" else tandem_run(llm, n, args, 1000 * n + r)
                 res[name][0].append(pp)
                 res[name][1].append(tg)
             loads.append(os.getloadavg()[0])

@@ -223,4 +223,4 @@ class GGUFInt4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}"
 
 
-__all__ = ["GROUP_SIZE", "GGUFInt4Linear", "INT4_TYPES", "KERNEL_DTYPE", "int4_groups", "quantize_gguf_linears"]
+__all__ = ["GROUP_SIZE", "INT4_TYPES", "KERNEL_DTYPE", "GGUFInt4Linear", "int4_groups", "quantize_gguf_linears"]
