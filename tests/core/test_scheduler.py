@@ -169,6 +169,7 @@ class _Matcher:
 
     def __init__(self, allowed: list[int]) -> None:
         self.allowed, self.accepted, self.finished = allowed, [], False
+        self.forced_stop = None  # as StructuredOutputRequest: no stop token forced over min_tokens
 
     def is_ready(self) -> bool:
         return True
