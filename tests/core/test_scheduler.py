@@ -170,6 +170,7 @@ class _Matcher:
     def __init__(self, allowed: list[int]) -> None:
         self.allowed, self.accepted, self.finished = allowed, [], False
         self.forced_stop = None  # as StructuredOutputRequest: no stop token forced over min_tokens
+        self.refused = False
 
     def is_ready(self) -> bool:
         return True
@@ -188,8 +189,8 @@ class _Manager:
             if len(g.accepted) < len(g.allowed) and g.allowed[len(g.accepted)] == t:
                 g.accepted.append(t)
                 g.finished = g.accepted == g.allowed
-            else:
-                g.finished = True
+            else:  # refused: the token is left out of the output and the grammar ends it
+                g.finished = g.refused = True
 
 
 def test_update_from_output_advances_grammars_and_stops_when_complete():
@@ -208,7 +209,8 @@ def test_update_from_output_advances_grammars_and_stops_when_complete():
     assert s.schedule().structured_output_seq_ids == [a.seq_id, b.seq_id]
     outs = s.update_from_output(_result([a, free, b], [3, 1, 9]))
     assert manager.calls == [[("a", 3), ("b", 9)]]
-    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", None), ("free", None), ("b", "stop")]
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [
+        ("a", [3], None), ("free", [1], None), ("b", [], "stop")]
     assert a.structured_output.accepted == [3]
     s.schedule()
     outs = s.update_from_output(_result([a, free], [4, 1]))
