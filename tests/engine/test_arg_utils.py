@@ -59,7 +59,7 @@ def test_flag_types_choices_and_booleans_come_from_the_dataclass():
     assert actions["max_num_seqs"].type is int and actions["max_model_len"].type is int
     assert actions["gpu_memory_utilization"].type is float and actions["tokenizer"].type is str
     assert tuple(actions["kv_cache_dtype"].choices) == ("auto", "fp8", "fp8_e4m3")
-    assert tuple(actions["quantization"].choices) == ("fp8", "compressed-tensors")
+    assert tuple(actions["quantization"].choices) == ("fp8", "compressed-tensors", "gguf", "none")
     assert "-q" in actions["quantization"].option_strings
     assert isinstance(actions["enforce_eager"], argparse.BooleanOptionalAction)
     assert "--no-enable-prefix-caching" in actions["enable_prefix_caching"].option_strings
