@@ -84,7 +84,7 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []
         self.num_steps = 0
         # Tensor parallelism: the driver sends each step's SchedulerOutput to the other TP
-        # ranks before running it (set by the launcher, tandem.engine.dp_engine).
+        # ranks before running it (set by tandem.engine.rank_core.build_rank_core).
         self.step_broadcast = None
         self._bitmask_owed = False
         # Host time per step (schedule, the runner's input preparation, update_from_output)
