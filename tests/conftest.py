@@ -129,3 +129,14 @@ PROMPTS = [
     "The three primary colors are",
     "Q: What is the boiling point of water at sea level in Celsius?\nA:",
 ]
+
+
+@pytest.fixture
+def deterministic_mode():
+    """Batch-invariant execution (``--deterministic``) for the test, then as before."""
+    from tandem.layers import batch_invariant
+
+    before = batch_invariant.enabled()
+    batch_invariant.set_enabled(True)
+    yield
+    batch_invariant.set_enabled(before)

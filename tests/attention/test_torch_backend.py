@@ -98,16 +98,6 @@ def test_gather_into_buffer_matches_fresh():
 H, HK, D = 9, 3, 64  # SmolLM2's heads
 
 
-@pytest.fixture
-def deterministic_mode():
-    from tandem.layers import batch_invariant
-
-    before = batch_invariant.enabled()
-    batch_invariant.set_enabled(True)
-    yield
-    batch_invariant.set_enabled(before)
-
-
 class _Request:
     """One request's tokens (q/k/v per position) and blocks, replayed in any split of steps."""
 

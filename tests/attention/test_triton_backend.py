@@ -343,16 +343,6 @@ def test_fp8_kv_cache_rejects_other_cache_dtypes():
 # ------------------------------------------------ deterministic mode (issue 36)
 
 
-@pytest.fixture
-def deterministic_mode():
-    from tandem.layers import batch_invariant
-
-    before = batch_invariant.enabled()
-    batch_invariant.set_enabled(True)
-    yield
-    batch_invariant.set_enabled(before)
-
-
 def _decode_step(seq_lens: list[int], tables: list[list[int]], q, k, v):
     """Metadata of a decode-only step over requests with these contexts and block tables."""
     bs = 16

@@ -23,3 +23,11 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def offline_hub(monkeypatch):
+    """lm-eval and datasets without the network (the test data is local)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")

@@ -11,6 +11,7 @@ import os
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-eval)")
+pytestmark = pytest.mark.usefixtures("offline_hub")
 
 MODEL_NAME = "SmolLM2-135M-Instruct"  # as served by the conftest fixture
 NUM_QUESTIONS = 20
@@ -75,13 +76,6 @@ def task_dir(tmp_path_factory):
     (d / "tandem_mmlu_mc.yaml").write_text(MC_TASK.replace("{data}", str(data)))
     (d / "tandem_mmlu_gen.yaml").write_text(GEN_TASK.replace("{data}", str(data)))
     return d
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
 
 
 def _evaluate(task_dir, task: str, model: str, model_args: dict, **kw) -> dict:

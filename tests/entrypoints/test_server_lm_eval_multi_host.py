@@ -27,7 +27,7 @@ from tests.hosts import Host, wait_healthy
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-eval)")
 
 # ~4 min on 2 shared cores (three deployments, 200 loglikelihoods each; measured 228 s at load ~6).
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("offline_hub")]
 
 NUM_QUESTIONS = 50
 TASK = "tandem_mmlu_cloze"
@@ -88,13 +88,6 @@ def task_dir(tmp_path_factory):
     data.write_text("".join(_shortest_questions(src, NUM_QUESTIONS)))
     (d / f"{TASK}.yaml").write_text(CLOZE_TASK.replace("{data}", str(data)))
     return d
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
 
 
 @contextmanager

@@ -16,14 +16,6 @@ from tandem.layers.fused_ops import apply_rotary, fused_add_rms_norm, rms_norm, 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture
-def deterministic_mode():
-    before = batch_invariant.enabled()
-    batch_invariant.set_enabled(True)
-    yield
-    batch_invariant.set_enabled(before)
-
-
 def _embedded(row: torch.Tensor, m: int, pos: int, g: torch.Generator) -> torch.Tensor:
     """``m`` random rows with ``row`` at ``pos``."""
     x = torch.randn(m, *row.shape, generator=g).to(row.dtype)

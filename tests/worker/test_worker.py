@@ -14,19 +14,8 @@ from tandem.distributed.all2all import LocalAll2All, SimulatedAll2All
 from tandem.engine.arg_utils import EngineArgs
 from tandem.model_loader.loader import load_hf_config
 from tandem.worker.worker import Worker, profile_step_metadata
+from tests.distributed.conftest import COMMON, CONFIGS
 
-COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
-              rms_norm_eps=1e-6)
-CONFIGS = {
-    "llama": dict(model_type="llama", **COMMON, num_key_value_heads=2, intermediate_size=128),
-    "qwen3_moe": dict(model_type="qwen3_moe", **COMMON, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
-    "deepseek_v2": dict(model_type="deepseek_v2", **COMMON, num_key_value_heads=4, intermediate_size=96,
-                        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
-                        qk_rope_head_dim=16, v_head_dim=16, topk_method="greedy", norm_topk_prob=False,
-                        routed_scaling_factor=1.0),
-}
 # (planes, KV heads, head dim) of one layer's cache block: K and V of 2 heads of 16; one MLA
 # latent of kv_lora_rank + qk_rope_head_dim.
 GEOMETRY = {"llama": (2, 2, 16), "qwen3_moe": (2, 2, 16), "deepseek_v2": (1, 1, 48)}
