@@ -31,11 +31,6 @@ TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS 384        FP8 products of o_proj / down_pro
                                                kernel that consumes them, so the GEMM runs
                                                cuBLASLt's faster unit-scale kernel (0: off);
                                                read when a model loads
-TANDEM_GGUF_INT4_MAX_ROWS           8          GGUF layers run quantized (--quantization gguf)
-                                               take inputs of at most this many rows through
-                                               the int4 kernel, larger ones through the bf16
-                                               GEMM on their dequantized weight (0: int4
-                                               never); read when a model loads
 TANDEM_CPU_STEP_THREAD              on         CPU steps run on a worker thread, overlapping
                                                the caller's output processing (on), or inline
                                                (off); read when a model runner is built
@@ -154,7 +149,6 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_FP8_FUSED_QUANT": _choice("TANDEM_FP8_FUSED_QUANT", "on", ON_OFF),
     "TANDEM_FP8_FAST_ACCUM": _choice("TANDEM_FP8_FAST_ACCUM", "on", ON_OFF),
     "TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS": _int_at_least("TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS", lambda: 384, 0),
-    "TANDEM_GGUF_INT4_MAX_ROWS": _int_at_least("TANDEM_GGUF_INT4_MAX_ROWS", lambda: 8, 0),
     "TANDEM_CPU_STEP_THREAD": _choice("TANDEM_CPU_STEP_THREAD", "on", ON_OFF),
     "TANDEM_MLA_PREFILL": _choice("TANDEM_MLA_PREFILL", "auto", MLA_PREFILL_MODES),
     "TANDEM_STARTUP_TIMEOUT_S": _float("TANDEM_STARTUP_TIMEOUT_S", 1800.0),

@@ -50,12 +50,13 @@ import torch.distributed as dist
 
 from tandem import envs
 from tandem.core.sched_output import ScheduledSequence, SchedulerOutput
+from tandem.distributed.forward_context import RowPhases
 from tandem.outputs import ModelRunnerOutput, PromptLogprobs
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
 from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
 from tandem.worker.input_batch import InputBatch
 from tandem.worker.sampler import SamplerOutput, SamplingBatch, sample
-from tandem.worker.step_plan import DBOPolicy, StepMode, StepPlan, StepPlanner, ubatch_slices
+from tandem.worker.step_plan import CPU_MIN_PROMPT_TOKENS, DBOPolicy, StepMode, StepPlan, StepPlanner, ubatch_slices
 from tandem.worker.ubatching import StepInputs, empty_step_inputs, forward_step, pad_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,11 @@ class ModelRunner:
                                                 dbo=self.dbo)
             self.cuda_graphs.capture()
         graphs = self.cuda_graphs
-        self.planner = StepPlanner(self.dbo, graphs.sizes if graphs else None, graphs.split_sizes if graphs else set())
+        self.planner = StepPlanner(self.dbo, graphs.sizes if graphs else None, graphs.split_sizes if graphs else set(),
+                                   min_prompt_tokens=CPU_MIN_PROMPT_TOKENS if device.type == "cpu" else 0)
+        # Layers whose kernel follows the phase of a token (forward_context.RowPhases).
+        self._phase_layers = any(getattr(m, "uses_row_phases", False) for m in model.modules())
+        self._track_prompt_lens = self._phase_layers or self.planner.min_prompt_tokens > 0
         self.num_dbo_steps = 0
         # Per step, when timing is on: (start event, end event, sequences, all decode?,
         # total context tokens read by attention).
@@ -221,7 +226,9 @@ class ModelRunner:
         sampling = self._sampling_inputs(seqs, rows) if seqs else None
         t_prep = time.perf_counter() - t_prep
         decode_only = inputs is not None and inputs.num_decode_reqs() == inputs.num_reqs
-        plan = self.planner.plan(inputs.num_tokens if inputs is not None else 0, decode_only)
+        generated = inputs.generated_mask() if inputs is not None else None
+        with_prompt = generated is not None and not generated.all()
+        plan = self.planner.plan(inputs.num_tokens if inputs is not None else 0, decode_only, with_prompt)
         if plan.split:
             self.num_dbo_steps += 1
         if plan.mode is StepMode.IDLE:
@@ -260,12 +267,15 @@ class ModelRunner:
         """The step's inputs, and the input-batch rows ``[len(seqs)]`` int64 of ``seqs``."""
         # One pass over the sequences for every per-sequence value; the rest is numpy.
         states, prev_rows = self.input_batch.states, self.prev_rows
-        q_list, computed_list, row_list, ids = [], [], [], []
+        q_list, computed_list, row_list, ids, plen_list = [], [], [], [], []
+        track_prompt = self._track_prompt_lens
         prev_dst, prev_src = [], []
         width = end = 0
         for s in seqs:
             st = states[s.seq_id]
             row_list.append(st.row)
+            if track_prompt:
+                plen_list.append(st.prompt_len)
             if st.num_blocks > width:
                 width = st.num_blocks
             q_list.append(s.num_new_tokens)
@@ -291,8 +301,9 @@ class ModelRunner:
         slot_mapping = (self.input_batch.block_table_np[row_of_token, positions // bs].astype(np.int64) * bs
                         + positions % bs)
         block_table = self.input_batch.block_table[self._h2d(rows, torch.long), :width]
+        prompt_lens = np.array(plen_list, dtype=np.int64) if track_prompt else None
         return StepInputs(np.array(ids, dtype=np.int64), positions, slot_mapping, qsl, computed, computed + q_lens,
-                          block_table, prev_dst, prev_src), rows
+                          block_table, prev_dst, prev_src, prompt_lens), rows
 
     def _input_ids(self, inputs: StepInputs) -> torch.Tensor:
         """``[num_tokens]`` on the device, with the previous step's samples filled in."""
@@ -318,7 +329,10 @@ class ModelRunner:
             part = full if (start, stop) == (0, padded) else full.slice_tokens(start, stop)
             return part.metadata(self.device)
 
-        return forward_step(self.model, self.kv_caches, input_ids, positions, padded, plan.ubatches, metadata)[:n]
+        generated = full.generated_mask() if self._phase_layers else None
+        phases = None if generated is None else lambda start, stop: RowPhases.from_mask(generated[start:stop], self.device)
+        return forward_step(self.model, self.kv_caches, input_ids, positions, padded, plan.ubatches, metadata,
+                            phases)[:n]
 
     def _run_padding(self, plan: StepPlan) -> None:
         """An idle data-parallel rank's share of the step: padding tokens only."""

@@ -14,7 +14,8 @@ Every decision about the shape of a step's forward lives here (after vLLM's
 * **graph vs eager**: a decode-only step of at most the largest capture size replays a CUDA
   graph (an idle data-parallel rank can replay any size);
 * **padding**: a graph replays its capture size; under data parallelism every rank pads its
-  eager forward to the largest token count of any rank;
+  eager forward to the largest token count of any rank; on the CPU a forward that holds
+  prompt tokens runs at least :data:`CPU_MIN_PROMPT_TOKENS` rows;
 * **cross-rank agreement**: one all-reduce (MAX) per step over the DP group
   (:func:`agree_across_dp`): graph mode only if every rank can, split only if every rank
   wants to (an idle rank votes yes), the largest token count. In graph mode the vote is
@@ -34,6 +35,14 @@ import torch
 import torch.distributed as dist
 
 from tandem.distributed import parallel_state as ps
+
+
+CPU_MIN_PROMPT_TOKENS = 16
+"""Fewest rows of a CPU forward that holds prompt tokens. MKL's fp32 GEMM rounds a row
+differently in calls of 1-3, 5-7 or 9-11 rows than in calls of 12 or more (RESULTS:
+deterministic inference), so without padding a prompt's last tokens computed alone after a
+prefix-cache hit would get other bits than in the forward of the whole prompt, and a
+repeated greedy request could change its answer."""
 
 
 class StepMode(enum.Enum):
@@ -163,23 +172,28 @@ class StepPlanner:
         graph_split_sizes: the capture sizes whose graph is split (set at capture).
         dp_group: the data-parallel group whose forwards must match (expert
             parallelism); None: this rank plans alone.
+        min_prompt_tokens: fewest rows of an eager forward holding prompt tokens
+            (:data:`CPU_MIN_PROMPT_TOKENS` on the CPU; 0: no minimum).
     """
 
     dbo: DBOPolicy | None = None
     graph_sizes: list[int] | None = None
     graph_split_sizes: set[int] = field(default_factory=set)
     dp_group: dist.ProcessGroup | None = None
+    min_prompt_tokens: int = 0
 
     def graph_size(self, num_tokens: int) -> int | None:
         """The smallest capture size holding ``num_tokens`` rows; None if none does."""
         return next((s for s in self.graph_sizes or () if s >= num_tokens), None)
 
-    def plan(self, num_tokens: int, decode_only: bool) -> StepPlan:
+    def plan(self, num_tokens: int, decode_only: bool, with_prompt: bool = False) -> StepPlan:
         """The plan of a step of ``num_tokens`` tokens on this rank (0: an idle DP rank;
-        ``decode_only``: every sequence adds one token). Every DP rank must call this once
-        per step when a ``dp_group`` is set."""
+        ``decode_only``: every sequence adds one token; ``with_prompt``: some token is a
+        prompt token). Every DP rank must call this once per step when a ``dp_group`` is
+        set."""
         graph_ok = self.graph_sizes is not None and (num_tokens == 0 or (decode_only and num_tokens <= self.graph_sizes[-1]))
-        max_tokens, split, graph = agree_across_dp(self.dp_group, num_tokens, self._wants_split(num_tokens, decode_only, graph_ok),
+        rows = max(num_tokens, self.min_prompt_tokens) if with_prompt else num_tokens
+        max_tokens, split, graph = agree_across_dp(self.dp_group, rows, self._wants_split(num_tokens, decode_only, graph_ok),
                                                    graph_ok)
         if max_tokens == 0:
             return StepPlan(StepMode.IDLE, 0, 0)
@@ -187,7 +201,7 @@ class StepPlanner:
             size = self.graph_size(max_tokens)
             return StepPlan(StepMode.GRAPH, num_tokens, size,
                             ubatch_slices(size) if size in self.graph_split_sizes else None)
-        padded = max_tokens if self.dp_group is not None else num_tokens
+        padded = max_tokens if self.dp_group is not None else rows
         return StepPlan(StepMode.EAGER, num_tokens, padded, ubatch_slices(padded) if split else None)
 
     def _wants_split(self, num_tokens: int, decode_only: bool, graph_ok: bool) -> bool:

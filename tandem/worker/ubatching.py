@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tandem.attention.metadata import AttentionMetadata
-from tandem.distributed.forward_context import ForwardContext, forward_context
+from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
 from tandem.worker.step_plan import UBatchSlice
 
 
@@ -35,7 +35,8 @@ class StepInputs:
     ``query_start_loc`` ``[num_reqs + 1]``, ``num_computed`` / ``seq_lens`` ``[num_reqs]``;
     ``block_table``: ``[num_reqs, width]`` int32 tensor (on the device: gathered from the
     persistent input batch). ``prev_dst`` / ``prev_src``: token positions whose input id is
-    the previous step's sample (row ``prev_src`` of it).
+    the previous step's sample (row ``prev_src`` of it). ``prompt_lens``: ``[num_reqs]``
+    int64, each request's prompt length (None: not tracked; see :meth:`generated_mask`).
     """
 
     input_ids: np.ndarray
@@ -47,6 +48,7 @@ class StepInputs:
     block_table: torch.Tensor
     prev_dst: list[int]
     prev_src: list[int]
+    prompt_lens: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +62,15 @@ class StepInputs:
         q = np.diff(self.query_start_loc)
         nz = np.flatnonzero(q != 1)
         return int(nz[0]) if len(nz) else len(q)
+
+    def generated_mask(self) -> np.ndarray | None:
+        """``[num_tokens]`` bool: the token is at or past its request's prompt length (a
+        generated token, decoded or recomputed); None when prompt lengths are not tracked."""
+        if self.prompt_lens is None:
+            return None
+        q_lens = np.diff(self.query_start_loc)
+        per_token = self.prompt_lens if len(q_lens) == self.num_tokens else np.repeat(self.prompt_lens, q_lens)
+        return self.positions >= per_token
 
     def metadata(self, device: torch.device) -> AttentionMetadata:
         """Attention metadata on ``device`` (non-blocking copies, no host sync)."""
@@ -102,6 +113,7 @@ class StepInputs:
             block_table=self.block_table[r0:r1],
             prev_dst=[d for d, _ in prev],
             prev_src=[s for _, s in prev],
+            prompt_lens=None if self.prompt_lens is None else self.prompt_lens[r0:r1],
         )
 
 
@@ -135,6 +147,8 @@ def pad_step_inputs(inputs: StepInputs, num_tokens: int, block_size: int) -> Ste
         block_table=table,
         prev_dst=inputs.prev_dst,
         prev_src=inputs.prev_src,
+        # Padding tokens count as prompt tokens (position 0 < pad).
+        prompt_lens=None if inputs.prompt_lens is None else np.append(inputs.prompt_lens, pad),
     )
 
 
@@ -181,7 +195,8 @@ def run_ubatches(first: Generator, second: Generator,
 
 def forward_step(model, kv_caches: list[torch.Tensor], input_ids: torch.Tensor, positions: torch.Tensor,
                  padded_tokens: int, ubatches: tuple[UBatchSlice, UBatchSlice] | None,
-                 metadata: Callable[[int, int], AttentionMetadata]) -> torch.Tensor:
+                 metadata: Callable[[int, int], AttentionMetadata],
+                 row_phases: Callable[[int, int], RowPhases | None] | None = None) -> torch.Tensor:
     """Run the model over ``padded_tokens`` tokens, whole or as two overlapped ubatches.
 
     Args:
@@ -190,16 +205,20 @@ def forward_step(model, kv_caches: list[torch.Tensor], input_ids: torch.Tensor, 
         input_ids / positions: ``[padded_tokens]`` int64 device tensors.
         ubatches: the plan's two ubatch slices, or None.
         metadata: ``(start, stop) -> AttentionMetadata`` of tokens ``[start, stop)``.
+        row_phases: ``(start, stop) ->`` the :class:`RowPhases` of tokens ``[start,
+            stop)``, set in their forward context; None: not known.
 
     Returns:
         hidden states ``[padded_tokens, hidden]``. Multi-rank exchanges pad to the largest
         forward (or ubatch) of the step, which every rank runs alike.
     """
+    phases = row_phases or (lambda start, stop: None)
     if ubatches is None:
-        with forward_context(ForwardContext(max_tokens_per_rank=padded_tokens)):
+        with forward_context(ForwardContext(padded_tokens, row_phases=phases(0, padded_tokens))):
             return model(input_ids[:padded_tokens], positions[:padded_tokens], kv_caches, metadata(0, padded_tokens))
     size = max(u.num_tokens for u in ubatches)
     gens = [model.forward_steps(input_ids[u.token_start:u.token_stop], positions[u.token_start:u.token_stop], kv_caches,
                                 metadata(u.token_start, u.token_stop)) for u in ubatches]
-    contexts = (ForwardContext(size, ubatch_id=0), ForwardContext(size, ubatch_id=1))
+    contexts = tuple(ForwardContext(size, ubatch_id=i, row_phases=phases(u.token_start, u.token_stop))
+                     for i, u in enumerate(ubatches))
     return torch.cat(run_ubatches(*gens, contexts=contexts))

@@ -67,3 +67,15 @@ def test_data_parallel_ranks_agree(monkeypatch, mine, other, want):
     monkeypatch.setattr(step_plan, "agree_across_dp", agree)
     plan = StepPlanner(dbo, [1, 2, 4, 8, 16], {16}, dp_group=object()).plan(*mine)
     assert (plan.mode, plan.padded_tokens, plan.split) == want
+
+
+def test_cpu_forwards_with_prompt_tokens_are_padded_to_the_minimum():
+    """A prompt's last token alone after a prefix-cache hit runs 16 rows, as it ran inside
+    the whole prompt (MKL's fp32 GEMM rounds 1-11 rows otherwise); decodes are not padded."""
+    p = StepPlanner(min_prompt_tokens=step_plan.CPU_MIN_PROMPT_TOKENS)
+    assert p.plan(1, decode_only=True, with_prompt=True).padded_tokens == 16
+    assert p.plan(3, decode_only=False, with_prompt=True).padded_tokens == 16
+    plan = p.plan(1, decode_only=True)
+    assert plan.padded_tokens == 1 and plan.num_tokens == 1
+    assert p.plan(40, decode_only=False, with_prompt=True).padded_tokens == 40
+    assert StepPlanner().plan(1, decode_only=True, with_prompt=True).padded_tokens == 1

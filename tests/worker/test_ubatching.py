@@ -11,7 +11,7 @@ from transformers import LlamaConfig, AutoModelForCausalLM
 from tandem.attention.torch_backend import TorchAttentionBackend
 from tandem.models.llama import LlamaForCausalLM
 from tandem.worker.step_plan import can_split, ubatch_slices
-from tandem.worker.ubatching import StepInputs, run_ubatches
+from tandem.worker.ubatching import StepInputs, pad_step_inputs, run_ubatches
 
 
 def _inputs(q_lens, computed, block_size=16, width=10):
@@ -121,3 +121,19 @@ def test_run_ubatches_failure_closes_the_other():
     with pytest.raises(RuntimeError, match="a failed"):
         run_ubatches(_gen(5, [], "a", fail_at=2), other())
     assert closed == [True]
+
+
+def test_generated_mask_follows_prompt_lengths_through_slices_and_padding():
+    """Tokens at or past their request's prompt length are generated ones: decodes, and the
+    outputs of a sequence recomputed after a preemption (positions 5.. of request 2)."""
+    inputs = _inputs([1, 1, 8], [20, 3, 0])
+    inputs.prompt_lens = np.array([10, 4, 5])
+    mask = inputs.generated_mask()
+    assert mask.tolist() == [True, False] + [False] * 5 + [True] * 3
+    assert inputs.slice_tokens(4, 10).generated_mask().tolist() == mask[4:].tolist()
+    padded = pad_step_inputs(inputs, 16, 16)
+    assert padded.generated_mask().tolist() == mask.tolist() + [False] * 6
+    decodes = _inputs([1, 1], [20, 3])
+    decodes.prompt_lens = np.array([10, 4])
+    assert decodes.generated_mask().tolist() == [True, False]
+    assert _inputs([1], [0]).generated_mask() is None

@@ -27,9 +27,14 @@ The kernel pays at decode sizes only: at one to a few rows it reads a quarter of
 weight's bytes and runs ~2x faster than the bf16 GEMM, but from ~16 rows on oneDNN's bf16
 GEMM is faster (2-3x at 64-512 rows on the 2-core AVX512/AMX development machine). A layer
 therefore keeps the dequantized weight too (in the model dtype, the weight the dequantized
-path loads) and runs inputs of more than ``TANDEM_GGUF_INT4_MAX_ROWS`` rows (prefill, large
-decode batches) through ``F.linear`` on it: the int4 form costs a quarter more memory, no
-speed at any batch size.
+path loads) and picks the kernel by the phase of each row's token, never by the row count
+(:class:`~tandem.distributed.forward_context.RowPhases`): prompt tokens go through
+``F.linear`` on the dequantized weight, generated tokens through the int4 kernel. A
+prompt is then computed the same way whether part of it came from the prefix cache or
+how it was chunked, and a generated token the same way whatever else is in the step
+(the two kernels give a row the same bits whatever the row count; a switch by row count
+made a repeated greedy chat change its answer after a prefix-cache hit). The int4 form
+costs a quarter more memory.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem import envs
+from tandem.distributed.forward_context import RowPhases, get_forward_context
 from tandem.layers.linear import ColumnShardedLinear, RowParallelLinear
 
 GROUP_SIZE = 32
@@ -136,7 +141,6 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any]) -> dict[str,
         ValueError: a layer's checkpoint weight is missing or its shape differs.
     """
     counts = {"int4": 0, "dequantized": 0}
-    max_rows = envs.TANDEM_GGUF_INT4_MAX_ROWS
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (ColumnShardedLinear, RowParallelLinear))]
     for name, mod in targets:
         parts = _parts(name)
@@ -152,7 +156,7 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any]) -> dict[str,
             raise ValueError(f"GGUF weights of {name!r}: {tuple(q.shape)} vs the layer's {tuple(mod.weight.shape)}")
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, GGUFInt4Linear(q, scale, zero, mod.bias, mod.weight.data, max_rows))
+        setattr(parent, child, GGUFInt4Linear(q, scale, zero, mod.bias, mod.weight.data))
         counts["int4"] += 1
     return counts
 
@@ -165,24 +169,31 @@ class GGUFInt4Linear(nn.Module):
     """A linear layer whose weight is int4 groups of 32 (:func:`int4_groups`), run with
     PyTorch's CPU int4 kernel.
 
-    ``forward(x [..., in_features]) -> [..., out_features]`` in ``x``'s dtype: the int4
-    kernel (in bfloat16) for at most ``max_rows`` rows, else ``F.linear`` on ``dense``
-    (module docstring).
+    ``forward(x [..., in_features]) -> [..., out_features]`` in ``x``'s dtype: rows of
+    generated tokens through the int4 kernel (in bfloat16), rows of prompt tokens through
+    ``F.linear`` on ``dense``, as the forward context's
+    :class:`~tandem.distributed.forward_context.RowPhases` says (module docstring; no
+    context: every row int4).
 
     Args:
         q: ``[out, in]`` uint8/int values in [0, 15].
         scale, zero: ``[out, in/32]`` float (``w = (q - 8) * scale + zero``).
         bias: ``[out]`` or None.
-        dense: ``[out, in]`` the dequantized weight for larger inputs; None: always int4.
-        max_rows: the most rows the int4 kernel takes when ``dense`` is given.
+        dense: ``[out, in]`` the dequantized weight for prompt tokens; None: always int4.
+
+    Raises:
+        ValueError: shapes that do not fit; at forward, an input whose row count differs
+            from the forward context's rows.
     """
 
     # What the decoder asks a linear layer (tandem.layers.linear): plain tensors in and out.
     takes_quantized_input = False
     output_feeds_norm = False
+    # The model runner passes each forward's RowPhases to models with such layers.
+    uses_row_phases = True
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None, max_rows: int = 8) -> None:
+                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         if self.in_features % GROUP_SIZE or scale.shape != (self.out_features, self.in_features // GROUP_SIZE) \
@@ -198,18 +209,32 @@ class GGUFInt4Linear(nn.Module):
         if dense is not None and tuple(dense.shape) != tuple(q.shape):
             raise ValueError(f"dense weight {tuple(dense.shape)} for an int4 weight {tuple(q.shape)}")
         self.dense = None if dense is None else nn.Parameter(dense.detach(), requires_grad=False)
-        self.max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
+        ctx = get_forward_context()
+        phases = None if ctx is None or self.dense is None else ctx.row_phases
+        if phases is None or phases.num_prompt == 0:
+            return self._int4(x)
         x2 = x.reshape(-1, self.in_features)
-        if self.dense is not None and x2.shape[0] > self.max_rows:
+        if x2.shape[0] != phases.num_rows:
+            raise ValueError(f"GGUF int4 layer got {x2.shape[0]} rows in a forward of {phases.num_rows}")
+        if phases.num_generated == 0:
             return F.linear(x, self.dense, self.bias)
+        return self._mixed(x2, phases).reshape(*x.shape[:-1], self.out_features)
+
+    def _mixed(self, x2: torch.Tensor, phases: RowPhases) -> torch.Tensor:
+        out = x2.new_empty(x2.shape[0], self.out_features)
+        out[phases.generated] = self._int4(x2[phases.generated])
+        out[phases.prompt] = F.linear(x2[phases.prompt], self.dense, self.bias)
+        return out
+
+    def _int4(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
         if x2.dtype != KERNEL_DTYPE:
             x2 = x2.to(KERNEL_DTYPE)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, GROUP_SIZE,
                                                         self.scales_and_zeros)
-        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def dequantized_weight(self) -> torch.Tensor:

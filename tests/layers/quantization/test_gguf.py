@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
 from tandem.layers.quantization.gguf import KERNEL_DTYPE, GGUFInt4Linear, int4_groups, quantize_gguf_linears
 from tandem.model_loader.gguf_weights import RawWeight
 
@@ -74,17 +75,50 @@ def test_kernel_computes_the_mapped_weight():
     assert ((y - x @ ref.T).norm() / (x @ ref.T).norm()).item() < 1e-2
 
 
-def test_large_inputs_use_the_dense_weight():
-    raw = gguf.quants.quantize(np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32), T.Q4_0)
-    q, scale, zero = (torch.from_numpy(a) for a in int4_groups(raw, "Q4_0", 32, 64))
+def _q4_0_layer(rows: int = 32, cols: int = 64) -> tuple[GGUFInt4Linear, torch.Tensor, torch.Tensor]:
+    raw = gguf.quants.quantize(np.random.default_rng(2).standard_normal((rows, cols)).astype(np.float32), T.Q4_0)
+    q, scale, zero = (torch.from_numpy(a) for a in int4_groups(raw, "Q4_0", rows, cols))
     dense = torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_0))
-    bias = torch.randn(32)
-    layer = GGUFInt4Linear(q, scale, zero, bias, dense, max_rows=2)
-    big, small = torch.randn(3, 64), torch.randn(2, 64)
-    torch.testing.assert_close(layer(big), big @ dense.T + bias)  # F.linear on the dense fp32 weight
-    assert ((layer(small) - (small @ dense.T + bias)).abs().max() < 0.1)
+    bias = torch.randn(rows)
+    return GGUFInt4Linear(q, scale, zero, bias, dense), dense, bias
+
+
+@pytest.mark.parametrize("generated", [[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 1, 1]],
+                         ids=["decodes-first", "prompt", "decodes", "interleaved"])
+def test_rows_take_the_kernel_of_their_token_phase(generated):
+    """Prompt rows: F.linear on the dense weight; generated rows: the int4 kernel, the same
+    bits as alone; the choice never follows the row count (a switch by row count changed a repeated
+    greedy chat's answer after a prefix-cache hit, issue 45)."""
+    layer, dense, bias = _q4_0_layer()
+    x = torch.randn(len(generated), 64)
+    mask = np.array(generated, dtype=bool)
+    with forward_context(ForwardContext(len(mask), row_phases=RowPhases.from_mask(mask, torch.device("cpu")))):
+        y = layer(x)
+    assert torch.equal(y[~mask], torch.nn.functional.linear(x[~mask], dense, bias))
+    for i in np.flatnonzero(mask):
+        assert torch.equal(y[i], layer(x[i:i + 1])[0]), i
+    assert not torch.equal(layer(x[:1])[0], torch.nn.functional.linear(x[0], dense, bias))  # two kernels indeed
+
+
+def test_without_phases_every_row_count_runs_int4_with_the_same_bits():
+    """No forward context (a layer called directly): int4 for every row count, and the
+    kernel gives a row the same bits whatever the row count (what the phase rule relies
+    on)."""
+    layer, _, _ = _q4_0_layer(96, 128)
+    x = torch.randn(40, 128, dtype=KERNEL_DTYPE)
+    full = layer(x)
+    for m in (1, 3, 9, 17, 40):
+        assert torch.equal(layer(x[:m]), full[:m]), m
+    assert torch.equal(layer(x[20:21]), full[20:21])
+
+
+def test_row_count_must_match_the_forward():
+    layer, dense, _ = _q4_0_layer()
+    phases = RowPhases.from_mask(np.array([True, False, False]), torch.device("cpu"))
+    with forward_context(ForwardContext(3, row_phases=phases)), pytest.raises(ValueError, match="2 rows in a forward of 3"):
+        layer(torch.randn(2, 64))
     with pytest.raises(ValueError, match="dense weight"):
-        GGUFInt4Linear(q, scale, zero, dense=dense[:4])
+        GGUFInt4Linear(torch.zeros(32, 64, dtype=torch.uint8), torch.ones(32, 2), torch.zeros(32, 2), dense=dense[:4])
 
 
 class _Tiny(torch.nn.Module):
