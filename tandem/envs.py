@@ -54,6 +54,9 @@ TANDEM_EVAL_CACHE                   unset      folder for downloaded evaluation 
                                                (unset: ``$TANDEM_CACHE_ROOT/eval``)
 TANDEM_MMLU_FILE                    unset      an MMLU jsonl file to use instead of downloading
 TANDEM_ASDIV_FILE                   unset      an ASDiv jsonl file to use instead of downloading
+TANDEM_API_KEY                      unset      the key ``tandem serve`` requires on its /v1
+                                               routes when no --api-key is given (vLLM's
+                                               VLLM_API_KEY)
 TANDEM_QWEN_GGUF                    unset      (tests) a Qwen GGUF file for the opt-in
                                                real-weights tests
 ==================================  =========  ==================================================
@@ -160,6 +163,8 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_EVAL_CACHE": _path("TANDEM_EVAL_CACHE"),
     "TANDEM_MMLU_FILE": _path("TANDEM_MMLU_FILE"),
     "TANDEM_ASDIV_FILE": _path("TANDEM_ASDIV_FILE"),
+    # Stripped as --api-key's keys are: a header value cannot carry surrounding whitespace.
+    "TANDEM_API_KEY": lambda: os.environ.get("TANDEM_API_KEY", "").strip() or None,
     "TANDEM_QWEN_GGUF": _path("TANDEM_QWEN_GGUF"),
 }
 

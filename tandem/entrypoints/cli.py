@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from dataclasses import asdict
+from typing import Any
 
 from tandem.engine.arg_utils import EngineArgs
 from tandem.entrypoints.arg_types import non_negative_int, positive_int
@@ -174,11 +176,36 @@ def _serve(args: argparse.Namespace) -> None:
     exit_now(code)
 
 
+# argparse's messages for a bad value of a flag typed ``int`` or ``float``.
+_BUILTIN_TYPE_ERROR = re.compile(r"invalid (int|float) value: ('.*')$")
+_EXPECTED = {"int": "an integer", "float": "a number"}
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (argparse prints the whole usage block
-    first, 35 lines for ``serve``). Subcommand parsers inherit the class."""
+    first, 35 lines for ``serve``) naming the (sub)command whose flags were wrong, and that
+    takes no abbreviated flag (``--max-token`` is an error, not ``--max-tokens``: a later
+    flag with the same prefix would silently change what an old command line means).
+    Subcommand parsers inherit the class, and with it these defaults."""
+
+    def __init__(self, *args: Any, allow_abbrev: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def parse_known_args(self, args: list[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        """:meth:`argparse.ArgumentParser.parse_known_args`, an unknown argument being an
+        error of this parser: a subcommand's parser is called through this method, and
+        argparse would otherwise report its unknown flags in the top-level parser's name
+        (``tandem: error``, pointing to ``tandem --help`` for a ``tandem serve`` flag)."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
     def error(self, message: str):
+        # "argument --max-tokens: ..." -> "--max-tokens: ..."; a positional keeps the word.
+        message = re.sub(r"^argument (-\S+): ", r"\1: ", message)
+        message = _BUILTIN_TYPE_ERROR.sub(lambda m: f"expected {_EXPECTED[m[1]]}, got {m[2]}", message)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

@@ -6,15 +6,17 @@ import itertools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import fields
+from typing import Any
 
 from tqdm import tqdm
 
 from tandem.engine.arg_utils import EngineArgs
+from tandem.entrypoints.chat_utils import parse_chat_messages, render_chat
 from tandem.model_loader.model_path import check_model_path
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 Prompt = str | list[int] | Mapping
 
 
@@ -54,28 +56,22 @@ def _params_list(sampling_params, n: int) -> list[SamplingParams]:
     return params
 
 
-def _conversations(messages) -> list[list[Mapping]]:
-    """``chat``'s messages as a list of conversations.
+def _conversations(messages: Any) -> list[tuple[str, list[dict[str, Any]]]]:
+    """``chat``'s messages (one conversation or a list of them) as ``(field, conversation)``
+    pairs, each conversation checked and made template-ready by :func:`parse_chat_messages`.
 
     Raises:
-        ValueError: not a list of ``{"role": ..., "content": ...}`` dicts or a list of such lists.
+        ValueError: naming the field (``messages[0].content``, ``messages[1][0].role`` in a
+            list of conversations): see :func:`parse_chat_messages`.
     """
-    def checked(conv, where: str) -> list[Mapping]:
-        if isinstance(conv, (str, bytes, Mapping)) or not isinstance(conv, Sequence) or not conv:
-            raise ValueError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
-                             f"got {conv!r:.60}.")
-        for i, m in enumerate(conv):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-                raise ValueError(f"{where}[{i}] must be a dict with a string 'role', got {m!r:.60}.")
-        return list(conv)
+    def is_list(x: Any) -> bool:
+        return isinstance(x, Sequence) and not isinstance(x, (str, bytes))
 
-    if isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) and messages \
-            and isinstance(messages[0], Mapping):
-        return [checked(messages, "messages")]
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError(f"messages must be a conversation (a non-empty list of {{'role': ..., 'content': ...}} "
-                         f"dicts) or a list of conversations, got {messages!r:.60}.")
-    return [checked(c, f"messages[{i}]") for i, c in enumerate(messages)]
+    # Only a list of lists is several conversations: anything else is checked as one, so that
+    # a malformed message is named as a message.
+    if is_list(messages) and messages and is_list(messages[0]):
+        return [(f"messages[{i}]", parse_chat_messages(c, f"messages[{i}]")) for i, c in enumerate(messages)]
+    return [("messages", parse_chat_messages(messages))]
 
 
 class LLM:
@@ -168,9 +164,12 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
+        Messages are checked as OpenAI's chat API checks them (:mod:`tandem.entrypoints.chat_utils`).
+
         Raises:
-            ValueError: ``messages`` is not a conversation (a list of dicts with a ``role``) or a
-                list of them, or invalid parameters.
+            ValueError: ``messages`` is not a conversation or a list of them, a message is
+                malformed (the message names the field, e.g. ``messages[0].content``) or the chat
+                template refuses it, or invalid parameters.
         """
         prompts, token_ids = self._chat_prompts(messages, add_generation_prompt)
         outs = self.generate(token_ids, sampling_params, use_tqdm)
@@ -183,7 +182,8 @@ class LLM:
         """:meth:`stream` for one conversation, through the model's chat template.
 
         Raises:
-            ValueError: ``messages`` is not one conversation, or invalid parameters.
+            ValueError: ``messages`` is not one conversation, a message is malformed or refused by
+                the chat template (naming the field, as :meth:`chat`), or invalid parameters.
         """
         prompts, token_ids = self._chat_prompts(messages, add_generation_prompt)
         if len(token_ids) != 1:
@@ -196,10 +196,15 @@ class LLM:
             out.prompt = prompt
             yield out
 
-    def _chat_prompts(self, messages, add_generation_prompt: bool) -> tuple[list[str], list[list[int]]]:
+    def _chat_prompts(self, messages: Any, add_generation_prompt: bool) -> tuple[list[str], list[list[int]]]:
+        """The rendered prompts of ``messages`` and their token ids.
+
+        Raises:
+            ValueError: a malformed message or one the chat template refuses, naming the field.
+        """
         tok = self.engine.tokenizer
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
-                   for c in _conversations(messages)]
+        prompts = [render_chat(tok, conv, add_generation_prompt, field=field)
+                   for field, conv in _conversations(messages)]
         # The template already holds the BOS token where the model wants it.
         return prompts, [tok.encode(p, add_special_tokens=False) for p in prompts]
 

@@ -13,6 +13,7 @@ import pytest
 
 from tandem.sampling_params import SamplingParams
 from tests.conftest import make_llm
+from tests.entrypoints.chat_cases import BAD_MESSAGES, GOOD_MESSAGES
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,37 @@ def test_generate_bad_sampling_params(llm, params, field):
 def test_chat_bad_messages(llm, messages, field):
     with pytest.raises(ValueError, match=rf"^{field}"):
         llm.chat(messages, GREEDY)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MESSAGES))
+def test_chat_malformed_messages_name_the_field(llm, case):
+    """Every malformed message shape, in chat and stream_chat alike, before anything is queued
+    (not jinja2's UndefinedError or a TypeError from the template)."""
+    messages, field = BAD_MESSAGES[case]
+    for call in (llm.chat, llm.stream_chat):
+        with pytest.raises(ValueError, match=rf"^{re.escape(field)}: "):
+            call(messages, GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_names_the_conversation_in_a_list(llm):
+    with pytest.raises(ValueError, match=r"^messages\[1\]\[0\]\.content: "):
+        llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user"}]], GREEDY)
+
+
+def test_chat_accepted_message_forms(llm):
+    """Text parts, a system or developer message, an assistant's tool calls with null content
+    and the tool's answer: the prompt is the template applied to the conversation as OpenAI
+    means it (parts joined with newlines, as vLLM joins them; null content empty)."""
+    tok = llm.get_tokenizer()
+    one_token = SamplingParams(temperature=0, max_tokens=1)
+    outs = llm.chat([m for m, _ in GOOD_MESSAGES.values()], one_token, use_tqdm=False)
+    for (_, want), out in zip(GOOD_MESSAGES.values(), outs):
+        assert out.prompt == tok.apply_chat_template(want, tokenize=False, add_generation_prompt=True)
+        assert len(out.outputs[0].token_ids) == 1
+    parts, _ = GOOD_MESSAGES["text parts"]
+    *_, last = llm.stream_chat(parts, one_token)
+    assert last.finished and last.prompt == outs[list(GOOD_MESSAGES).index("text parts")].prompt
 
 
 def test_model_must_be_a_path():

@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+from tests.entrypoints.chat_cases import BAD_MESSAGES, GOOD_MESSAGES
+
 MODEL_NAME = "SmolLM2-135M-Instruct"  # as served by the conftest fixture
 EIGHT_TOKENS = [504, 3458, 282, 4649, 314, 1345, 30, 216]
 
@@ -46,6 +48,8 @@ BAD_COMPLETIONS = {
 BAD_CHAT = {
     "no messages": {"messages": []},
     "unknown role": {"messages": [{"role": "wizard", "content": "Hi"}]},
+    # Without max_tokens, which once generated to the end of the context.
+    "message without content": {"messages": [{"role": "user"}]},
     "image part": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     "top_logprobs without logprobs": {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 3},
     "top_logprobs > 20": {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 50},
@@ -84,6 +88,39 @@ def test_bad_chat_requests(server, case):
     for stream in (False, True):
         _assert_400(httpx.post(f"{server.url}/v1/chat/completions", json={**BAD_CHAT[case], "stream": stream},
                                timeout=60))
+
+
+# The whole-list cases (empty, not a list) are BAD_CHAT's; these name a field inside it.
+MESSAGE_FIELD_CASES = sorted(case for case, (_, field) in BAD_MESSAGES.items() if field != "messages")
+
+
+@pytest.mark.parametrize("case", MESSAGE_FIELD_CASES)
+def test_malformed_messages_name_the_field(server, case):
+    """The offline API's rule (``chat_utils``), as OpenAI answers: 400, ``param`` the field,
+    on the chat endpoint (streaming or not) and ``/tokenize``."""
+    messages, field = BAD_MESSAGES[case]
+    for stream in (False, True):
+        err = _assert_400(httpx.post(f"{server.url}/v1/chat/completions",
+                                     json={"messages": messages, "max_tokens": 2, "stream": stream}, timeout=60))
+        assert err["param"] == field and err["message"].startswith(f"{field}: "), err
+    err = _assert_400(httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=60))
+    assert err["param"] == field, err
+
+
+def test_accepted_message_forms(server):
+    """Each accepted form is the conversation as the template reads it (text parts joined with
+    newlines, as vLLM joins them), and is answered."""
+    def tokens(messages: list) -> list[int]:
+        r = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    for case, (messages, want) in GOOD_MESSAGES.items():
+        ids = tokens(messages)
+        assert ids == tokens(want), case
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200, (case, r.text)
+        assert r.json()["usage"] == {**r.json()["usage"], "prompt_tokens": len(ids), "completion_tokens": 1}, case
 
 
 def test_invalid_json_and_bodies(server):

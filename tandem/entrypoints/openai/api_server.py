@@ -7,6 +7,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 ``--api-server-count N`` (N > 1) runs N such servers in their own processes on the one
 port, in front of the shared engine cores (:mod:`tandem.entrypoints.openai.api_server_manager`).
 
+With ``--api-key`` (or ``TANDEM_API_KEY``) every ``/v1`` route answers 401 unless the request
+carries ``Authorization: Bearer KEY``; the other routes stay open, as vLLM's.
+
 The server listens before the engine loads: until it is ready every route answers 503
 (``/health`` included), and a stop (SIGTERM/SIGINT) meanwhile kills the loading cores.
 
@@ -27,13 +30,15 @@ import contextlib
 import json
 import logging
 import errno
+import hashlib
+import hmac
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -46,7 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.config import EngineConfig
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError
 from tandem.entrypoints.openai import protocol as P
-from tandem.entrypoints.openai.cli_args import serve_engine_config, served_names
+from tandem.entrypoints.openai.cli_args import api_keys, serve_engine_config, served_names
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.serving import (OpenAIError, OpenAIServing, SSEStream, bad_request, error_body,
                                                model_not_found)
@@ -162,16 +167,53 @@ class _RequestIdHeader:
         return await self.app(scope, receive, send_with_id)
 
 
+class _BearerAuth:
+    """Answer 401 to a ``/v1`` request without ``Authorization: Bearer KEY`` for one of
+    ``keys``; other routes (``/health``, ``/metrics``, ``/version``, ``/tokenize``) stay open,
+    as vLLM's. Pure ASGI, as :class:`_RequestIdHeader`. Keys are compared as SHA-256 digests
+    with ``hmac.compare_digest``, against every key: the time taken tells nothing of a key's
+    length or of which key came close."""
+
+    def __init__(self, app, keys: Sequence[str]) -> None:
+        self.app = app
+        self._digests = [hashlib.sha256(k.encode("utf-8")).digest() for k in keys]
+
+    def _authorized(self, scope) -> bool:
+        header = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        digest = hashlib.sha256(token.strip()).digest()
+        matched = False
+        for known in self._digests:
+            matched |= hmac.compare_digest(digest, known)
+        return scheme.lower() == b"bearer" and matched
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        guarded = scope["type"] == "http" and scope.get("method") != "OPTIONS" and (path + "/").startswith("/v1/")
+        if not guarded or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        response = _error(401, "Invalid or missing API key: send 'Authorization: Bearer KEY' with a key the server "
+                               "was started with (--api-key or TANDEM_API_KEY).")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
 def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | None = None,
               tool_call_parser: str | None = None, api_server_index: int = 0, api_server_count: int = 1,
-              metrics_dir: str | None = None) -> FastAPI:
+              metrics_dir: str | None = None, api_keys: Sequence[str] = (), chat_template: str | None = None,
+              enable_auto_tool_choice: bool = True) -> FastAPI:
     """The FastAPI application around a running ``AsyncLLM``.
 
     ``app.state`` holds ``llm``, ``serving`` (``OpenAIServing``) and ``metrics``.
     ``api_server_index`` / ``api_server_count``: which of several API-server processes this
     is; ``metrics_dir``: their shared Prometheus multiprocess folder (``/metrics`` then sums
-    over all of them).
+    over all of them). ``api_keys``: if any, one must come with every ``/v1`` request
+    (:class:`_BearerAuth`). ``chat_template``: replaces the tokenizer's (chat requests,
+    ``/tokenize`` messages, the default tool-call parser). ``enable_auto_tool_choice``
+    False: a chat request whose tool choice is auto is a 400, as vLLM's without the flag.
     """
+    if chat_template is not None:
+        llm.tokenizer.chat_template = chat_template  # the API server's own tokenizer: cores apply no template
     serving = OpenAIServing(llm, served_model_names, tool_call_parser)
     metrics = ServerMetrics(llm, served_model_names[0], metrics_dir)
 
@@ -219,7 +261,9 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
         logger.exception("internal error")
         return _error(500, f"internal error: {exc!r}")
 
-    app.add_middleware(_RequestIdHeader)
+    if api_keys:
+        app.add_middleware(_BearerAuth, keys=api_keys)
+    app.add_middleware(_RequestIdHeader)  # added last, outermost: a 401 also echoes the request id
 
     def request_id(raw: Request, body_id: str | None) -> str:
         return raw.headers.get("x-request-id") or body_id or P.random_uuid()
@@ -241,6 +285,11 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         req = await _parse(raw, P.ChatCompletionRequest)
+        # tool_choice left out with tools given is auto (OpenAI, vLLM).
+        if not enable_auto_tool_choice and req.tools and req.tool_choice in (None, "auto"):
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice (this server runs with '
+                              '--no-enable-auto-tool-choice); give tool_choice "none", "required" or a function.',
+                              "tool_choice")
         rid = request_id(raw, req.request_id)
         return respond(await _with_cancellation(raw, serving.create_chat_completion(req, rid)), raw)
 
@@ -509,6 +558,7 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
     import uvicorn
 
     names = served_names(args)
+    keys = api_keys(args)
     host, port = sock.getsockname()[:2]
     server = None
 
@@ -523,7 +573,8 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
         cfg = llm.config
         app = build_app(llm, names, model_root=cfg.model_config.model, tool_call_parser=args.tool_call_parser,
                         api_server_index=api_server_index, api_server_count=args.api_server_count,
-                        metrics_dir=metrics_dir)
+                        metrics_dir=metrics_dir, api_keys=keys, chat_template=args.chat_template,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice)
         app.state.on_engine_dead = on_engine_dead
         usable = llm.num_kv_blocks - cfg.parallel_config.data_parallel_size  # one null block per replica
         who = f"API server {api_server_index} of {args.api_server_count}, " if args.api_server_count > 1 else ""
@@ -533,6 +584,8 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
                     host, port, cfg.model_config.model, ", ".join(names), llm.max_model_len, sched.max_num_seqs,
                     sched.max_num_batched_tokens, usable * cfg.cache_config.block_size, usable,
                     cfg.cache_config.block_size, cfg.parallel_config.data_parallel_size, os.getpid())
+        if keys:
+            logger.info("the /v1 routes require an API key (%d accepted)", len(keys))
         return app
 
     thread, loaded = _load_in_thread(load_llm)

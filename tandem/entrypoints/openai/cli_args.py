@@ -6,7 +6,7 @@ import argparse
 
 from typing import TYPE_CHECKING
 
-from tandem.entrypoints.arg_types import port_number, positive_int
+from tandem.entrypoints.arg_types import api_key, chat_template, port_number, positive_int
 
 if TYPE_CHECKING:
     from tandem.config import EngineConfig
@@ -51,6 +51,17 @@ def served_names(args: argparse.Namespace) -> list[str]:
         return list(args.served_model_name)
     model = getattr(args, "model_pos", None) or args.model
     return [model] if model else ["SmolLM2-135M-Instruct"]
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of which a ``/v1`` request must present one (``Authorization: Bearer KEY``):
+    ``--api-key``'s, else ``TANDEM_API_KEY``'s (vLLM: ``VLLM_API_KEY``); none: no key needed."""
+    if args.api_key:
+        return list(args.api_key)
+    from tandem import envs
+
+    key = envs.TANDEM_API_KEY
+    return [key] if key else []
 
 
 def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -99,3 +110,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                    help="format of tool calls in chat outputs with tool_choice auto (default: from the chat "
                         "template: llama3_json for Llama 3's, else hermes as Qwen2.5 uses)")
+    # Auto tool choice is on by default, unlike vLLM's: vLLM refuses it without a parser named,
+    # while Tandem always has one (from the chat template), and its clients rely on it.
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve chat requests with tool_choice auto (or tools and no tool_choice), the output parsed "
+                        "for calls by --tool-call-parser; --no-enable-auto-tool-choice: HTTP 400 for them, as vLLM "
+                        "without the flag (default %(default)s)")
+    p.add_argument("--chat-template", type=chat_template, default=None, metavar="TEMPLATE",
+                   help="the Jinja chat template of chat requests and /tokenize messages, instead of the "
+                        "tokenizer's: a file, or the template itself on one line (\\n: a newline) (default: the "
+                        "tokenizer's)")
+    # Repeated, not nargs="+": a variable number of values would take the MODEL argument after it.
+    p.add_argument("--api-key", type=api_key, action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (HTTP 401 otherwise; /health, "
+                        "/metrics, /version, /tokenize and the like stay open, as vLLM's); repeat for several keys "
+                        "(default: $TANDEM_API_KEY, else none: no key needed)")

@@ -137,20 +137,14 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
 
 
-class ChatMessage(OpenAIBaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``; the prompt is the model's chat template applied to
     ``messages``. Without ``max_tokens`` / ``max_completion_tokens`` the output may run
     to the end of the context (vLLM's default)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    # Checked by tandem.entrypoints.chat_utils, the offline API's rule too, so that an error
+    # names the message field (``messages[0].content``) rather than only ``messages``.
+    messages: list[Any]
     max_tokens: int | None = Field(default=None, le=INT64_MAX)
     max_completion_tokens: int | None = Field(default=None, le=INT64_MAX)
     logprobs: bool | None = False
@@ -306,7 +300,7 @@ class TokenizeRequest(OpenAIRequestModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[Any] | None = None  # checked as the chat endpoint's
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -25,6 +25,7 @@ import msgspec
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from tandem.engine.processor import PromptError
 from tandem.engine.token_bytes import TokenBytes, token_id_string
+from tandem.entrypoints.chat_utils import ChatMessageError, parse_chat_messages, render_chat
 from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.structured_outputs import FieldError, ToolPlan, structured_outputs_of, tool_plan
 from tandem.entrypoints.openai.tool_parsers import ToolCall, parser_for_chat_template
@@ -588,28 +589,16 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------- chat
     @staticmethod
-    def _conversation(messages: list[P.ChatMessage]) -> list[dict[str, Any]]:
-        conv = []
-        for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise bad_request(f"messages[{i}]: only text content parts are supported, got "
-                                          f"{part.get('type')!r}.", "messages")
-                    parts.append(part["text"])
-                content = "".join(parts)
-            d = {"role": m.role, "content": content if content is not None else ""}
-            if m.name is not None:
-                d["name"] = m.name
-            extra = m.model_extra or {}
-            if extra.get("tool_call_id") is not None:
-                d["tool_call_id"] = extra["tool_call_id"]
-            if extra.get("tool_calls"):
-                d["tool_calls"] = [_template_tool_call(t) for t in extra["tool_calls"]]
-            conv.append(d)
-        return conv
+    def _conversation(messages: list[Any]) -> list[dict[str, Any]]:
+        """``messages`` checked and made template-ready (:func:`parse_chat_messages`).
+
+        Raises:
+            OpenAIError: 400 naming the malformed field (``messages[0].content``).
+        """
+        try:
+            return parse_chat_messages(messages)
+        except ChatMessageError as e:
+            raise bad_request(str(e), e.param) from None
 
     def _apply_chat_template(self, conv: list[dict], add_generation_prompt: bool, continue_final_message: bool,
                              kwargs: dict | None) -> str:
@@ -617,15 +606,11 @@ class OpenAIServing:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true.",
                               "continue_final_message")
         try:
-            return self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message, **(kwargs or {}))
-        except OpenAIError:
-            raise
-        except Exception as e:  # jinja2 TemplateError, ValueError, TypeError from the template
-            raise bad_request(f"the chat template could not be applied to these messages: {e}", "messages") from None
+            return render_chat(self.tokenizer, conv, add_generation_prompt, continue_final_message, **(kwargs or {}))
+        except ChatMessageError as e:
+            raise bad_request(str(e), e.param) from None
 
-    def _chat_prompt(self, req: P.ChatCompletionRequest) -> tuple[str, list[int]]:
-        conv = self._conversation(req.messages)
+    def _chat_prompt(self, req: P.ChatCompletionRequest, conv: list[dict[str, Any]]) -> tuple[str, list[int]]:
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
             kwargs["tools"] = req.tools
@@ -656,6 +641,7 @@ class OpenAIServing:
             OpenAIError: invalid request (400), a model that is not served (404).
         """
         self.check_model(req.model)
+        conv = self._conversation(req.messages)
         structured = await self._structured_outputs(req)
         try:
             plan = await self._in_tokenizer(tool_plan, req)
@@ -671,7 +657,7 @@ class OpenAIServing:
         include_usage, continuous_usage = self._stream_options(req)
         max_tokens_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(req, max_tokens_field)
-        _, ids = await self._in_tokenizer(self._chat_prompt, req)
+        _, ids = await self._in_tokenizer(self._chat_prompt, req, conv)
         top = req.top_logprobs or 0
         lp = top if req.logprobs else None
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
@@ -795,19 +781,6 @@ class OpenAIServing:
             "model_max_length": self.llm.max_model_len,
             "vocab_size": self.llm.vocab_size,
         }
-
-
-def _template_tool_call(call: Any) -> Any:
-    """An assistant message's tool call as chat templates read it: the arguments as an
-    object (Qwen2.5's and Llama 3's templates serialize them with ``tojson``)."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
-        return call
-    try:
-        args = json.loads(fn["arguments"])
-    except json.JSONDecodeError:
-        return call
-    return {**call, "function": {**fn, "arguments": args}}
 
 
 class _ToolStream:
