@@ -1,6 +1,8 @@
 """Log level of the command-line entry points and of spawned rank processes:
 ``TANDEM_LOGGING_LEVEL`` (default ``WARNING``, ``INFO`` for ``tandem serve``; ``INFO`` also shows
-startup decisions such as the captured CUDA graph sizes and the dual-batch overlap split policy)."""
+startup decisions such as the captured CUDA graph sizes and the dual-batch overlap split policy,
+the load steps' times and the server's periodic stats line). Without the variable, spawned rank
+processes take the level of the process that launched them."""
 
 from __future__ import annotations
 

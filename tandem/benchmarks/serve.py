@@ -53,6 +53,7 @@ class RequestResult:
     start: float = 0.0
     generated_text: str = ""
     error: str = ""
+    finish_reason: str = ""  # the last choice's ("stop", "length"), "" when the server sent none
 
 
 def _sse_payload(line: bytes) -> bytes | None:
@@ -104,6 +105,7 @@ async def send_request(client, api_url: str, chat: bool, model: str, req: Sample
                     res.output_tokens = usage.get("completion_tokens", 0)
                     res.prompt_len = usage.get("prompt_tokens", res.prompt_len)
                 for ch in obj.get("choices") or []:
+                    res.finish_reason = ch.get("finish_reason") or res.finish_reason
                     piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
                     if chat and not piece and not ch.get("finish_reason"):
                         continue  # the role-only first chunk
@@ -406,21 +408,28 @@ async def run_benchmark(args: argparse.Namespace, base_url: str, model: str, req
 
 def schema_validity(requests: list[SampleRequest], results: list[RequestResult]) -> dict:
     """Share of the constrained requests whose output is a JSON document valid for their
-    schema (vLLM's structured-output benchmark reports it as the correct rate)."""
+    schema (vLLM's structured-output benchmark reports it as the correct rate), and how many
+    of them the token limit cut (finish reason ``length``): a cut document is never valid
+    JSON, which the printed line says, with the flag that sets the limit."""
     import jsonschema
 
-    n = valid = 0
+    n = valid = cut = 0
     for req, res in zip(requests, results):
         if not req.extra_body or not res.success:
             continue
         n += 1
+        cut += res.finish_reason == "length"
         try:
             jsonschema.validate(json.loads(res.generated_text), req.extra_body["response_format"]["json_schema"]["schema"])
             valid += 1
         except (json.JSONDecodeError, jsonschema.ValidationError):
             pass
-    print(f"Constrained requests: {n}, outputs valid for the schema: {valid}")
-    return {"num_constrained": n, "num_schema_valid": valid}
+    line = f"Constrained requests: {n}, outputs valid for the schema: {valid}"
+    if cut:
+        line += (f"; {cut} of them cut by the token limit (finish_reason 'length'): a cut output is not complete "
+                 f"JSON, so not valid (raise --random-output-len, or --sharegpt-output-len for ShareGPT prompts)")
+    print(line)
+    return {"num_constrained": n, "num_schema_valid": valid, "num_constrained_cut_by_length": cut}
 
 
 def check_optional_modules(args: argparse.Namespace) -> None:

@@ -9,9 +9,11 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm import tqdm
 
 from tandem.benchmarks.datasets import constrained_indices, load_json_schema
-from tandem.sampling_params import SamplingParams
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.structured_output.params import StructuredOutputsParams
 from tandem.triton_utils import record_jit_compiles
 
@@ -98,7 +100,7 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     host_timing = hasattr(llm.engine, "start_host_timing") and llm.engine.start_host_timing() is not None
     with record_jit_compiles() as compiled:
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=True)
+        outs = generate_with_progress(llm.engine, prompts, params, output_len)
         elapsed = time.perf_counter() - start
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     n_in = num_prompts * input_len
@@ -114,6 +116,61 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
         _gpu_step_stats(runner.step_events, res)
         runner.step_events = None
     return res
+
+
+class GenerationProgress:
+    """The bar of a throughput run: tokens generated out of ``num_requests * output_len``,
+    the finished requests after it. Requests of one length all finish at the end of the run,
+    so a bar of finished requests sits at 0 until then; tokens move from the first step.
+
+    Args:
+        num_requests: requests in the run.
+        output_len: most tokens a request generates.
+    """
+
+    def __init__(self, num_requests: int, output_len: int) -> None:
+        self.num_requests = num_requests
+        self.finished = 0
+        self.bar = tqdm(total=num_requests * output_len, desc="Generated tokens", unit=" tokens", dynamic_ncols=True)
+        self._show_finished()
+
+    def _show_finished(self) -> None:
+        self.bar.set_postfix_str(f"{self.finished}/{self.num_requests} requests finished", refresh=False)
+
+    def on_step(self, generated: int, finished: int) -> None:
+        """After an engine step: ``generated`` tokens so far in the run, ``finished``
+        requests finished by this step."""
+        if finished:
+            self.finished += finished
+            self._show_finished()
+        self.bar.update(generated - self.bar.n)
+
+    def close(self) -> None:
+        """Leave the bar as it ended."""
+        self.bar.close()
+
+
+def generate_with_progress(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                           output_len: int) -> list[RequestOutput]:
+    """``LLM.generate`` of the prompts on ``engine`` (an ``LLMEngine``), with a
+    :class:`GenerationProgress` bar moved after every step from the engine's generated-token
+    counter. Returns the final outputs in prompt order."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [f"bench-{i}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, per_prompt):
+        engine.add_request(rid, prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY))
+    base = engine.stats()["generation_tokens"]
+    progress = GenerationProgress(len(ids), output_len)
+    final: dict[str, RequestOutput] = {}
+    try:
+        while engine.has_unfinished_requests():
+            done = [o for o in engine.step() if o.finished]
+            for o in done:
+                final[o.request_id] = o
+            progress.on_step(engine.stats()["generation_tokens"] - base, len(done))
+    finally:
+        progress.close()
+    return [final[i] for i in ids]
 
 
 def _constrained_params(free: SamplingParams, num_prompts: int, ratio: float, schema: dict | None,

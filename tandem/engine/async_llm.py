@@ -35,6 +35,7 @@ from tandem.engine.core_client import AsyncMPClient, EngineClientConfig, EngineD
 from tandem.engine.messages import EngineCoreOutputs
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.processor import Processor
+from tandem.engine.stat_logger import LOG_STATS_INTERVAL_S, StatsLogger
 from tandem.model_loader.generation_config import load_generation_defaults
 from tandem.model_loader.loader import load_tokenizer
 from tandem.outputs import RequestOutput
@@ -207,13 +208,17 @@ class AsyncLLM:
             processes are spawned (``data_parallel_size`` engine cores).
         client_config: attach to cores another process launched (one of several API
             servers) instead of spawning them.
+        log_stats_interval_s: seconds between two stats lines in the log while there is
+            work (:mod:`tandem.engine.stat_logger`); None: none. Read by :meth:`start`
+            (the ``log_stats_interval_s`` attribute).
 
     Raises:
         EngineDeadError: a core failed to start.
         ValueError: the configuration is invalid.
     """
 
-    def __init__(self, config: EngineConfig | None = None, client_config: EngineClientConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, client_config: EngineClientConfig | None = None,
+                 log_stats_interval_s: float | None = LOG_STATS_INTERVAL_S) -> None:
         config = config or EngineConfig()
         # The tokenizer loads here while the cores load the model.
         with ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer-load") as pool:
@@ -240,6 +245,9 @@ class AsyncLLM:
         self.num_requests = 0  # accepted by this front end since start
         self._stopped = False
         self._scheduler_stats: dict[int, dict] = {}
+        self.log_stats_interval_s = log_stats_interval_s
+        self._stats_prefix = f"API server {client_config.client_index}: " if client_config is not None else ""
+        self._stats_task: asyncio.Task | None = None
 
     # ----------------------------------------------------------- front end API
     @property
@@ -296,9 +304,19 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine is not running: {self.dead_error}")
 
     def start(self) -> None:
-        """Start the output task on the running event loop (idempotent; the first request
-        starts it too)."""
+        """Start the output task, and the stats line's, on the running event loop
+        (idempotent; the first request starts them too)."""
         self.client.start(self._on_outputs, self._on_dead)
+        task, loop = self._stats_task, asyncio.get_running_loop()
+        if self.log_stats_interval_s and (task is None or task.done() or task.get_loop() is not loop):
+            self._stats_task = loop.create_task(self._log_stats(self.log_stats_interval_s))
+
+    async def _log_stats(self, interval_s: float) -> None:
+        device = "GPU" if self.config.device_config.torch_device.type == "cuda" else "CPU"
+        stat_logger = StatsLogger(self.stats, device, self._stats_prefix)
+        while True:
+            await asyncio.sleep(interval_s)
+            stat_logger.log()
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           arrival_time: float | None = None) -> RequestStream:
@@ -357,9 +375,23 @@ class AsyncLLM:
             return
         self._stopped = True
         self._fail_all(EngineDeadError("the engine was shut down"))
+        self._cancel_stats_task()
         self.client.shutdown(timeout)
 
     # ---------------------------------------------------------------- internals
+    def _cancel_stats_task(self) -> None:
+        task = self._stats_task
+        if task is None or task.done() or task.get_loop().is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # no running loop in this thread
+            running = None
+        if running is task.get_loop():
+            task.cancel()
+        else:
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         core_ids = self.output_processor.abort(request_id)

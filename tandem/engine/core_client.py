@@ -276,7 +276,7 @@ class MPClient:
     def _spawn(self, config: EngineConfig) -> list:
         from tandem.model_loader.loader import check_model_path
         from tandem.distributed.launch import host_store, resolve_rendezvous, spawn_ranks
-        from tandem.engine.core_proc import run_engine_core
+        from tandem.engine.core_proc import launcher_log_level, run_engine_core
 
         # A missing model fails here, in one line, not after the ranks start.
         check_model_path(config.model_config.model)
@@ -297,7 +297,7 @@ class MPClient:
         first = parallel.local_ranks.start
         return spawn_ranks(run_engine_core, parallel.local_ranks, lambda r: (
             config, r, parallel.world_size, rdv and rdv.master_addr, rdv and rdv.master_port, addrs.inputs,
-            addrs.outputs, os.getpid(), r - first))
+            addrs.outputs, os.getpid(), r - first, launcher_log_level()))
 
     def api_server_configs(self) -> list[EngineClientConfig]:
         """What each API server needs to attach (``api_server_count`` of them)."""

@@ -226,14 +226,23 @@ def serve(proc: EngineCoreProc, info) -> None:
             proc.core.step_broadcast(None)
 
 
+def launcher_log_level() -> str:
+    """The root log level of this process, for the rank processes it spawns: their load
+    progress and stats lines then reach the log ``tandem serve`` writes (INFO) and stay out
+    of an offline run's output (WARNING), as the launcher's own lines do."""
+    return logging.getLevelName(logging.getLogger().getEffectiveLevel())
+
+
 def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_addr: str | None,
                     master_port: int | None, input_addrs: list[list[str]], output_addrs: list[str],
-                    parent_pid: int, local_rank: int | None = None) -> None:
+                    parent_pid: int, local_rank: int | None = None, log_level: str = "WARNING") -> None:
     """Entry of a spawned rank process: build the core, then serve (driver) or follow (TP).
 
     ``input_addrs[c][dp_rank]`` is front end ``c``'s input socket of each replica's driver;
     ``output_addrs[c]`` its output socket (``ipc://`` on one host, ``tcp://`` across hosts).
-    ``local_rank``: the rank's index on its host (its GPU; default ``rank``).
+    ``local_rank``: the rank's index on its host (its GPU; default ``rank``). ``log_level``:
+    the launching process's (:func:`launcher_log_level`), unless ``TANDEM_LOGGING_LEVEL`` says
+    otherwise.
     """
     exit_with_parent(parent_pid)
     # Ctrl-C in a terminal (and SIGTERM from `timeout`, `kill -- -PGID`, systemd's default
@@ -250,7 +259,7 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
     from tandem.engine.rank_core import build_rank_core, run_tp_follower
     from tandem.logging_config import configure_logging
 
-    configure_logging()
+    configure_logging(default_level=log_level)
     proc = core = None
     try:
         if world_size > 1:
@@ -296,4 +305,4 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
         sys.exit(1)  # a failed step: not a second copy of its traceback on stderr
 
 
-__all__ = ["EngineCoreProc", "LOCKSTEP_IDLE_POLL_MS", "exit_with_parent", "run_engine_core", "serve"]
+__all__ = ["EngineCoreProc", "LOCKSTEP_IDLE_POLL_MS", "exit_with_parent", "launcher_log_level", "run_engine_core", "serve"]

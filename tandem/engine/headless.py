@@ -39,7 +39,7 @@ def run_headless(config: EngineConfig) -> None:
         SystemExit: 1 when the head or a core was lost.
     """
     from tandem.distributed.launch import spawn_ranks
-    from tandem.engine.core_proc import run_engine_core
+    from tandem.engine.core_proc import launcher_log_level, run_engine_core
     from tandem.engine.host_handshake import HeadLink
     from tandem.model_loader.model_path import check_model_path
 
@@ -53,7 +53,8 @@ def run_headless(config: EngineConfig) -> None:
     logger.info("joined the head at %s: DP ranks %s (global ranks %s)", link.addr, list(dp_ranks),
                 list(parallel.local_ranks))
     procs = spawn_ranks(run_engine_core, parallel.local_ranks, lambda r: (
-        config, r, parallel.world_size, w.master_addr, w.master_port, w.inputs, w.outputs, os.getpid(), r - first))
+        config, r, parallel.world_size, w.master_addr, w.master_port, w.inputs, w.outputs, os.getpid(), r - first,
+        launcher_log_level()))
     try:
         code = _supervise(link, procs)
     finally:

@@ -24,8 +24,10 @@ file is computed once per (path, size, modification and change times, inode) and
 ``<root>/hashes/`` (:func:`content_digest`), so later loads only stat the file.
 
 An entry is built in a temporary folder next to it and renamed into place (atomic on
-POSIX), so a reader never sees a partial entry and concurrent first loads do not corrupt
-each other (one rename wins). ``source.json`` lists the paths loaded from the entry; when
+POSIX), so a reader never sees a partial entry; concurrent first loads take turns on a lock
+file beside it (``.<key>.lock``, removed after the conversion): the later ones wait for the
+first conversion and read it (where the file system has no locks, they convert too and one
+rename wins). ``source.json`` lists the paths loaded from the entry; when
 one of them changes, its new entry drops it from the old one, and removes the old one once
 none of its paths still holds that content. When the cache cannot be written (read-only
 home, full disk) loading works as without it.
@@ -34,6 +36,7 @@ home, full disk) loading works as without it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -44,7 +47,9 @@ import tempfile
 from importlib import metadata
 
 from tandem import envs
-from tandem.model_loader.gguf_weights import dequantized_bytes, iterate_gguf_weights, open_gguf
+from tandem.distributed import parallel_state as ps
+from tandem.model_loader.gguf_weights import dequantized_bytes, gguf_weight_count, iterate_gguf_weights, open_gguf
+from tandem.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -176,30 +181,66 @@ def _converted_folder(real: str, size: int, mtime_ns: int) -> str | None:
     if not os.path.isfile(os.path.join(dest, SOURCE_FILE)):
         try:
             os.makedirs(root, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.", dir=root)
-            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+            lock = open(os.path.join(root, f".{os.path.basename(dest)}.lock"), "a")
         except OSError as e:
             logger.warning("GGUF cache %s not writable (%s): converting %s at every load", root, e, real)
             return None
-        try:
-            logger.info("converting %s into the GGUF cache (first load only)", real)
-            _convert(real, tmp)
-            with open(os.path.join(tmp, SOURCE_FILE), "w") as f:
-                json.dump({**info, "paths": [real]}, f, indent=1)
-            try:
-                os.rename(tmp, dest)
-            except OSError:
-                if not os.path.isfile(os.path.join(dest, SOURCE_FILE)):
-                    raise
-                # Another process renamed its conversion of the same content first.
-        except OSError as e:
-            logger.warning("could not write the GGUF cache entry %s (%s): converting at every load", dest, e)
-            return None
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with lock:
+            # One conversion at a time per entry: `tandem serve` reads the tokenizer in its
+            # front end while its engine core reads the config, and both would otherwise
+            # convert the file, on the same CPUs.
+            if not _try_lock(lock):
+                logger.info("waiting for another process converting %s into the GGUF cache", real)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.isfile(os.path.join(dest, SOURCE_FILE)):
+                try:
+                    built = _build_entry(real, info, root, dest)
+                finally:
+                    # Removed while held: a process waiting on it finds the entry (or, after a
+                    # failure, converts itself), a later one takes a new lock file.
+                    with contextlib.suppress(OSError):
+                        os.unlink(lock.name)
+                if not built:
+                    return None
     _add_path(dest, real)
     _remove_stale(root, real, os.path.basename(dest))
     return dest
+
+
+def _try_lock(f) -> bool:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _build_entry(real: str, info: dict, root: str, dest: str) -> bool:
+    """Convert ``real`` into the entry ``dest`` (built in a temporary folder, then renamed);
+    False, with a warning, when the cache cannot be written."""
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.", dir=root)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+    except OSError as e:
+        logger.warning("GGUF cache %s not writable (%s): converting %s at every load", root, e, real)
+        return False
+    try:
+        logger.info("converting %s into the GGUF cache (first load only)", real)
+        _convert(real, tmp)
+        with open(os.path.join(tmp, SOURCE_FILE), "w") as f:
+            json.dump({**info, "paths": [real]}, f, indent=1)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not os.path.isfile(os.path.join(dest, SOURCE_FILE)):
+                raise
+            # Another process (on a file system without locks) renamed its conversion first.
+    except OSError as e:
+        logger.warning("could not write the GGUF cache entry %s (%s): converting at every load", dest, e)
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True
 
 
 def _convert(path: str, out: str) -> None:
@@ -207,12 +248,20 @@ def _convert(path: str, out: str) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     folder, name = os.path.split(path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    config.save_pretrained(out)
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
-    reader = open_gguf(path)
-    if dequantized_bytes(reader) <= MAX_CACHED_WEIGHT_BYTES:
-        save_file(dict(iterate_gguf_weights(reader, config)), os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt"})
+    # Each stage takes seconds on a small CPU; the first load would otherwise sit silent.
+    with Progress(f"Converting {name}", logger, unit="tensors", show=ps.get_rank() == 0) as progress:
+        progress.stage("reading the config")
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        config.save_pretrained(out)
+        progress.stage("reading the tokenizer")
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+        progress.stage("reading the tensor index")
+        reader = open_gguf(path)
+        if dequantized_bytes(reader) <= MAX_CACHED_WEIGHT_BYTES:
+            progress.stage("dequantizing")
+            tensors = dict(progress.track(iterate_gguf_weights(reader, config), gguf_weight_count(reader)))
+            progress.stage(f"writing {WEIGHTS_FILE}")
+            save_file(tensors, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt"})
 
 
 def _read_source(entry: str) -> dict | None:

@@ -66,6 +66,15 @@ def _hf_name(gguf_name: str) -> str | None:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent")
 
 
+def gguf_weight_count(reader) -> int:
+    """How many tensors :func:`iterate_gguf_weights` yields for the reader's file.
+
+    Raises:
+        ValueError: a tensor name has no HF equivalent.
+    """
+    return sum(_hf_name(t.name) is not None for t in reader.tensors)
+
+
 def _permuted_heads(name: str, hf_config) -> int | None:
     """The head count whose RoPE halves llama.cpp interleaved in this tensor's rows, or None."""
     if hf_config.model_type != "llama":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterator
 
@@ -31,6 +32,9 @@ from tandem.model_loader.gguf_weights import iterate_gguf_weights, raw_gguf_weig
 from tandem.model_loader.model_path import check_model_path
 from tandem.model_loader.param_cache import load_cached_parameters, save_parameters
 from tandem.models.registry import get_model_class
+from tandem.progress import Progress
+
+logger = logging.getLogger(__name__)
 
 
 def _split_gguf_path(path: str) -> tuple[str, str]:
@@ -117,26 +121,55 @@ def load_tokenizer(path: str):
 def iterate_gguf_weights_cached(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """The GGUF file's weights (HF names, fp32) from its cache entry when that holds them
     (:mod:`tandem.model_loader.gguf_cache`), else dequantized from the file."""
-    cached = converted_folder(path)
-    if cached is not None and os.path.isfile(os.path.join(cached, WEIGHTS_FILE)):
+    cached = _cached_weights_folder(path)
+    if cached is not None:
         return iterate_safetensors_weights(cached)
     return iterate_gguf_weights(path, hf_config)
 
 
-def load_gguf_weights(model: nn.Module, path: str, hf_config, dtype: torch.dtype, cache_parameters: bool = True) -> None:
+def _cached_weights_folder(path: str) -> str | None:
+    cached = converted_folder(path)
+    return cached if cached is not None and os.path.isfile(os.path.join(cached, WEIGHTS_FILE)) else None
+
+
+def load_gguf_weights(model: nn.Module, path: str, hf_config, dtype: torch.dtype, cache_parameters: bool = True,
+                      progress: Progress | None = None) -> None:
     """Load a GGUF file's weights into ``model`` (built in ``dtype``): mapped from the
     parameter cache of its converted folder when that holds them, else loaded from the
     folder's (or the file's) tensors and then cached (with ``cache_parameters``). Sharded
     (tensor- or expert-parallel) models are never cached: their parameters depend on the
     layout; nor are quantized ones (pass ``cache_parameters=False``): theirs are rewritten
-    after loading."""
+    after loading. ``progress`` counts the tensors loaded."""
     folder = converted_folder(path)
     cacheable = cache_parameters and folder is not None and ps.get_tp_size() == 1 and ps.get_ep_size() == 1
-    if cacheable and load_cached_parameters(model, folder, dtype):
-        return
-    model.load_weights(iterate_gguf_weights_cached(path, hf_config))
     if cacheable:
+        if progress is not None:
+            progress.stage("mapping the cached parameters")
+        if load_cached_parameters(model, folder, dtype):
+            return
+    weights = iterate_gguf_weights_cached(path, hf_config)
+    if progress is not None:
+        progress.stage("reading the tensors")
+        # Counting a GGUF file's tensors would parse its metadata again: the bar of an
+        # uncached file counts without a total.
+        cached = _cached_weights_folder(path)
+        weights = progress.track(weights, count_safetensors_weights(cached) if cached is not None else None)
+    model.load_weights(weights)
+    if cacheable:
+        if progress is not None:
+            progress.stage("caching the parameters")
         save_parameters(model, folder, dtype)
+
+
+def count_safetensors_weights(folder: str) -> int:
+    """How many tensors :func:`iterate_safetensors_weights` yields (reads the files' headers only)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in glob.glob(os.path.join(folder, "*.safetensors")):
+        with safe_open(f, framework="pt") as sf:
+            total += len(sf.keys())
+    return total
 
 
 def iterate_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -195,34 +228,43 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
     cls = get_model_class(hf_config)
     gguf_config = quant_config if isinstance(quant_config, GGUFQuantConfig) else None
     quant_config = None if gguf_config is not None else quant_config
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters are created in the model dtype, on the device
-    try:
-        with torch.device(device):
-            model = cls(hf_config, backend, max_positions=max_positions, **model_kwargs)
-            if quant_config is not None:
-                prepare_fp8_model(model, quant_config)
-    finally:
-        torch.set_default_dtype(prev)
-    # RoPE tables and other buffers stay fp32.
-    for mod in model.modules():
-        for bname, buf in mod.named_buffers(recurse=False):
-            if buf.is_floating_point():
-                setattr(mod, bname, buf.float())
-    if load_format == "dummy":
-        init_dummy_weights(model, seed)
-    elif is_gguf(model_path):
-        load_gguf_weights(model, model_path, hf_config, dtype, cache_parameters=quant_config is None)
-    elif os.path.isdir(model_path):
-        weights = load_kv_cache_scales(model, iterate_safetensors_weights(model_path))
-        model.load_weights(rename_checkpoint_scales(weights, quant_config) if quant_config else weights)
-    else:
-        raise ValueError(f"cannot load weights from {model_path!r} with load_format={load_format!r}")
-    if quant_config is not None:
-        finish_fp8_model(model, quant_config, dtype)
-    if gguf_config is not None:
-        if ps.get_tp_size() != 1 or ps.get_ep_size() != 1:
-            raise ValueError("quantization='gguf' runs on one rank; use quantization='none' with tensor/expert "
-                             "parallelism")
-        quantize_gguf_linears(model, raw_gguf_weights(gguf_config.path, hf_config))
+    # One bar per deployment: the other ranks write the closing line only.
+    with Progress("Loading model weights", logger, unit="tensors", show=ps.get_rank() == 0) as progress:
+        progress.stage("building the model")
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # parameters are created in the model dtype, on the device
+        try:
+            with torch.device(device):
+                model = cls(hf_config, backend, max_positions=max_positions, **model_kwargs)
+                if quant_config is not None:
+                    prepare_fp8_model(model, quant_config)
+        finally:
+            torch.set_default_dtype(prev)
+        # RoPE tables and other buffers stay fp32.
+        for mod in model.modules():
+            for bname, buf in mod.named_buffers(recurse=False):
+                if buf.is_floating_point():
+                    setattr(mod, bname, buf.float())
+        if load_format == "dummy":
+            progress.stage("random weights")
+            init_dummy_weights(model, seed)
+        elif is_gguf(model_path):
+            load_gguf_weights(model, model_path, hf_config, dtype, cache_parameters=quant_config is None,
+                              progress=progress)
+        elif os.path.isdir(model_path):
+            progress.stage("reading the tensors")
+            weights = progress.track(iterate_safetensors_weights(model_path), count_safetensors_weights(model_path))
+            weights = load_kv_cache_scales(model, weights)
+            model.load_weights(rename_checkpoint_scales(weights, quant_config) if quant_config else weights)
+        else:
+            raise ValueError(f"cannot load weights from {model_path!r} with load_format={load_format!r}")
+        if quant_config is not None:
+            progress.stage("FP8 weights")
+            finish_fp8_model(model, quant_config, dtype)
+        if gguf_config is not None:
+            if ps.get_tp_size() != 1 or ps.get_ep_size() != 1:
+                raise ValueError("quantization='gguf' runs on one rank; use quantization='none' with tensor/expert "
+                                 "parallelism")
+            progress.stage("GGUF int4 layers")
+            quantize_gguf_linears(model, raw_gguf_weights(gguf_config.path, hf_config))
     return model.eval()

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from tandem.attention.metadata import AttentionMetadata
+from tandem.distributed import parallel_state as ps
+from tandem.progress import Progress
 from tandem.worker.step_plan import DBOPolicy, ubatch_slices
 from tandem.worker.ubatching import forward_step
 
@@ -134,16 +136,20 @@ class DecodeCUDAGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first so that smaller graphs reuse its memory pool."""
-        for size in reversed(self.sizes):
-            split = size in self.split_sizes
-            g, out = self._capture(size, split)
-            if split and self.dbo.measure_split:
-                plain_g, plain_out = self._capture(size, False)
-                if not self.dbo.keep_split(size, self._replay_ms(plain_g), self._replay_ms(g)):
-                    self.split_sizes.discard(size)
-                    g, out = plain_g, plain_out
-            self.graphs[size], self.outputs[size] = g, out
-        torch.cuda.synchronize(self.device)
+        with Progress("Capturing decode CUDA graphs", logger, total=len(self.sizes), unit="graphs",
+                      show=ps.get_rank() == 0) as progress:
+            for size in reversed(self.sizes):
+                progress.stage(f"batch size {size}")
+                split = size in self.split_sizes
+                g, out = self._capture(size, split)
+                if split and self.dbo.measure_split:
+                    plain_g, plain_out = self._capture(size, False)
+                    if not self.dbo.keep_split(size, self._replay_ms(plain_g), self._replay_ms(g)):
+                        self.split_sizes.discard(size)
+                        g, out = plain_g, plain_out
+                self.graphs[size], self.outputs[size] = g, out
+                progress.update()
+            torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
         if self.dbo is not None and self.dbo.graph_timings:
             logger.info("dual-batch overlap kept for decode sizes %s (replay ms plain/split: %s)", sorted(self.split_sizes),

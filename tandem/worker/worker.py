@@ -15,6 +15,7 @@ nothing of requests.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -145,13 +146,15 @@ class Worker:
         bytes_per_block = (planes * num_layers * cache_cfg.block_size * kv_heads * head_dim
                            * torch.finfo(self.kv_dtype).bits // 8)
         if self.device.type == "cuda":
+            start = time.perf_counter()
             activations = self.profile_activation_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
             non_torch = total - free - torch.cuda.memory_reserved(self.device)
             weights = torch.cuda.memory_allocated(self.device)
             budget = total * cache_cfg.gpu_memory_utilization - non_torch - weights - activations
-            logger.info("GPU memory: %.1f GiB weights, %.1f GiB peak activations, %.1f GiB for the KV cache",
-                        weights / 2**30, activations / 2**30, budget / 2**30)
+            logger.info("GPU memory: %.1f GiB weights, %.1f GiB peak activations, %.1f GiB for the KV cache "
+                        "(memory profiling took %.2f s)", weights / 2**30, activations / 2**30, budget / 2**30,
+                        time.perf_counter() - start)
         else:
             budget = cache_cfg.kv_cache_memory_gib * 1024**3
         n = int(budget // bytes_per_block)
@@ -207,8 +210,10 @@ class Worker:
                                        self.kv_dtype, self.device)
         self.num_kv_blocks = num_blocks
         capacity = (num_blocks - 1) * cache_cfg.block_size
-        logger.info("model %s: %s, quantization %s, KV cache %s, %d tokens", model_cfg.model, self.dtype,
-                    self.quant_config.method if self.quant_config is not None else "none", self.kv_dtype, capacity)
+        logger.info("model %s: %s, quantization %s; KV cache: %d blocks of %d tokens (%d tokens), %.2f GiB, %s",
+                    model_cfg.model, self.dtype, self.quant_config.method if self.quant_config is not None else "none",
+                    num_blocks, cache_cfg.block_size, capacity, sum(c.nbytes for c in kv_caches) / 2**30,
+                    self.kv_dtype)
         if capacity < model_cfg.max_model_len:
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, model_cfg.max_model_len)
             model_cfg.max_model_len = capacity

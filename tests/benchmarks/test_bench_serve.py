@@ -129,6 +129,29 @@ def test_bench_serve_json_schema(server, tmp_path):
     res = json.loads((tmp_path / "js.json").read_text())
     assert res["completed"] == 2 and res["num_constrained"] == 1
     assert "Constrained requests: 1" in p.stdout
+    # 12 tokens cannot hold the nested profile: the document is cut, and the line says so.
+    assert res["num_schema_valid"] == 0 and res["num_constrained_cut_by_length"] == 1
+    assert "1 of them cut by the token limit" in p.stdout and "--random-output-len" in p.stdout
+
+
+def test_schema_validity_counts_the_outputs_cut_by_length(capsys):
+    from tandem.benchmarks.datasets import SampleRequest
+    from tandem.benchmarks.serve import schema_validity
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    reqs = [SampleRequest("p", 1, 8, extra_body=body) for _ in range(3)] + [SampleRequest("free", 1, 8)]
+    results = [RequestResult(True, generated_text='{"a": 1}', finish_reason="stop"),
+               RequestResult(True, generated_text='{"a": ', finish_reason="length"),
+               RequestResult(True, generated_text='{"a": 12', finish_reason="length"),
+               RequestResult(True, generated_text="free text", finish_reason="length")]
+    assert schema_validity(reqs, results) == {"num_constrained": 3, "num_schema_valid": 1,
+                                              "num_constrained_cut_by_length": 2}
+    out = capsys.readouterr().out
+    assert "outputs valid for the schema: 1; 2 of them cut by the token limit (finish_reason 'length')" in out
+    assert "not complete JSON" in out
+    assert schema_validity(reqs[:1], results[:1])["num_constrained_cut_by_length"] == 0
+    assert "cut" not in capsys.readouterr().out
 
 
 def test_local_tokenizer_random_ids_skip_added_tokens(tmp_path):

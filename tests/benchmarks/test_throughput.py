@@ -105,23 +105,26 @@ def test_run_throughput_reports_kernel_variants_built_in_the_timed_run_only(monk
     missed) is reported by name; one met in the warm-up is not."""
     import triton
 
-    from tandem.benchmarks.throughput import run_throughput
+    from tandem.benchmarks import throughput
     from tests.conftest import make_llm
 
     llm = make_llm(num_kv_blocks=64, max_model_len=256)
-    generate = llm.generate
     calls = []
 
-    def generate_and_miss(*args, **kwargs):
-        calls.append(1)
-        hook = triton.knobs.runtime.jit_cache_hook
-        if hook is not None:
-            hook(key="k", repr=f"_kernel_{len(calls)}[num_warps=4](n: i32)", fn=None, compile={},
-                 is_manual_warmup=False, already_compiled=False)
-        return generate(*args, **kwargs)
+    def and_miss(generate):
+        def run(*args, **kwargs):
+            calls.append(1)
+            hook = triton.knobs.runtime.jit_cache_hook
+            if hook is not None:
+                hook(key="k", repr=f"_kernel_{len(calls)}[num_warps=4](n: i32)", fn=None, compile={},
+                     is_manual_warmup=False, already_compiled=False)
+            return generate(*args, **kwargs)
 
-    monkeypatch.setattr(llm, "generate", generate_and_miss)
-    res = run_throughput(llm, num_prompts=2, input_len=8, output_len=4)
+        return run
+
+    monkeypatch.setattr(llm, "generate", and_miss(llm.generate))  # the warm-up
+    monkeypatch.setattr(throughput, "generate_with_progress", and_miss(throughput.generate_with_progress))
+    res = throughput.run_throughput(llm, num_prompts=2, input_len=8, output_len=4)
     assert len(calls) == 2  # warm-up, then the timed run
     assert res.jit_compiles_timed == ["_kernel_2()"]
 
@@ -135,8 +138,10 @@ def test_run_throughput_constrains_the_asked_share_to_the_schema(monkeypatch):
 
     llm = make_llm(num_kv_blocks=64, max_model_len=256)
     seen = []
-    generate = llm.generate
+    generate, timed = llm.generate, throughput.generate_with_progress
     monkeypatch.setattr(llm, "generate", lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw))
+    monkeypatch.setattr(throughput, "generate_with_progress",
+                        lambda engine, prompts, params, n: seen.append(params) or timed(engine, prompts, params, n))
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     res = throughput.run_throughput(llm, num_prompts=4, input_len=8, output_len=6, structured_output_ratio=0.5,
                                     json_schema=schema)
@@ -157,7 +162,7 @@ def test_bench_throughput_flag_rejects_a_bad_ratio_while_parsing(capsys):
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "throughput", "--structured-output-ratio", "1.5"])
-    assert "must be in [0, 1]" in capsys.readouterr().err
+    assert "--structured-output-ratio: expected a number in [0, 1], got '1.5'" in capsys.readouterr().err
 
 
 def test_bench_throughput_json_names_the_settings_that_tell_runs_apart(tmp_path):
@@ -176,3 +181,66 @@ def test_bench_throughput_json_names_the_settings_that_tell_runs_apart(tmp_path)
     assert (res["quantization"], res["kv_cache_dtype"], res["dtype"]) == ("fp8", "fp8", "auto")
     assert res["deterministic"] is True
     assert res["num_prompts"] == 2 and res["requests_per_s"] > 0
+
+
+def test_progress_moves_with_the_tokens_before_any_request_finishes(capsys):
+    """``tandem bench throughput``'s bar counts generated tokens after every step (requests
+    of one length all finish at the end), the finished requests after it."""
+    from tandem.benchmarks.throughput import GenerationProgress
+
+    progress = GenerationProgress(num_requests=4, output_len=10)
+    progress.on_step(generated=4, finished=0)
+    assert (progress.bar.n, progress.finished) == (4, 0)
+    progress.on_step(generated=36, finished=0)
+    progress.on_step(generated=40, finished=4)
+    assert (progress.bar.n, progress.finished) == (40, 4)
+    progress.close()
+    err = capsys.readouterr().err
+    assert "Generated tokens" in err and "40/40" in err and "4/4 requests finished" in err, err
+
+
+class _FakeEngine:
+    """Two requests of three tokens each, one token each per step (an ``LLMEngine``'s
+    add_request / step / stats / has_unfinished_requests)."""
+
+    def __init__(self) -> None:
+        self.left: dict[str, int] = {}
+        self.generated = 7  # tokens of earlier runs (the warm-up): not this run's
+
+    def add_request(self, rid, prompt, params) -> None:
+        from tandem.sampling_params import RequestOutputKind
+
+        assert params.output_kind == RequestOutputKind.FINAL_ONLY
+        self.left[rid] = params.max_tokens
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.left)
+
+    def stats(self) -> dict:
+        return {"generation_tokens": self.generated}
+
+    def step(self) -> list:
+        from types import SimpleNamespace
+
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            self.generated += 1
+            if not self.left[rid]:
+                del self.left[rid]
+                outs.append(SimpleNamespace(request_id=rid, finished=True))
+        return outs
+
+
+def test_generate_with_progress_counts_every_step(monkeypatch):
+    from tandem.benchmarks import throughput
+    from tandem.sampling_params import SamplingParams
+
+    seen = []
+    on_step = throughput.GenerationProgress.on_step
+    monkeypatch.setattr(throughput.GenerationProgress, "on_step",
+                        lambda self, generated, finished: seen.append((generated, finished)) or on_step(self, generated,
+                                                                                                     finished))
+    outs = throughput.generate_with_progress(_FakeEngine(), [[1], [2]], SamplingParams(max_tokens=3), output_len=3)
+    assert [o.request_id for o in outs] == ["bench-0", "bench-1"]
+    assert seen == [(2, 0), (4, 0), (6, 2)]

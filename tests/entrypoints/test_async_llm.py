@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -177,6 +178,29 @@ def test_stream_batches_what_arrived_and_ends_at_the_last_output():
         return [o.outputs[0].text for o in first + second], [o.outputs[0].text for o in got], owner.aborted
 
     assert asyncio.run(main()) == (["a", "b", "c"], ["x"], ["core-3"])
+
+
+def test_stats_line_logged_while_there_is_work_then_quiet(llm, caplog, monkeypatch):
+    """The periodic stats line runs with the front end: lines while a request generates,
+    none once the engine has been idle for a whole interval."""
+    monkeypatch.setattr(llm, "log_stats_interval_s", 0.1)
+    caplog.set_level(logging.INFO, logger="tandem.engine.stat_logger")
+
+    async def main():
+        params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        async for _ in llm.generate("The capital of France is", params, "stats"):
+            pass
+        deadline = time.monotonic() + 20
+        while not (caplog.messages and "Running: 0 reqs, Waiting: 0 reqs" in caplog.messages[-1]):
+            assert time.monotonic() < deadline, caplog.messages  # the log ends on the idle state
+            await asyncio.sleep(0.05)
+        logged = len(caplog.messages)
+        await asyncio.sleep(0.5)  # five idle intervals
+        return logged
+
+    logged = asyncio.run(main())
+    assert len(caplog.messages) == logged, caplog.messages
+    assert any("Avg generation throughput" in m and "Running: 1 reqs" in m for m in caplog.messages), caplog.messages
 
 
 def test_shutdown_fails_new_requests(llm):

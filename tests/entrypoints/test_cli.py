@@ -164,13 +164,16 @@ def test_served_model_name_repeats():
 
 
 def test_model_the_engine_core_rejects_is_one_line(tmp_path):
-    """A folder that passes the front end's path check but that the spawned core cannot load:
-    the core's error, alone."""
-    assert_one_line_error(tandem("serve", str(tmp_path), "--port", "0"), 2, str(tmp_path))
+    """A folder that passes the front end's path check (it holds a config.json) but that the
+    spawned core cannot load (no weights): the core's error, alone."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert_one_line_error(tandem("serve", str(tmp_path), "--port", "0"), 2, str(tmp_path), "safetensors")
 
 
 def test_busy_port_is_reported_before_loading(tmp_path):
-    """An empty folder passes the path check, and loading it would fail with another message."""
+    """A folder of a config.json alone passes the path check, and loading it would fail with
+    another message."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -219,6 +222,14 @@ def test_server_logs_where_it_listens_and_each_request(server):
     assert m and m.group(1) == server.url, log
     assert int(m.group(3)) >= 1 and int(m.group(4)) >= 1, log  # the limits it took
     assert '"POST /v1/completions HTTP/1.1" 200' in log, log
+
+
+def test_server_log_has_its_engine_cores_load_lines(server):
+    """The engine core runs in a child process: its INFO lines (the weight loading's time, the
+    KV cache's size) reach the server's log as the server's own do."""
+    log = server.log()
+    assert re.search(r"Loading model weights took \d+\.\d\d s", log), log
+    assert re.search(r"KV cache: \d+ blocks of \d+ tokens \(\d+ tokens\), \d+\.\d\d GiB", log), log
 
 
 def test_bench_serve_and_eval_show_progress(server):

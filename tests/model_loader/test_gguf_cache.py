@@ -203,3 +203,30 @@ def test_weights_not_cached_above_the_size_limit(tmp_path, cache_home, embedded_
     assert not os.path.exists(os.path.join(folder, gguf_cache.WEIGHTS_FILE))
     name, t = next(iter(iterate_gguf_weights_cached(str(src), load_hf_config(str(src)))))
     assert t.dtype == torch.float32 and name.startswith("model.")
+
+
+def test_concurrent_first_loads_convert_once(tmp_path, cache_home, monkeypatch):
+    """`tandem serve` reads the tokenizer in its front end while the engine core reads the
+    config: the second first load waits for the first conversion instead of doing its own."""
+    import threading
+    import time
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+    calls = []
+
+    def slow(path: str, out: str) -> None:
+        calls.append(path)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(gguf_cache, "_convert", slow)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(gguf_cache.converted_folder(str(src))))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)  # the second arrives while the first converts
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(set(results)) == 1 and results[0] is not None
+    assert _entries(cache_home) == [os.path.basename(results[0])]  # no lock file left
