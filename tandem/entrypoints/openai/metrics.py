@@ -12,13 +12,22 @@ With several API servers (``--api-server-count``) each process writes its histog
 counters to files in a shared folder (prometheus_client's multiprocess mode, as vLLM) and
 ``/metrics`` of any of them sums them all; the engine state is the same in every one of
 them (every core sends its stats to every API server).
+
+Every family whose quantity vLLM V1 also exports is exported a second time under vLLM's
+name and label set (``_VLLM_NAMES``), for dashboards, autoscalers and routers written for
+vLLM: the same samples of the same collection, renamed, so nothing is measured or counted
+twice and both names always agree within one scrape.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from tandem.engine.async_llm import AsyncLLM, RequestStats
 
@@ -29,6 +38,32 @@ _TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 _E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0]
 _TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+
+# Tandem family -> the vLLM V1 families that are the same quantity in the same unit (the
+# README's metrics section lists what is left out and why). vLLM's
+# ``time_per_output_token_seconds`` is its deprecated name of the per-token inter-token
+# latency, not of Tandem's per-request ``time_per_output_token_seconds``; the ``gpu_``
+# names are V1's deprecated ones, still read by older dashboards.
+_VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "tandem:num_requests_running": ("vllm:num_requests_running",),
+    "tandem:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "tandem:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "tandem:prefix_cache_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
+    "tandem:prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
+    "tandem:num_preemptions": ("vllm:num_preemptions",),
+    "tandem:prompt_tokens": ("vllm:prompt_tokens",),
+    "tandem:generation_tokens": ("vllm:generation_tokens",),
+    "tandem:request_success": ("vllm:request_success",),
+    "tandem:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "tandem:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
+                                           "vllm:time_per_output_token_seconds"),
+    "tandem:time_per_output_token_seconds": ("vllm:request_time_per_output_token_seconds",),
+    "tandem:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "tandem:request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "tandem:request_generation_tokens": ("vllm:request_generation_tokens",),
+}
+# vLLM labels its engines' series model_name and engine only.
+_NOT_VLLM_LABELS = frozenset({"host"})
 
 
 class _EngineCollector:
@@ -79,9 +114,34 @@ class _EngineCollector:
         yield det
 
 
+def _renamed(family: Metric, name: str) -> Metric:
+    """``family``'s samples under ``name`` (and its ``_total``, ``_bucket``, ... suffixes),
+    without the labels vLLM does not have."""
+    out = Metric(name, family.documentation, family.type, family.unit)
+    out.samples = [s._replace(name=name + s.name[len(family.name):],
+                              labels={k: v for k, v in s.labels.items() if k not in _NOT_VLLM_LABELS})
+                   for s in family.samples]
+    return out
+
+
+class _WithVllmNames:
+    """Collects ``sources`` and yields each family, then its vLLM-named views (``_VLLM_NAMES``)."""
+
+    def __init__(self, sources: Iterable[Collector]) -> None:
+        self.sources = list(sources)
+
+    def collect(self) -> Iterator[Metric]:
+        """Every family of ``sources``, each followed by its vLLM twins."""
+        for source in self.sources:
+            for family in source.collect():
+                yield family
+                for name in _VLLM_NAMES.get(family.name, ()):
+                    yield _renamed(family, name)
+
+
 class ServerMetrics:
-    """The server's Prometheus registry (``registry``, what ``/metrics`` exports); a
-    ``StatListener`` of ``AsyncLLM``.
+    """The server's Prometheus registry (``registry``, what ``/metrics`` exports: the
+    ``tandem:`` families and their vLLM-named views); a ``StatListener`` of ``AsyncLLM``.
 
     Args:
         multiprocess_dir: the ``PROMETHEUS_MULTIPROC_DIR`` shared by several API-server
@@ -91,11 +151,9 @@ class ServerMetrics:
 
     def __init__(self, llm: AsyncLLM, model_name: str, multiprocess_dir: str | None = None) -> None:
         own = CollectorRegistry(auto_describe=False)
-        if multiprocess_dir is None:
-            self.registry = own
-        else:
-            self.registry = CollectorRegistry(auto_describe=False)
-            MultiProcessCollector(self.registry, path=multiprocess_dir)
+        front_end = own if multiprocess_dir is None else MultiProcessCollector(None, path=multiprocess_dir)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_WithVllmNames([front_end, _EngineCollector(llm, model_name)]))
         self.model_name = model_name
         lab = ["model_name"]
         r = own
@@ -117,7 +175,10 @@ class ServerMetrics:
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens.", lab,
                                          registry=r).labels(model_name)
-        self.registry.register(_EngineCollector(llm, model_name))
+        # Every finish reason's series exists from the start (at 0), as vLLM's, so that
+        # rate() over them works before the first request of each kind.
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
         llm.stat_listeners.append(self)
 
     # StatListener
