@@ -13,6 +13,11 @@ carries ``Authorization: Bearer KEY``; the other routes stay open, as vLLM's.
 The server listens before the engine loads: until it is ready every route answers 503
 (``/health`` included), and a stop (SIGTERM/SIGINT) meanwhile kills the loading cores.
 
+Stopping (SIGTERM/SIGINT) follows ``--shutdown-timeout SECONDS`` (vLLM's flag): 0, the
+default, aborts every request in flight at once; otherwise the server drains: new ``/v1``
+requests and ``/health`` answer 503 while the requests in flight run to their end, for up to
+SECONDS, then the rest are aborted; a second signal aborts them at once (:class:`_Stopper`).
+
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``. User input
 never yields a 500: invalid JSON, validation failures (FastAPI's 422 included),
 out-of-range values, over-long prompts and out-of-vocabulary token ids are 400; unknown
@@ -198,13 +203,68 @@ class _BearerAuth:
         await response(scope, receive, send)
 
 
+class ServerDrain:
+    """The ``/v1`` requests this server is serving (a stream counts until its last byte is
+    sent), and whether it drains them: stopping with ``--shutdown-timeout`` > 0, it answers
+    new ``/v1`` requests and ``/health`` with 503 and waits for the ones in flight."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+        self.rejected = 0  # new /v1 requests answered 503 while draining
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        """A ``/v1`` request starts."""
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        """A ``/v1`` request has ended (its response sent, or its client gone)."""
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no ``/v1`` request is in flight; True if none is."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return self.in_flight == 0
+
+
+class _DrainGate:
+    """Count the ``/v1`` requests in flight in ``drain`` and, while it drains, answer new ones
+    with 503 (``Connection: close``: a client's pooled connection moves to another replica).
+    Pure ASGI, as :class:`_RequestIdHeader`: a streamed response is counted until it ends."""
+
+    def __init__(self, app, drain: ServerDrain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not (scope.get("path", "") + "/").startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        if self.drain.draining:
+            self.drain.rejected += 1
+            response = _error(503, "the server is shutting down; send the request to another replica")
+            response.headers["Connection"] = "close"
+            return await response(scope, receive, send)
+        self.drain.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.leave()
+
+
 def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | None = None,
               tool_call_parser: str | None = None, api_server_index: int = 0, api_server_count: int = 1,
               metrics_dir: str | None = None, api_keys: Sequence[str] = (), chat_template: str | None = None,
               enable_auto_tool_choice: bool = True) -> FastAPI:
     """The FastAPI application around a running ``AsyncLLM``.
 
-    ``app.state`` holds ``llm``, ``serving`` (``OpenAIServing``) and ``metrics``.
+    ``app.state`` holds ``llm``, ``serving`` (``OpenAIServing``), ``metrics`` and ``drain``
+    (:class:`ServerDrain`).
     ``api_server_index`` / ``api_server_count``: which of several API-server processes this
     is; ``metrics_dir``: their shared Prometheus multiprocess folder (``/metrics`` then sums
     over all of them). ``api_keys``: if any, one must come with every ``/v1`` request
@@ -237,6 +297,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
     app.state.llm = llm
     app.state.serving = serving
     app.state.metrics = metrics
+    app.state.drain = drain = ServerDrain()
 
     # ------------------------------------------------------------ error handlers
     @app.exception_handler(OpenAIError)
@@ -263,7 +324,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
 
     if api_keys:
         app.add_middleware(_BearerAuth, keys=api_keys)
-    app.add_middleware(_RequestIdHeader)  # added last, outermost: a 401 also echoes the request id
+    app.add_middleware(_DrainGate, drain=drain)  # outside the key check: a draining server refuses everyone
+    app.add_middleware(_RequestIdHeader)  # added last, outermost: a 401 or 503 also echoes the request id
 
     def request_id(raw: Request, body_id: str | None) -> str:
         return raw.headers.get("x-request-id") or body_id or P.random_uuid()
@@ -309,6 +371,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
 
     @app.get("/health")
     async def health():
+        if drain.draining:
+            return _error(503, "the server is shutting down")
         if not llm.is_running:
             return _error(503, f"the engine is not running: {llm.dead_error}")
         return Response(status_code=200)
@@ -372,30 +436,31 @@ def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket
 
 # Seconds between an engine core's death and the server's exit (clients get their errors first).
 DEAD_ENGINE_EXIT_DELAY_S = 2.0
-# Stopping: seconds uvicorn waits for open connections once every live request has been
-# ended, then the engine cores' budget (their final message, then a second to exit before
-# they are killed): SIGTERM of an idle server exits within about 3 s.
+# Stopping: seconds uvicorn waits for open connections once every live request has ended
+# (drained or aborted), then the engine cores' budget (their final message, then a second
+# to exit before they are killed): SIGTERM of an idle server exits within about 3 s.
 GRACEFUL_HTTP_S = 1.0
 ENGINE_STOP_TIMEOUT_S = 2.0
+# How the manager of several API servers ends their drains at once (a second signal to it):
+# SIGTERM/SIGINT cannot say it, as the process group's signals reach the API servers too
+# (Ctrl-C, `timeout`, systemd), each once, and the manager then forwards its own SIGTERM.
+ABORT_SIGNAL = signal.SIGUSR1
 
 
-def _uvicorn_server(config, on_stop: Callable[[str], None]):
-    """uvicorn's server that, on SIGINT/SIGTERM, also calls ``on_stop(reason)`` (which ends
-    every live request at once: HTTP 500; a stream with an error event, then ``[DONE]``), so
-    that stopping never waits for long generations (uvicorn alone waits for every response
-    to finish), and then returns: the stop asked for is a clean exit (uvicorn alone raises
-    the signal again once it has stopped, and the process ends killed by it, status 143)."""
+def _uvicorn_server(config, on_signal: Callable[[int], None], signals: Sequence[int]):
+    """uvicorn's server whose ``signals`` call ``on_signal(sig)`` instead of uvicorn's
+    handler: :class:`_Stopper` decides when the server exits (uvicorn alone stops accepting
+    at once, waits for every response to finish, then raises the signal again once it has
+    stopped, and the process ends killed by it, status 143)."""
     import uvicorn
 
     class Server(uvicorn.Server):
-        stop_signal: int | None = None
-
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
-            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
             try:
                 yield
             finally:
@@ -403,11 +468,97 @@ def _uvicorn_server(config, on_stop: Callable[[str], None]):
                     signal.signal(sig, handler)
 
         def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
-            self.stop_signal = sig
-            on_stop(f"the server is stopping (signal {sig})")
+            on_signal(sig)
 
     return Server(config)
+
+
+class _Stopper:
+    """What SIGTERM/SIGINT do to a serving process, by ``--shutdown-timeout`` (vLLM's).
+
+    ``timeout`` 0: every live request ends at once (HTTP 500; a stream with an error event,
+    then ``[DONE]``) and the server stops. Otherwise the server drains: new ``/v1`` requests
+    and ``/health`` answer 503, the listening socket stays open (a load balancer sees the
+    503s, a client no refused connection), the requests in flight run for up to ``timeout``
+    s, then those left end as above and the server stops. Before the engine is loaded a
+    signal stops the server at once, whatever the timeout.
+
+    ``repeat_aborts``: a second SIGTERM/SIGINT aborts the drain at once (a lone server). An
+    API server under :mod:`~tandem.entrypoints.openai.api_server_manager` gets its group's
+    signal and its manager's, so repeats do nothing there and :data:`ABORT_SIGNAL` aborts.
+    ``who``: the prefix of the log lines (which API server).
+    """
+
+    def __init__(self, gate: "_LoadingGate", timeout: float, repeat_aborts: bool, who: str = "") -> None:
+        self.gate = gate
+        self.timeout = timeout
+        self.repeat_aborts = repeat_aborts
+        self.who = who
+        self.server = None  # the uvicorn server it stops (set once built)
+        self.stop_signal: int | None = None  # the first signal received
+        self._drain_task: asyncio.Task | None = None
+        self._drain_from = 0  # requests in flight when the drain began
+        self._drain_start = 0.0
+
+    def on_signal(self, sig: int) -> None:
+        """The signal handler (main thread): start the drain or stop now, on the event loop."""
+        first = self.stop_signal is None
+        if first:
+            self.stop_signal = sig
+        if sig == ABORT_SIGNAL or (not first and self.repeat_aborts):
+            self._on_loop(self._stop_now, sig)
+        elif first:
+            self._on_loop(self._begin, sig)
+
+    def _on_loop(self, fn: Callable[[int], None], sig: int) -> None:
+        loop = self.gate.loop
+        if loop is None or loop.is_closed():
+            self.server.should_exit = True  # the app has not started: nothing to drain or abort
+            return
+        loop.call_soon_threadsafe(fn, sig)
+
+    def _begin(self, sig: int) -> None:
+        app = self.gate.app
+        if app is None or self.timeout <= 0 or self.server.should_exit:
+            self._stop_now(sig)
+            return
+        drain: ServerDrain = app.state.drain
+        drain.draining = True
+        self._drain_from, self._drain_start = drain.in_flight, time.monotonic()
+        logger.info("%ssignal %d: draining %d request(s) in flight for up to %g s (--shutdown-timeout); new requests "
+                    "and /health get 503; a second SIGTERM/SIGINT aborts them at once", self.who, sig,
+                    drain.in_flight, self.timeout)
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(sig))
+
+    async def _drain(self, sig: int) -> None:
+        await self.gate.app.state.drain.wait_idle(self.timeout)
+        self._finish(f"the server is stopping (signal {sig}) and the request was still running after the "
+                     f"{self.timeout:g} s of --shutdown-timeout")
+
+    def _stop_now(self, sig: int) -> None:
+        if self._drain_task is not None and not self._drain_task.done():
+            self._drain_task.cancel()
+            self._finish(f"the server is stopping (signal {sig} ended the drain)")
+            return
+        if self.server.should_exit:
+            return  # already stopping: every request has ended or been aborted
+        app = self.gate.app
+        if app is not None:
+            n = app.state.drain.in_flight
+            if n:
+                logger.info("%ssignal %d: stopping; aborting %d request(s) in flight", self.who, sig, n)
+            app.state.llm.abort_all(f"the server is stopping (signal {sig})")
+        self.server.should_exit = True
+
+    def _finish(self, reason: str) -> None:
+        app = self.gate.app
+        drain: ServerDrain = app.state.drain
+        left = drain.in_flight
+        if left:
+            app.state.llm.abort_all(reason)
+        logger.info("%sdrain ended after %.1f s: %d request(s) finished, %d aborted; %d new request(s) refused",
+                    self.who, time.monotonic() - self._drain_start, self._drain_from - left, left, drain.rejected)
+        self.server.should_exit = True
 
 
 class _LoadingGate:
@@ -438,11 +589,6 @@ class _LoadingGate:
             return await self.app(scope, receive, send)
         if scope["type"] == "http":
             await _error(503, "the model is loading; retry when /health answers 200")(scope, receive, send)
-
-    def abort_all(self, reason: str) -> None:
-        """End every live request (safe from a signal handler)."""
-        if self.app is not None and self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.app.state.llm.abort_all, reason)
 
     async def _serve_lifespan(self, receive, send) -> None:
         await receive()  # lifespan.startup
@@ -548,8 +694,11 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
                api_server_index: int = 0, metrics_dir: str | None = None) -> None:
     """Serve on the bound socket at once while ``load_llm()`` builds the engine front end on
     another thread (every request is a 503 until it is ready), then serve it until
-    interrupted or until an engine core dies (then exit 1 after failing every live
-    request); shuts the engine down.
+    interrupted (SIGTERM/SIGINT: drained or aborted by ``args.shutdown_timeout``,
+    :class:`_Stopper`) or until an engine core dies (then exit 1 after failing every live
+    request); shuts the engine down. With ``args.api_server_count`` > 1 this is one of the
+    API servers of :mod:`~tandem.entrypoints.openai.api_server_manager`: a repeated
+    SIGTERM/SIGINT does not abort its drain, :data:`ABORT_SIGNAL` does.
 
     Raises:
         Exception: what ``load_llm`` raised (once the server has stopped).
@@ -560,6 +709,8 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
     names = served_names(args)
     keys = api_keys(args)
     host, port = sock.getsockname()[:2]
+    managed = args.api_server_count > 1
+    who = f"API server {api_server_index} of {args.api_server_count}, " if managed else ""
     server = None
 
     def stop_soon(delay: float = 0.0) -> None:
@@ -577,7 +728,6 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
                         enable_auto_tool_choice=args.enable_auto_tool_choice)
         app.state.on_engine_dead = on_engine_dead
         usable = llm.num_kv_blocks - cfg.parallel_config.data_parallel_size  # one null block per replica
-        who = f"API server {api_server_index} of {args.api_server_count}, " if args.api_server_count > 1 else ""
         sched = cfg.scheduler_config
         logger.info("%slistening on http://%s:%d: model %s (served as %s), max_model_len %d, max_num_seqs %d, "
                     "max_num_batched_tokens %d, KV cache %d tokens (%d blocks of %d) over %d replica(s), pid %d", who,
@@ -590,11 +740,13 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
 
     thread, loaded = _load_in_thread(load_llm)
     gate = _LoadingGate(loaded, make_app, on_failed=stop_soon)
+    stopper = _Stopper(gate, args.shutdown_timeout, repeat_aborts=not managed, who=who)
+    signals = (signal.SIGINT, signal.SIGTERM, ABORT_SIGNAL) if managed else (signal.SIGINT, signal.SIGTERM)
     llm = None
     try:
         config = uvicorn.Config(gate, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=GRACEFUL_HTTP_S)
-        server = _uvicorn_server(config, gate.abort_all)
+        server = stopper.server = _uvicorn_server(config, stopper.on_signal, signals)
         server.run(sockets=[sock])
     finally:
         sock.close()
@@ -605,7 +757,7 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
             dead = llm.client.dead_error is not None
             llm.shutdown(ENGINE_STOP_TIMEOUT_S)
     if llm is None:
-        if server.stop_signal is not None:
+        if stopper.stop_signal is not None:
             return  # stopped while loading
         if loaded.done():
             raise loaded.exception()  # loading failed

@@ -18,7 +18,9 @@ process:
    output processor; it waits for the cores' handshakes itself); Prometheus metrics go to a
    shared multiprocess folder, so ``/metrics`` of any of them reports the sum over all;
 4. watches every process. SIGTERM / SIGINT: the API servers stop (each as a single server
-   does: it ends its live requests and exits 0), then the cores; exit 0. An engine core dies: every API server fails its
+   does, by ``--shutdown-timeout``: it drains or ends its live requests, and exits 0), then
+   the cores; exit 0. A second SIGTERM / SIGINT ends the API servers' drains at once
+   (:data:`~tandem.entrypoints.openai.api_server.ABORT_SIGNAL`). An engine core dies: every API server fails its
    live requests (it watches the cores itself) and exits 1; so does this process, within
    :data:`DEAD_ENGINE_EXIT_DELAY_S` + a few seconds. An API server dies: the whole server
    stops (as vLLM's does) and exits 1. Every child also exits on its own when this
@@ -28,6 +30,7 @@ process:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -39,12 +42,13 @@ from multiprocessing.connection import wait as wait_sentinels
 
 from tandem.config import EngineConfig
 from tandem.engine.core_client import EngineClientConfig, EngineDeadError, SyncMPClient
-from tandem.entrypoints.openai.api_server import DEAD_ENGINE_EXIT_DELAY_S, ENGINE_STOP_TIMEOUT_S, bind_socket
+from tandem.entrypoints.openai.api_server import (ABORT_SIGNAL, DEAD_ENGINE_EXIT_DELAY_S, ENGINE_STOP_TIMEOUT_S,
+                                                   bind_socket)
 
 logger = logging.getLogger("tandem.serve")
 
-# Seconds the API servers get to stop after SIGTERM (they end their live requests at once)
-# before they are killed.
+# Seconds the API servers get to stop after SIGTERM, beyond their --shutdown-timeout (their
+# drain ends within it), before they are killed.
 API_SERVER_STOP_TIMEOUT_S = 30.0
 # Seconds between two checks of the processes (and drains of the cores' messages).
 SUPERVISE_POLL_S = 0.5
@@ -126,12 +130,23 @@ class APIServerProcessManager:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
 
-    def close(self, timeout: float = API_SERVER_STOP_TIMEOUT_S) -> list[int]:
-        """SIGTERM every live server, wait up to ``timeout`` s, kill the rest; returns their
-        exit codes."""
+    def abort(self) -> None:
+        """End every live server's drain at once (safe from a signal handler)."""
         for p in self.procs:
             if p.is_alive():
-                p.terminate()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, ABORT_SIGNAL)
+
+    def close(self, timeout: float = API_SERVER_STOP_TIMEOUT_S, drain: bool = False) -> list[int]:
+        """Stop every live server: ``drain``, by SIGTERM (it drains by its
+        ``--shutdown-timeout``), else at once (:meth:`abort`); wait up to ``timeout`` s, kill
+        the rest; returns their exit codes."""
+        if drain:
+            for p in self.procs:
+                if p.is_alive():
+                    p.terminate()
+        else:
+            self.abort()
         self.wait(timeout)
         for p in self.procs:
             if p.is_alive():
@@ -141,34 +156,52 @@ class APIServerProcessManager:
         return [p.exitcode for p in self.procs]
 
 
-def _supervise(client: SyncMPClient, servers: APIServerProcessManager) -> int:
-    """Watch the cores and the API servers until a signal (0) or a death (1)."""
-    stop: list[int] = []
+class _StopSignals:
+    """SIGTERM / SIGINT while the API servers serve and stop: the first is recorded in
+    ``received`` (:func:`_supervise` then stops them, draining), each later one ends their
+    drains at once. Installed by :meth:`install`, until :meth:`restore`."""
 
-    def on_signal(signum, _frame) -> None:
-        stop.append(signum)
+    def __init__(self, servers: APIServerProcessManager) -> None:
+        self.servers = servers
+        self.received: list[int] = []
+        self._old: dict[int, object] = {}
 
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        sentinels = servers.sentinels + [p.sentinel for p in client.procs]
-        while not stop:
-            wait_sentinels(sentinels, SUPERVISE_POLL_S)
-            try:
-                client.poll_outputs()
-            except EngineDeadError as e:
-                logger.error("engine core died (%s): the API servers fail their requests and exit", e)
-                servers.wait(DEAD_ENGINE_EXIT_DELAY_S + 5.0)
-                return 1
-            dead = servers.exited()
-            if dead and not stop:
-                logger.error("API server(s) %s exited (codes %s): the server stops", dead,
-                             [servers.procs[i].exitcode for i in dead])
-                return 1
-        logger.info("signal %d: stopping the API servers, then the engine cores", stop[0])
-        return 0
-    finally:
-        for sig, handler in old.items():
+    def install(self) -> None:
+        self._old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
             signal.signal(sig, handler)
+        self._old = {}
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.received.append(signum)
+        if len(self.received) > 1:
+            self.servers.abort()
+
+
+def _supervise(client: SyncMPClient, servers: APIServerProcessManager, stop: list[int], drain_s: int) -> int:
+    """Watch the cores and the API servers until a signal lands in ``stop`` (0) or a death (1)."""
+    sentinels = servers.sentinels + [p.sentinel for p in client.procs]
+    while not stop:
+        wait_sentinels(sentinels, SUPERVISE_POLL_S)
+        try:
+            client.poll_outputs()
+        except EngineDeadError as e:
+            logger.error("engine core died (%s): the API servers fail their requests and exit", e)
+            servers.wait(DEAD_ENGINE_EXIT_DELAY_S + 5.0)
+            return 1
+        dead = servers.exited()
+        if dead and not stop:
+            logger.error("API server(s) %s exited (codes %s): the server stops", dead,
+                         [servers.procs[i].exitcode for i in dead])
+            return 1
+    if drain_s:
+        logger.info("signal %d: the API servers drain their requests for up to %d s (a second SIGTERM/SIGINT aborts "
+                    "them at once), then the engine cores stop", stop[0], drain_s)
+    else:
+        logger.info("signal %d: stopping the API servers, then the engine cores", stop[0])
+    return 0
 
 
 def run_multi_api_server(args: argparse.Namespace, cfg: EngineConfig) -> None:
@@ -185,7 +218,7 @@ def run_multi_api_server(args: argparse.Namespace, cfg: EngineConfig) -> None:
     socks = bind_sockets(args.host, args.port, n)
     host, port = socks[0].getsockname()[:2]
     metrics_dir = tempfile.mkdtemp(prefix="tandem-metrics-")
-    servers = None
+    servers = signals = None
     code = 1
     try:
         logger.info("loading %s", cfg.model_config.model)
@@ -197,10 +230,16 @@ def run_multi_api_server(args: argparse.Namespace, cfg: EngineConfig) -> None:
             client.wait_ready()
             logger.info("engine cores ready (pids %s); %d API servers on http://%s:%d (pids %s)",
                         [p.pid for p in client.procs], n, host, port, [p.pid for p in servers.procs])
-            code = _supervise(client, servers)
+            signals = _StopSignals(servers)
+            signals.install()
+            code = _supervise(client, servers, signals.received, args.shutdown_timeout)
         finally:
-            # The servers first: cores that stopped under them would read as dead.
-            codes = servers.close() if servers is not None else []
+            # The servers first: cores that stopped under them would read as dead. A stop
+            # asked for drains them; after a death they stop at once.
+            codes = servers.close(args.shutdown_timeout + API_SERVER_STOP_TIMEOUT_S,
+                                  drain=code == 0) if servers is not None else []
+            if signals is not None:
+                signals.restore()
             client.shutdown(ENGINE_STOP_TIMEOUT_S)
         if code == 0 and any(codes):
             logger.error("API server exit codes %s after the stop", codes)

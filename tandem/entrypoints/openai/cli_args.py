@@ -6,7 +6,7 @@ import argparse
 
 from typing import TYPE_CHECKING
 
-from tandem.entrypoints.arg_types import api_key, chat_template, port_number, positive_int
+from tandem.entrypoints.arg_types import api_key, chat_template, non_negative_int, port_number, positive_int
 
 if TYPE_CHECKING:
     from tandem.config import EngineConfig
@@ -99,6 +99,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="do not log each request (default: log them)")
     p.add_argument("--timeout-keep-alive", type=int, default=5,
                    help="seconds an idle keep-alive connection stays open (default %(default)s)")
+    # 0 by default, as vLLM's: a drain only helps if it ends before the supervisor's kill
+    # (Kubernetes' terminationGracePeriodSeconds, 30 s by default, less any preStop sleep;
+    # `docker stop`, 10 s), which only the deployment knows; past it the clients would get a
+    # reset connection instead of an error.
+    p.add_argument("--shutdown-timeout", type=non_negative_int, default=0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, drain for up to SECONDS: new /v1 requests and /health get HTTP 503 while "
+                        "the requests in flight run to their end, then those left are aborted (HTTP 500; a stream "
+                        "gets an error event) and the server exits 0; a second SIGTERM/SIGINT aborts them at once. "
+                        "0: abort every request in flight at once (default %(default)s, as vLLM's: set it below the "
+                        "time your supervisor waits before SIGKILL, e.g. Kubernetes' terminationGracePeriodSeconds "
+                        "less any preStop sleep)")
     p.add_argument("--api-server-count", type=positive_int, default=None,
                    help="API-server processes (HTTP, tokenization, detokenization, SSE) on the one port, in front of "
                         "the shared engine cores (default: chosen from the CPUs and the replicas, see "
