@@ -85,10 +85,15 @@ class PromptLogprobs:
 @dataclass
 class ModelRunnerOutput:
     """Host-side result of one model step: one sampled token per sampling sequence
-    (``seq_ids[i]`` sampled ``sampled_token_ids[i]``), in the order the runner sampled them."""
+    (``seq_ids[i]`` sampled ``sampled_token_ids[i]``), in the order the runner sampled them.
+
+    ``accepted_token_ids``: row -> every token a row with draft tokens emitted (its
+    accepted drafts, then the recovered or bonus token; ``sampled_token_ids[row]`` is the
+    first of them); rows without drafts are not in it."""
 
     seq_ids: list[int]
     sampled_token_ids: list[int]
     # Per sampling row, when any row asked for logprobs: ([1+K] ids, [1+K] logprobs, rank).
     logprobs: list[tuple[list[int], list[float], int]] | None = None
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    accepted_token_ids: dict[int, list[int]] = field(default_factory=dict)

@@ -49,7 +49,9 @@ class Request:
       * ``num_output_placeholders`` = tokens sampled by launched steps whose ids are not
         on the host yet;
       * ``num_computed_tokens`` = tokens whose K/V are written by launched steps (advanced
-        when a step is scheduled).
+        when a step is scheduled, drafts included; the rejected drafts are taken back when
+        the step's output is processed);
+      * ``spec_token_ids`` = the draft tokens of the step in flight (speculative decoding).
     """
 
     request_id: str
@@ -67,6 +69,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
     # The grammar of a request with ``sampling_params.structured_outputs``.
     structured_output: "StructuredOutputRequest | None" = None
 

@@ -12,8 +12,10 @@ from tandem.config.model import EMBEDDED_MODEL_FILE, ModelConfig, ModelDType, em
 from tandem.config.parallel import All2AllBackend, ParallelConfig
 from tandem.config.scheduler import SchedulerConfig
 from tandem.config.simulated_link import SimulatedLinkConfig
+from tandem.config.speculative import SpeculativeConfig
 from tandem.config.utils import get_attr_docs
 
 __all__ = ["All2AllBackend", "CacheConfig", "CacheDType", "DBOConfig", "DeviceConfig", "EMBEDDED_MODEL_FILE",
            "EngineConfig", "LoadConfig", "LoadFormat", "ModelConfig", "ModelDType", "ParallelConfig",
-           "SchedulerConfig", "SimulatedLinkConfig", "embedded_default_model", "get_attr_docs", "resolve_dtype"]
+           "SchedulerConfig", "SimulatedLinkConfig", "SpeculativeConfig", "embedded_default_model", "get_attr_docs",
+           "resolve_dtype"]

@@ -6,6 +6,7 @@ each group validates its own fields, this class the rules that span groups.
 
 from __future__ import annotations
 
+import logging
 import typing
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -18,9 +19,13 @@ from tandem.config.model import ModelConfig, resolve_dtype
 from tandem.config.parallel import ParallelConfig
 from tandem.config.scheduler import SchedulerConfig
 from tandem.config.simulated_link import SimulatedLinkConfig
+from tandem.config.speculative import SpeculativeConfig
+from tandem.config.utils import unwrap_optional
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,16 +40,42 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     dbo_config: DBOConfig = field(default_factory=DBOConfig)
     simulated_link_config: SimulatedLinkConfig = field(default_factory=SimulatedLinkConfig)
+    # An optional group, given whole as one JSON flag (None: off).
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.simulated_link_config.simulated_ep_rank_experts and self.parallel_config.all2all_backend != "simulated":
             raise ValueError("simulated_ep_rank_experts needs all2all_backend='simulated'.")
+        if self.speculative_config is not None:
+            self._resolve_speculative()
+
+    def _resolve_speculative(self) -> None:
+        """Refuse what stage 1 of speculative decoding does not cover and turn asynchronous
+        output processing off (vLLM V0 did the same): the scheduler needs a step's accepted
+        count before it schedules the next. Logged once: a config rebuilt from a resolved
+        one (:meth:`from_dict`) already has it off."""
+        par = self.parallel_config
+        if par.tensor_parallel_size > 1 or par.data_parallel_size > 1 or par.enable_expert_parallel:
+            raise ValueError("speculative_config does not support tensor, data or expert parallelism yet.")
+        if self.dbo_config.enable_dbo:
+            raise ValueError("speculative_config does not support enable_dbo yet.")
+        if self.scheduler_config.async_output_proc:
+            self.scheduler_config.async_output_proc = False
+            logger.warning("speculative decoding: async_output_proc turned off (not supported with it yet).")
 
     @classmethod
     def group_types(cls) -> dict[str, type]:
-        """Group field name -> its config class, in declaration order."""
+        """Group field name -> its config class, in declaration order, for the groups whose
+        fields are flat engine arguments (each its own flag)."""
         hints = typing.get_type_hints(cls)
-        return {f.name: hints[f.name] for f in fields(cls)}
+        return {f.name: hints[f.name] for f in fields(cls) if not unwrap_optional(hints[f.name])[1]}
+
+    @classmethod
+    def json_groups(cls) -> dict[str, type]:
+        """Group field name -> its config class, for the optional groups given whole as one
+        JSON engine argument (``--speculative-config '{...}'``; None: off)."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: unwrap_optional(hints[f.name])[0] for f in fields(cls) if unwrap_optional(hints[f.name])[1]}
 
     @classmethod
     def from_dict(cls, groups: dict[str, dict[str, Any]]) -> EngineConfig:
@@ -54,7 +85,10 @@ class EngineConfig:
         Raises:
             ValueError: a field's value is invalid here (e.g. a CUDA device this process cannot see).
         """
-        return cls(**{name: tp(**groups[name]) for name, tp in cls.group_types().items()})
+        flat = {name: tp(**groups[name]) for name, tp in cls.group_types().items()}
+        optional = {name: None if groups.get(name) is None else tp(**groups[name])
+                    for name, tp in cls.json_groups().items()}
+        return cls(**flat, **optional)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -55,6 +55,9 @@ class ScheduledSequence(msgspec.Struct, array_like=True, gc=False):
     ``sample`` is True when the step's last token is the end of the known sequence, so a
     new token is sampled. ``new_block_ids`` are the KV blocks appended to the sequence's
     block table since it was last scheduled (its whole table when ``new_request`` is set).
+    ``spec_token_ids``: draft tokens (speculative decoding) that follow ``token_ids`` in the
+    step's input and are counted in ``num_new_tokens``; the model verifies them, and the
+    sequence then emits its accepted drafts plus one token.
     """
 
     seq_id: int
@@ -66,6 +69,7 @@ class ScheduledSequence(msgspec.Struct, array_like=True, gc=False):
     new_block_ids: list[int]
     # Set the first time the sequence is scheduled (or again after a preemption).
     new_request: NewRequestData | None = None
+    spec_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):

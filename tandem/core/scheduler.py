@@ -10,12 +10,23 @@ recomputed (prompt + generated tokens) later.
 One-step-ahead scheduling (docs/architecture.md): ``num_computed_tokens`` advances when a step is
 scheduled, and a step that samples adds a *placeholder* for the token that is not on the
 host yet, so step N+1 can be scheduled before step N's outputs are processed.
+
+Speculative decoding (synchronous, with ``async_output_proc`` off): a running sequence in
+decode (every known token but the last computed, nothing in flight) gets draft tokens from
+the proposer and is scheduled for ``1 + len(drafts)`` tokens, KV slots included. When the
+step's output arrives, ``num_computed_tokens`` is taken back to the accepted drafts: the
+K/V of rejected drafts stays in slots past it, which later steps overwrite. The blocks
+allocated for drafts stay with the sequence until it is freed. Only host-known (confirmed)
+tokens are ever hashed into the prefix cache (``KVCacheManager._cache_full_blocks``), and
+drafts are never host-known, so no cached block is registered under tokens it lacks.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from tandem.core.block_manager import KVCacheManager
 from tandem.core.sched_output import NewRequestData, ScheduledSequence, SchedulerOutput
@@ -24,6 +35,7 @@ from tandem.outputs import ModelRunnerOutput
 from tandem.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from tandem.spec_decode.ngram_proposer import NgramProposer
     from tandem.structured_output.manager import StructuredOutputManager
 
 
@@ -38,11 +50,14 @@ class Scheduler:
         enable_chunked_prefill: split prompts longer than the remaining budget.
         structured_output_manager: advances the grammars of constrained sequences (needed
             once one is added).
+        proposer: proposes draft tokens for decoding sequences (speculative decoding, only
+            with outputs processed synchronously); None: no speculation.
     """
 
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
-                 structured_output_manager: "StructuredOutputManager | None" = None) -> None:
+                 structured_output_manager: "StructuredOutputManager | None" = None,
+                 proposer: "NgramProposer | None" = None) -> None:
         self.kv = kv_manager
         self.structured_output_manager = structured_output_manager
         self.max_num_seqs = max_num_seqs
@@ -57,6 +72,9 @@ class Scheduler:
         self._num_sent_blocks: dict[int, int] = {}
         self._step_id = 0
         self.num_preemptions = 0
+        self.proposer = proposer
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def add_request(self, req: Request) -> None:
         self.requests[req.seq_id] = req
@@ -65,10 +83,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def _schedule_seq(self, req: Request, num_new: int, num_tokens: int,
-                      so_seq_ids: list[int]) -> ScheduledSequence:
-        """``req``'s share of the step (``num_tokens``: its host-known tokens); a sampling
-        constrained sequence's id is appended to ``so_seq_ids``."""
+    def _schedule_seq(self, req: Request, num_new: int, num_tokens: int, so_seq_ids: list[int],
+                      drafts: list[int] | None = None) -> ScheduledSequence:
+        """``req``'s share of the step (``num_tokens``: its host-known tokens; ``drafts``:
+        draft tokens after them, KV slots already allocated); a sampling constrained
+        sequence's id is appended to ``so_seq_ids``."""
         c = req.num_computed_tokens
         end = c + num_new
         known_end = end if end < num_tokens else num_tokens
@@ -89,10 +108,31 @@ class Scheduler:
             new_blocks = []  # most decode steps: the last block has room
         # A decode step whose input is the previous step's sample has no host-known token.
         tokens = req.token_slice(c, known_end) if c < known_end else []
-        return ScheduledSequence(seq_id, c, num_new, tokens, end > num_tokens, sample, new_blocks)
+        if not drafts:
+            return ScheduledSequence(seq_id, c, num_new, tokens, end > num_tokens, sample, new_blocks)
+        req.num_computed_tokens += len(drafts)
+        req.spec_token_ids = drafts
+        return ScheduledSequence(seq_id, c, num_new + len(drafts), tokens, False, sample, new_blocks,
+                                 spec_token_ids=drafts)
+
+    def _propose(self, req: Request, num_tokens: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding ``req`` with ``num_tokens`` known tokens: at most
+        what its ``max_tokens``, the context and the step's ``budget`` leave room for
+        besides the token the step samples anyway. None for a constrained sequence (its
+        grammar advances one token at a time) or one below ``min_tokens`` (its stop tokens
+        are masked per sampled token)."""
+        num_output = num_tokens - req.num_prompt_tokens
+        if req.structured_output is not None or num_output < req.sampling_params.min_tokens:
+            return []
+        room = min(req.max_tokens - num_output, self.max_model_len - num_tokens, budget) - 1
+        if room <= 0:
+            return []
+        drafts = self.proposer.propose(np.asarray(req.all_token_ids, dtype=np.int64))
+        return drafts[:room].tolist()
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         self._num_sent_blocks.pop(req.seq_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -124,15 +164,20 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not kv.allocate_slots(req, num_new):
+            drafts = (self._propose(req, num_tokens, budget)
+                      if self.proposer is not None and num_new == 1 and not placeholders else [])
+            while not kv.allocate_slots(req, num_new + len(drafts)):
+                if drafts:
+                    drafts = []  # drafts never cost another sequence its blocks
+                    continue
                 victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             else:
-                scheduled.append(self._schedule_seq(req, num_new, num_tokens, so_seq_ids))
-                budget -= num_new
+                scheduled.append(self._schedule_seq(req, num_new, num_tokens, so_seq_ids, drafts))
+                budget -= num_new + len(drafts)
                 i += 1
                 continue
             break  # the sequence preempted itself: nothing else can fit
@@ -211,6 +256,10 @@ class Scheduler:
         completed grammar finishes the sequence as "stop", and so does one that refused
         its token, which is left out of the output) and freeing of finished sequences.
 
+        A sequence that verified drafts takes its ``result.accepted_token_ids`` one by one,
+        each stop-checked, the rest dropped once one finishes it; its rejected drafts'
+        computed tokens are taken back first.
+
         Returns one output per live sequence that got a token (a token of a sequence that
         finished or was aborted before its step was processed is dropped), plus prompt
         logprobs of sequences that computed some without sampling.
@@ -223,34 +272,52 @@ class Scheduler:
             if req is not None:
                 outputs[sid] = EngineCoreOutput(req.request_id, [], new_prompt_logprobs=PromptLogprobsData(
                     pl.start, pl.token_ids, pl.logprobs, pl.ranks))
-        requests, logprobs = self.requests, result.logprobs
+        requests, logprobs, accepted = self.requests, result.logprobs, result.accepted_token_ids
         for row, (sid, tok) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
             req = requests.get(sid)
             if req is None:
                 continue
             req.num_output_placeholders -= 1  # the token reached the host
             out = outputs.get(sid)
+            if out is None:
+                out = outputs[sid] = EngineCoreOutput(req.request_id, [])
             if req.structured_output is not None and req.structured_output.refused:
                 # Its grammar refused the token: not part of the output; the grammar ends it.
-                if out is None:
-                    out = outputs[sid] = EngineCoreOutput(req.request_id, [])
                 self.finish_request(sid, RequestStatus.FINISHED_STOPPED)
                 out.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
                 continue
-            req.output_token_ids.append(tok)
-            if out is None:
-                out = outputs[sid] = EngineCoreOutput(req.request_id, [tok])
-            else:
-                out.new_token_ids.append(tok)
             if req.num_cached_tokens > 0:
                 out.num_cached_tokens = req.num_cached_tokens
             if req.sampling_params.logprobs is not None:
                 out.new_logprobs = [logprobs[row]]
+            if req.spec_token_ids:
+                tokens = accepted.get(row, [tok])
+                self._take_back_rejected(req, len(tokens) - 1)
+                self._append_tokens(req, out, tokens)
+            else:
+                self._append_tokens(req, out, (tok,))
+        return list(outputs.values())
+
+    def _take_back_rejected(self, req: Request, num_accepted: int) -> None:
+        """Un-count the computed tokens of ``req``'s rejected drafts: their K/V slots are
+        written again by later steps."""
+        num_drafts = len(req.spec_token_ids)
+        req.num_computed_tokens -= num_drafts - num_accepted
+        req.spec_token_ids = []
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+
+    def _append_tokens(self, req: Request, out: EngineCoreOutput, tokens) -> None:
+        """Append ``tokens`` to ``req`` and ``out`` one by one, stop-checking each; the ones
+        after a token that finishes ``req`` are dropped."""
+        for tok in tokens:
+            req.output_token_ids.append(tok)
+            out.new_token_ids.append(tok)
             status = self._check_stop(req, tok)
             if status is not None:
-                self.finish_request(sid, status)
+                self.finish_request(req.seq_id, status)
                 out.finish_reason, out.stop_reason = status.finish_reason, req.stop_reason
-        return list(outputs.values())
+                return
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.sampling_params
@@ -291,4 +358,6 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "kv_cache_usage": self.kv.usage,
             "num_preemptions": self.num_preemptions,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
         }

@@ -7,7 +7,9 @@ into; :meth:`EngineArgs.create_engine_config` routes the fields into the nested
 name (``--max-num-seqs``), type, choices (``Literal`` fields), default and help (the field's
 doc) come from the dataclass, so a new config field is a new flag without editing this file.
 A field whose metadata says ``flag: False`` is set by the entry point instead
-(``usage_context``: an argument of :meth:`EngineArgs.create_engine_config`).
+(``usage_context``: an argument of :meth:`EngineArgs.create_engine_config`). An optional
+group (``EngineConfig.json_groups``: ``speculative_config``) is one argument, a JSON object
+or dict, and one flag (``--speculative-config '{...}'``), as in vLLM.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from tandem.config import (CacheConfig, CacheDType, DBOConfig, DeviceConfig, EngineConfig, LoadConfig, LoadFormat,
                            ModelConfig, ModelDType, ParallelConfig, SchedulerConfig, SimulatedLinkConfig,
-                           get_attr_docs)
+                           SpeculativeConfig, get_attr_docs)
 from tandem.config.parallel import All2AllBackend
 from tandem.config.scheduler import UsageContext
 from tandem.config.utils import literal_choices, unwrap_optional
@@ -81,6 +83,8 @@ class EngineArgs:
     simulated_link_latency_us: float = SimulatedLinkConfig.simulated_link_latency_us
     simulated_ep_size: int = SimulatedLinkConfig.simulated_ep_size
     simulated_ep_rank_experts: bool = SimulatedLinkConfig.simulated_ep_rank_experts
+    # Optional groups, given whole as JSON (EngineConfig.json_groups)
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def create_engine_config(self, usage_context: UsageContext = "llm_class") -> EngineConfig:
         """The nested config of these arguments, every group validated; ``usage_context``:
@@ -90,8 +94,10 @@ class EngineArgs:
             ValueError: a bad value, naming the field.
         """
         values = {**{f.name: getattr(self, f.name) for f in fields(self)}, "usage_context": usage_context}
-        return EngineConfig(**{name: group(**{f.name: values[f.name] for f in fields(group)})
-                               for name, group in EngineConfig.group_types().items()})
+        flat = {name: group(**{f.name: values[f.name] for f in fields(group)})
+                for name, group in EngineConfig.group_types().items()}
+        optional = {name: group.from_json(values[name]) for name, group in EngineConfig.json_groups().items()}
+        return EngineConfig(**flat, **optional)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -108,6 +114,9 @@ class EngineArgs:
             for f in flag_fields(group):
                 flags = ("--" + f.name.replace("_", "-"), *_FLAG_ALIASES.get(f.name, ()))
                 arg_group.add_argument(*flags, dest=f.name, **_flag_kwargs(f, hints[f.name], docs[f.name]))
+        for name, group in EngineConfig.json_groups().items():
+            parser.add_argument_group(group.__name__, (group.__doc__ or "").strip()).add_argument(
+                "--" + name.replace("_", "-"), dest=name, default=None, metavar="JSON", help=_json_flag_help(group))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -121,6 +130,13 @@ class EngineArgs:
 def flag_fields(group: type) -> list[Field]:
     """The fields of a config group that are engine arguments (all but ``flag: False`` ones)."""
     return [f for f in fields(group) if f.metadata.get("flag", True)]
+
+
+def _json_flag_help(group: type) -> str:
+    """Help of a JSON group's flag: its fields and their docs."""
+    docs = get_attr_docs(group)
+    keys = "; ".join(f"{f.name}: {docs[f.name].rstrip('.')}" for f in fields(group))
+    return f"a JSON object (default: off) with the keys {keys}.".replace("%", "%%")
 
 
 def _flag_kwargs(f: Field, tp: Any, doc: str) -> dict[str, Any]:

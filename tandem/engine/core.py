@@ -28,6 +28,7 @@ from tandem.engine.messages import EngineCoreOutput, EngineCoreReady, EngineCore
 from tandem.model_loader.generation_config import load_generation_defaults
 from tandem.model_loader.loader import load_hf_config
 from tandem.request import Request, RequestStatus
+from tandem.spec_decode.ngram_proposer import NgramProposer
 from tandem.step_timing import StepHostTimes
 from tandem.structured_output.manager import StructuredOutputManager
 from tandem.worker.model_runner import AsyncModelRunnerOutput
@@ -75,7 +76,8 @@ class EngineCore:
             model_cfg.tokenizer or model_cfg.model, self.vocab_size, self.eos_token_ids | set(generation_eos),
             pin_memory=config.device_config.torch_device.type == "cuda")
         self.scheduler = Scheduler(self.kv_manager, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
-                                   model_cfg.max_model_len, sched_cfg.enable_chunked_prefill, self.structured_output)
+                                   model_cfg.max_model_len, sched_cfg.enable_chunked_prefill, self.structured_output,
+                                   _make_proposer(config))
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.async_output_proc = sched_cfg.async_output_proc
         # Live sequences by request id (the front end's per-sequence id).
@@ -277,16 +279,27 @@ class EngineCore:
         return SchedulerStats(num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=kv.usage,
                               num_preemptions=s.num_preemptions, prefix_cache_queries=kv.prefix_queries,
                               prefix_cache_hits=kv.prefix_hits, num_free_blocks=kv.pool.num_free_blocks,
-                              num_usable_blocks=kv.num_usable_blocks)
+                              num_usable_blocks=kv.num_usable_blocks,
+                              spec_decode_num_draft_tokens=s.num_draft_tokens,
+                              spec_decode_num_accepted_tokens=s.num_accepted_tokens)
 
     def debug_stats(self) -> dict[str, float]:
         """State read between two steps (tests, ``/debug/engine_stats``): the scheduler's
-        gauges plus num_unfinished_seqs, num_seqs_with_blocks, num_steps, num_dbo_steps."""
+        gauges and counters (spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens
+        included) plus num_unfinished_seqs, num_seqs_with_blocks, num_steps, num_dbo_steps."""
         st = self.scheduler_stats()
         s = {f: getattr(st, f) for f in st.__struct_fields__}
         s.update(num_unfinished_seqs=len(self.scheduler.requests), num_seqs_with_blocks=len(self.kv_manager.req_blocks),
                  num_steps=self.num_steps, num_dbo_steps=getattr(self.runner, "num_dbo_steps", 0))
         return s
+
+
+def _make_proposer(config: EngineConfig) -> NgramProposer | None:
+    """The draft proposer of ``config.speculative_config``; None without one."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
 def _resolve_limits(config: EngineConfig, hf_config) -> None:

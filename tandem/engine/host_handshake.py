@@ -87,6 +87,9 @@ def comparable_config(config: EngineConfig) -> dict[str, Any]:
     """``config`` as flat ``group.field`` values, without the fields that are per host."""
     flat = {}
     for group, values in asdict(config).items():
+        if values is None:  # an optional group that is off
+            flat[group] = None
+            continue
         for name, value in values.items():
             if name not in _PER_HOST_FIELDS:
                 flat[f"{group}.{name}"] = value

@@ -91,6 +91,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_hits: int = 0
     num_free_blocks: int = 0
     num_usable_blocks: int = 0
+    # Speculative decoding: drafts verified and accepted since the start (vLLM's names).
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

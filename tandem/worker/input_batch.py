@@ -297,3 +297,9 @@ class InputBatch:
         self.num_sampled_np[rows] += 1
         for i in np.flatnonzero(self.has_bad_words_np[rows]):
             self.bad_words[rows[i]].record(sampled[i : i + 1])
+
+    def record_emitted(self, rows: np.ndarray, num_emitted: list[int]) -> None:
+        """Advance the token index of rows that verified draft tokens by the number of
+        tokens each emitted (``[n]`` ints >= 1). Such rows have no penalties or bad words
+        (speculative decoding refuses them), whose tables would follow each token."""
+        self.num_sampled_np[rows] += np.asarray(num_emitted, dtype=np.int64)

@@ -14,6 +14,14 @@ A step, in order (docs/architecture.md, "The step pipeline"):
 7. :meth:`ModelRunner._copy_to_host`: the device-to-host copy, waited on only by
    :meth:`AsyncModelRunnerOutput.result`.
 
+Speculative decoding: a sequence scheduled with draft tokens
+(``ScheduledSequence.spec_token_ids``) gets the logits of its last known token and of each
+draft, turned into the target's probabilities as the sampler would (temperature, min-p,
+top-k, top-p; greedy and deterministic rows one-hot), and
+:func:`~tandem.spec_decode.rejection_sampler.rejection_sample` picks its accepted drafts
+and one more token. The other sequences of the step sample as always. The accepted counts
+are read on the host within the step (stage 1 of issue 46 is synchronous).
+
 A step with constrained sequences (``SchedulerOutput.structured_output_seq_ids``) stops
 after 5: ``execute_model`` returns None, and :meth:`ModelRunner.sample_tokens`, given their
 :class:`~tandem.structured_output.bitmask.GrammarBitmask`, runs 6 and 7 (vLLM's
@@ -42,7 +50,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -52,10 +60,11 @@ from tandem import envs
 from tandem.core.sched_output import ScheduledSequence, SchedulerOutput
 from tandem.distributed.forward_context import RowPhases
 from tandem.outputs import ModelRunnerOutput, PromptLogprobs
+from tandem.spec_decode.rejection_sampler import rejection_sample
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
 from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
 from tandem.worker.input_batch import InputBatch
-from tandem.worker.sampler import SamplerOutput, SamplingBatch, sample
+from tandem.worker.sampler import SamplerOutput, SamplingBatch, repeat_rows, sample, target_distribution
 from tandem.worker.step_plan import CPU_MIN_PROMPT_TOKENS, DBOPolicy, StepMode, StepPlan, StepPlanner, ubatch_slices
 from tandem.worker.ubatching import StepInputs, empty_step_inputs, forward_step, pad_step_inputs
 
@@ -78,6 +87,21 @@ def _empty_output() -> AsyncModelRunnerOutput:
 
 
 @dataclass
+class _SpecVerify:
+    """The sequences of a step that verify draft tokens, and the rejection sampler's
+    inputs for them."""
+
+    index: list[int]  # positions in the step's sequences
+    seq_ids: list[int]
+    rows: np.ndarray  # [R] int64: their input-batch rows
+    num_drafts: list[int]  # [R]
+    draft_ids: torch.Tensor  # [sum(num_drafts)] int64 on the device
+    batch: SamplingBatch  # one row per verified position (1 + num_drafts per sequence)
+    greedy: bool | torch.Tensor  # rejection_sample's greedy argument
+    generators: dict[int, torch.Generator]  # seeded sequences' draws, by index in seq_ids
+
+
+@dataclass
 class _StepSampling:
     """Who samples in a step, and the sampler's inputs for them (built with the step's
     inputs, before its forward is launched)."""
@@ -86,6 +110,7 @@ class _StepSampling:
     seq_ids: list[int]  # one per row of the step's logits
     rows: np.ndarray  # [len(seq_ids)] int64: their input-batch rows
     batch: SamplingBatch | None  # None when none samples
+    spec: _SpecVerify | None = None  # sequences with draft tokens (not in the above)
 
 
 @dataclass
@@ -95,6 +120,7 @@ class _ForwardedStep:
     step_id: int
     sampling: _StepSampling
     logits: torch.Tensor | None  # [len(seq_ids), V] float; None when none samples
+    spec_logits: torch.Tensor | None  # [sum(1 + num_drafts), V] float of sampling.spec
     prompt_lp: dict[int, int]  # {seq_id: first scored prompt index}
     host_src: dict[str, torch.Tensor]  # prompt logprob tensors to copy to the host
     t_prep: float  # host seconds spent building the step's inputs
@@ -282,6 +308,7 @@ class ModelRunner:
             computed_list.append(s.num_computed_tokens)
             end += s.num_new_tokens
             ids += s.token_ids
+            ids += s.spec_token_ids
             if s.uses_prev_sample:
                 ids.append(0)  # filled on the device from the previous step's samples
                 prev_dst.append(end - 1)
@@ -344,21 +371,42 @@ class ModelRunner:
     # ----------------------------------------------------------------- 5. sample
     def _sampling_inputs(self, seqs: list[ScheduledSequence], rows: np.ndarray) -> _StepSampling:
         """The sequences of ``seqs`` (input-batch ``rows``) whose step ends their known
-        tokens, so that they sample, and their sampler inputs."""
-        index = [r for r, s in enumerate(seqs) if s.sample]
+        tokens, so that they sample (or verify their drafts), and their sampler inputs."""
+        index = [r for r, s in enumerate(seqs) if s.sample and not s.spec_token_ids]
+        spec_index = [r for r, s in enumerate(seqs) if s.spec_token_ids]
         sample_rows = rows if len(index) == len(seqs) else rows[index]
         batch = self.input_batch.sampling_batch(sample_rows) if index else None
-        return _StepSampling(index, [seqs[r].seq_id for r in index], sample_rows, batch)
+        spec = self._spec_inputs(seqs, spec_index, rows[spec_index]) if spec_index else None
+        return _StepSampling(index, [seqs[r].seq_id for r in index], sample_rows, batch, spec)
+
+    def _spec_inputs(self, seqs: list[ScheduledSequence], index: list[int], rows: np.ndarray) -> _SpecVerify:
+        """The rejection sampler's inputs of the sequences ``seqs[i]`` for ``i`` in
+        ``index`` (input-batch ``rows``), which have drafts. A seeded sequence draws from
+        a generator seeded as the sampler seeds its next token."""
+        num_drafts = [len(seqs[r].spec_token_ids) for r in index]
+        draft_ids = self._h2d([t for r in index for t in seqs[r].spec_token_ids], torch.long)
+        per_seq = self.input_batch.sampling_batch(rows)
+        generators = {i: torch.Generator(device=self.device).manual_seed(seed) for i, seed in per_seq.seeded}
+        batch = repeat_rows(replace(per_seq, seeded=[]), [n + 1 for n in num_drafts])
+        greedy = per_seq.all_greedy or (False if per_seq.all_random else per_seq.greedy_mask)
+        return _SpecVerify(index, [seqs[r].seq_id for r in index], rows, num_drafts, draft_ids, batch, greedy,
+                           generators)
 
     def _logits(self, step_id: int, seqs: list[ScheduledSequence], sampling: _StepSampling, inputs: StepInputs,
                 hidden: torch.Tensor, t_prep: float, timing: tuple | None) -> _ForwardedStep:
         """Logits of the sampling sequences, and prompt logprobs."""
         prompt_lp, host_src = self._prompt_logprobs(seqs, inputs.query_start_loc, hidden)
-        logits = None
+        logits = spec_logits = None
+        qsl = inputs.query_start_loc
         if sampling.index:
-            qsl = inputs.query_start_loc
             logits = self.model.compute_logits(hidden[self._h2d(qsl[1:][sampling.index] - 1, torch.long)])
-        return _ForwardedStep(step_id, sampling, logits, prompt_lp, host_src, t_prep, timing)
+        if sampling.spec is not None:
+            # Each sequence's last 1 + num_drafts positions: its last known token, then its drafts.
+            spec = sampling.spec
+            ends = qsl[1:][spec.index]
+            positions = [p for end, n in zip(ends, spec.num_drafts) for p in range(end - 1 - n, end)]
+            spec_logits = self.model.compute_logits(hidden[self._h2d(positions, torch.long)])
+        return _ForwardedStep(step_id, sampling, logits, spec_logits, prompt_lp, host_src, t_prep, timing)
 
     @torch.inference_mode()
     def _sample_step(self, fwd: _ForwardedStep, grammar: GrammarBitmask | None) -> AsyncModelRunnerOutput:
@@ -382,6 +430,11 @@ class ModelRunner:
             host_src["sampled"] = torch.empty(0, dtype=torch.long, device=self.device)
         self.prev_sampled = host_src["sampled"]
         self.prev_rows = {sid: i for i, sid in enumerate(seq_ids)}
+        accepted: dict[int, list[int]] = {}
+        if fwd.spec_logits is not None:
+            first, accepted = self._verify_drafts(fwd.sampling.spec, fwd.spec_logits, len(seq_ids))
+            host_src["sampled"] = torch.cat([host_src["sampled"], first])
+            seq_ids = seq_ids + fwd.sampling.spec.seq_ids
         if fwd.timing is not None:
             ev_start, num_reqs, decode_only, context = fwd.timing
             ev_end = torch.cuda.Event(enable_timing=True)
@@ -389,7 +442,22 @@ class ModelRunner:
             self.step_events.append((ev_start, ev_end, num_reqs, decode_only, context))
         if self.step_times is not None:
             self.step_times.add(fwd.step_id, "prepare", fwd.t_prep)
-        return self._copy_to_host(seq_ids, host_src, fwd.prompt_lp)
+        return self._copy_to_host(seq_ids, host_src, fwd.prompt_lp, accepted)
+
+    def _verify_drafts(self, spec: _SpecVerify, logits: torch.Tensor,
+                       first_row: int) -> tuple[torch.Tensor, dict[int, list[int]]]:
+        """Rejection-sample the drafts of ``spec`` against ``logits`` (``[sum(1 +
+        num_drafts), V]``) and count the emitted tokens into the input batch (seeds and
+        min_tokens follow each sequence's token count). Reads the accepted counts on the
+        host (a sync). Returns the first emitted token of each sequence (``[R]`` int64 on
+        the device) and ``{first_row + i: every token sequence i emitted}``."""
+        probs, greedy_ids = target_distribution(logits, spec.batch)
+        out = rejection_sample(spec.draft_ids, spec.num_drafts, probs, None, spec.greedy,
+                               generators=spec.generators, target_greedy_ids=greedy_ids)
+        token_ids, num_accepted = out.token_ids.tolist(), out.num_accepted.tolist()
+        emitted = [toks[:n + 1] for toks, n in zip(token_ids, num_accepted)]
+        self.input_batch.record_emitted(spec.rows, [len(e) for e in emitted])
+        return out.token_ids[:, 0], {first_row + i: e for i, e in enumerate(emitted)}
 
     def _apply_bitmask(self, logits: torch.Tensor, seq_ids: list[int], grammar: GrammarBitmask) -> None:
         """Mask, in place, the tokens ``grammar`` forbids in the rows of its sequences."""
@@ -436,10 +504,11 @@ class ModelRunner:
         return starts, tensors
 
     # ----------------------------------------------------------------- 6. to host
-    def _copy_to_host(self, seq_ids: list[int], src: dict[str, torch.Tensor],
-                      prompt_lp: dict[int, int]) -> AsyncModelRunnerOutput:
+    def _copy_to_host(self, seq_ids: list[int], src: dict[str, torch.Tensor], prompt_lp: dict[int, int],
+                      accepted: dict[int, list[int]]) -> AsyncModelRunnerOutput:
         """Start the device-to-host copy of a step's results (on CUDA: pinned buffers, a
-        side stream, one event); the handle's ``result()`` waits for it."""
+        side stream, one event); the handle's ``result()`` waits for it. ``accepted``:
+        ``ModelRunnerOutput.accepted_token_ids``, already on the host."""
         host, event = src, None
         if self._is_cuda:
             host = {}
@@ -455,7 +524,7 @@ class ModelRunner:
         def resolve() -> ModelRunnerOutput:
             if event is not None:
                 event.synchronize()
-            out = ModelRunnerOutput(seq_ids, host["sampled"].tolist())
+            out = ModelRunnerOutput(seq_ids, host["sampled"].tolist(), accepted_token_ids=accepted)
             if "logprobs" in host:
                 out.logprobs = list(zip(host["logprob_token_ids"].tolist(), host["logprobs"].tolist(),
                                         host["ranks"].tolist()))

@@ -17,7 +17,7 @@ batch or mode; :func:`deterministic_rows` says which rows those are.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -131,9 +131,9 @@ def deterministic_rows(tempered: torch.Tensor, filtered: torch.Tensor, min_p: to
     return det
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> SamplerOutput:
-    """Sample one token per row of ``logits [N, V]`` (fp32)."""
-    raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs >= 0 else None
+def _processed(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor | None,
+               prompt_mask: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` after allowed token ids, bias and penalties (a new tensor when any applies)."""
     if b.allowed is not None:
         rows, mask = b.allowed
         logits = logits.index_put((rows,), logits[rows].masked_fill(~mask, float("-inf")))
@@ -143,19 +143,31 @@ def sample(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor |
     if b.penalty_rows is not None:
         logits = logits.clone() if b.bias is None and b.allowed is None else logits
         apply_penalties(logits, b, output_counts, prompt_mask)
+    return logits
 
+
+def _filtered(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits after temperature, the same after min-p, top-k and top-p: -inf = dropped)."""
+    temp = torch.where(b.temperature < 1e-5, 1.0, b.temperature)
+    tempered = x = logits / temp[:, None]
+    if b.need_min_p:
+        probs = x.softmax(dim=-1)
+        thresh = probs.amax(dim=-1, keepdim=True) * b.min_p[:, None]
+        x = x.masked_fill(probs < thresh, float("-inf"))
+    if b.need_top_k or b.need_top_p:
+        x = top_k_top_p(x, b.top_k if b.need_top_k else None, b.top_p if b.need_top_p else None)
+    return tempered, x
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> SamplerOutput:
+    """Sample one token per row of ``logits [N, V]`` (fp32)."""
+    raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs >= 0 else None
+    logits = _processed(logits, b, output_counts, prompt_mask)
     greedy = greedy_select(logits)
     if b.all_greedy:
         sampled = greedy
     else:
-        temp = torch.where(b.temperature < 1e-5, 1.0, b.temperature)
-        tempered = x = logits / temp[:, None]
-        if b.need_min_p:
-            probs = x.softmax(dim=-1)
-            thresh = probs.amax(dim=-1, keepdim=True) * b.min_p[:, None]
-            x = x.masked_fill(probs < thresh, float("-inf"))
-        if b.need_top_k or b.need_top_p:
-            x = top_k_top_p(x, b.top_k if b.need_top_k else None, b.top_p if b.need_top_p else None)
+        tempered, x = _filtered(logits, b)
         probs = x.softmax(dim=-1)
         q = torch.empty_like(probs).exponential_()
         if b.seeded:
@@ -182,6 +194,44 @@ def sample(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor |
         else:
             out.logprobs, out.logprob_token_ids = sampled_lp, sampled[:, None]
     return out
+
+
+def repeat_rows(b: SamplingBatch, counts: list[int]) -> SamplingBatch:
+    """``b`` with its row ``i`` repeated ``counts[i]`` times (``N`` host ints >= 1): the
+    per-position batch of sequences that verify several positions.
+
+    Raises:
+        ValueError: ``b`` has penalties, a bias, allowed token ids, seeds or logprobs,
+            whose per-position values this does not derive (speculative decoding refuses
+            such requests, tandem.engine.processor).
+    """
+    if (b.penalty_rows is not None or b.bias is not None or b.allowed is not None or b.seeded
+            or b.max_num_logprobs >= 0):
+        raise ValueError("repeat_rows: only temperature, top-k, top-p and min-p can be repeated per position")
+    repeats = torch.tensor(counts, dtype=torch.long).to(b.temperature.device, non_blocking=True)
+    rep = lambda t: t.repeat_interleave(repeats, output_size=sum(counts))  # noqa: E731
+    return replace(b, temperature=rep(b.temperature), top_k=rep(b.top_k), top_p=rep(b.top_p), min_p=rep(b.min_p),
+                   greedy_mask=None if b.greedy_mask is None else rep(b.greedy_mask))
+
+
+def target_distribution(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """What speculative verification compares drafts with, per row of ``logits [N, V]``
+    (fp32; ``b`` one row per row, :func:`repeat_rows`, without penalties, bias or allowed
+    token ids): the probabilities :func:`sample` draws from after temperature, min-p,
+    top-k and top-p, ``[N, V]`` float32, where rows :func:`sample` treats as greedy
+    (temperature 0, :func:`deterministic_rows`) are a one-hot on their greedy token (the
+    logits themselves when every row is greedy: only the greedy ids are used then); and
+    the greedy ids, ``[N]`` int64 (:func:`greedy_select`)."""
+    greedy = greedy_select(logits)
+    if b.all_greedy:
+        return logits, greedy
+    tempered, x = _filtered(logits, b)
+    probs = x.softmax(dim=-1)
+    pick_greedy = deterministic_rows(tempered, x, b.min_p if b.need_min_p else None)
+    if not b.all_random:
+        pick_greedy |= b.greedy_mask
+    one_hot = torch.zeros_like(probs).scatter_(1, greedy[:, None], 1.0)
+    return torch.where(pick_greedy[:, None], one_hot, probs), greedy
 
 
 def token_seed(seed: int, token_index: int) -> int:

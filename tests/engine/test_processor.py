@@ -40,7 +40,7 @@ def _processor(max_model_len: int = 16, vocab_size: int = 100) -> Processor:
 
     from tandem.model_loader.generation_config import GenerationDefaults
 
-    ready = SimpleNamespace(max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=[0])
+    ready = SimpleNamespace(max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=[0], config={})
     return Processor(SimpleNamespace(eos_token_id=None), ready, GenerationDefaults(eos_token_ids=[], sampling={}))
 
 

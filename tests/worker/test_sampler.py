@@ -124,3 +124,43 @@ def test_a_row_samples_the_same_bits_whatever_the_batch():
             logits = torch.randn(n, vocab, generator=gen) * 3
             logits[pos] = target_logits
             assert run(rows, logits, pos) == alone, (target, n, pos)
+
+
+# ----------------------------------------------------------------- speculative decoding
+@pytest.mark.parametrize("mode", DETERMINISTIC, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_target_distribution_of_a_deterministic_row_is_one_hot_on_the_lowest_tied_id(mode):
+    """Draft verification then accepts and emits exactly the token plain sampling picks."""
+    from tandem.worker.sampler import target_distribution
+
+    logits = tied_logits(torch.float32, torch.Generator().manual_seed(1))[None, :]
+    probs, greedy = target_distribution(logits, make_batch([mode]))
+    assert greedy.tolist() == [TIED[0]]
+    if not make_batch([mode]).all_greedy:
+        assert probs[0, TIED[0]] == 1.0 and probs[0].sum() == 1.0
+
+
+def test_target_distribution_is_what_sample_draws_from():
+    """Random rows: the sampler's temperature / top-k / top-p / min-p distribution."""
+    from tandem.worker.sampler import target_distribution
+
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2)) * 3
+    rows = [dict(temperature=0.7, top_k=10), dict(temperature=1.3, top_p=0.8), dict(temperature=1.0, min_p=0.1)]
+    probs, _ = target_distribution(logits, make_batch(rows))
+    assert torch.allclose(probs.sum(-1), torch.ones(3))
+    draws = torch.stack([sample(logits, make_batch(rows), None, None).sampled for _ in range(300)])
+    support = probs > 0
+    assert support.gather(1, draws.T).all()  # every plain sample lies in the target's support
+    assert (probs[0] > 0).sum() == 10
+
+
+def test_repeat_rows_repeats_per_position_and_refuses_per_token_state():
+    from dataclasses import replace
+
+    from tandem.worker.sampler import repeat_rows
+
+    b = make_batch([dict(temperature=0.0), dict(temperature=0.5, top_k=3)])
+    r = repeat_rows(b, [2, 3])
+    assert r.temperature.tolist() == [0.0, 0.0, 0.5, 0.5, 0.5] and r.top_k.tolist() == [V, V, 3, 3, 3]
+    assert r.greedy_mask.tolist() == [True, True, False, False, False]
+    with pytest.raises(ValueError, match="repeat_rows"):
+        repeat_rows(replace(b, max_num_logprobs=1), [1, 1])

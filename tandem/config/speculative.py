@@ -1,0 +1,82 @@
+"""Speculative decoding (vLLM's ``SpeculativeConfig``), given as one JSON object:
+``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`` or
+``LLM(speculative_config={...})``.
+
+Stage 1 of issue 46: n-gram (prompt lookup) proposals verified synchronously (the engine
+runs with ``async_output_proc`` off, :meth:`tandem.config.EngineConfig.__post_init__`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Methods of vLLM's speculative config that later stages of issue 46 will add.
+_LATER_METHODS = ("draft_model", "eagle", "eagle3")
+# vLLM's prompt-lookup n when neither bound is given.
+_DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: draft tokens proposed each decode step and verified by the
+    model in one forward (docs/architecture.md)."""
+
+    method: str | None = None
+    """How drafts are proposed (required): only "ngram" (prompt lookup) for now."""
+
+    num_speculative_tokens: int | None = None
+    """Draft tokens proposed per request and step (K >= 1; required)."""
+
+    prompt_lookup_min: int | None = None
+    """Shortest n-gram looked up in the request's history (>= 1; default: prompt_lookup_max,
+    or 5 when both are unset, as vLLM)."""
+
+    prompt_lookup_max: int | None = None
+    """Longest n-gram looked up (>= prompt_lookup_min; default: prompt_lookup_min, or 5)."""
+
+    def __post_init__(self) -> None:
+        if self.method in _LATER_METHODS:
+            raise ValueError(f"speculative_config.method {self.method!r} is not supported yet; only 'ngram' is.")
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config.method must be 'ngram' (required), got {self.method!r}.")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}.")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = _DEFAULT_PROMPT_LOOKUP
+        self.prompt_lookup_min = lo = hi if lo is None else lo
+        self.prompt_lookup_max = hi = lo if hi is None else hi
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}.")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi}).")
+
+    @classmethod
+    def from_json(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """The config of a ``--speculative-config`` JSON string or an ``LLM(speculative_config=)``
+        dict (None and ``{}``: speculation off).
+
+        Raises:
+            ValueError: invalid JSON, not an object, an unknown field, or a bad value
+                (naming the field).
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
+        if not value:
+            return None
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown fields {unknown} (supported: "
+                             f"{[f.name for f in fields(cls)]}).")
+        return cls(**value)

@@ -1,0 +1,97 @@
+"""``--speculative-config`` / ``LLM(speculative_config=...)``: JSON parsing, validation
+naming the field, vLLM's prompt-lookup defaults, and what the resolved engine config does
+with it (asynchronous output processing off; parallelism and DBO refused)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from tandem.config import EngineConfig, SpeculativeConfig
+from tandem.engine.arg_utils import EngineArgs
+from tandem.engine.processor import check_speculative_params
+from tandem.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', r"unknown fields \['model'\]"),
+    ({"num_speculative_tokens": 2}, "method must be 'ngram'"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be 'ngram'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' is not supported yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not supported yet"),
+    ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_min must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
+])
+def test_bad_values_are_refused_naming_the_field(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(speculative_config=value).create_engine_config()
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({}, (5, 5)),  # vLLM's defaults
+    ({"prompt_lookup_max": 3}, (3, 3)),
+    ({"prompt_lookup_min": 2}, (2, 2)),
+    ({"prompt_lookup_min": 1, "prompt_lookup_max": 4}, (1, 4)),
+])
+def test_prompt_lookup_defaults_follow_vllm(given, expected):
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3, **given)
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == expected
+
+
+def test_flag_and_dict_give_the_same_config_and_survive_the_ready_message():
+    from dataclasses import asdict
+
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    ns = p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    from_flag = EngineArgs.from_cli_args(ns).create_engine_config()
+    from_dict = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3}).create_engine_config()
+    assert from_flag == from_dict
+    assert EngineConfig.from_dict(asdict(from_flag)) == from_flag
+    assert EngineArgs().create_engine_config().speculative_config is None
+    assert EngineArgs(speculative_config="{}").create_engine_config().speculative_config is None
+
+
+def test_speculation_turns_async_output_processing_off_logging_once(caplog):
+    from dataclasses import asdict
+
+    with caplog.at_level(logging.INFO, logger="tandem.config.engine"):
+        cfg = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).create_engine_config()
+        EngineConfig.from_dict(asdict(cfg))  # as the front end rebuilds the core's config
+    assert not cfg.scheduler_config.async_output_proc
+    assert sum("async_output_proc turned off" in r.getMessage() for r in caplog.records) == 1
+    assert EngineArgs().create_engine_config().scheduler_config.async_output_proc
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tensor_parallel_size": 2}, "tensor, data or expert parallelism"),
+    ({"data_parallel_size": 2}, "tensor, data or expert parallelism"),
+    ({"enable_expert_parallel": True}, "tensor, data or expert parallelism"),
+    ({"enable_dbo": True}, "enable_dbo"),
+])
+def test_what_stage_one_does_not_cover_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **kwargs).create_engine_config()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logprobs", 1), ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("repetition_penalty", 1.1),
+    ("logit_bias", {1: 1.0}), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+    ("structured_outputs", {"choice": ["a"]}),
+])
+def test_unsupported_sampling_fields_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=f"^{field} is not supported with speculative decoding"):
+        check_speculative_params(SamplingParams(**{field: value}))
+
+
+def test_supported_sampling_fields_pass():
+    check_speculative_params(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=1, n=2,
+                                            min_tokens=2, stop=["x"], stop_token_ids=[3], prompt_logprobs=1))

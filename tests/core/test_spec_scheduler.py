@@ -1,0 +1,159 @@
+"""The scheduler's side of speculative decoding (synchronous, stage 1 of issue 46): drafts
+for decoding sequences, their KV slots, the variable number of tokens a step returns,
+the take-back of rejected drafts, and the prefix cache only ever holding confirmed
+tokens."""
+
+from __future__ import annotations
+
+from tandem.core.block_manager import KVCacheManager, hash_block_tokens
+from tandem.core.scheduler import Scheduler
+from tandem.outputs import ModelRunnerOutput
+from tandem.request import Request, RequestStatus
+from tandem.sampling_params import SamplingParams
+from tandem.spec_decode.ngram_proposer import NgramProposer
+
+# Repeats itself: the bigram (1, 2) is followed by 3, 4, 5, 6 earlier in the prompt.
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+
+
+def _sched(num_blocks=64, block_size=4, budget=64, k=4, max_model_len=1024):
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(kv, 8, budget, max_model_len, proposer=NgramProposer(k, 1, 2))
+
+
+def _req(prompt=PROMPT, max_tokens=32, params=None):
+    return Request("r", list(prompt), params or SamplingParams(temperature=0), 0.0, max_tokens=max_tokens)
+
+
+def _prefill(s, r):
+    s.add_request(r)
+    (seq,) = s.schedule().scheduled
+    assert seq.sample and not seq.spec_token_ids
+    s.update_from_output(ModelRunnerOutput([r.seq_id], [3]))  # the model agrees with the pattern
+
+
+def _verify(s, r, tokens):
+    """One decode step of ``r``; the runner emitted ``tokens``. Returns the scheduled sequence."""
+    (seq,) = s.schedule().scheduled
+    outs = s.update_from_output(ModelRunnerOutput([r.seq_id], [tokens[0]], accepted_token_ids={0: tokens}))
+    return seq, outs
+
+
+def test_decode_gets_drafts_and_kv_slots_for_them():
+    s = _sched()
+    r = _req()
+    _prefill(s, r)
+    (seq,) = s.schedule().scheduled
+    assert seq.spec_token_ids == [4, 5, 6, 7]  # after the earlier (2, 3)
+    assert seq.token_ids == [3] and seq.num_new_tokens == 5 and seq.sample
+    assert r.num_computed_tokens == 10 + 4
+    assert len(s.kv.req_blocks[r.seq_id]) * 4 >= 14
+
+
+def test_accepted_tokens_advance_and_rejected_drafts_are_taken_back():
+    s = _sched()
+    r = _req()
+    _prefill(s, r)
+    _, outs = _verify(s, r, [4, 5, 9])  # two drafts accepted, then a correction
+    assert outs[0].new_token_ids == [4, 5, 9]
+    assert r.output_token_ids == [3, 4, 5, 9]
+    assert r.num_computed_tokens == 9 + 1 + 2  # (before) + the step's input token + the accepted drafts
+    assert r.spec_token_ids == [] and r.num_output_placeholders == 0
+    assert (s.num_draft_tokens, s.num_accepted_tokens) == (4, 2)
+    (seq,) = s.schedule().scheduled
+    assert seq.num_computed_tokens == 12 and seq.token_ids == [9]  # the rejected slots are written again
+
+
+def test_drafts_are_capped_by_max_tokens_context_and_budget():
+    s = _sched()
+    r = _req(max_tokens=3)  # 1 sampled, 2 left: 1 sample + 1 draft
+    _prefill(s, r)
+    (seq,) = s.schedule().scheduled
+    assert seq.spec_token_ids == [4]
+    s = _sched(max_model_len=12)  # 10 tokens known: room for 2 more
+    r = _req()
+    _prefill(s, r)
+    (seq,) = s.schedule().scheduled
+    assert seq.spec_token_ids == [4]
+    s = _sched(budget=3)
+    r = _req(prompt=PROMPT[:3] + [1, 2])  # prefilled over two steps with budget 3
+    s.add_request(r)
+    s.schedule()
+    s.schedule()
+    s.update_from_output(ModelRunnerOutput([r.seq_id], [3]))
+    (seq,) = s.schedule().scheduled
+    assert seq.num_new_tokens == 3 and seq.spec_token_ids == [1, 2]
+
+
+def test_stop_token_inside_the_accepted_run_ends_there_and_frees():
+    p = SamplingParams(temperature=0, stop_token_ids=[5])
+    s = _sched()
+    r = _req(params=p)
+    _prefill(s, r)
+    _, outs = _verify(s, r, [4, 5, 6, 7, 8])
+    assert outs[0].new_token_ids == [4, 5] and outs[0].finish_reason == "stop" and outs[0].stop_reason == 5
+    assert r.output_token_ids == [3, 4, 5] and r.status == RequestStatus.FINISHED_STOPPED
+    assert not s.kv.req_blocks and s.kv.pool.num_free_blocks == s.kv.pool.num_blocks - 1
+
+
+def test_max_tokens_inside_the_run_ends_there():
+    s = _sched()
+    r = _req(max_tokens=3)
+    _prefill(s, r)
+    _, outs = _verify(s, r, [4, 5])
+    assert r.output_token_ids == [3, 4, 5] and outs[0].finish_reason == "length"
+
+
+def test_no_drafts_below_min_tokens():
+    s = _sched()
+    r = _req(params=SamplingParams(temperature=0, min_tokens=3))
+    _prefill(s, r)
+    (seq,) = s.schedule().scheduled
+    assert not seq.spec_token_ids  # 1 output token < min_tokens
+
+
+def test_drafts_never_preempt_another_sequence():
+    s = _sched(num_blocks=7, block_size=4)  # 6 usable blocks
+    a, b = _req(), _req(prompt=[8] * 9)
+    s.add_request(a)
+    s.add_request(b)
+    s.schedule()  # 3 blocks each
+    s.update_from_output(ModelRunnerOutput([a.seq_id, b.seq_id], [3, 8]))
+    out = s.schedule()  # a's drafts would need a 4th block: none free
+    assert not out.preempted_seq_ids
+    assert [q.spec_token_ids for q in out.scheduled] == [[], []]
+
+
+def test_preemption_drops_drafts_and_frees_every_block():
+    s = _sched()
+    r = _req()
+    _prefill(s, r)
+    s.schedule()
+    s._preempt(s.running.pop())
+    assert r.spec_token_ids == [] and r.num_computed_tokens == 0
+    s.finish_request(r.seq_id, RequestStatus.FINISHED_ABORTED)
+    assert not s.kv.req_blocks and s.kv.pool.num_free_blocks == s.kv.pool.num_blocks - 1
+
+
+def test_only_confirmed_tokens_enter_the_prefix_cache():
+    """Drafts filled block 2 (positions 8..11) and were all rejected: the block is cached
+    only once confirmed tokens fill it, under the hash of those tokens."""
+    s = _sched()
+    r = _req()
+    _prefill(s, r)
+    _verify(s, r, [0])  # every draft rejected; positions 10..13 hold rejected K/V
+    cached = {b.block_hash for b in s.kv.req_blocks[r.seq_id] if b.block_hash is not None}
+    tokens = r.all_token_ids
+    assert len(tokens) == 11
+
+    def chain(n):
+        h, out = None, []
+        for i in range(n):
+            h = hash_block_tokens(h, tuple(tokens[4 * i: 4 * i + 4]))
+            out.append(h)
+        return out
+
+    assert cached == set(chain(2))
+    s.schedule()  # hashes what the next step makes known, nothing more
+    cached = {b.block_hash for b in s.kv.req_blocks[r.seq_id] if b.block_hash is not None}
+    assert cached == set(chain(len(tokens) // 4))

@@ -1,0 +1,138 @@
+"""N-gram speculative decoding through the whole engine (stage 1 of issue 46: synchronous),
+on the embedded model in fp32: greedy outputs equal those without speculation, stops and
+lengths end exactly where they would, seeds reproduce, preemption and abort free every
+block."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.sampling_params import SamplingParams
+from tests.conftest import PROMPTS, assert_all_blocks_free, make_llm
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+REPETITIVE = [
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    return make_llm(speculative_config=SPEC)
+
+
+@pytest.fixture(scope="module")
+def reference(spec_llm):
+    """Greedy token ids without speculation, by prompt."""
+    llm = make_llm()
+    prompts = REPETITIVE + PROMPTS[:4]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    del llm
+    return {p: o.outputs[0] for p, o in zip(prompts, outs)}
+
+
+def _stats(llm):
+    return llm.engine.core.debug_stats()
+
+
+def test_greedy_equals_no_speculation_and_drafts_get_accepted(spec_llm, reference):
+    before = _stats(spec_llm)["spec_decode_num_accepted_tokens"]
+    outs = spec_llm.generate(list(reference), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in reference.values()]
+    stats = _stats(spec_llm)
+    assert stats["spec_decode_num_accepted_tokens"] > before  # not vacuous: drafts were verified
+    assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"]
+    assert_all_blocks_free(spec_llm.engine)
+
+
+def test_speculation_turns_async_output_processing_off(spec_llm):
+    assert not spec_llm.engine.config.scheduler_config.async_output_proc
+    assert spec_llm.engine.config.speculative_config.num_speculative_tokens == 4
+
+
+@pytest.mark.parametrize("max_tokens", [5, 13])
+def test_max_tokens_is_exact(spec_llm, reference, max_tokens):
+    prompt = REPETITIVE[0]
+    (out,) = spec_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    assert out.outputs[0].token_ids == reference[prompt].token_ids[:max_tokens]
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_stop_token_inside_an_accepted_run_ends_there(spec_llm, reference):
+    prompt = REPETITIVE[0]
+    ref = reference[prompt].token_ids
+    stop = ref[10]
+    cut = ref.index(stop) + 1
+    params = SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop])
+    before = _stats(spec_llm)["spec_decode_num_accepted_tokens"]
+    (out,) = spec_llm.generate(prompt, params, use_tqdm=False)
+    assert out.outputs[0].token_ids == ref[:cut]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert _stats(spec_llm)["spec_decode_num_accepted_tokens"] > before
+    assert_all_blocks_free(spec_llm.engine)
+
+
+def test_stop_string_ends_the_text_exactly(spec_llm, reference):
+    prompt = REPETITIVE[0]
+    text = reference[prompt].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=32, stop=[stop])
+    (out,) = spec_llm.generate(prompt, params, use_tqdm=False)
+    assert out.outputs[0].text == text[:text.index(stop)]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert_all_blocks_free(spec_llm.engine)
+
+
+def test_seeded_sampling_reproduces_and_n_completions(spec_llm, reference):
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, min_p=0.02, seed=7, n=2, max_tokens=24)
+    prompts = REPETITIVE[:1]
+    first = spec_llm.generate(prompts, params, use_tqdm=False)[0].outputs
+    # Again, next to other requests: a seeded sequence depends on nothing else in the batch.
+    again = spec_llm.generate(prompts + PROMPTS[:2], params, use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert len(first) == 2 and all(len(c.token_ids) == 24 for c in first)
+    greedy = spec_llm.generate(prompts, SamplingParams(temperature=0, n=2, max_tokens=32), use_tqdm=False)
+    assert all(c.token_ids == reference[prompts[0]].token_ids for c in greedy[0].outputs)
+    assert_all_blocks_free(spec_llm.engine)
+
+
+def test_prompt_logprobs_leave_the_output_unchanged(spec_llm, reference):
+    prompt = REPETITIVE[1]
+    params = SamplingParams(temperature=0, max_tokens=32, prompt_logprobs=1)
+    (out,) = spec_llm.generate(prompt, params, use_tqdm=False)
+    assert out.outputs[0].token_ids == reference[prompt].token_ids
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
+
+
+def test_unsupported_sampling_fields_are_refused(spec_llm):
+    for params in (SamplingParams(logprobs=1), SamplingParams(presence_penalty=0.5),
+                   SamplingParams(bad_words=["x"]), SamplingParams(structured_outputs={"choice": ["a", "b"]})):
+        name = next(k for k in ("logprobs", "presence_penalty", "bad_words", "structured_outputs")
+                    if getattr(params, k))
+        with pytest.raises(ValueError, match=name):
+            spec_llm.generate("x", params, use_tqdm=False)
+    assert_all_blocks_free(spec_llm.engine)
+
+
+def test_abort_frees_every_block(spec_llm):
+    engine = spec_llm.engine
+    engine.add_request("a", REPETITIVE[0], SamplingParams(temperature=0, max_tokens=64))
+    for _ in range(4):
+        engine.step()
+    assert engine.core.scheduler.num_draft_tokens > 0
+    engine.abort_request("a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(engine)
+
+
+def test_preemption_keeps_greedy_output_and_frees_every_block(reference):
+    llm = make_llm(speculative_config=SPEC, num_kv_blocks=9, block_size=16, max_num_seqs=4)
+    prompts = list(reference)[:4]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = _stats(llm)
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p].token_ids for p in prompts]
+    assert_all_blocks_free(llm.engine)
