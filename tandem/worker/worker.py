@@ -210,7 +210,8 @@ class Worker:
                                        self.kv_dtype, self.device)
         self.num_kv_blocks = num_blocks
         capacity = (num_blocks - 1) * cache_cfg.block_size
-        logger.info("model %s: %s, quantization %s; KV cache: %d blocks of %d tokens (%d tokens), %.2f GiB, %s",
+        logger.info("model %s: %s, quantization %s; KV cache: %d blocks of %d tokens (%d usable tokens: one "
+                    "null block), %.2f GiB, %s",
                     model_cfg.model, self.dtype, self.quant_config.method if self.quant_config is not None else "none",
                     num_blocks, cache_cfg.block_size, capacity, sum(c.nbytes for c in kv_caches) / 2**30,
                     self.kv_dtype)

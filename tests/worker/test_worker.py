@@ -87,7 +87,7 @@ def test_small_cache_lowers_max_model_len(model_dirs, caplog):
     assert worker.config.model_config.max_model_len == 40
     assert "KV cache holds 40 tokens: max_model_len lowered from 128" in caplog.text
     # One line sizes the cache: blocks (the null block included), tokens, GiB, dtype.
-    assert re.search(rf"KV cache: 6 blocks of {BLOCK} tokens \(40 tokens\), \d+\.\d\d GiB, torch.float32",
+    assert re.search(rf"KV cache: 6 blocks of {BLOCK} tokens \(40 usable tokens: one null block\), \d+\.\d\d GiB, torch.float32",
                      caplog.text), caplog.text
     assert runner.input_batch.block_table.shape[1] == 40 // BLOCK
 
