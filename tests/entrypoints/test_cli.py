@@ -200,10 +200,12 @@ def test_ctrl_c_during_generate_is_one_line(tmp_path, smol_tokenizer):
     smol_tokenizer.save_pretrained(tmp_path / "tok")
     cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "generate", "Once upon a time", "--model", str(tmp_path),
            "--load-format", "dummy", "--tokenizer", str(tmp_path / "tok"), "--ignore-eos", "--max-model-len", "256",
-           "--max-tokens", "250", "-n", "64", "--num-kv-blocks", "1100", "--no-enable-prefix-caching"]
+           "--max-tokens", "250", "-n", "256", "--num-kv-blocks", "4200", "--no-enable-prefix-caching"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
-    time.sleep(4)  # while loading or generating: either way one line
+    # While loading or generating: either way one line. 256 x 250 tokens take well over the
+    # 4 s even on a quiet machine (64 sequences could finish first).
+    time.sleep(4)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
     # 130 from the handler; under heavy load CPython sometimes ends itself by the same SIGINT
