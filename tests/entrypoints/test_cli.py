@@ -231,7 +231,7 @@ def test_server_log_has_its_engine_cores_load_lines(server):
     KV cache's size) reach the server's log as the server's own do."""
     log = server.log()
     assert re.search(r"Loading model weights took \d+\.\d\d s", log), log
-    assert re.search(r"KV cache: \d+ blocks of \d+ tokens \(\d+ tokens\), \d+\.\d\d GiB", log), log
+    assert re.search(r"KV cache: \d+ blocks of \d+ tokens \(\d+ usable tokens: one null block\), \d+\.\d\d GiB", log), log
 
 
 def test_bench_serve_and_eval_show_progress(server):
