@@ -201,8 +201,11 @@ def test_ctrl_c_during_generate_is_one_line(tmp_path, smol_tokenizer):
     cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "generate", "Once upon a time", "--model", str(tmp_path),
            "--load-format", "dummy", "--tokenizer", str(tmp_path / "tok"), "--ignore-eos", "--max-model-len", "256",
            "--max-tokens", "250", "-n", "256", "--num-kv-blocks", "4200", "--no-enable-prefix-caching"]
+    # SIGINT back to its default in the child: a suite started in the background by a
+    # non-interactive shell ignores SIGINT, and the child would inherit that.
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         env={**os.environ, "PYTHONPATH": os.getcwd()},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # While loading or generating: either way one line. 256 x 250 tokens take well over the
     # 4 s even on a quiet machine (64 sequences could finish first).
     time.sleep(4)
