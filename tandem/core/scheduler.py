@@ -293,9 +293,16 @@ class Scheduler:
             if req.spec_token_ids:
                 tokens = accepted.get(row, [tok])
                 self._take_back_rejected(req, len(tokens) - 1)
-                self._append_tokens(req, out, tokens)
             else:
-                self._append_tokens(req, out, (tok,))
+                tokens = (tok,)
+            for tok in tokens:
+                req.output_token_ids.append(tok)
+                out.new_token_ids.append(tok)
+                status = self._check_stop(req, tok)
+                if status is not None:  # the tokens after it are dropped
+                    self.finish_request(sid, status)
+                    out.finish_reason, out.stop_reason = status.finish_reason, req.stop_reason
+                    break
         return list(outputs.values())
 
     def _take_back_rejected(self, req: Request, num_accepted: int) -> None:
@@ -306,18 +313,6 @@ class Scheduler:
         req.spec_token_ids = []
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
-
-    def _append_tokens(self, req: Request, out: EngineCoreOutput, tokens) -> None:
-        """Append ``tokens`` to ``req`` and ``out`` one by one, stop-checking each; the ones
-        after a token that finishes ``req`` are dropped."""
-        for tok in tokens:
-            req.output_token_ids.append(tok)
-            out.new_token_ids.append(tok)
-            status = self._check_stop(req, tok)
-            if status is not None:
-                self.finish_request(req.seq_id, status)
-                out.finish_reason, out.stop_reason = status.finish_reason, req.stop_reason
-                return
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.sampling_params

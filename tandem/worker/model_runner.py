@@ -249,7 +249,7 @@ class ModelRunner:
         inputs, rows = self._prepare_inputs(seqs) if seqs else (None, None)
         # Before the forward is launched: building them launches small copies and gathers,
         # which would otherwise queue behind the forward's kernels.
-        sampling = self._sampling_inputs(seqs, rows) if seqs else None
+        sampling = self._sampling_inputs(seqs, rows, so.num_scheduled_tokens == len(seqs)) if seqs else None
         t_prep = time.perf_counter() - t_prep
         decode_only = inputs is not None and inputs.num_decode_reqs() == inputs.num_reqs
         generated = inputs.generated_mask() if inputs is not None else None
@@ -369,11 +369,14 @@ class ModelRunner:
             self._forward(empty_step_inputs(), torch.empty(0, dtype=torch.long, device=self.device), plan)
 
     # ----------------------------------------------------------------- 5. sample
-    def _sampling_inputs(self, seqs: list[ScheduledSequence], rows: np.ndarray) -> _StepSampling:
+    def _sampling_inputs(self, seqs: list[ScheduledSequence], rows: np.ndarray, all_decode: bool) -> _StepSampling:
         """The sequences of ``seqs`` (input-batch ``rows``) whose step ends their known
-        tokens, so that they sample (or verify their drafts), and their sampler inputs."""
-        index = [r for r, s in enumerate(seqs) if s.sample and not s.spec_token_ids]
-        spec_index = [r for r, s in enumerate(seqs) if s.spec_token_ids]
+        tokens, so that they sample (or verify their drafts), and their sampler inputs.
+        ``all_decode``: one token per sequence, so none has drafts (no second pass)."""
+        index = [r for r, s in enumerate(seqs) if s.sample]
+        spec_index = [] if all_decode else [r for r in index if seqs[r].spec_token_ids]
+        if spec_index:
+            index = [r for r in index if not seqs[r].spec_token_ids]
         sample_rows = rows if len(index) == len(seqs) else rows[index]
         batch = self.input_batch.sampling_batch(sample_rows) if index else None
         spec = self._spec_inputs(seqs, spec_index, rows[spec_index]) if spec_index else None
