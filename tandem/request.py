@@ -51,7 +51,8 @@ class Request:
       * ``num_computed_tokens`` = tokens whose K/V are written by launched steps (advanced
         when a step is scheduled, drafts included; the rejected drafts are taken back when
         the step's output is processed);
-      * ``spec_token_ids`` = the draft tokens of the step in flight (speculative decoding).
+      * ``spec_token_ids`` = the draft tokens of the step in flight (speculative decoding);
+      * ``draft_token_ids`` = the draft model's proposals for its next step.
     """
 
     request_id: str
@@ -70,6 +71,7 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
     # The grammar of a request with ``sampling_params.structured_outputs``.
     structured_output: "StructuredOutputRequest | None" = None
 

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import regex
+
 from tandem.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
@@ -25,6 +27,20 @@ def child_seed(seed: int, index: int) -> int:
 # the model's generation_config.json gives one.
 UNSET_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                                   "repetition_penalty": 1.0}
+
+
+def _check_stop_regex(pattern: Any) -> None:
+    """Raise ValueError (naming ``stop_regex``) unless ``pattern`` compiles and cannot match
+    the empty string: a pattern that can would end every sequence before its first
+    character."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"stop_regex must contain non-empty strings, got {pattern!r}.")
+    try:
+        compiled = regex.compile(pattern)
+    except regex.error as e:
+        raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}.") from None
+    if compiled.fullmatch("") is not None:
+        raise ValueError(f"stop_regex {pattern!r} matches the empty string, which would stop at once.")
 
 
 class RequestOutputKind(enum.Enum):
@@ -46,7 +62,10 @@ class SamplingParams:
     tokens, ``repetition_penalty`` > 0 (CTRL, Keskar et al. 2019) on prompt and generated
     tokens; ``logit_bias`` maps token id -> bias added to the logit; ``max_tokens`` None
     means up to the context length; ``stop`` strings are matched on the detokenized text;
-    ``logprobs`` = number of top logprobs per generated token (the sampled token is always
+    ``stop_regex`` (SGLang's) are regular expressions (Python's dialect, the ``regex``
+    module) matched on the detokenized text like ``stop`` strings: the first match ends the
+    sequence, cut before the match (after it with ``include_stop_str_in_output``), its
+    pattern the ``stop_reason``; ``logprobs`` = number of top logprobs per generated token (the sampled token is always
     included), ``prompt_logprobs`` likewise per prompt token; ``seed`` is a signed 64-bit
     integer. vLLM extensions: ``allowed_token_ids`` restricts sampling to those ids;
     ``bad_words`` are never generated (each word with and without a leading space: its
@@ -78,6 +97,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -101,6 +121,7 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_regex = [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex or [])
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.bad_words is not None:
@@ -149,6 +170,8 @@ class SamplingParams:
               "must contain non-empty strings")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must contain non-empty strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must contain non-negative integers")
+        for pattern in self.stop_regex:
+            _check_stop_regex(pattern)
         if self.logit_bias:
             check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias", "values must be in [-100, 100]")
 

@@ -13,6 +13,12 @@ flight, and measures per request:
 Output token counts come from the server's final usage chunk
 (``stream_options.include_usage``). Goodput (DistServe, Zhong et al. 2024) counts the
 requests per second that meet every SLO given with ``--goodput ttft:MS tpot:MS e2el:MS``.
+
+A server that speculates (it exports vLLM's ``vllm:spec_decode_*`` counters on ``/metrics``,
+as ``tandem serve --speculative-config`` does) gets the run's acceptance, from the counters
+read before and after the timed requests, as vLLM's ``bench serve`` reports it: acceptance
+rate (accepted / draft tokens, %), acceptance length (1 + accepted tokens per verification),
+and the acceptance rate at each draft position.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -34,6 +41,7 @@ from tqdm import tqdm
 
 from tandem.benchmarks.datasets import (LocalTokenizer, RemoteTokenizer, SampleRequest, constrain_requests,
                                         json_schema_requests, load_json_schema, random_requests, sharegpt_requests)
+from tandem.engine.stat_logger import SpecDecodingStats
 from tandem.entrypoints.arg_types import port_number, positive_int, unit_fraction
 from tandem.entrypoints.openai.client import served_models
 
@@ -179,6 +187,74 @@ def calculate_metrics(results: list[RequestResult], duration: float, percentiles
     return m
 
 
+def spec_decode_result(run: SpecDecodingStats) -> dict | None:
+    """vLLM's benchmark keys of a run's speculative-decoding counts ``run``: acceptance rate
+    (%), acceptance length (tokens per verification), drafts (verifications), draft and
+    accepted tokens, and the acceptance rate at each draft position (0..1); None when the run
+    verified no draft."""
+    if not run.num_draft_tokens:
+        return None
+    return {"spec_decode_acceptance_rate": 100 * run.acceptance_rate,
+            "spec_decode_acceptance_length": run.mean_acceptance_length,
+            "spec_decode_num_drafts": run.num_drafts,
+            "spec_decode_draft_tokens": run.num_draft_tokens,
+            "spec_decode_accepted_tokens": run.num_accepted_tokens,
+            "spec_decode_per_position_acceptance_rates": run.per_position_acceptance_rates}
+
+
+def parse_spec_decode_metrics(text: str) -> SpecDecodingStats | None:
+    """The speculative-decoding counters of a ``/metrics`` scrape ``text``, summed over the
+    engines; None when it has none (the server does not speculate). vLLM's names, so that a
+    vLLM server is measured the same way."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if not fam.name.startswith("vllm:spec_decode_"):
+            continue
+        for sample in fam.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            if "position" in sample.labels:
+                pos = int(sample.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0) + sample.value
+            else:
+                totals[fam.name] = totals.get(fam.name, 0) + sample.value
+    if not totals:
+        return None
+    return SpecDecodingStats(int(totals.get("vllm:spec_decode_num_drafts", 0)),
+                             int(totals.get("vllm:spec_decode_num_draft_tokens", 0)),
+                             int(totals.get("vllm:spec_decode_num_accepted_tokens", 0)),
+                             tuple(int(per_pos.get(i, 0)) for i in range(max(per_pos, default=-1) + 1)))
+
+
+async def fetch_spec_decode_metrics(client, base_url: str) -> SpecDecodingStats | None:
+    """The server's speculative-decoding counters now (``/metrics``); None when it exports
+    none or has no ``/metrics``."""
+    import aiohttp
+
+    try:
+        async with client.get(base_url + "/metrics") as r:
+            if r.status != 200:
+                return None
+            return parse_spec_decode_metrics(await r.text())
+    except aiohttp.ClientError:
+        return None
+
+
+def format_spec_decode_rows(m: dict, row: Callable[[str, object], None]) -> None:
+    """The speculative-decoding rows of a result ``m`` (:func:`spec_decode_result`'s keys),
+    written with ``row(label, value)``, as vLLM's table."""
+    row("Acceptance rate (%):", m["spec_decode_acceptance_rate"])
+    row("Acceptance length:", m["spec_decode_acceptance_length"])
+    row("Drafts:", m["spec_decode_num_drafts"])
+    row("Draft tokens:", m["spec_decode_draft_tokens"])
+    row("Accepted tokens:", m["spec_decode_accepted_tokens"])
+    for i, rate in enumerate(m["spec_decode_per_position_acceptance_rates"]):
+        row(f"  Position {i} acceptance (%):", 100 * rate)
+
+
 # Above this share of one core the client's own event loop may delay what it timestamps.
 CLIENT_CPU_WARNING = 0.8
 
@@ -211,6 +287,9 @@ def format_table(m: dict, args: argparse.Namespace, percentiles: list[float]) ->
         row(f"Median {up} (ms):", m[f"median_{key}_ms"])
         for p in percentiles:
             row(f"P{p:g} {up} (ms):", m[f"p{p:g}_{key}_ms"])
+    if "spec_decode_acceptance_rate" in m:
+        lines.append("{s:{c}^{n}}".format(s="Speculative Decoding", n=w, c="-"))
+        format_spec_decode_rows(m, row)
     lines.append("-" * w)
     row("Client CPU (fraction of one core):", m["client_cpu_fraction"])
     if m["client_cpu_fraction"] > CLIENT_CPU_WARNING:
@@ -389,6 +468,7 @@ async def run_benchmark(args: argparse.Namespace, base_url: str, model: str, req
 
         print(f"Traffic: request rate {args.request_rate}, burstiness {args.burstiness}, "
               f"max concurrency {args.max_concurrency}, {len(requests)} prompts", flush=True)
+        spec_before = await fetch_spec_decode_metrics(client, base_url)
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         tasks = []
@@ -401,8 +481,11 @@ async def run_benchmark(args: argparse.Namespace, base_url: str, model: str, req
         duration = time.perf_counter() - t0
         client_cpu = time.process_time() - cpu0
         bar.close()
+        spec_after = await fetch_spec_decode_metrics(client, base_url)
     metrics = calculate_metrics(results, duration, percentiles, slos)
     metrics["client_cpu_fraction"] = client_cpu / duration if duration > 0 else 0.0
+    if spec_before is not None and spec_after is not None:
+        metrics.update(spec_decode_result(spec_after - spec_before) or {})
     return metrics, results
 
 

@@ -8,10 +8,13 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
+import msgspec
 import torch
 from tqdm import tqdm
 
 from tandem.benchmarks.datasets import constrained_indices, load_json_schema
+from tandem.benchmarks.serve import spec_decode_result
+from tandem.engine.stat_logger import SpecDecodingStats
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.structured_output.params import StructuredOutputsParams
@@ -58,6 +61,15 @@ class ThroughputResult:
     # In-process engine cores: Triton kernel variants first launched inside the timed run
     # (tandem.triton_utils.record_jit_compiles), i.e. compiles the warm-up did not cover.
     jit_compiles_timed: list[str] | None = None
+    # Speculative decoding (an in-process engine core that verified drafts in the timed run),
+    # vLLM's bench keys: accepted / draft tokens (%), tokens per verification (1 + accepted
+    # drafts), verifications, draft and accepted tokens, acceptance by draft position (0..1).
+    spec_decode_acceptance_rate: float | None = None
+    spec_decode_acceptance_length: float | None = None
+    spec_decode_num_drafts: int | None = None
+    spec_decode_draft_tokens: int | None = None
+    spec_decode_accepted_tokens: int | None = None
+    spec_decode_per_position_acceptance_rates: list[float] | None = None
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -98,6 +110,7 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
         runner.step_events = []
     # Host time per step: recorded by an in-process engine core only.
     host_timing = hasattr(llm.engine, "start_host_timing") and llm.engine.start_host_timing() is not None
+    spec_before = _spec_decode_counts(llm)
     with record_jit_compiles() as compiled:
         start = time.perf_counter()
         outs = generate_with_progress(llm.engine, prompts, params, output_len)
@@ -109,6 +122,9 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
                            None if pre is None else _preemptions(llm) - pre)
     if runner is not None:
         res.jit_compiles_timed = list(compiled)
+    if spec_before is not None:
+        for key, value in (spec_decode_result(_spec_decode_counts(llm) - spec_before) or {}).items():
+            setattr(res, key, value)
     if host_timing:
         _host_step_stats(llm.engine.stop_host_timing(), res)
     if runner is not None and runner.step_events:
@@ -235,6 +251,8 @@ def main(args: argparse.Namespace) -> None:
     if res.host_grammar_ms_median is not None and res.host_bitmask_ms_median is not None:
         print(f"Constrained steps, medians: grammar (accept + bitmask fill, core thread) "
               f"{res.host_grammar_ms_median:.3f} ms, bitmask (copy + apply, runner) {res.host_bitmask_ms_median:.3f} ms")
+    if res.spec_decode_acceptance_rate is not None:
+        print(_spec_decode_line(res))
     if res.jit_compiles_timed:
         names = sorted({r.split("(", 1)[0] for r in res.jit_compiles_timed})
         print(f"Triton kernel variants built inside the timed run (the warm-up missed them): "
@@ -259,6 +277,24 @@ def main(args: argparse.Namespace) -> None:
                                      "deterministic": cfg.model_config.deterministic,
                                      "kv_cache_dtype": cfg.cache_config.kv_cache_dtype}, f, indent=2)
     llm.engine.shutdown()
+
+
+def _spec_decode_line(res: ThroughputResult) -> str:
+    """The report's speculative-decoding line."""
+    per_pos = ", ".join(f"{100 * r:.1f}%" for r in res.spec_decode_per_position_acceptance_rates)
+    return (f"Speculative decoding: acceptance rate {res.spec_decode_acceptance_rate:.2f}% "
+            f"({res.spec_decode_accepted_tokens} of {res.spec_decode_draft_tokens} draft tokens), "
+            f"mean acceptance length {res.spec_decode_acceptance_length:.2f} tokens "
+            f"({res.spec_decode_num_drafts} verifications); by draft position: {per_pos}")
+
+
+def _spec_decode_counts(llm) -> SpecDecodingStats | None:
+    """Speculative-decoding counters so far of an in-process engine core; None for the
+    DP/TP front-ends, which do not speculate."""
+    core = getattr(llm.engine.client, "core", None)
+    if core is None:
+        return None
+    return SpecDecodingStats.from_stats(msgspec.structs.asdict(core.scheduler_stats()))
 
 
 def _preemptions(llm) -> int | None:

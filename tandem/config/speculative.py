@@ -2,18 +2,21 @@
 ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`` or
 ``LLM(speculative_config={...})``.
 
-Stage 1 of issue 46: n-gram (prompt lookup) proposals verified synchronously (the engine
-runs with ``async_output_proc`` off, :meth:`tandem.config.EngineConfig.__post_init__`).
+Two methods, both verified synchronously (the engine runs with ``async_output_proc`` off,
+:meth:`tandem.config.EngineConfig.__post_init__`): ``"ngram"`` (prompt lookup) and
+``"draft_model"`` (a smaller model of the same vocabulary, ``"model": PATH``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+METHODS = ("ngram", "draft_model")
 # Methods of vLLM's speculative config that later stages of issue 46 will add.
-_LATER_METHODS = ("draft_model", "eagle", "eagle3")
+_LATER_METHODS = ("eagle", "eagle3")
 # vLLM's prompt-lookup n when neither bound is given.
 _DEFAULT_PROMPT_LOOKUP = 5
 
@@ -24,7 +27,12 @@ class SpeculativeConfig:
     model in one forward (docs/architecture.md)."""
 
     method: str | None = None
-    """How drafts are proposed (required): only "ngram" (prompt lookup) for now."""
+    """How drafts are proposed (required): "ngram" (prompt lookup in the request's own
+    tokens) or "draft_model" (greedy tokens of the smaller model ``model``)."""
+
+    model: str | None = None
+    """The draft model (required with "draft_model", refused otherwise): a GGUF file or a
+    Hugging Face folder, of the same tokenizer as the target."""
 
     num_speculative_tokens: int | None = None
     """Draft tokens proposed per request and step (K >= 1; required)."""
@@ -38,12 +46,33 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method in _LATER_METHODS:
-            raise ValueError(f"speculative_config.method {self.method!r} is not supported yet; only 'ngram' is.")
-        if self.method != "ngram":
-            raise ValueError(f"speculative_config.method must be 'ngram' (required), got {self.method!r}.")
+            raise ValueError(f"speculative_config.method {self.method!r} is not supported yet; "
+                             f"supported: {list(METHODS)}.")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(METHODS)} (required), "
+                             f"got {self.method!r}.")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}.")
+        if self.method == "draft_model":
+            self._check_draft_model()
+        else:
+            self._resolve_prompt_lookup()
+
+    def _check_draft_model(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config.model (the draft model's path) is required with method "
+                             "'draft_model'.")
+        self.model = os.path.expanduser(self.model)
+        if not os.path.exists(self.model):
+            raise ValueError(f"speculative_config.model: no such file or folder: {self.model!r}.")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"speculative_config.{name} is for method 'ngram', not 'draft_model'.")
+
+    def _resolve_prompt_lookup(self) -> None:
+        if self.model is not None:
+            raise ValueError("speculative_config.model is for method 'draft_model', not 'ngram'.")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = _DEFAULT_PROMPT_LOOKUP

@@ -170,22 +170,24 @@ class KVCacheManager:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None) -> bool:
-        """Make room for ``num_new_tokens`` more tokens after ``req.num_computed_tokens``.
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after ``req.num_computed_tokens``,
+        and ``num_lookahead_tokens`` after those (a draft model's K/V of its drafts).
 
         ``computed_blocks`` (first scheduling only) are prefix-cache hits to take a
         reference on. Returns False, changing nothing, when too few blocks are free.
         """
         blocks = self.req_blocks.get(req.seq_id, [])
         total = req.num_computed_tokens + num_new_tokens
-        if not computed_blocks and total <= len(blocks) * self.block_size:
+        if not computed_blocks and total + num_lookahead_tokens <= len(blocks) * self.block_size:
             # Most decode steps: room in the last block, no list to rebuild, and (checked
             # here, before a call per sequence) no block filled up since the last hashing.
             if self.enable_caching and total // self.block_size > self.num_cached_hashed.get(req.seq_id, 0):
                 self._cache_full_blocks(req, blocks, total)
             return True
         computed_blocks = computed_blocks or []
-        num_needed = -(-total // self.block_size) - len(blocks) - len(computed_blocks)
+        num_needed = -(-(total + num_lookahead_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
         # Cached hits that are idle sit in the free queue and count as free.
         idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - idle_hits:

@@ -19,6 +19,12 @@ K/V of rejected drafts stays in slots past it, which later steps overwrite. The 
 allocated for drafts stay with the sequence until it is freed. Only host-known (confirmed)
 tokens are ever hashed into the prefix cache (``KVCacheManager._cache_full_blocks``), and
 drafts are never host-known, so no cached block is registered under tokens it lacks.
+
+Drafts come from the n-gram ``proposer`` on the host, or, with a draft model, from the
+model runner: each step's output carries the next drafts of the sequences that sampled
+(``ModelRunnerOutput.draft_token_ids``, kept in ``Request.draft_token_ids``), and every
+step that samples allocates ``num_lookahead_tokens`` more slots for the draft model's K/V
+of them (vLLM's lookahead slots), unless that would need a block nobody has free.
 """
 
 from __future__ import annotations
@@ -51,13 +57,15 @@ class Scheduler:
         structured_output_manager: advances the grammars of constrained sequences (needed
             once one is added).
         proposer: proposes draft tokens for decoding sequences (speculative decoding, only
-            with outputs processed synchronously); None: no speculation.
+            with outputs processed synchronously); None: no n-gram speculation.
+        num_lookahead_tokens: with a draft model (whose drafts the model runner returns),
+            its number of drafts per step ``K``; 0: none.
     """
 
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
                  structured_output_manager: "StructuredOutputManager | None" = None,
-                 proposer: "NgramProposer | None" = None) -> None:
+                 proposer: "NgramProposer | None" = None, num_lookahead_tokens: int = 0) -> None:
         self.kv = kv_manager
         self.structured_output_manager = structured_output_manager
         self.max_num_seqs = max_num_seqs
@@ -73,8 +81,16 @@ class Scheduler:
         self._step_id = 0
         self.num_preemptions = 0
         self.proposer = proposer
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.speculates = proposer is not None or num_lookahead_tokens > 0
+        # Speculative decoding (vLLM's SpecDecodingStats): sequence-steps that verified
+        # drafts, draft and accepted tokens, and accepted tokens by draft position, sized to
+        # K so that every position is reported from the start.
+        self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * (proposer.num_speculative_tokens if proposer is not None
+                                                  else num_lookahead_tokens)
 
     def add_request(self, req: Request) -> None:
         self.requests[req.seq_id] = req
@@ -127,12 +143,28 @@ class Scheduler:
         room = min(req.max_tokens - num_output, self.max_model_len - num_tokens, budget) - 1
         if room <= 0:
             return []
+        if self.proposer is None:
+            return req.draft_token_ids[:room]
         drafts = self.proposer.propose(np.asarray(req.all_token_ids, dtype=np.int64))
         return drafts[:room].tolist()
+
+    def _lookahead(self, req: Request, num_new: int) -> int:
+        """Lookahead slots for ``req``'s step of ``num_new`` tokens: never past the context."""
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - req.num_computed_tokens - num_new))
+
+    def _admit_slots(self, req: Request, num_new: int, blocks: list) -> bool:
+        """Allocate a waiting ``req``'s first ``num_new`` slots (after its prefix-cache hit
+        ``blocks``), plus the draft model's lookahead where they end its prompt and a
+        block is free for it."""
+        lookahead = self._lookahead(req, num_new) if req.num_computed_tokens + num_new == req.num_tokens else 0
+        if lookahead and self.kv.allocate_slots(req, num_new, blocks, num_lookahead_tokens=lookahead):
+            return True
+        return self.kv.allocate_slots(req, num_new, blocks)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.spec_token_ids = []
+        req.draft_token_ids = []
         self._num_sent_blocks.pop(req.seq_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -165,10 +197,11 @@ class Scheduler:
                 i += 1
                 continue
             drafts = (self._propose(req, num_tokens, budget)
-                      if self.proposer is not None and num_new == 1 and not placeholders else [])
-            while not kv.allocate_slots(req, num_new + len(drafts)):
-                if drafts:
-                    drafts = []  # drafts never cost another sequence its blocks
+                      if self.speculates and num_new == 1 and not placeholders else [])
+            lookahead = self._lookahead(req, num_new + len(drafts))
+            while not kv.allocate_slots(req, num_new + len(drafts), num_lookahead_tokens=lookahead):
+                if drafts or lookahead:
+                    drafts, lookahead = [], 0  # drafts never cost another sequence its blocks
                     continue
                 victim = running.pop()
                 self._preempt(victim)
@@ -199,7 +232,7 @@ class Scheduler:
                         break
                     num_new = budget
                 req.num_computed_tokens = num_hit
-                if not self.kv.allocate_slots(req, num_new, blocks):
+                if not self._admit_slots(req, num_new, blocks):
                     req.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
@@ -273,6 +306,7 @@ class Scheduler:
                 outputs[sid] = EngineCoreOutput(req.request_id, [], new_prompt_logprobs=PromptLogprobsData(
                     pl.start, pl.token_ids, pl.logprobs, pl.ranks))
         requests, logprobs, accepted = self.requests, result.logprobs, result.accepted_token_ids
+        drafts = result.draft_token_ids
         for row, (sid, tok) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
             req = requests.get(sid)
             if req is None:
@@ -295,6 +329,8 @@ class Scheduler:
                 self._take_back_rejected(req, len(tokens) - 1)
             else:
                 tokens = (tok,)
+            if drafts is not None:
+                req.draft_token_ids = drafts[row]
             for tok in tokens:
                 req.output_token_ids.append(tok)
                 out.new_token_ids.append(tok)
@@ -306,13 +342,20 @@ class Scheduler:
         return list(outputs.values())
 
     def _take_back_rejected(self, req: Request, num_accepted: int) -> None:
-        """Un-count the computed tokens of ``req``'s rejected drafts: their K/V slots are
-        written again by later steps."""
+        """Un-count the computed tokens of ``req``'s rejected drafts (their K/V slots are
+        written again by later steps) and count the verification: position ``i`` is
+        accepted when the first ``i + 1`` drafts are."""
         num_drafts = len(req.spec_token_ids)
         req.num_computed_tokens -= num_drafts - num_accepted
         req.spec_token_ids = []
+        self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if num_drafts > len(per_pos):  # more drafts than the K it was sized to
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.sampling_params
@@ -347,12 +390,16 @@ class Scheduler:
         self._finished_since_last_step.append(seq_id)
         return req
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | list[int]]:
+        """Gauges and counters (tokens; ``spec_decode_num_accepted_tokens_per_pos``: one count
+        per draft position)."""
         return {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "kv_cache_usage": self.kv.usage,
             "num_preemptions": self.num_preemptions,
+            "spec_decode_num_drafts": self.num_drafts,
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
         }

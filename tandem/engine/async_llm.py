@@ -25,10 +25,10 @@ import copy
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tandem.config import EngineConfig
 from tandem.engine.core_client import AsyncMPClient, EngineClientConfig, EngineDeadError
@@ -42,6 +42,24 @@ from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def sum_replica_stats(per_replica: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The stats of several data-parallel replicas as one engine's: numbers add, lists and
+    tuples (``spec_decode_num_accepted_tokens_per_pos``: counts by draft position) add
+    element-wise into a list, the shorter padded with zeros, and ``kv_cache_usage`` (0..1)
+    is the replicas' average. Nothing is summed from no replicas (an empty dict)."""
+    replicas = list(per_replica)
+    s: dict[str, Any] = {}
+    for st in replicas:
+        for k, v in st.items():
+            if isinstance(v, (list, tuple)):
+                s[k] = [a + b for a, b in itertools.zip_longest(s.get(k, ()), v, fillvalue=0)]
+            else:
+                s[k] = s.get(k, 0) + v
+    if replicas:
+        s["kv_cache_usage"] = s.get("kv_cache_usage", 0.0) / len(replicas)
+    return s
 
 
 @dataclass
@@ -258,18 +276,16 @@ class AsyncLLM:
     def dead_error(self) -> BaseException | None:
         return self.client.dead_error or (EngineDeadError("the engine was shut down") if self._stopped else None)
 
-    def stats(self) -> dict[str, float]:
-        """Engine statistics: the replicas' latest scheduler gauges, summed (``kv_cache_usage``
-        averaged), plus the front end's prompt_tokens / generation_tokens and
-        num_live_requests. Keys: num_running, num_waiting, kv_cache_usage (0..1),
-        num_preemptions, prefix_cache_queries / prefix_cache_hits (tokens),
-        num_free_blocks, num_usable_blocks."""
-        s: dict[str, float] = {}
-        for st in self._scheduler_stats.values():
-            for k, v in st.items():
-                s[k] = s.get(k, 0) + v
-        if self._scheduler_stats:
-            s["kv_cache_usage"] = s.get("kv_cache_usage", 0.0) / len(self._scheduler_stats)
+    def stats(self) -> dict[str, Any]:
+        """Engine statistics: the replicas' latest scheduler gauges and counters, summed
+        (:func:`sum_replica_stats`: ``kv_cache_usage`` averaged), plus the front end's
+        prompt_tokens / generation_tokens and num_live_requests. Keys: num_running,
+        num_waiting, kv_cache_usage (0..1), num_preemptions, prefix_cache_queries /
+        prefix_cache_hits (tokens), num_free_blocks, num_usable_blocks,
+        spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos (a list: accepted tokens by draft position;
+        empty without speculation)."""
+        s = sum_replica_stats(self._scheduler_stats.values())
         s.update(self.output_processor.stats)
         s["num_live_requests"] = len(self.output_processor.parents)
         return s
@@ -278,11 +294,13 @@ class AsyncLLM:
         """Each replica's latest scheduler gauges, by data-parallel rank."""
         return {e: dict(st) for e, st in sorted(self._scheduler_stats.items())}
 
-    async def engine_stats(self) -> dict[str, float]:
-        """State read in every core between two steps, summed over replicas (tests,
-        ``/debug/engine_stats``): the scheduler's gauges, num_unfinished_seqs,
-        num_seqs_with_blocks, num_free_blocks, num_usable_blocks, num_steps, plus the front
-        end's num_live_requests.
+    async def engine_stats(self) -> dict[str, Any]:
+        """State read in every core between two steps, summed over replicas
+        (:func:`sum_replica_stats`; tests, ``/debug/engine_stats``): the scheduler's gauges
+        and counters (the spec_decode_* ones included, spec_decode_num_accepted_tokens_per_pos
+        a list by draft position), num_unfinished_seqs, num_seqs_with_blocks,
+        num_free_blocks, num_usable_blocks, num_steps, num_dbo_steps, plus the front end's
+        num_live_requests and ``replicas`` (each replica's own, unsummed).
 
         Raises:
             EngineDeadError: a core is not running.
@@ -290,11 +308,7 @@ class AsyncLLM:
         self._check_running()
         self.start()
         per = await self.client.debug_stats()
-        s: dict[str, float] = {}
-        for st in per:
-            for k, v in st.items():
-                s[k] = s.get(k, 0) + v
-        s["kv_cache_usage"] = s.get("kv_cache_usage", 0.0) / len(per)
+        s = sum_replica_stats(per)
         s["num_live_requests"] = len(self.output_processor.parents)
         s["replicas"] = per
         return s

@@ -18,6 +18,7 @@ import gc
 import logging
 import socket
 import time
+from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.core.block_manager import KVCacheManager
@@ -77,7 +78,7 @@ class EngineCore:
             pin_memory=config.device_config.torch_device.type == "cuda")
         self.scheduler = Scheduler(self.kv_manager, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
                                    model_cfg.max_model_len, sched_cfg.enable_chunked_prefill, self.structured_output,
-                                   _make_proposer(config))
+                                   _make_proposer(config), _num_lookahead_tokens(config))
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.async_output_proc = sched_cfg.async_output_proc
         # Live sequences by request id (the front end's per-sequence id).
@@ -281,12 +282,16 @@ class EngineCore:
                               prefix_cache_hits=kv.prefix_hits, num_free_blocks=kv.pool.num_free_blocks,
                               num_usable_blocks=kv.num_usable_blocks,
                               spec_decode_num_draft_tokens=s.num_draft_tokens,
-                              spec_decode_num_accepted_tokens=s.num_accepted_tokens)
+                              spec_decode_num_accepted_tokens=s.num_accepted_tokens,
+                              spec_decode_num_drafts=s.num_drafts,
+                              spec_decode_num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos))
 
-    def debug_stats(self) -> dict[str, float]:
+    def debug_stats(self) -> dict[str, Any]:
         """State read between two steps (tests, ``/debug/engine_stats``): the scheduler's
-        gauges and counters (spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens
-        included) plus num_unfinished_seqs, num_seqs_with_blocks, num_steps, num_dbo_steps."""
+        gauges and counters (spec_decode_num_drafts, spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens included; spec_decode_num_accepted_tokens_per_pos: a
+        list, the accepted tokens at each draft position) plus num_unfinished_seqs,
+        num_seqs_with_blocks, num_steps, num_dbo_steps."""
         st = self.scheduler_stats()
         s = {f: getattr(st, f) for f in st.__struct_fields__}
         s.update(num_unfinished_seqs=len(self.scheduler.requests), num_seqs_with_blocks=len(self.kv_manager.req_blocks),
@@ -295,11 +300,18 @@ class EngineCore:
 
 
 def _make_proposer(config: EngineConfig) -> NgramProposer | None:
-    """The draft proposer of ``config.speculative_config``; None without one."""
+    """The host-side draft proposer of ``config.speculative_config``; None without one (a
+    draft model's drafts come from the model runner)."""
     spec = config.speculative_config
-    if spec is None:
+    if spec is None or spec.method != "ngram":
         return None
     return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def _num_lookahead_tokens(config: EngineConfig) -> int:
+    """KV slots each sampling step reserves past its tokens for the draft model's drafts."""
+    spec = config.speculative_config
+    return spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
 
 
 def _resolve_limits(config: EngineConfig, hf_config) -> None:

@@ -27,12 +27,18 @@ Guarantees (checked by ``tests/engine/test_detokenizer.py``):
   is held back (at most ``len(longest stop) - 1`` characters) until it can no longer match or
   the sequence finishes. On a match the text is cut right before the stop string (right after
   it with ``include_stop_str_in_output``) and nothing after it is ever released.
+* Stop regexes (SGLang's ``stop_regex``) likewise: text from the first place where a match
+  could still begin (a partial match that reaches the end of the text, the ``regex``
+  module's ``partial=True``) is held back; the leftmost match of a pattern ends the
+  sequence, the text cut as at a stop string. A pattern like ``<.*>`` holds back
+  everything from its first ``<`` until it matches or the sequence ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import regex
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -170,7 +176,10 @@ class IncrementalDetokenizer:
             tokenizers, the backend's decoder alone decides the spacing (byte-level BPE and
             SentencePiece decoders insert no spaces between special tokens).
         stop: stop strings; empty strings are ignored.
-        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        include_stop_str_in_output: keep the matched stop string (or regex match) at the
+            end of the text.
+        stop_regex: regular expressions (Python's dialect) that stop the sequence as stop
+            strings do; :meth:`update` returns the pattern that matched.
 
     Typical use by the output processor, once per step and sequence::
 
@@ -185,7 +194,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True, stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, stop_regex: Sequence[str] | None = None) -> None:
         backend = _backend_tokenizer(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
@@ -194,6 +203,10 @@ class IncrementalDetokenizer:
         self.stop: list[str] = [s for s in (stop or []) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.stop_regex: list[regex.Pattern] = [regex.compile(p) for p in (stop_regex or [])]
+        # A regex match counts only if it ends at or after this: text fed with
+        # check_stop=False (before min_tokens) must not end one, as it ends no stop string.
+        self._regex_min_end = 0
 
         context = _select_prompt_context(backend, prompt_token_ids, skip_special_tokens)
         self._stream = _Stream(backend, context, skip_special_tokens)
@@ -201,7 +214,7 @@ class IncrementalDetokenizer:
         self._released = 0       # self._text[:self._released] is released
         self._delta_offset = 0   # end of the text returned by the last delta call
         self._finished = False
-        #: The stop string that ended the sequence, if any.
+        #: The stop string (or stop regex pattern) that ended the sequence, if any.
         self.matched_stop_str: str | None = None
 
     # ------------------------------------------------------------------ public API
@@ -220,8 +233,9 @@ class IncrementalDetokenizer:
                check_stop: bool = True) -> str | None:
         """Feed newly generated token ids.
 
-        Returns the matched stop string if a stop string was found (the request must then
-        finish with finish_reason "stop", stop_reason = that string), else None.
+        Returns the matched stop string, or the pattern of the matched stop regex, if one
+        was found (the request must then finish with finish_reason "stop", stop_reason =
+        that string), else None.
         ``stop_terminated`` is True when the engine is finishing the sequence for another reason
         (EOS, stop token, length) with these tokens: then no text is held back any more
         (incomplete characters are decoded as U+FFFD). ``check_stop=False`` (e.g. before
@@ -236,26 +250,31 @@ class IncrementalDetokenizer:
             self._text += self._stream.step([int(t) for t in new_token_ids])
         if stop_terminated:
             self._text += self._stream.flush()
-        if not self.stop:  # nothing to match or hold back
+        if not self.stop and not self.stop_regex:  # nothing to match or hold back
             self._released = len(self._text)
             self._finished = stop_terminated
             return None
 
         matched = self._match_stop(old_len) if check_stop else None
+        regex_matched, regex_hold = self._scan_regexes(check_stop)
+        if regex_matched is not None and (matched is None or regex_matched[:2] < matched[:2]):
+            matched = regex_matched
         if matched is not None:
-            start, stop_str = matched
-            end = start + len(stop_str) if self.include_stop_str_in_output else start
-            self._text = self._text[:end]
+            end, start, stop_str = matched
+            self._text = self._text[:end if self.include_stop_str_in_output else start]
             self._released = len(self._text)
             self._finished = True
             self.matched_stop_str = stop_str
             return stop_str
+        if not check_stop:
+            self._regex_min_end = len(self._text) + 1
 
         if stop_terminated:
             self._released = len(self._text)
             self._finished = True
         else:
-            self._released = max(self._released, len(self._text) - self._num_chars_held())
+            held_from = min(len(self._text) - self._num_chars_held(), regex_hold)
+            self._released = max(self._released, held_from)
         return None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
@@ -278,8 +297,9 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ internals
 
-    def _match_stop(self, old_len: int) -> tuple[int, str] | None:
-        """First stop string completed in the text added after ``old_len`` chars.
+    def _match_stop(self, old_len: int) -> tuple[int, int, str] | None:
+        """First stop string completed in the text added after ``old_len`` chars, as
+        ``(end, start, stop string)``.
 
         Only matches ending after ``old_len`` are new, so each stop string is searched from
         ``old_len - len(stop) + 1``. Among several, the one that ends first wins (the one a
@@ -295,7 +315,29 @@ class IncrementalDetokenizer:
                 cand = (start + len(s), start, s)
                 if best is None or cand[:2] < best[:2]:
                     best = cand
-        return None if best is None else (best[1], best[2])
+        return best
+
+    def _scan_regexes(self, check: bool) -> tuple[tuple[int, int, str] | None, int]:
+        """``(match, hold)`` of the stop regexes on the text not yet released.
+
+        ``match``: ``(end, start, pattern)``: of each pattern's leftmost match that counts
+        (``check``, and ending at or after ``_regex_min_end``), the one that ends first (then
+        starts first), else None. ``hold``: where the first partial match begins (text from
+        there may still become a match), else the text's length.
+        """
+        text, hold, best = self._text, len(self._text), None
+        for pattern in self.stop_regex:
+            # One match per start position (overlapped): a partial one at i does not hide a
+            # complete one at i + 1.
+            for m in pattern.finditer(text, self._released, overlapped=True, partial=True):
+                if m.partial:
+                    hold = min(hold, m.start())
+                elif check and m.end() >= self._regex_min_end:
+                    cand = (m.end(), m.start(), pattern.pattern)
+                    if best is None or cand[:2] < best[:2]:
+                        best = cand
+                    break
+        return best, hold
 
     def _num_chars_held(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""

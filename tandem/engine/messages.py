@@ -91,9 +91,13 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_hits: int = 0
     num_free_blocks: int = 0
     num_usable_blocks: int = 0
-    # Speculative decoding: drafts verified and accepted since the start (vLLM's names).
+    # Speculative decoding since the start (vLLM's names): draft and accepted tokens,
+    # verifications (sequence-steps with drafts), accepted tokens by draft position (as
+    # many positions as drafts per step; none without speculation).
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -1,8 +1,9 @@
 """Front-end output processing: core outputs (token ids) -> text and ``RequestOutput``s.
 
 As vLLM V1's ``OutputProcessor``: for each sequence's new token ids it runs incremental
-detokenization (:class:`IncrementalDetokenizer`), matches stop strings, decodes logprob
-token strings and builds the request's ``RequestOutput`` (FINAL_ONLY, CUMULATIVE or DELTA).
+detokenization (:class:`IncrementalDetokenizer`), matches stop strings and stop regexes,
+decodes logprob token strings and builds the request's ``RequestOutput`` (FINAL_ONLY,
+CUMULATIVE or DELTA).
 Token-id finishes (EOS, stop token ids, length) were decided by the core
 (``Scheduler.update_from_output``); a stop string found here finishes the sequence and is
 returned in ``reqs_to_abort`` for the caller to abort in its core. A token of a sequence
@@ -108,7 +109,7 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(
                 self.tokenizer, cr.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens,
                 spaces_between_special_tokens=sp.spaces_between_special_tokens, stop=sp.stop,
-                include_stop_str_in_output=sp.include_stop_str_in_output,
+                include_stop_str_in_output=sp.include_stop_str_in_output, stop_regex=sp.stop_regex,
             )
             want_lp = sp.logprobs is not None
             s = SeqOutputState(cr.request_id, i, sp, detok, [] if want_lp else None, 0.0 if want_lp else None)

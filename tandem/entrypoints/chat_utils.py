@@ -12,8 +12,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-# OpenAI's roles ("function": its deprecated function-calling one). vLLM also passes any other
-# role string to the template; OpenAI answers it with a 400, and so does Tandem.
+# OpenAI's roles ("function": its deprecated function-calling one), whose messages are checked
+# by OpenAI's rules. Any other non-empty role string is passed to the template as vLLM passes it
+# (templates written for e.g. "ipython" or "observation" turns read it); OpenAI would answer 400.
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 _ROLE_LIST = ", ".join(repr(r) for r in ROLES)
 
@@ -119,9 +120,11 @@ def _message(m: Any, where: str) -> dict[str, Any]:
         raise ChatMessageError(where, f"expected a message object ({{'role': ..., 'content': ...}}), got {_kind(m)}.")
     role = m.get("role")
     if role is None:
-        raise ChatMessageError(f"{where}.role", f"missing; give one of {_ROLE_LIST}.")
-    if role not in ROLES:
-        raise ChatMessageError(f"{where}.role", f"{role!r} is not one of {_ROLE_LIST}.")
+        raise ChatMessageError(f"{where}.role", f"missing; give one of {_ROLE_LIST} or a role your chat "
+                                                f"template knows.")
+    if not isinstance(role, str) or not role:
+        raise ChatMessageError(f"{where}.role", f"expected a non-empty string (one of {_ROLE_LIST} or a role "
+                                                f"your chat template knows), got {role!r}.")
     # A null key is an unset one: templates test keys with ``is defined`` / ``in message``
     # (Llama 3.1's ``'tool_calls' in message``), as an echoed response message holds
     # ``"tool_calls": null`` or ``[]``.
@@ -180,9 +183,10 @@ def parse_chat_messages(messages: Any, field: str = "messages") -> list[dict[str
     Raises:
         ChatMessageError: (a ValueError) the first malformed part, its ``param`` the field
             (``messages[0].content``): not a non-empty list, a message that is not an object,
-            a role that is not OpenAI's, content of the wrong type or missing where OpenAI
-            requires it, a content part that is not text, a tool message without
-            ``tool_call_id``, a malformed ``tool_calls``.
+            a role that is not a non-empty string, content of the wrong type or missing where
+            OpenAI requires it (a custom role's message needs content, as a user message), a
+            content part that is not text, a tool message without ``tool_call_id``, a
+            malformed ``tool_calls``.
     """
     if not _is_list(messages) or not messages:
         raise ChatMessageError(field, f"expected a non-empty array of messages, got "

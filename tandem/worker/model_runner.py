@@ -20,7 +20,10 @@ draft, turned into the target's probabilities as the sampler would (temperature,
 top-k, top-p; greedy and deterministic rows one-hot), and
 :func:`~tandem.spec_decode.rejection_sampler.rejection_sample` picks its accepted drafts
 and one more token. The other sequences of the step sample as always. The accepted counts
-are read on the host within the step (stage 1 of issue 46 is synchronous).
+are read on the host within the step (stage 1 of issue 46 is synchronous). With a draft
+model (:class:`~tandem.spec_decode.draft_model.DraftModelProposer`), once the step has
+sampled, the draft model takes in the step's confirmed tokens and proposes the next drafts
+of every sequence that sampled (``ModelRunnerOutput.draft_token_ids``).
 
 A step with constrained sequences (``SchedulerOutput.structured_output_seq_ids``) stops
 after 5: ``execute_model`` returns None, and :meth:`ModelRunner.sample_tokens`, given their
@@ -60,6 +63,7 @@ from tandem import envs
 from tandem.core.sched_output import ScheduledSequence, SchedulerOutput
 from tandem.distributed.forward_context import RowPhases
 from tandem.outputs import ModelRunnerOutput, PromptLogprobs
+from tandem.spec_decode.draft_model import DraftModelProposer
 from tandem.spec_decode.rejection_sampler import rejection_sample
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
 from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
@@ -114,6 +118,16 @@ class _StepSampling:
 
 
 @dataclass
+class _DraftInputs:
+    """A step's inputs as the draft model takes them in after sampling."""
+
+    inputs: StepInputs
+    input_ids: torch.Tensor  # [num_tokens] int64 on the device
+    rows: np.ndarray  # [S] int64: the step's sequences' input-batch rows
+    known: np.ndarray  # [S] int64: each sequence's step tokens before its drafts
+
+
+@dataclass
 class _ForwardedStep:
     """A step run up to its logits, waiting to be sampled."""
 
@@ -121,6 +135,7 @@ class _ForwardedStep:
     sampling: _StepSampling
     logits: torch.Tensor | None  # [len(seq_ids), V] float; None when none samples
     spec_logits: torch.Tensor | None  # [sum(1 + num_drafts), V] float of sampling.spec
+    draft: _DraftInputs | None  # with a draft model
     prompt_lp: dict[int, int]  # {seq_id: first scored prompt index}
     host_src: dict[str, torch.Tensor]  # prompt logprob tensors to copy to the host
     t_prep: float  # host seconds spent building the step's inputs
@@ -148,12 +163,14 @@ class ModelRunner:
         max_model_len: longest sequence (sizes the block tables).
         enforce_eager: never use CUDA graphs.
         dbo: dual-batch overlap policy; None (or a dense model) disables it.
+        drafter: a draft model proposing each sampling sequence's next drafts; None: none.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, vocab_size: int,
                  max_num_seqs: int, device: torch.device, max_model_len: int = 2048, enforce_eager: bool = True,
-                 dbo: DBOPolicy | None = None) -> None:
+                 dbo: DBOPolicy | None = None, drafter: DraftModelProposer | None = None) -> None:
         self.model = model
+        self.drafter = drafter
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -177,7 +194,8 @@ class ModelRunner:
         self.planner = StepPlanner(self.dbo, graphs.sizes if graphs else None, graphs.split_sizes if graphs else set(),
                                    min_prompt_tokens=CPU_MIN_PROMPT_TOKENS if device.type == "cpu" else 0)
         # Layers whose kernel follows the phase of a token (forward_context.RowPhases).
-        self._phase_layers = any(getattr(m, "uses_row_phases", False) for m in model.modules())
+        models = [model] if drafter is None else [model, drafter.model]
+        self._phase_layers = any(getattr(m, "uses_row_phases", False) for net in models for m in net.modules())
         self._track_prompt_lens = self._phase_layers or self.planner.min_prompt_tokens > 0
         self.num_dbo_steps = 0
         # Per step, when timing is on: (start event, end event, sequences, all decode?,
@@ -268,8 +286,12 @@ class ModelRunner:
             ev_start = torch.cuda.Event(enable_timing=True)
             ev_start.record()
             timing = (ev_start, inputs.num_reqs, decode_only, int(inputs.seq_lens.sum()))
-        hidden = self._forward(inputs, self._input_ids(inputs), plan)
+        input_ids = self._input_ids(inputs)
+        hidden = self._forward(inputs, input_ids, plan)
         fwd = self._logits(so.step_id, seqs, sampling, inputs, hidden, t_prep, timing)
+        if self.drafter is not None:
+            known = np.array([s.num_new_tokens - len(s.spec_token_ids) for s in seqs], dtype=np.int64)
+            fwd.draft = _DraftInputs(inputs, input_ids, rows, known)
         if so.structured_output_seq_ids:
             return fwd  # sampled by sample_tokens
         return self._sample_step(fwd, None)
@@ -409,7 +431,7 @@ class ModelRunner:
             ends = qsl[1:][spec.index]
             positions = [p for end, n in zip(ends, spec.num_drafts) for p in range(end - 1 - n, end)]
             spec_logits = self.model.compute_logits(hidden[self._h2d(positions, torch.long)])
-        return _ForwardedStep(step_id, sampling, logits, spec_logits, prompt_lp, host_src, t_prep, timing)
+        return _ForwardedStep(step_id, sampling, logits, spec_logits, None, prompt_lp, host_src, t_prep, timing)
 
     @torch.inference_mode()
     def _sample_step(self, fwd: _ForwardedStep, grammar: GrammarBitmask | None) -> AsyncModelRunnerOutput:
@@ -434,10 +456,16 @@ class ModelRunner:
         self.prev_sampled = host_src["sampled"]
         self.prev_rows = {sid: i for i, sid in enumerate(seq_ids)}
         accepted: dict[int, list[int]] = {}
+        last = host_src["sampled"]
         if fwd.spec_logits is not None:
             first, accepted = self._verify_drafts(fwd.sampling.spec, fwd.spec_logits, len(seq_ids))
             host_src["sampled"] = torch.cat([host_src["sampled"], first])
+            last = torch.cat([last, self._h2d([e[-1] for e in accepted.values()], torch.long)])
             seq_ids = seq_ids + fwd.sampling.spec.seq_ids
+        if fwd.draft is not None:
+            drafts = self._propose_drafts(fwd.draft, fwd.sampling, last, accepted)
+            if drafts is not None:
+                host_src["draft_token_ids"] = drafts
         if fwd.timing is not None:
             ev_start, num_reqs, decode_only, context = fwd.timing
             ev_end = torch.cuda.Event(enable_timing=True)
@@ -461,6 +489,23 @@ class ModelRunner:
         emitted = [toks[:n + 1] for toks, n in zip(token_ids, num_accepted)]
         self.input_batch.record_emitted(spec.rows, [len(e) for e in emitted])
         return out.token_ids[:, 0], {first_row + i: e for i, e in enumerate(emitted)}
+
+    def _propose_drafts(self, draft: _DraftInputs, sampling: _StepSampling, last: torch.Tensor,
+                        accepted: dict[int, list[int]]) -> torch.Tensor | None:
+        """The draft model's catch-up on the step's confirmed tokens, and the next drafts
+        (``[R, K]`` int64 on the device, None when none sampled) of the step's ``R``
+        sampling sequences, from each one's last emitted token ``last`` (``[R]``)."""
+        keep = draft.known.copy()
+        spec_index = sampling.spec.index if sampling.spec is not None else []
+        for r, tokens in zip(spec_index, accepted.values()):  # its last known token and accepted drafts
+            keep[r] += len(tokens) - 1
+        inputs, ib, bs = draft.inputs, self.input_batch, self.block_size
+        emit_seqs = np.array(sampling.index + spec_index, dtype=np.int64)
+        last_pos = int((inputs.num_computed + keep).max()) + self.drafter.num_speculative_tokens
+        width = min(-(-last_pos // bs), ib.block_table.shape[1])
+        table = ib.block_table[self._h2d(draft.rows, torch.long), :width]
+        return self.drafter.propose(inputs, draft.input_ids, keep, emit_seqs, last, ib.block_table_np[draft.rows],
+                                    table)
 
     def _apply_bitmask(self, logits: torch.Tensor, seq_ids: list[int], grammar: GrammarBitmask) -> None:
         """Mask, in place, the tokens ``grammar`` forbids in the rows of its sequences."""
@@ -528,6 +573,8 @@ class ModelRunner:
             if event is not None:
                 event.synchronize()
             out = ModelRunnerOutput(seq_ids, host["sampled"].tolist(), accepted_token_ids=accepted)
+            if "draft_token_ids" in host:
+                out.draft_token_ids = host["draft_token_ids"].tolist()
             if "logprobs" in host:
                 out.logprobs = list(zip(host["logprob_token_ids"].tolist(), host["logprobs"].tolist(),
                                         host["ranks"].tolist()))

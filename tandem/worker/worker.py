@@ -3,7 +3,8 @@
 As vLLM's ``Worker`` (``load_model`` / ``determine_available_memory`` / ``initialize_cache``)
 and nano-vllm's ``ModelRunner``: the engine core builds a :class:`Worker` and calls, in order,
 
-1. :meth:`Worker.load_model`: the MoE dispatch/combine backend, the weights;
+1. :meth:`Worker.load_model`: the MoE dispatch/combine backend, the weights (and a
+   speculative config's draft model);
 2. :meth:`Worker.determine_num_kv_blocks`: the KV cache's size in blocks (profiled on CUDA);
    the TP ranks of a replica then agree on the smallest (the core does, :func:`ps.tp_min`);
 3. :meth:`Worker.initialize_kv_cache`: the cache tensors and the :class:`ModelRunner`.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from tandem.attention.metadata import AttentionMetadata
@@ -26,7 +28,8 @@ from tandem.distributed import parallel_state as ps
 from tandem.layers import batch_invariant
 from tandem.layers.quantization.config import get_gguf_config, get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
-from tandem.model_loader.loader import build_model
+from tandem.model_loader.loader import build_model, load_hf_config
+from tandem.spec_decode.draft_model import DraftModelProposer, check_draft_model
 from tandem.worker.kv_cache import allocate_kv_caches
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.step_plan import DBOPolicy
@@ -45,6 +48,7 @@ class Worker:
 
     Attributes:
         model: the loaded model (after :meth:`load_model`).
+        draft_model: the speculative config's draft model, or None (likewise).
         model_runner: the runner over the model and its cache (after :meth:`initialize_kv_cache`).
         num_kv_blocks: the cache's size in blocks, block 0 the null block (likewise).
     """
@@ -58,6 +62,7 @@ class Worker:
         self.vocab_size: int = hf_config.vocab_size
         self.quant_config = None
         self.model: torch.nn.Module | None = None
+        self.draft_model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
         self.num_kv_blocks: int | None = None
 
@@ -85,8 +90,30 @@ class Worker:
         self.model = build_model(self.hf_config, model_cfg.model, cfg.load_config.load_format, backend, self.dtype,
                                  self.device, max_positions=model_cfg.max_model_len, seed=model_cfg.seed,
                                  quant_config=self.quant_config, **self._moe_kwargs())
+        spec = cfg.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            self.draft_model = self._load_draft_model(spec.model, backend)
         torch.manual_seed(model_cfg.seed)
         return self.model
+
+    def _load_draft_model(self, path: str, backend) -> torch.nn.Module:
+        """The draft model at ``path``, in the target's dtype and load format; a GGUF file
+        runs quantized as a GGUF target does by default (dequantized with ``quantization="none"``).
+
+        Raises:
+            ValueError: its vocabulary or context is not the target's (:func:`check_draft_model`).
+        """
+        model_cfg = self.config.model_config
+        draft_hf = load_hf_config(path)
+        load_format = self.config.load_config.load_format
+        # Random weights (tests) have no tokenizer of their own to compare.
+        check_draft_model(self.hf_config, draft_hf, model_cfg.tokenizer or model_cfg.model, path,
+                          model_cfg.max_model_len, compare_tokenizers=load_format != "dummy")
+        # "none" dequantizes a GGUF draft too; otherwise a GGUF draft runs as a GGUF target would by default.
+        quant_config = get_gguf_config(path, "none" if model_cfg.quantization == "none" else None, self.device.type, load_format, model_cfg.dtype,
+                                       model_cfg.deterministic)
+        return build_model(draft_hf, path, load_format, backend, self.dtype, self.device,
+                           max_positions=model_cfg.max_model_len, seed=model_cfg.seed, quant_config=quant_config)
 
     def _moe_kwargs(self) -> dict:
         """The dispatch/combine backend of MoE layers (dense models take none)."""
@@ -125,9 +152,13 @@ class Worker:
         """(layers, planes, KV heads, head dim) of this rank's cache. Planes per layer: 2
         (keys, values); 1 for models caching one compressed latent per token (MLA:
         ``[1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]``)."""
-        model = self._loaded_model()
-        num_kv_heads, head_dim = model.kv_cache_shape_per_block
-        return len(model.layers), getattr(model, "kv_cache_num_planes", 2), num_kv_heads, head_dim
+        return _cache_geometry(self._loaded_model())
+
+    def _bytes_per_block(self) -> int:
+        """Bytes of one KV block over every layer, the draft model's cache included."""
+        models = [self._loaded_model()] + ([self.draft_model] if self.draft_model is not None else [])
+        bits = torch.finfo(self.kv_dtype).bits
+        return sum(int(np.prod(_cache_geometry(m))) * self.config.cache_config.block_size * bits // 8 for m in models)
 
     def determine_num_kv_blocks(self) -> int:
         """This rank's KV cache size in blocks: ``cache_config.num_kv_blocks`` if set; else
@@ -142,9 +173,7 @@ class Worker:
         cache_cfg = self.config.cache_config
         if cache_cfg.num_kv_blocks:
             return cache_cfg.num_kv_blocks
-        num_layers, planes, kv_heads, head_dim = self._cache_geometry
-        bytes_per_block = (planes * num_layers * cache_cfg.block_size * kv_heads * head_dim
-                           * torch.finfo(self.kv_dtype).bits // 8)
+        bytes_per_block = self._bytes_per_block()
         if self.device.type == "cuda":
             start = time.perf_counter()
             activations = self.profile_activation_bytes()
@@ -210,25 +239,39 @@ class Worker:
                                        self.kv_dtype, self.device)
         self.num_kv_blocks = num_blocks
         capacity = (num_blocks - 1) * cache_cfg.block_size
-        logger.info("model %s: %s, quantization %s; KV cache: %d blocks of %d tokens (%d usable tokens: one "
-                    "null block), %.2f GiB, %s",
-                    model_cfg.model, self.dtype, self.quant_config.method if self.quant_config is not None else "none",
-                    num_blocks, cache_cfg.block_size, capacity, sum(c.nbytes for c in kv_caches) / 2**30,
-                    self.kv_dtype)
         if capacity < model_cfg.max_model_len:
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, model_cfg.max_model_len)
             model_cfg.max_model_len = capacity
-        self.model_runner = self._build_model_runner(kv_caches)
+        drafter = self._build_drafter(num_blocks)
+        logger.info("model %s: %s, quantization %s; KV cache: %d blocks of %d tokens (%d usable tokens: one "
+                    "null block), %.2f GiB%s, %s",
+                    model_cfg.model, self.dtype, self.quant_config.method if self.quant_config is not None else "none",
+                    num_blocks, cache_cfg.block_size, capacity,
+                    sum(c.nbytes for c in kv_caches + (drafter.kv_caches if drafter else [])) / 2**30,
+                    " (the draft model's included)" if drafter else "", self.kv_dtype)
+        self.model_runner = self._build_model_runner(kv_caches, drafter)
         return self.model_runner
 
-    def _build_model_runner(self, kv_caches: list[torch.Tensor]) -> ModelRunner:
+    def _build_drafter(self, num_blocks: int) -> DraftModelProposer | None:
+        """The draft model's proposer over its own cache of ``num_blocks`` blocks (the
+        target's block ids address both), or None without a draft model."""
+        if self.draft_model is None:
+            return None
+        cache_cfg = self.config.cache_config
+        num_layers, planes, kv_heads, head_dim = _cache_geometry(self.draft_model)
+        caches = allocate_kv_caches(num_layers, (planes, num_blocks, cache_cfg.block_size, kv_heads, head_dim),
+                                    self.kv_dtype, self.device)
+        return DraftModelProposer(self.draft_model, caches, self.config.speculative_config.num_speculative_tokens,
+                                  cache_cfg.block_size, self.config.model_config.max_model_len, self.device)
+
+    def _build_model_runner(self, kv_caches: list[torch.Tensor], drafter: DraftModelProposer | None) -> ModelRunner:
         cfg, model_cfg, sched_cfg, dbo_cfg = (self.config, self.config.model_config, self.config.scheduler_config,
                                               self.config.dbo_config)
         dbo = (DBOPolicy(dbo_cfg.dbo_decode_token_threshold, dbo_cfg.dbo_prefill_token_threshold,
                          dbo_cfg.dbo_measure_split) if dbo_cfg.enable_dbo else None)
         runner = ModelRunner(self.model, kv_caches, cfg.cache_config.block_size, self.vocab_size,
                              sched_cfg.max_num_seqs, self.device, max_model_len=model_cfg.max_model_len,
-                             enforce_eager=model_cfg.enforce_eager, dbo=dbo)
+                             enforce_eager=model_cfg.enforce_eager, dbo=dbo, drafter=drafter)
         if ps.get_ep_size() > 1:
             # Expert parallelism: every DP rank's forward takes part in the EP collectives, so
             # the runner agrees on each step (and runs dummy batches) over the DP group.
@@ -242,6 +285,11 @@ class Worker:
         if self.model is None:
             raise RuntimeError("Worker.load_model() must run before the KV cache is sized or allocated")
         return self.model
+
+
+def _cache_geometry(model: torch.nn.Module) -> tuple[int, int, int, int]:
+    num_kv_heads, head_dim = model.kv_cache_shape_per_block
+    return len(model.layers), getattr(model, "kv_cache_num_planes", 2), num_kv_heads, head_dim
 
 
 def profile_step_metadata(num_tokens: int, max_model_len: int, block_size: int,

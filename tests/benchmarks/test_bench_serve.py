@@ -10,7 +10,9 @@ import sys
 import pytest
 
 from tandem.benchmarks.datasets import iter_json_array, random_requests
-from tandem.benchmarks.serve import RequestResult, calculate_metrics, parse_goodput
+from tandem.benchmarks.serve import (RequestResult, calculate_metrics, parse_goodput, parse_spec_decode_metrics,
+                                     spec_decode_result)
+from tandem.engine.stat_logger import SpecDecodingStats
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +20,17 @@ def server():
     from tandem.entrypoints.openai.testing import RemoteServer
 
     with RemoteServer(["--max-model-len", "2048", "--kv-cache-memory-gib", "0.25", "--device", "cpu"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    """A server that speculates (n-gram, 3 drafts)."""
+    from tandem.entrypoints.openai.testing import RemoteServer
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with RemoteServer(["--max-model-len", "1024", "--kv-cache-memory-gib", "0.25", "--dtype", "float32", "--device",
+                       "cpu", "--speculative-config", json.dumps(spec)]) as srv:
         yield srv
 
 
@@ -68,6 +81,41 @@ def test_sharegpt_sampling():
     assert all(isinstance(r.prompt, str) and 4 <= r.prompt_len <= 1024 and r.expected_output_len == 7 for r in reqs)
 
 
+def test_custom_requests(tmp_path):
+    from tandem.benchmarks.datasets import custom_requests
+
+    class WordTokenizer:
+        vocab_size = 1000
+
+        def encode(self, text):
+            return text.split()
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "one two three", "id": 1}\n\n{"prompt": "four"}\n')
+    reqs = custom_requests(str(path), 3, WordTokenizer(), 16)
+    assert [(r.prompt, r.prompt_len, r.expected_output_len) for r in reqs] == [
+        ("one two three", 3, 16), ("four", 1, 16), ("one two three", 3, 16)]  # repeated from the start
+    for text, msg in (('{"text": "x"}\n', "prompt"), ("not json\n", "not JSON"), ("\n", "no prompts")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            custom_requests(str(path), 1, WordTokenizer(), 16)
+
+
+def test_bench_serve_custom_chat(server, tmp_path):
+    """``--dataset custom``: each line's prompt as the user message, --custom-output-len tokens."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Count from {i} to {i + 20}."}) + "\n" for i in range(2)))
+    p = _bench(server, "--backend", "openai-chat", "--dataset", "custom", "--dataset-path", str(path),
+               "--custom-output-len", "5", "--ignore-eos", "--num-prompts", "3", "--disable-warmup", "--save-result",
+               "--result-dir", str(tmp_path), "--result-filename", "res.json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert res["dataset"] == "custom" and res["completed"] == 3 and res["output_lens"] == [5, 5, 5]
+    assert res["input_lens"][0] == res["input_lens"][2] > len("Count from 0 to 20.".split())  # the chat template's
+    p = _bench(server, "--dataset", "custom", "--num-prompts", "1")
+    assert p.returncode != 0 and "--dataset custom needs --dataset-path" in p.stderr
+
+
 def _bench(server, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve", "--base-url", server.url, *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -92,6 +140,8 @@ def test_bench_serve_random_prints_table(server, tmp_path):
     assert res["total_input_tokens"] == 8 * 16 and res["total_output_tokens"] == 8 * 4
     assert res["request_goodput"] > 0 and res["mean_ttft_ms"] > 0 and res["mean_tpot_ms"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The server does not speculate.
+    assert "Speculative Decoding" not in out and "spec_decode_acceptance_rate" not in res
 
 
 def test_bench_serve_sharegpt_chat(server):
@@ -169,3 +219,53 @@ def test_local_tokenizer_random_ids_skip_added_tokens(tmp_path):
     assert len(local.tok) == base + 64 and local.vocab_size == base
     reqs = random_requests(32, 64, 4, local.vocab_size, seed=1)
     assert max(max(r.prompt) for r in reqs) < base
+
+
+def test_spec_decode_counters_read_from_metrics_summed_over_engines():
+    """vLLM's names on a scrape of two engines (one has verified nothing); a scrape without
+    them is no speculation, and a run without drafts reports nothing."""
+    from prometheus_client import generate_latest
+
+    from tandem.entrypoints.openai.metrics import ServerMetrics
+    from tests.entrypoints.test_metrics_spec_decode import _spec_llm
+
+    text = generate_latest(ServerMetrics(_spec_llm(num_speculative_tokens=4), "m").registry).decode()
+    assert parse_spec_decode_metrics(text) == SpecDecodingStats(10, 30, 15, (8, 5, 2, 0))
+    assert parse_spec_decode_metrics("# nothing here\n") is None
+    run = SpecDecodingStats(10, 30, 15, (8, 5, 2, 0)) - SpecDecodingStats(2, 6, 5, (3, 2))
+    assert spec_decode_result(run) == {
+        "spec_decode_acceptance_rate": pytest.approx(100 * 10 / 24), "spec_decode_acceptance_length": 1 + 10 / 8,
+        "spec_decode_num_drafts": 8, "spec_decode_draft_tokens": 24, "spec_decode_accepted_tokens": 10,
+        "spec_decode_per_position_acceptance_rates": [5 / 8, 3 / 8, 2 / 8, 0.0]}
+    assert spec_decode_result(SpecDecodingStats()) is None
+
+
+def test_bench_serve_reports_the_acceptance_the_server_counted(spec_server, tmp_path):
+    """Against a server that speculates: the table's Speculative Decoding rows and the JSON
+    are the change of the engine's counters over the run (no warm-up, so all of it)."""
+    import httpx
+
+    def engine_stats() -> dict:
+        return httpx.get(f"{spec_server.url}/debug/engine_stats", timeout=30).json()
+
+    before = engine_stats()
+    p = _bench(spec_server, "--dataset", "random", "--random-input-len", "16", "--random-output-len", "32",
+               "--num-prompts", "2", "--max-concurrency", "1", "--ignore-eos", "--disable-warmup", "--save-result",
+               "--result-dir", str(tmp_path), "--result-filename", "res.json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    after = engine_stats()
+    drafts, draft_tokens, accepted = (after[k] - before[k] for k in (
+        "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
+    key = "spec_decode_num_accepted_tokens_per_pos"
+    assert len(before[key]) == len(after[key]) == 3
+    per_pos = [a - b for a, b in zip(after[key], before[key])]
+    assert draft_tokens > 0  # not vacuous: the greedy continuations repeat themselves
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert (res["spec_decode_num_drafts"], res["spec_decode_draft_tokens"], res["spec_decode_accepted_tokens"]) == \
+        (drafts, draft_tokens, accepted)
+    assert res["spec_decode_acceptance_rate"] == pytest.approx(100 * accepted / draft_tokens)
+    assert res["spec_decode_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+    assert res["spec_decode_per_position_acceptance_rates"] == pytest.approx(
+        [n / drafts for n in per_pos])
+    assert "Speculative Decoding" in p.stdout
+    assert f"Acceptance length:                      {res['spec_decode_acceptance_length']:<10.2f}" in p.stdout

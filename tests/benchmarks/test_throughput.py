@@ -181,6 +181,7 @@ def test_bench_throughput_json_names_the_settings_that_tell_runs_apart(tmp_path)
     assert (res["quantization"], res["kv_cache_dtype"], res["dtype"]) == ("fp8", "fp8", "auto")
     assert res["deterministic"] is True
     assert res["num_prompts"] == 2 and res["requests_per_s"] > 0
+    assert res["spec_decode_acceptance_rate"] is None  # no speculation
 
 
 def test_progress_moves_with_the_tokens_before_any_request_finishes(capsys):
@@ -244,3 +245,48 @@ def test_generate_with_progress_counts_every_step(monkeypatch):
     outs = throughput.generate_with_progress(_FakeEngine(), [[1], [2]], SamplingParams(max_tokens=3), output_len=3)
     assert [o.request_id for o in outs] == ["bench-0", "bench-1"]
     assert seen == [(2, 0), (4, 0), (6, 2)]
+
+
+def test_bench_throughput_reports_the_acceptance_the_engine_counted(tmp_path, monkeypatch, capsys):
+    """With ``--speculative-config``, the acceptance printed and in the JSON is the change of
+    the engine core's counters over the timed generate (the warm-up's drafts left out):
+    acceptance rate (accepted / draft tokens, %), mean acceptance length (1 + accepted per
+    verification), and the rate at each draft position."""
+    import json
+
+    from tandem.benchmarks import throughput
+    from tandem.entrypoints.cli import build_parser
+
+    seen = []
+    timed = throughput.generate_with_progress
+
+    def counted(engine, *args):
+        seen.append(engine.core.debug_stats())
+        outs = timed(engine, *args)
+        seen.append(engine.core.debug_stats())
+        return outs
+
+    monkeypatch.setattr(throughput, "generate_with_progress", counted)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    out = tmp_path / "res.json"
+    throughput.main(build_parser().parse_args([
+        "bench", "throughput", "--num-prompts", "2", "--input-len", "16", "--output-len", "32", "--max-model-len",
+        "256", "--dtype", "float32", "--speculative-config", json.dumps(spec), "--output-json", str(out)]))
+    before, after = seen
+    drafts, draft_tokens, accepted = (after[k] - before[k] for k in (
+        "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
+    key = "spec_decode_num_accepted_tokens_per_pos"
+    assert len(before[key]) == len(after[key]) == 3
+    per_pos = [a - b for a, b in zip(after[key], before[key])]
+    # Random prompts, greedy: the model repeats itself enough to draft, not always right.
+    assert 0 < accepted < draft_tokens
+    assert per_pos == sorted(per_pos, reverse=True) and sum(per_pos) == accepted
+    res = json.loads(out.read_text())
+    assert (res["spec_decode_num_drafts"], res["spec_decode_draft_tokens"], res["spec_decode_accepted_tokens"]) == \
+        (drafts, draft_tokens, accepted)
+    assert res["spec_decode_acceptance_rate"] == pytest.approx(100 * accepted / draft_tokens)
+    assert res["spec_decode_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+    assert res["spec_decode_per_position_acceptance_rates"] == pytest.approx([n / drafts for n in per_pos])
+    assert (f"Speculative decoding: acceptance rate {res['spec_decode_acceptance_rate']:.2f}% ({accepted} of "
+            f"{draft_tokens} draft tokens), mean acceptance length {res['spec_decode_acceptance_length']:.2f}"
+            ) in capsys.readouterr().out

@@ -157,3 +157,47 @@ def test_only_confirmed_tokens_enter_the_prefix_cache():
     s.schedule()  # hashes what the next step makes known, nothing more
     cached = {b.block_hash for b in s.kv.req_blocks[r.seq_id] if b.block_hash is not None}
     assert cached == set(chain(len(tokens) // 4))
+
+
+# ----------------------------------------------------------------- drafts of a draft model
+def test_draft_model_drafts_come_from_the_output_with_lookahead_slots():
+    """With a draft model the runner returns each sampling sequence's next drafts; the
+    scheduler verifies them next step and reserves K slots past every sampling step for the
+    draft model's K/V (never past the context)."""
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(kv, 8, 64, 1024, num_lookahead_tokens=3)
+    r = _req()
+    s.add_request(r)
+    (seq,) = s.schedule().scheduled
+    assert seq.sample and len(kv.req_blocks[r.seq_id]) == 3  # 9 prompt tokens + 3 lookahead in blocks of 4
+    s.update_from_output(ModelRunnerOutput([r.seq_id], [3], draft_token_ids=[[4, 5, 6]]))
+    assert r.draft_token_ids == [4, 5, 6]
+    (seq,) = s.schedule().scheduled
+    assert seq.spec_token_ids == [4, 5, 6] and seq.num_new_tokens == 4
+    assert len(kv.req_blocks[r.seq_id]) * 4 >= 10 + 3 + 3
+    s.update_from_output(ModelRunnerOutput([r.seq_id], [4], accepted_token_ids={0: [4, 8]},
+                                           draft_token_ids=[[9, 9, 9]]))
+    assert r.output_token_ids == [3, 4, 8] and r.num_computed_tokens == 11 and r.draft_token_ids == [9, 9, 9]
+
+
+def test_lookahead_never_passes_the_context_nor_costs_a_block_nobody_has():
+    kv = KVCacheManager(4, 4)  # 3 usable blocks of 4 tokens
+    s = Scheduler(kv, 8, 64, 12, num_lookahead_tokens=3)
+    a = _req(prompt=[1, 2, 3, 4], max_tokens=2)
+    s.add_request(a)
+    s.schedule()
+    assert len(kv.req_blocks[a.seq_id]) == 2  # 4 tokens + 3 lookahead
+    s.update_from_output(ModelRunnerOutput([a.seq_id], [3], draft_token_ids=[[4, 5, 6]]))
+    b = Request("b", [5, 6, 7, 8], SamplingParams(temperature=0), 0.0, max_tokens=2)
+    s.add_request(b)
+    out = s.schedule()
+    # a (no room for a draft before max_tokens) keeps its lookahead in its 2 blocks; b gets
+    # the last block, without lookahead.
+    assert [(q.seq_id, q.spec_token_ids) for q in out.scheduled] == [(a.seq_id, []), (b.seq_id, [])]
+    assert len(kv.req_blocks[a.seq_id]) == 2
+    assert len(kv.req_blocks[b.seq_id]) == 1 and kv.pool.num_free_blocks == 0
+    c = _req(prompt=list(range(1, 10)), max_tokens=8)
+    s2 = Scheduler(KVCacheManager(64, 4), 8, 64, 12, num_lookahead_tokens=3)
+    s2.add_request(c)
+    s2.schedule()
+    assert len(s2.kv.req_blocks[c.seq_id]) == 3  # 9 + 3 = the context: no more

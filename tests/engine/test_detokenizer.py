@@ -12,6 +12,7 @@ import importlib.util
 import json
 
 import pytest
+import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -473,3 +474,82 @@ def test_check_stop_false_skips_matching(smol):
     assert det.update(out[n:n + 1], stop_terminated=False) is None
     assert det.update(out[n + 1:n + 2], stop_terminated=False) == "FG"
     assert det.output_text == ALPHABET[:n]
+
+
+# ----------------------------------------------------------------------------- stop regexes
+
+
+@pytest.mark.parametrize("granularity", ["tokens", "chars"])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_regex_alphabet(smol, granularity, include):
+    """The leftmost match ends the sequence, cut as at a stop string; no character that may
+    still become part of a match is released before the match."""
+    out = smol.encode(ALPHABET) if granularity == "tokens" else char_level_ids(smol, ALPHABET)
+    pattern = r"[D-F]{3}H?"  # "DEF": complete before "G" could be an "H"
+    det, deltas, released, matched = run_stream(smol, [], out, stop_regex=[pattern],
+                                                include_stop_str_in_output=include)
+    cut = ALPHABET.index("DEF")
+    expected = ALPHABET[:cut + 3] if include else ALPHABET[:cut]
+    assert matched == pattern and det.matched_stop_str == pattern and det.finished
+    assert det.output_text == expected and "".join(deltas) == expected
+    check_monotonic(released, expected)
+    for r in released[:-1]:
+        assert len(r) <= cut, r
+
+
+def test_stop_regex_holds_back_partial_matches_only(smol):
+    out = char_level_ids(smol, ALPHABET)
+    det = IncrementalDetokenizer(smol, [], stop_regex=[r"MN\d"])
+    det.update(out[:-2], stop_terminated=False)  # "...LMN": "MN" could go on with a digit
+    assert det.output_text == ALPHABET[:-4]
+    assert det.update(out[-2:-1], stop_terminated=False) is None  # "O": no longer
+    assert det.output_text == ALPHABET[:-1]
+    assert det.update(out[-1:], stop_terminated=True) is None
+    assert det.output_text == ALPHABET
+
+
+def test_stop_regex_anchored_at_the_end(smol):
+    """SGLang's sentence rule: a match that needs the end of the text matches there."""
+    out = smol.encode("One. Two three")
+    det, deltas, _, matched = run_stream(smol, [], out, stop_regex=[r"[.!?]\s*$"], include_stop_str_in_output=True)
+    assert matched == r"[.!?]\s*$" and "".join(deltas) == "One."
+
+
+def test_stop_regex_and_stop_strings_the_first_to_end_wins(smol):
+    out = smol.encode(ALPHABET)
+    det, _, _, matched = run_stream(smol, [], out, stop=["alphabet"], stop_regex=[r"Eng\w+"])
+    assert matched == r"Eng\w+" and det.output_text == "Here is the "
+    det, _, _, matched = run_stream(smol, [], out, stop=["the"], stop_regex=[r"Eng\w+"])
+    assert matched == "the" and det.output_text == "Here is "
+
+
+def test_check_stop_false_skips_regex_matches(smol):
+    """A match that ends in text fed before min_tokens does not count (as a stop string), nor
+    holds back what follows."""
+    out = char_level_ids(smol, ALPHABET)
+    n = ALPHABET.index("DE") + 2
+    det = IncrementalDetokenizer(smol, [], stop_regex=[r"[DF][EG]"])
+    assert det.update(out[:n], stop_terminated=False, check_stop=False) is None
+    assert det.update(out[n:n + 1], stop_terminated=False) is None  # "F" may start "FG"
+    assert det.output_text == ALPHABET[:n]
+    assert det.update(out[n + 1:n + 2], stop_terminated=False) == r"[DF][EG]"
+    assert det.output_text == ALPHABET[:n]
+
+
+@PROPERTY_SETTINGS
+@given(data=st.data())
+def test_escaped_stop_regexes_are_stop_strings(smol, data):
+    """A stop string given as its escaped regex gives the same deltas, text and match."""
+    chars = "ab c日🎉"
+    text = data.draw(st.text(alphabet=chars, min_size=1, max_size=30), label="text")
+    out = char_level_ids(smol, text) if data.draw(st.booleans(), label="chars") else smol.encode(text)
+    stops = data.draw(st.lists(st.text(alphabet=chars, min_size=1, max_size=4), min_size=1, max_size=3),
+                      label="stops")
+    include = data.draw(st.booleans(), label="include")
+    sizes = data.draw(st.lists(st.integers(1, 4), max_size=len(out)), label="chunks")
+    _, deltas, released, matched = run_stream(smol, [], out, sizes, stop=stops, include_stop_str_in_output=include)
+    patterns = [regex.escape(s) for s in stops]
+    _, r_deltas, r_released, r_matched = run_stream(smol, [], out, sizes, stop_regex=patterns,
+                                                    include_stop_str_in_output=include)
+    assert (r_deltas, r_released) == (deltas, released)
+    assert r_matched == (None if matched is None else patterns[stops.index(matched)])

@@ -18,9 +18,11 @@ BAD_MESSAGES = {
     "one message, not a list": (USER, "messages"),
     "message not an object": (["Hi"], "messages[0]"),
     "no role": ([{"content": "Hi"}], "messages[0].role"),
-    "unknown role": ([{"role": "wizard", "content": "Hi"}], "messages[0].role"),
     "empty role": ([{"role": "", "content": "Hi"}], "messages[0].role"),
     "role not a string": ([{"role": 5, "content": "Hi"}], "messages[0].role"),
+    "custom role without content": ([{"role": "observation"}, USER], "messages[0].content"),
+    "tool_calls on a custom role's message": ([{"role": "planner", "content": "Hi", "tool_calls": [CALL]}],
+                                              "messages[0].tool_calls"),
     "no content": ([{"role": "user"}], "messages[0].content"),
     "null content": ([{"role": "user", "content": None}], "messages[0].content"),
     "integer content": ([{"role": "user", "content": 42}], "messages[0].content"),
@@ -64,6 +66,9 @@ BAD_MESSAGES = {
 
 # case -> (messages, the same conversation as the chat template reads it).
 GOOD_MESSAGES = {
+    # vLLM passes any role to the template (its own message checks: a user message's).
+    "custom role": ([{"role": "observation", "content": [{"type": "text", "text": "21 C"}]}, USER],
+                    [{"role": "observation", "content": "21 C"}, USER]),
     "string content": ([USER], [USER]),
     "text parts": ([{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}],
                    [{"role": "user", "content": "Hi\nthere"}]),

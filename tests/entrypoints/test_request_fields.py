@@ -214,6 +214,10 @@ BAD = [
     ("no_such_field", {"no_such_field": 1}),
     ("stream_options", {"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}),
     ("guided_json", {"guided_json": {"type": "nonsense"}}),  # supported field, invalid schema
+    ("regex", {"regex": "("}),  # SGLang's fields
+    ("ebnf", {"ebnf": "root ::= "}),
+    ("stop_regex", {"stop_regex": "("}),
+    ("stop_regex", {"stop_regex": ["and", "x*"]}),  # matches the empty string: would stop at once
 ]
 
 

@@ -47,7 +47,7 @@ BAD_COMPLETIONS = {
 
 BAD_CHAT = {
     "no messages": {"messages": []},
-    "unknown role": {"messages": [{"role": "wizard", "content": "Hi"}]},
+    "empty role": {"messages": [{"role": "", "content": "Hi"}]},  # any other role string is the template's
     # Without max_tokens, which once generated to the end of the context.
     "message without content": {"messages": [{"role": "user"}]},
     "image part": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

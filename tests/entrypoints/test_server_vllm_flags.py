@@ -1,7 +1,9 @@
 """``tandem serve`` started as vLLM users start it: ``--api-key`` (twice) keeps the ``/v1``
 routes closed without one of the keys and never logs them, ``--chat-template`` replaces the
-tokenizer's template, ``--no-enable-auto-tool-choice`` refuses tool_choice auto as vLLM
-without ``--enable-auto-tool-choice``. One server for the module."""
+tokenizer's template (and gets messages of any role, as vLLM passes them),
+``--no-enable-auto-tool-choice`` refuses tool_choice auto as vLLM without
+``--enable-auto-tool-choice``, ``--return-tokens-as-token-ids`` is the default of the request
+field. One server for the module."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def server(tmp_path_factory):
     template.write_text(TEMPLATE)
     args = ["--max-model-len", "512", "--kv-cache-memory-gib", "0.1", "--dtype", "float32", "--device", "cpu",
             "--served-model-name", MODEL_NAME, "--api-key", KEYS[0], "--api-key", KEYS[1],
-            "--chat-template", str(template), "--no-enable-auto-tool-choice"]
+            "--chat-template", str(template), "--no-enable-auto-tool-choice", "--return-tokens-as-token-ids"]
     # A key in the environment is not one of the server's when --api-key is given (as vLLM).
     with RemoteServer(args, env={"TANDEM_API_KEY": WRONG_KEY}) as srv:
         yield srv
@@ -92,6 +94,33 @@ def test_chat_template_replaces_the_tokenizers(server):
     out = r.json()
     assert out["usage"]["prompt_tokens"] == len(tok["tokens"])
     assert [int(next(iter(p))) for p in out["prompt_logprobs"][1:]] == tok["tokens"][1:]
+
+
+def test_custom_roles_reach_the_template(server):
+    """vLLM hands any role to the template; this one prints it in capitals."""
+    headers = _headers(KEYS[0])
+    messages = [{"role": "observation", "content": [{"type": "text", "text": "21 C in Rome"}]}, *MESSAGES]
+    expected = "[OBSERVATION] 21 C in Rome\n[USER] What is the capital of France?\n[ASSISTANT]"
+    tok = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, headers=headers).json()
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == expected
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=headers, timeout=120, json={
+        "model": MODEL_NAME, "messages": messages, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(tok["tokens"])
+
+
+def test_return_tokens_as_token_ids_is_the_default(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS[0], max_retries=0, timeout=120)
+    kw = dict(model=MODEL_NAME, prompt="The capital of France is", max_tokens=3, temperature=0.0, logprobs=2)
+    default = client.completions.create(**kw).choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in default.tokens), default.tokens
+    assert all(t.startswith("token_id:") for top in default.top_logprobs for t in top)
+    # A request that says false gets the tokens' text.
+    text = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": False}).choices[0].logprobs
+    assert "".join(text.tokens) == client.completions.create(**kw).choices[0].text
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2, temperature=0.0,
+                                          logprobs=True, top_logprobs=1)
+    assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
 
 
 def test_tool_choice_auto_is_refused_when_turned_off(server):

@@ -1,6 +1,7 @@
 """A streamed chat choice's tool-call deltas (``serving._ToolStream``) against
 ``ToolPlan.split`` of the whole text, for every tool_choice and any split into deltas;
-the SSE chunks written without pydantic models against the models' JSON."""
+the SSE chunks written without pydantic models against the models' JSON; SGLang's
+``matched_stop``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import pytest
 
 from tandem.entrypoints.openai import protocol as P
-from tandem.entrypoints.openai.serving import ChunkFrames, _js, _ToolStream, sse
+from tandem.entrypoints.openai.serving import ChunkFrames, _js, _ToolStream, matched_stop, sse
 from tandem.entrypoints.openai.structured_outputs import tool_plan
 
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("f", "g")]
@@ -65,9 +66,10 @@ TEXTS = ["", " hello", 'q"uo\\te/', "\n\t\r\b\f\x00\x1f\x7f", "é中🙂\u2028\u
 
 
 @pytest.mark.parametrize("text", TEXTS)
-@pytest.mark.parametrize("finish, stop_reason", [(None, None), ("stop", 2), ("stop", "a\"b"), ("length", None)])
+@pytest.mark.parametrize("finish, stop_reason, matched", [(None, None, None), ("stop", 2, 2), ("stop", "a\"b", "a\"b"),
+                                                          ("stop", None, 0), ("length", None, None)])
 @pytest.mark.parametrize("usage", [None, (7, 3)])
-def test_chunk_frames_are_the_models_json(text, finish, stop_reason, usage):
+def test_chunk_frames_are_the_models_json(text, finish, stop_reason, matched, usage):
     """``ChunkFrames`` writes, byte for byte, what ``model_dump_json`` of the stream
     response models writes (ids and model names with characters JSON escapes too)."""
 
@@ -78,16 +80,24 @@ def test_chunk_frames_are_the_models_json(text, finish, stop_reason, usage):
     for logprobs in (None, lp):
         want = P.CompletionStreamResponse(id=rid, created=created, model=model, usage=u, choices=[
             P.CompletionResponseStreamChoice(index=3, text=text, logprobs=logprobs, finish_reason=finish,
-                                             stop_reason=stop_reason)])
+                                             stop_reason=stop_reason, matched_stop=matched)])
         got = ChunkFrames("text_completion", rid, created, model).frame(
-            3, _js(text), logprobs.model_dump_json() if logprobs else "null", finish, stop_reason, u_json)
+            3, _js(text), logprobs.model_dump_json() if logprobs else "null", finish, stop_reason, matched, u_json)
         assert got == sse(want)
     plan = tool_plan(P.ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}]))
     delta_json, calls = _ToolStream(plan, "hermes").delta_json(text, finish is not None)
     assert not calls
     want = P.ChatCompletionStreamResponse(id=rid, created=created, model=model, usage=u, choices=[
         P.ChatCompletionResponseStreamChoice(index=1, delta=P.DeltaMessage(content=text), finish_reason=finish,
-                                             stop_reason=stop_reason)])
+                                             stop_reason=stop_reason, matched_stop=matched)])
     got = ChunkFrames("chat.completion.chunk", rid, created, model).frame(1, delta_json, "null", finish,
-                                                                         stop_reason, u_json)
+                                                                         stop_reason, matched, u_json)
     assert got == sse(want)
+
+
+@pytest.mark.parametrize("finish, stop_reason, last, want", [
+    ("stop", "\n", 5, "\n"), ("stop", r"and|or", 5, r"and|or"), ("stop", 7, 7, 7), ("stop", None, 2, 2),
+    ("length", None, 5, None), ("abort", None, None, None), ("stop", None, None, None)])
+def test_matched_stop_is_sglangs(finish, stop_reason, last, want):
+    """The stop string, regex pattern or stop token id; the EOS (last) token; None unless "stop"."""
+    assert matched_stop(finish, stop_reason, last) == want

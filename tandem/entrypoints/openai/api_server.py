@@ -260,7 +260,7 @@ class _DrainGate:
 def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | None = None,
               tool_call_parser: str | None = None, api_server_index: int = 0, api_server_count: int = 1,
               metrics_dir: str | None = None, api_keys: Sequence[str] = (), chat_template: str | None = None,
-              enable_auto_tool_choice: bool = True) -> FastAPI:
+              enable_auto_tool_choice: bool = True, return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The FastAPI application around a running ``AsyncLLM``.
 
     ``app.state`` holds ``llm``, ``serving`` (``OpenAIServing``), ``metrics`` and ``drain``
@@ -271,10 +271,11 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], model_root: str | No
     (:class:`_BearerAuth`). ``chat_template``: replaces the tokenizer's (chat requests,
     ``/tokenize`` messages, the default tool-call parser). ``enable_auto_tool_choice``
     False: a chat request whose tool choice is auto is a 400, as vLLM's without the flag.
+    ``return_tokens_as_token_ids``: the default of the request field of that name.
     """
     if chat_template is not None:
         llm.tokenizer.chat_template = chat_template  # the API server's own tokenizer: cores apply no template
-    serving = OpenAIServing(llm, served_model_names, tool_call_parser)
+    serving = OpenAIServing(llm, served_model_names, tool_call_parser, return_tokens_as_token_ids)
     metrics = ServerMetrics(llm, served_model_names[0], metrics_dir)
 
     async def watch_engine() -> None:
@@ -725,7 +726,8 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
         app = build_app(llm, names, model_root=cfg.model_config.model, tool_call_parser=args.tool_call_parser,
                         api_server_index=api_server_index, api_server_count=args.api_server_count,
                         metrics_dir=metrics_dir, api_keys=keys, chat_template=args.chat_template,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice)
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids)
         app.state.on_engine_dead = on_engine_dead
         usable = llm.num_kv_blocks - cfg.parallel_config.data_parallel_size  # one null block per replica
         sched = cfg.scheduler_config

@@ -131,6 +131,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the Jinja chat template of chat requests and /tokenize messages, instead of the "
                         "tokenizer's: a file, or the template itself on one line (\\n: a newline) (default: the "
                         "tokenizer's)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="spell the tokens of logprobs 'token_id:N' (for tokens that are not valid UTF-8 alone) "
+                        "unless a request's return_tokens_as_token_ids says otherwise (default: their text)")
     # Repeated, not nargs="+": a variable number of values would take the MODEL argument after it.
     p.add_argument("--api-key", type=api_key, action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every /v1 route (HTTP 401 otherwise; /health, "

@@ -5,8 +5,8 @@ Latency histograms (seconds) are observed by the front end as outputs arrive:
 (between two streamed outputs), ``time_per_output_token_seconds`` (per request:
 (e2e - ttft) / (tokens - 1)), ``e2e_request_latency_seconds``; so are the prompt and
 generation token counters. Engine state (running and waiting requests, KV cache usage,
-prefix-cache hits, preemptions) is read at scrape time from the latest stats every engine
-core sent.
+prefix-cache hits, preemptions, and with a speculative config the speculative-decoding
+counters) is read at scrape time from the latest stats every engine core sent.
 
 With several API servers (``--api-server-count``) each process writes its histograms and
 counters to files in a shared folder (prometheus_client's multiprocess mode, as vLLM) and
@@ -21,7 +21,7 @@ twice and both names always agree within one scrape.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -61,6 +61,10 @@ _VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "tandem:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
     "tandem:request_prompt_tokens": ("vllm:request_prompt_tokens",),
     "tandem:request_generation_tokens": ("vllm:request_generation_tokens",),
+    "tandem:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "tandem:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "tandem:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "tandem:spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
 }
 # vLLM labels its engines' series model_name and engine only.
 _NOT_VLLM_LABELS = frozenset({"host"})
@@ -80,13 +84,16 @@ class _EngineCollector:
         replicas = self.llm.replica_stats() or {0: {}}
         labels = ["model_name", "engine", "host"]
         families = {}
+        config = getattr(self.llm, "config", None)
+        spec = config.speculative_config if config is not None else None
 
-        def add(kind, name: str, doc: str, e: int, value: float) -> None:
+        def add(kind, name: str, doc: str, e: int, value: float, **extra_labels: str) -> None:
             fam = families.get(name)
             if fam is None:
-                fam = families[name] = kind(name, doc, labels=labels)
+                fam = families[name] = kind(name, doc, labels=labels + list(extra_labels))
             ready = readies.get(e)
-            fam.add_metric([self.model_name, str(e), ready.host if ready is not None else ""], value)
+            fam.add_metric([self.model_name, str(e), ready.host if ready is not None else "", *extra_labels.values()],
+                           value)
 
         for e, s in replicas.items():
             add(GaugeMetricFamily, "tandem:num_requests_running", "Sequences in the running batch.", e,
@@ -106,12 +113,31 @@ class _EngineCollector:
             add(CounterMetricFamily, "tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", e, h)
             add(CounterMetricFamily, "tandem:num_preemptions", "Preemptions (recompute).", e,
                 s.get("num_preemptions", 0))
+            if spec is not None:
+                _add_spec_decode(add, e, s, spec.num_speculative_tokens)
         yield from families.values()
-        config = getattr(self.llm, "config", None)
         det = GaugeMetricFamily("tandem:deterministic", "1: batch-invariant execution (--deterministic), 0: default.",
                                 labels=["model_name"])
         det.add_metric([self.model_name], float(bool(config is not None and config.model_config.deterministic)))
         yield det
+
+
+def _add_spec_decode(add: Callable[..., None], e: int, s: dict, num_speculative_tokens: int) -> None:
+    """Replica ``e``'s speculative-decoding counters from its stats ``s`` (vLLM's
+    SpecDecodingProm), every draft position up to ``num_speculative_tokens`` from the start.
+    Acceptance rate: accepted / draft tokens; mean acceptance length: 1 + accepted / drafts;
+    acceptance rate at a position: its accepted tokens / drafts."""
+    add(CounterMetricFamily, "tandem:spec_decode_num_drafts", "Verifications: sequence-steps with draft tokens.",
+        e, s.get("spec_decode_num_drafts", 0))
+    add(CounterMetricFamily, "tandem:spec_decode_num_draft_tokens", "Draft tokens verified.", e,
+        s.get("spec_decode_num_draft_tokens", 0))
+    add(CounterMetricFamily, "tandem:spec_decode_num_accepted_tokens", "Draft tokens accepted.", e,
+        s.get("spec_decode_num_accepted_tokens", 0))
+    per_pos = s.get("spec_decode_num_accepted_tokens_per_pos", ())
+    for pos in range(max(num_speculative_tokens, len(per_pos))):
+        add(CounterMetricFamily, "tandem:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position (0: the first draft).", e,
+            per_pos[pos] if pos < len(per_pos) else 0, position=str(pos))
 
 
 def _renamed(family: Metric, name: str) -> Metric:

@@ -4,8 +4,9 @@ Field names, defaults and shapes follow the OpenAI API reference for ``/v1/compl
 and ``/v1/chat/completions``; the extra sampling fields (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids``, ``prompt_logprobs``,
-...) are vLLM's. A request field that is not declared here is rejected (400 naming it, as
-OpenAI does), never silently dropped. Range checks that depend on the model (context
+chat ``echo``, ...) are vLLM's; ``regex``, ``ebnf``, ``stop_regex`` and the choices'
+``matched_stop`` are SGLang's. A request field that is not declared here is rejected (400
+naming it, as OpenAI does), never silently dropped. Range checks that depend on the model (context
 length, vocabulary) happen in the engine; the others here or in ``SamplingParams``.
 """
 
@@ -121,6 +122,11 @@ class _SamplingFields(OpenAIRequestModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # SGLang extensions: structured outputs (regex: xgrammar's dialect; ebnf: xgrammar's
+    # EBNF, as vLLM's ``grammar``), and regexes (Python's dialect) that stop as ``stop``.
+    regex: str | None = None
+    ebnf: str | None = None
+    stop_regex: str | list[str] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -157,6 +163,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # The last message's content before each choice's content, when that message is the
+    # assistant's (one being continued).
+    echo: bool = False
 
 
 # -------------------------------------------------------------- completions
@@ -179,6 +188,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # SGLang extension: what ended a "stop" choice (``serving.matched_stop``).
+    matched_stop: int | str | None = None
     # vLLM extension (with ``prompt_logprobs`` in the request): per prompt position,
     # token id -> logprob; the first position is None.
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
@@ -199,6 +210,8 @@ class CompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # SGLang extension: what ended a "stop" choice (``serving.matched_stop``).
+    matched_stop: int | str | None = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -237,6 +250,8 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # SGLang extension: what ended a "stop" choice (``serving.matched_stop``).
+    matched_stop: int | str | None = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -268,6 +283,8 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # SGLang extension: what ended a "stop" choice (``serving.matched_stop``).
+    matched_stop: int | str | None = None
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):

@@ -77,6 +77,16 @@ def _clamp(lp: float) -> float:
     return -9999.0 if math.isnan(lp) or math.isinf(lp) else max(lp, -9999.0)
 
 
+def matched_stop(finish_reason: str | None, stop_reason: int | str | None, last_token: int | None) -> int | str | None:
+    """SGLang's ``matched_stop`` of a choice whose engine finish is ``finish_reason``: for
+    "stop", the stop string, stop regex (its pattern) or ``stop_token_ids`` entry that ended
+    it (``stop_reason``), else its last token (the EOS token, or the token that completed
+    its structured output: SGLang reports both); None for "length" and "abort"."""
+    if finish_reason != "stop":
+        return None
+    return last_token if stop_reason is None else stop_reason
+
+
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[list[tuple[int, list[RequestOutput]]]]:
     """Interleave several request streams as ``(stream index, its outputs)``, in arrival
     order, in batches: each batch holds every output that arrived since the last one (at
@@ -180,11 +190,13 @@ class ChunkFrames:
         self._field = ',"text":' if obj == "text_completion" else ',"delta":'
 
     def frame(self, index: int, value_json: str, logprobs_json: str, finish_reason: str | None,
-              stop_reason: int | str | None, usage_json: str) -> str:
+              stop_reason: int | str | None, matched: int | str | None, usage_json: str) -> str:
         """One chunk: ``value_json`` is the choice's ``text`` (completions) or ``delta``
-        (chat) already as JSON; ``logprobs_json`` / ``usage_json``: JSON or ``null``."""
+        (chat) already as JSON; ``logprobs_json`` / ``usage_json``: JSON or ``null``;
+        ``matched``: its ``matched_stop``."""
         return (f'{self._head}{index}{self._field}{value_json},"logprobs":{logprobs_json},"finish_reason":'
-                f'{_js(finish_reason)},"stop_reason":{_js(stop_reason)}}}],"usage":{usage_json}}}\n\n')
+                f'{_js(finish_reason)},"stop_reason":{_js(stop_reason)},"matched_stop":{_js(matched)}}}],'
+                f'"usage":{usage_json}}}\n\n')
 
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int) -> str:
@@ -225,10 +237,14 @@ class OpenAIServing:
         served_model_names: names accepted in the ``model`` field (the first is reported).
         tool_call_parser: how chat outputs are parsed for tool calls (``hermes``,
             ``llama3_json``); None: from the chat template.
+        return_tokens_as_token_ids: logprob tokens spelled ``token_id:N`` unless a request's
+            ``return_tokens_as_token_ids`` says otherwise (vLLM's server flag).
     """
 
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str], tool_call_parser: str | None = None) -> None:
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], tool_call_parser: str | None = None,
+                 return_tokens_as_token_ids: bool = False) -> None:
         self.llm = llm
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.tokenizer = llm.tokenizer
         self.served_model_names = served_model_names
         template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else None
@@ -296,6 +312,7 @@ class OpenAIServing:
                 min_tokens=req.min_tokens,
                 stop=req.stop,
                 stop_token_ids=req.stop_token_ids,
+                stop_regex=req.stop_regex,
                 ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
@@ -338,6 +355,13 @@ class OpenAIServing:
         opts = req.stream_options
         include = bool(opts and opts.include_usage)
         return include, include and bool(opts.continuous_usage_stats)
+
+    def _as_ids(self, req: P._SamplingFields) -> bool:
+        """Whether ``req``'s logprob tokens are spelled ``token_id:N``: its own field, else
+        the server's default."""
+        if req.return_tokens_as_token_ids is None:
+            return self.return_tokens_as_token_ids
+        return req.return_tokens_as_token_ids
 
     def _token_str(self, token_id: int, as_ids: bool) -> str:
         return token_id_string(token_id) if as_ids else self.token_bytes.token_string(token_id)
@@ -485,8 +509,7 @@ class OpenAIServing:
         rid = f"cmpl-{request_id}"
         if req.stream:
             return SSEStream(self._completion_stream(streams, prompts, echo_texts, echo_only, params, rid,
-                                                     include_usage, continuous_usage,
-                                                     bool(req.return_tokens_as_token_ids)), streams)
+                                                     include_usage, continuous_usage, self._as_ids(req)), streams)
         outs = await self._collect(streams)
         return self._completion_response(req, outs, prompts, echo_texts, echo_only, params, rid)
 
@@ -507,7 +530,7 @@ class OpenAIServing:
                              echo_only: bool, params: SamplingParams, rid: str) -> P.CompletionResponse:
         choices = []
         num_prompt = num_gen = 0
-        as_ids = bool(req.return_tokens_as_token_ids)
+        as_ids = self._as_ids(req)
         for i, out in enumerate(outs):
             num_prompt += len(prompts[i][1])
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -520,9 +543,11 @@ class OpenAIServing:
                     logprobs = self._completion_choice_logprobs(i, out, c, prompts, echo_texts, echo_only, params,
                                                                 TextOffsets(self.token_bytes), echo_texts is not None,
                                                                 as_ids)
+                finish = "length" if echo_only else c.finish_reason
                 choices.append(P.CompletionResponseChoice(
-                    index=i * params.n + c.index, text=text, logprobs=logprobs,
-                    finish_reason="length" if echo_only else c.finish_reason, stop_reason=c.stop_reason,
+                    index=i * params.n + c.index, text=text, logprobs=logprobs, finish_reason=finish,
+                    stop_reason=c.stop_reason,
+                    matched_stop=matched_stop(finish, c.stop_reason, c.token_ids[-1] if c.token_ids else None),
                     prompt_logprobs=self._prompt_logprobs(out, as_ids) if req.prompt_logprobs is not None else None))
         usage = P.UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen, total_tokens=num_prompt + num_gen)
         return P.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
@@ -537,6 +562,7 @@ class OpenAIServing:
         n = params.n
         offsets: dict[int, TextOffsets] = {}  # per choice: characters sent so far
         num_gen: dict[int, int] = {}  # per choice: tokens sent so far
+        last_token: dict[int, int] = {}  # per choice: the last token sent
         frames: list[str] = []
 
         def frame(i: int, out: RequestOutput, c: CompletionOutput) -> str | None:
@@ -547,6 +573,8 @@ class OpenAIServing:
             toks = [] if echo_only else c.token_ids
             text = "" if echo_only else c.text
             num_gen[idx] = num_gen.get(idx, 0) + len(toks)
+            if toks:
+                last_token[idx] = toks[-1]
             with_prompt = echo_texts is not None and first
             if with_prompt:
                 text = echo_texts[i] + text
@@ -558,7 +586,9 @@ class OpenAIServing:
             if not text and not toks and finish is None:
                 return None
             usage = chunks.usage(len(prompts[i][1]), num_gen[idx]) if continuous_usage else "null"
-            return chunks.frame(idx, _js(text), logprobs, finish, c.stop_reason if finish else None, usage)
+            stop_reason = c.stop_reason if finish else None
+            return chunks.frame(idx, _js(text), logprobs, finish, stop_reason,
+                                matched_stop(finish, stop_reason, last_token.get(idx)), usage)
 
         try:
             async for batch in merge_streams(streams):
@@ -618,6 +648,14 @@ class OpenAIServing:
         # The template already holds the BOS token where the model wants it.
         return text, self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
+    @staticmethod
+    def _echo_text(req: P.ChatCompletionRequest, conv: list[dict[str, Any]]) -> str:
+        """What vLLM's chat ``echo`` puts before each choice's content: the last message's
+        content when that message is the response's role's (the assistant's, as when it is
+        continued), else nothing."""
+        last = conv[-1]
+        return last["content"] if req.echo and last["role"] == "assistant" else ""
+
     def _chat_logprobs(self, c: CompletionOutput, params: SamplingParams, top: int,
                        as_ids: bool) -> P.ChatCompletionLogProbs:
         """Chat ``logprobs`` of completion ``c``'s new tokens. ``bytes`` are each token's
@@ -650,7 +688,8 @@ class OpenAIServing:
         if plan.constraint is not None:
             if structured is not None:
                 raise bad_request(f"tool_choice {req.tool_choice!r} cannot be combined with another output "
-                                  f"constraint (response_format, structured_outputs, guided_*).", "tool_choice")
+                                  f"constraint (response_format, structured_outputs, guided_*, regex, ebnf).",
+                                  "tool_choice")
             structured = plan.constraint
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
@@ -664,10 +703,11 @@ class OpenAIServing:
         params = self._sampling_params(req, max_tokens, lp, req.prompt_logprobs, kind, structured, max_tokens_field)
         streams = await self._add(request_id, [ids], params, "messages")
         rid = f"chatcmpl-{request_id}"
-        as_ids = bool(req.return_tokens_as_token_ids)
+        as_ids = self._as_ids(req)
+        echo = self._echo_text(req, conv)
         if req.stream:
             return SSEStream(self._chat_stream(streams[0], len(ids), params, rid, include_usage, continuous_usage,
-                                               as_ids, plan), streams)
+                                               as_ids, plan, echo), streams)
         (out,) = await self._collect(streams)
         choices = []
         num_gen = 0
@@ -675,11 +715,14 @@ class OpenAIServing:
             num_gen += len(c.token_ids)
             logprobs = self._chat_logprobs(c, params, top, as_ids) if lp is not None else None
             content, calls = plan.split(c.text, self.tool_call_parser)
+            if echo:
+                content = echo + (content or "")
             choices.append(P.ChatCompletionResponseChoice(
                 index=c.index, message=P.ChatResponseMessage(role="assistant", content=content,
                                                              tool_calls=[t.to_dict() for t in calls]),
                 logprobs=logprobs, finish_reason=self._finish_reason(plan, calls, c.finish_reason),
-                stop_reason=c.stop_reason))
+                stop_reason=c.stop_reason,
+                matched_stop=matched_stop(c.finish_reason, c.stop_reason, c.token_ids[-1] if c.token_ids else None)))
         usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=num_gen, total_tokens=len(ids) + num_gen)
         return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage,
                                         prompt_logprobs=self._prompt_logprobs(out, as_ids))
@@ -691,17 +734,21 @@ class OpenAIServing:
 
     async def _chat_stream(self, stream: RequestStream, num_prompt: int, params: SamplingParams, rid: str,
                            include_usage: bool, continuous_usage: bool, as_ids: bool,
-                           plan: ToolPlan) -> AsyncIterator[str]:
-        """The role chunk of each choice, then one SSE event per choice and output; the
-        events of the outputs that arrived together go out as one write."""
+                           plan: ToolPlan, echo: str) -> AsyncIterator[str]:
+        """The role chunk of each choice, then its ``echo`` chunk if ``echo`` is not empty,
+        then one SSE event per choice and output; the events of the outputs that arrived
+        together go out as one write."""
         created = int(time.time())
         chunks = ChunkFrames("chat.completion.chunk", rid, created, self.model_name)
         num_gen = [0] * params.n  # per choice: tokens sent so far
+        last_token: list[int | None] = [None] * params.n  # per choice: the last token sent
         tools = [_ToolStream(plan, self.tool_call_parser) for _ in range(params.n)]
         frames: list[str] = []
 
         def frame(c: CompletionOutput) -> str | None:
             num_gen[c.index] += len(c.token_ids)
+            if c.token_ids:
+                last_token[c.index] = c.token_ids[-1]
             if not c.text and not c.token_ids and c.finish_reason is None:
                 return None
             logprobs = (self._chat_logprobs(c, params, params.logprobs, as_ids).model_dump_json()
@@ -711,15 +758,23 @@ class OpenAIServing:
             if delta == "{}" and logprobs == "null" and finish is None:
                 return None  # text held back by the tool parser
             usage = chunks.usage(num_prompt, num_gen[c.index]) if continuous_usage else "null"
-            return chunks.frame(c.index, delta, logprobs, finish, c.stop_reason if c.finish_reason else None, usage)
+            stop_reason = c.stop_reason if c.finish_reason else None
+            return chunks.frame(c.index, delta, logprobs, finish, stop_reason,
+                                matched_stop(c.finish_reason, stop_reason, last_token[c.index]), usage)
+
+        def head(index: int, delta: P.DeltaMessage) -> str:
+            """A chunk before the generated ones (the role, the echo)."""
+            usage = P.UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt) if continuous_usage else None
+            return sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=self.model_name, usage=usage,
+                                                      choices=[P.ChatCompletionResponseStreamChoice(index=index,
+                                                                                                    delta=delta)]))
 
         try:
             for i in range(params.n):
-                usage = P.UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt) if continuous_usage else None
-                yield sse(P.ChatCompletionStreamResponse(
-                    id=rid, created=created, model=self.model_name, usage=usage, choices=[
-                        P.ChatCompletionResponseStreamChoice(index=i, delta=P.DeltaMessage(role="assistant",
-                                                                                           content=""))]))
+                yield head(i, P.DeltaMessage(role="assistant", content=""))
+            if echo:  # after every role chunk, as vLLM sends it
+                for i in range(params.n):
+                    yield head(i, P.DeltaMessage(content=echo))
             while True:
                 try:
                     outs = await stream.next_outputs()

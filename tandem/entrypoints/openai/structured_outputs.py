@@ -3,11 +3,13 @@
 Sources of a constraint (at most one per request, as in vLLM): OpenAI's
 ``response_format`` (``json_object``, ``json_schema``, ``structural_tag``), vLLM's
 ``structured_outputs`` object and its older ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar`` fields, and for chat ``tool_choice`` ``required``
-or a named function (vLLM's schemas: the named function's parameters; for ``required`` an
-array of at least one ``{"name", "parameters"}`` object, one ``anyOf`` branch per tool, and
-at most one with ``parallel_tool_calls: false``). The array's grammar ends the output once
-it closes; cut before that (``max_tokens``), its complete elements are still the calls.
+``guided_choice`` / ``guided_grammar`` fields, SGLang's ``regex`` and ``ebnf`` (vLLM's
+``regex`` and ``grammar``: SGLang's grammar backend is xgrammar too), and for chat
+``tool_choice`` ``required`` or a named function (vLLM's schemas: the named function's
+parameters; for ``required`` an array of at least one ``{"name", "parameters"}`` object,
+one ``anyOf`` branch per tool, and at most one with ``parallel_tool_calls: false``). The
+array's grammar ends the output once it closes; cut before that (``max_tokens``), its
+complete elements are still the calls.
 """
 
 from __future__ import annotations
@@ -71,6 +73,16 @@ def _from_guided(req: P._SamplingFields) -> list[tuple[str, StructuredOutputsPar
     return found
 
 
+def _from_sglang(req: P._SamplingFields) -> list[tuple[str, StructuredOutputsParams]]:
+    """SGLang's ``regex`` and ``ebnf`` fields as (field, constraint) pairs."""
+    found = []
+    for name, kw in (("regex", "regex"), ("ebnf", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, _build(name, **{kw: value})))
+    return found
+
+
 def _from_structured_outputs(so: dict[str, Any]) -> StructuredOutputsParams:
     unknown = sorted(set(so) - _PARAM_FIELDS - {"backend", "_backend"})
     if unknown:
@@ -93,6 +105,7 @@ def structured_outputs_of(req: P._SamplingFields) -> StructuredOutputsParams | N
     if req.structured_outputs is not None:
         found.append(("structured_outputs", _from_structured_outputs(req.structured_outputs)))
     found += _from_guided(req)
+    found += _from_sglang(req)
     if len(found) > 1:
         names = [n for n, _ in found]
         raise FieldError(f"only one structured output constraint may be given, got {names}.", names[1])

@@ -1,0 +1,176 @@
+"""Draft-model proposer: a smaller model of the same vocabulary proposes each sequence's
+next ``K`` tokens (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023; vLLM's
+``"method": "draft_model"``).
+
+The draft model keeps its own paged KV cache with as many blocks as the target's, addressed
+by the same block ids: a token's draft K/V sits in the slot of its target K/V. Prefix
+caching, preemption and freeing therefore need nothing of their own: a block the target
+reuses from the prefix cache holds the draft K/V of the same tokens too, because every
+target forward is mirrored by a draft forward over the same tokens.
+
+Per step, once the target has sampled (:meth:`DraftModelProposer.propose`, driven by
+:class:`~tandem.worker.model_runner.ModelRunner`), ``K`` draft forwards:
+
+1. *catch-up*: one forward over each sequence's confirmed tokens of the step (a prompt
+   chunk, a decode's input token, a verified sequence's last token and accepted drafts; its
+   rejected drafts are left out) followed, for each sequence that sampled, by the token it
+   emitted; the logits of that last token give its first draft. So the draft cache always
+   holds the K/V of confirmed tokens, as the target's does;
+2. ``K - 1`` one-token forwards, each feeding its greedy (argmax) draft to the next.
+
+The rejection sampler treats a draft as a point mass (vLLM's draft-model and EAGLE paths do
+the same), which keeps the target's distribution.
+
+A draft at position ``p`` writes its K/V at ``p``: the scheduler allocates ``K`` lookahead
+slots past each sampling sequence's step for it (``Scheduler(num_lookahead_tokens=K)``).
+Where it could not (no free block), or past ``max_model_len``, the write is skipped (slot
+-1): later drafts of that sequence then attend to stale keys, which costs acceptance, never
+correctness. A draft's K/V is overwritten by the catch-up when the sequence reaches its
+position.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from tandem.distributed.forward_context import RowPhases
+from tandem.model_loader.loader import load_tokenizer
+from tandem.worker.ubatching import StepInputs, forward_step
+
+
+def check_draft_model(target_hf, draft_hf, target_tokenizer: str, draft_path: str, max_model_len: int,
+                      compare_tokenizers: bool = True) -> None:
+    """Refuse a draft model the target cannot verify: another vocabulary (size, or tokens:
+    with ``compare_tokenizers`` the tokenizers of ``target_tokenizer`` and ``draft_path``
+    are compared unless they are the same path) or a context shorter than ``max_model_len``.
+
+    Raises:
+        ValueError: naming ``speculative_config.model`` and what differs.
+    """
+    name = f"speculative_config.model {draft_path!r}"
+    if draft_hf.vocab_size != target_hf.vocab_size:
+        raise ValueError(f"{name} has a vocabulary of {draft_hf.vocab_size} tokens, the target "
+                         f"{target_hf.vocab_size}: the draft model must share the target's tokenizer.")
+    context = getattr(draft_hf, "max_position_embeddings", max_model_len)
+    if context < max_model_len:
+        raise ValueError(f"{name} has a context of {context} tokens, below max_model_len ({max_model_len}): "
+                         f"lower --max-model-len.")
+    if compare_tokenizers and os.path.realpath(draft_path) != os.path.realpath(target_tokenizer) and \
+            load_tokenizer(draft_path).get_vocab() != load_tokenizer(target_tokenizer).get_vocab():
+        raise ValueError(f"{name} has another tokenizer than the target (same size, other tokens): the draft "
+                         f"model must share the target's tokenizer.")
+
+
+class DraftModelProposer:
+    """Greedy drafts of a draft model over its own paged KV cache.
+
+    Args:
+        model: a Tandem causal LM (``forward`` + ``compute_logits``) whose vocabulary is
+            the target's.
+        kv_caches: its cache, one ``[2, num_blocks, block_size, kv_heads, head_dim]``
+            tensor per layer, ``num_blocks`` the target cache's.
+        num_speculative_tokens: ``K``, drafts per sequence and step (>= 1).
+        block_size: tokens per block (the target's).
+        max_model_len: longest sequence; no draft K/V is written at or past it.
+        device: where the model lives.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], num_speculative_tokens: int,
+                 block_size: int, max_model_len: int, device: torch.device) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.num_speculative_tokens = num_speculative_tokens
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+
+    @torch.inference_mode()
+    def propose(self, step: StepInputs, step_ids: torch.Tensor, keep: np.ndarray, emit_seqs: np.ndarray,
+                emitted: torch.Tensor, block_table_np: np.ndarray, block_table: torch.Tensor) -> torch.Tensor | None:
+        """Write the draft cache for a step's confirmed tokens and draft ``K`` tokens after
+        each emitted one.
+
+        Args:
+            step: the target's inputs of the step, ``S`` sequences (``num_computed``,
+                ``query_start_loc``, ``prompt_lens``).
+            step_ids: ``[step.num_tokens]`` int64 on the device: the step's input ids.
+            keep: ``[S]`` int64: how many of each sequence's step tokens are confirmed (all
+                but a verified sequence's rejected drafts).
+            emit_seqs: ``[R]`` int64: the sequences (indices into the step's) that emitted a
+                token, in the order of ``emitted``.
+            emitted: ``[R]`` int64 on the device: each one's last emitted token.
+            block_table_np: ``[S, max_blocks]`` int32: the sequences' block ids (0: none).
+            block_table: ``[S, width]`` int32 on the device, ``width`` covering every
+                position up to ``K`` past an emitted token.
+
+        Returns:
+            ``[R, K]`` int64 on the device (draft ``k`` of sequence ``r`` follows draft
+            ``k-1``, the first follows ``emitted[r]``); None when ``R`` is 0.
+        """
+        num_seqs = len(keep)
+        emits = np.zeros(num_seqs, dtype=np.int64)
+        emits[emit_seqs] = 1
+        q_lens = keep + emits
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        total = int(qsl[-1])
+        positions = np.arange(total, dtype=np.int64) + np.repeat(step.num_computed - qsl[:-1], q_lens)
+        offsets = np.arange(int(keep.sum())) - np.repeat(np.cumsum(keep) - keep, keep)
+        emit_at = qsl[emit_seqs] + keep[emit_seqs]
+        ids = torch.empty(total, dtype=torch.long, device=self.device)
+        ids[self._h2d(np.repeat(qsl[:-1], keep) + offsets)] = step_ids[self._h2d(
+            np.repeat(step.query_start_loc[:-1], keep) + offsets)]
+        ids[self._h2d(emit_at)] = emitted
+        row_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        catch_up = StepInputs(np.zeros(total, dtype=np.int64), positions,
+                              self._slots(block_table_np[row_of_token], positions), qsl, step.num_computed,
+                              step.num_computed + q_lens, block_table, [], [], step.prompt_lens)
+        hidden = self._forward(catch_up, ids)
+        if not len(emit_seqs):
+            return None
+        first = self.model.compute_logits(hidden[self._h2d(emit_at)]).argmax(dim=-1)
+        return self._decode(first, positions[emit_at] + 1, block_table_np[emit_seqs], block_table[self._h2d(emit_seqs)])
+
+    def _decode(self, first: torch.Tensor, positions: np.ndarray, block_table_np: np.ndarray,
+                block_table: torch.Tensor) -> torch.Tensor:
+        """``[R, K]``: ``first`` (``[R]``, at ``positions``), then ``K - 1`` greedy tokens,
+        each from a one-token forward of the previous one."""
+        num = len(positions)
+        qsl = np.arange(num + 1, dtype=np.int64)
+        ids, drafts = first, [first]
+        for k in range(self.num_speculative_tokens - 1):
+            pos = np.minimum(positions + k, self.max_model_len - 1)
+            step = StepInputs(np.zeros(num, dtype=np.int64), pos, self._slots(block_table_np, positions + k), qsl, pos,
+                              pos + 1, block_table, [], [])
+            ids = self.model.compute_logits(self._forward(step, ids)).argmax(dim=-1)
+            drafts.append(ids)
+        return torch.stack(drafts, dim=1)
+
+    def _slots(self, table_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Cache slots of ``positions`` (``[N]``; ``table_rows`` ``[N, max_blocks]``: each
+        one's block ids), -1 (no write) past ``max_model_len`` or in a block not allocated."""
+        inside = positions < self.max_model_len
+        pos = np.minimum(positions, self.max_model_len - 1)
+        blocks = table_rows[np.arange(len(pos)), pos // self.block_size].astype(np.int64)
+        return np.where(inside & (blocks > 0), blocks * self.block_size + pos % self.block_size, -1)
+
+    def _forward(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, H]``: the draft model over ``inputs`` (eager, unpadded); its
+        int4 layers take each row's phase from the prompt lengths (none given: generated)."""
+        n = inputs.num_tokens
+        generated = inputs.generated_mask()
+        phases = (RowPhases(slice(0, n), slice(n, n), n, n) if generated is None
+                  else RowPhases.from_mask(generated, self.device))
+        return forward_step(self.model, self.kv_caches, ids, self._h2d(np.minimum(inputs.positions, self.max_model_len - 1)),
+                            n, None, lambda start, stop: inputs.metadata(self.device), lambda start, stop: phases)
+
+    def _h2d(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device, non_blocking=True)
+
+
+__all__ = ["DraftModelProposer", "check_draft_model"]
