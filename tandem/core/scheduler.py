@@ -322,13 +322,16 @@ class Scheduler:
                 continue
             if req.num_cached_tokens > 0:
                 out.num_cached_tokens = req.num_cached_tokens
-            if req.sampling_params.logprobs is not None:
-                out.new_logprobs = [logprobs[row]]
+            wants_logprobs = req.sampling_params.logprobs is not None
             if req.spec_token_ids:
                 tokens = accepted.get(row, [tok])
                 self._take_back_rejected(req, len(tokens) - 1)
+                token_logprobs = result.accepted_logprobs.get(row) if wants_logprobs else None
             else:
                 tokens = (tok,)
+                token_logprobs = [logprobs[row]] if wants_logprobs else None
+            if token_logprobs is not None:  # one per token kept below
+                out.new_logprobs = token_logprobs
             if drafts is not None:
                 req.draft_token_ids = drafts[row]
             for tok in tokens:
@@ -336,6 +339,8 @@ class Scheduler:
                 out.new_token_ids.append(tok)
                 status = self._check_stop(req, tok)
                 if status is not None:  # the tokens after it are dropped
+                    if out.new_logprobs is not None:
+                        del out.new_logprobs[len(out.new_token_ids):]
                     self.finish_request(sid, status)
                     out.finish_reason, out.stop_reason = status.finish_reason, req.stop_reason
                     break

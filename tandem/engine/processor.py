@@ -151,20 +151,16 @@ class Processor:
 
 
 def check_speculative_params(params: SamplingParams) -> None:
-    """Refuse the sampling fields that speculative decoding (stage 1 of issue 46) does not
-    support: they need per-position state (penalty counts, bad-word history, a grammar)
-    or per-position outputs (logprobs) in the verification.
+    """Refuse the sampling fields that speculative decoding does not support yet: they need
+    per-position state in the verification (penalty counts, bad-word history, a grammar).
 
     Raises:
         ValueError: naming the first such field the request sets.
     """
     unsupported = {
-        "logprobs": params.logprobs is not None,
         "presence_penalty": params.presence_penalty != 0.0,
         "frequency_penalty": params.frequency_penalty != 0.0,
         "repetition_penalty": params.repetition_penalty not in (None, 1.0),
-        "logit_bias": bool(params.logit_bias),
-        "allowed_token_ids": params.allowed_token_ids is not None,
         "bad_words": bool(params.bad_words),
         "structured_outputs": params.structured_outputs is not None,
     }

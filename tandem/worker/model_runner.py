@@ -456,9 +456,10 @@ class ModelRunner:
         self.prev_sampled = host_src["sampled"]
         self.prev_rows = {sid: i for i, sid in enumerate(seq_ids)}
         accepted: dict[int, list[int]] = {}
+        accepted_lp: dict[int, list[tuple[list[int], list[float], int]]] = {}
         last = host_src["sampled"]
         if fwd.spec_logits is not None:
-            first, accepted = self._verify_drafts(fwd.sampling.spec, fwd.spec_logits, len(seq_ids))
+            first, accepted, accepted_lp = self._verify_drafts(fwd.sampling.spec, fwd.spec_logits, len(seq_ids))
             host_src["sampled"] = torch.cat([host_src["sampled"], first])
             last = torch.cat([last, self._h2d([e[-1] for e in accepted.values()], torch.long)])
             seq_ids = seq_ids + fwd.sampling.spec.seq_ids
@@ -473,22 +474,47 @@ class ModelRunner:
             self.step_events.append((ev_start, ev_end, num_reqs, decode_only, context))
         if self.step_times is not None:
             self.step_times.add(fwd.step_id, "prepare", fwd.t_prep)
-        return self._copy_to_host(seq_ids, host_src, fwd.prompt_lp, accepted)
+        return self._copy_to_host(seq_ids, host_src, fwd.prompt_lp, accepted, accepted_lp)
 
-    def _verify_drafts(self, spec: _SpecVerify, logits: torch.Tensor,
-                       first_row: int) -> tuple[torch.Tensor, dict[int, list[int]]]:
+    def _verify_drafts(self, spec: _SpecVerify, logits: torch.Tensor, first_row: int) -> tuple[
+            torch.Tensor, dict[int, list[int]], dict[int, list[tuple[list[int], list[float], int]]]]:
         """Rejection-sample the drafts of ``spec`` against ``logits`` (``[sum(1 +
         num_drafts), V]``) and count the emitted tokens into the input batch (seeds and
         min_tokens follow each sequence's token count). Reads the accepted counts on the
         host (a sync). Returns the first emitted token of each sequence (``[R]`` int64 on
-        the device) and ``{first_row + i: every token sequence i emitted}``."""
+        the device), ``{first_row + i: every token sequence i emitted}`` and, when a
+        sequence asks for logprobs, ``{first_row + i: per emitted token (ids [1 + k],
+        logprobs [1 + k], rank)}`` as the sampler gives them (of the raw logits)."""
         probs, greedy_ids = target_distribution(logits, spec.batch)
         out = rejection_sample(spec.draft_ids, spec.num_drafts, probs, None, spec.greedy,
                                generators=spec.generators, target_greedy_ids=greedy_ids)
         token_ids, num_accepted = out.token_ids.tolist(), out.num_accepted.tolist()
         emitted = [toks[:n + 1] for toks, n in zip(token_ids, num_accepted)]
         self.input_batch.record_emitted(spec.rows, [len(e) for e in emitted])
-        return out.token_ids[:, 0], {first_row + i: e for i, e in enumerate(emitted)}
+        logprobs = {}
+        if spec.batch.max_num_logprobs >= 0:
+            logprobs = {first_row + i: lp for i, lp in enumerate(self._emitted_logprobs(logits, spec, emitted))}
+        return out.token_ids[:, 0], {first_row + i: e for i, e in enumerate(emitted)}, logprobs
+
+    def _emitted_logprobs(self, logits: torch.Tensor, spec: _SpecVerify,
+                          emitted: list[list[int]]) -> list[list[tuple[list[int], list[float], int]]]:
+        """Per verifying sequence, per emitted token: (its id then the top k ids, their
+        logprobs, its rank) from the raw ``logits`` of its position (``[sum(1 +
+        num_drafts), V]``), as :func:`~tandem.worker.sampler.sample` reports them."""
+        starts = np.cumsum([0] + [n + 1 for n in spec.num_drafts[:-1]])
+        rows = [int(st) + j for st, e in zip(starts, emitted) for j in range(len(e))]
+        lp = logits[self._h2d(rows, torch.long)].log_softmax(dim=-1)
+        tok = self._h2d([t for e in emitted for t in e], torch.long)[:, None]
+        tok_lp = lp.gather(1, tok)
+        ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
+        k = spec.batch.max_num_logprobs
+        ids, vals = tok, tok_lp
+        if k > 0:
+            top_lp, top_ids = lp.topk(k, dim=-1)
+            ids, vals = torch.cat([tok, top_ids], 1), torch.cat([tok_lp, top_lp], 1)
+        flat = list(zip(ids.tolist(), vals.tolist(), ranks))
+        bounds = np.cumsum([0] + [len(e) for e in emitted])
+        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _propose_drafts(self, draft: _DraftInputs, sampling: _StepSampling, last: torch.Tensor,
                         accepted: dict[int, list[int]]) -> torch.Tensor | None:
@@ -553,10 +579,12 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- 6. to host
     def _copy_to_host(self, seq_ids: list[int], src: dict[str, torch.Tensor], prompt_lp: dict[int, int],
-                      accepted: dict[int, list[int]]) -> AsyncModelRunnerOutput:
+                      accepted: dict[int, list[int]],
+                      accepted_lp: dict[int, list[tuple[list[int], list[float], int]]]) -> AsyncModelRunnerOutput:
         """Start the device-to-host copy of a step's results (on CUDA: pinned buffers, a
-        side stream, one event); the handle's ``result()`` waits for it. ``accepted``:
-        ``ModelRunnerOutput.accepted_token_ids``, already on the host."""
+        side stream, one event); the handle's ``result()`` waits for it. ``accepted`` /
+        ``accepted_lp``: ``ModelRunnerOutput.accepted_token_ids`` / ``accepted_logprobs``,
+        already on the host."""
         host, event = src, None
         if self._is_cuda:
             host = {}
@@ -572,7 +600,8 @@ class ModelRunner:
         def resolve() -> ModelRunnerOutput:
             if event is not None:
                 event.synchronize()
-            out = ModelRunnerOutput(seq_ids, host["sampled"].tolist(), accepted_token_ids=accepted)
+            out = ModelRunnerOutput(seq_ids, host["sampled"].tolist(), accepted_token_ids=accepted,
+                                    accepted_logprobs=accepted_lp)
             if "draft_token_ids" in host:
                 out.draft_token_ids = host["draft_token_ids"].tolist()
             if "logprobs" in host:

@@ -198,30 +198,50 @@ def sample(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor |
 
 def repeat_rows(b: SamplingBatch, counts: list[int]) -> SamplingBatch:
     """``b`` with its row ``i`` repeated ``counts[i]`` times (``N`` host ints >= 1): the
-    per-position batch of sequences that verify several positions.
+    per-position batch of sequences that verify several positions. Temperature, top-k,
+    top-p, min-p, logit bias, allowed token ids and the logprobs count hold at every
+    position alike.
 
     Raises:
-        ValueError: ``b`` has penalties, a bias, allowed token ids, seeds or logprobs,
-            whose per-position values this does not derive (speculative decoding refuses
-            such requests, tandem.engine.processor).
+        ValueError: ``b`` has penalties or seeds, whose per-position values this does not
+            derive (speculative decoding refuses penalties, tandem.engine.processor, and
+            draws seeded rows from generators of their own).
     """
-    if (b.penalty_rows is not None or b.bias is not None or b.allowed is not None or b.seeded
-            or b.max_num_logprobs >= 0):
-        raise ValueError("repeat_rows: only temperature, top-k, top-p and min-p can be repeated per position")
-    repeats = torch.tensor(counts, dtype=torch.long).to(b.temperature.device, non_blocking=True)
+    if b.penalty_rows is not None or b.seeded:
+        raise ValueError("repeat_rows: penalties and seeds are not repeated per position")
+    device = b.temperature.device
+    repeats = torch.tensor(counts, dtype=torch.long).to(device, non_blocking=True)
     rep = lambda t: t.repeat_interleave(repeats, output_size=sum(counts))  # noqa: E731
+    starts = torch.tensor([0] + counts[:-1], dtype=torch.long).cumsum(0).to(device, non_blocking=True)
     return replace(b, temperature=rep(b.temperature), top_k=rep(b.top_k), top_p=rep(b.top_p), min_p=rep(b.min_p),
-                   greedy_mask=None if b.greedy_mask is None else rep(b.greedy_mask))
+                   greedy_mask=None if b.greedy_mask is None else rep(b.greedy_mask),
+                   bias=None if b.bias is None else _repeat_entries(b.bias[0], b.bias[1:], repeats, starts),
+                   allowed=None if b.allowed is None else _repeat_entries(b.allowed[0], b.allowed[1:], repeats, starts))
+
+
+def _repeat_entries(rows: torch.Tensor, values: tuple[torch.Tensor, ...], repeats: torch.Tensor,
+                    starts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-row entries (``rows [E]`` with ``values``, each ``[E, ...]``) for the rows of
+    :func:`repeat_rows`: entry ``e`` once per position of its row, the position's new row
+    first. ``starts [N]``: the first new row of each old row."""
+    per_entry = repeats[rows]
+    num = int(per_entry.sum())
+    # Offset of each repeated entry within its run of per_entry[e] copies.
+    run_start = (per_entry.cumsum(0) - per_entry).repeat_interleave(per_entry, output_size=num)
+    offset = torch.arange(num, device=rows.device) - run_start
+    new_rows = starts[rows].repeat_interleave(per_entry, output_size=num) + offset
+    return (new_rows, *(v.repeat_interleave(per_entry, dim=0, output_size=num) for v in values))
 
 
 def target_distribution(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """What speculative verification compares drafts with, per row of ``logits [N, V]``
-    (fp32; ``b`` one row per row, :func:`repeat_rows`, without penalties, bias or allowed
-    token ids): the probabilities :func:`sample` draws from after temperature, min-p,
-    top-k and top-p, ``[N, V]`` float32, where rows :func:`sample` treats as greedy
+    (fp32; ``b`` one row per row, :func:`repeat_rows`, without penalties): the
+    probabilities :func:`sample` draws from after allowed token ids, logit bias,
+    temperature, min-p, top-k and top-p, ``[N, V]`` float32, where rows :func:`sample` treats as greedy
     (temperature 0, :func:`deterministic_rows`) are a one-hot on their greedy token (the
     logits themselves when every row is greedy: only the greedy ids are used then); and
     the greedy ids, ``[N]`` int64 (:func:`greedy_select`)."""
+    logits = _processed(logits, b, None, None)
     greedy = greedy_select(logits)
     if b.all_greedy:
         return logits, greedy

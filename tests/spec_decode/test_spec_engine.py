@@ -107,12 +107,49 @@ def test_prompt_logprobs_leave_the_output_unchanged(spec_llm, reference):
 
 
 def test_unsupported_sampling_fields_are_refused(spec_llm):
-    for params in (SamplingParams(logprobs=1), SamplingParams(presence_penalty=0.5),
+    for params in (SamplingParams(presence_penalty=0.5),
                    SamplingParams(bad_words=["x"]), SamplingParams(structured_outputs={"choice": ["a", "b"]})):
-        name = next(k for k in ("logprobs", "presence_penalty", "bad_words", "structured_outputs")
+        name = next(k for k in ("presence_penalty", "bad_words", "structured_outputs")
                     if getattr(params, k))
         with pytest.raises(ValueError, match=name):
             spec_llm.generate("x", params, use_tqdm=False)
+    assert_all_blocks_free(spec_llm.engine)
+
+
+def test_logprobs_of_accepted_tokens_equal_those_without_speculation(spec_llm, reference):
+    """Each emitted token's logprob, top logprobs and rank come from the target's logits of
+    its position: the same as one token per step gives (fp32, tolerance for the GEMM's
+    row count)."""
+    prompt = REPETITIVE[0]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
+    before = _stats(spec_llm)["spec_decode_num_accepted_tokens"]
+    (out,) = spec_llm.generate(prompt, params, use_tqdm=False)
+    assert _stats(spec_llm)["spec_decode_num_accepted_tokens"] > before
+    plain = make_llm()
+    (ref,) = plain.generate(prompt, params, use_tqdm=False)
+    got, want = out.outputs[0], ref.outputs[0]
+    assert got.token_ids == want.token_ids and len(got.logprobs) == len(got.token_ids)
+    for tok, pos_got, pos_want in zip(got.token_ids, got.logprobs, want.logprobs):
+        assert list(pos_got) == list(pos_want)  # the token, then the same top 3 in order
+        assert pos_got[tok].rank == pos_want[tok].rank == 1
+        for t in pos_want:
+            assert pos_got[t].logprob == pytest.approx(pos_want[t].logprob, abs=1e-4)
+    assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
+
+
+def test_logit_bias_and_allowed_token_ids_hold_at_every_verified_position(spec_llm):
+    """Greedy with a bias or an allowed set: the same tokens as without speculation."""
+    prompt = REPETITIVE[0]
+    plain = make_llm()
+    (first,) = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    ids = first.outputs[0].token_ids
+    banned = ids[3]
+    for params in (SamplingParams(temperature=0, max_tokens=24, logit_bias={banned: -100.0}),
+                   SamplingParams(temperature=0, max_tokens=24, allowed_token_ids=sorted(set(ids) - {banned}))):
+        (want,) = plain.generate(prompt, params, use_tqdm=False)
+        (got,) = spec_llm.generate(prompt, params, use_tqdm=False)
+        assert banned not in want.outputs[0].token_ids
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert_all_blocks_free(spec_llm.engine)
 
 

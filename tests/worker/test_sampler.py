@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -163,4 +165,28 @@ def test_repeat_rows_repeats_per_position_and_refuses_per_token_state():
     assert r.temperature.tolist() == [0.0, 0.0, 0.5, 0.5, 0.5] and r.top_k.tolist() == [V, V, 3, 3, 3]
     assert r.greedy_mask.tolist() == [True, True, False, False, False]
     with pytest.raises(ValueError, match="repeat_rows"):
-        repeat_rows(replace(b, max_num_logprobs=1), [1, 1])
+        repeat_rows(replace(b, seeded=[(0, 7)]), [1, 1])
+
+
+def test_repeat_rows_carries_bias_and_allowed_tokens_to_every_position():
+    """A sequence's logit bias and allowed token ids hold at each position it verifies:
+    the repeated batch gives every position the distribution its sequence's row has."""
+    from tandem.worker.sampler import repeat_rows, target_distribution
+
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
+    b = make_batch([dict(temperature=0.8), dict(temperature=0.9, top_k=20), dict(temperature=1.1)])
+    allowed = torch.zeros(2, V, dtype=torch.bool)
+    allowed[0, [1, 5, 9]] = True
+    allowed[1, 3:40] = True
+    b = replace(b, bias=(torch.tensor([0, 2, 2]), torch.tensor([4, 7, 8]), torch.tensor([2.0, -1.5, 3.0])),
+                allowed=(torch.tensor([1, 2]), allowed), max_num_logprobs=2)
+    counts = [2, 1, 3]
+    r = repeat_rows(b, counts)
+    assert r.max_num_logprobs == 2
+    expanded = logits.repeat_interleave(torch.tensor(counts), dim=0)
+    probs, greedy = target_distribution(expanded, r)
+    want, want_greedy = target_distribution(logits, b)
+    index = torch.tensor([0, 0, 1, 2, 2, 2])
+    assert torch.equal(probs, want[index]) and torch.equal(greedy, want_greedy[index])
+    assert (probs[2][~allowed[0]] == 0).all()  # row 1's allowed tokens, at its one position
+    assert (probs[3:][:, ~allowed[1]] == 0).all()
