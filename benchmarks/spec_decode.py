@@ -110,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=256, help="--custom-output-len of the requests")
     ap.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens past EOS (default: stop)")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--disable-by-batch-size", default=None, metavar="N|none",
+                    help="the speculative config's disable_by_batch_size (default: the engine's; none: never)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, help="tandem serve --quantization (default: the model's)")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -136,10 +138,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def speculative_config(mode: str, args: argparse.Namespace) -> dict | None:
     if mode == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-    if mode == "draft":
-        return {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
-    return None
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    elif mode == "draft":
+        spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
+    else:
+        return None
+    if args.disable_by_batch_size is not None:
+        limit = args.disable_by_batch_size
+        spec["disable_by_batch_size"] = None if limit == "none" else int(limit)
+    return spec
 
 
 def server_command(mode: str, args: argparse.Namespace) -> list[str]:

@@ -50,18 +50,14 @@ class EngineConfig:
             self._resolve_speculative()
 
     def _resolve_speculative(self) -> None:
-        """Refuse what stage 1 of speculative decoding does not cover and turn asynchronous
-        output processing off (vLLM V0 did the same): the scheduler needs a step's accepted
-        count before it schedules the next. Logged once: a config rebuilt from a resolved
-        one (:meth:`from_dict`) already has it off."""
+        """Refuse what speculative decoding does not cover yet. (Asynchronous output
+        processing stays as configured: the engine core runs a step with drafts
+        synchronously and the others one step ahead, :meth:`EngineCore.step`.)"""
         par = self.parallel_config
         if par.tensor_parallel_size > 1 or par.data_parallel_size > 1 or par.enable_expert_parallel:
             raise ValueError("speculative_config does not support tensor, data or expert parallelism yet.")
         if self.dbo_config.enable_dbo:
             raise ValueError("speculative_config does not support enable_dbo yet.")
-        if self.scheduler_config.async_output_proc:
-            self.scheduler_config.async_output_proc = False
-            logger.warning("speculative decoding: async_output_proc turned off (not supported with it yet).")
 
     @classmethod
     def group_types(cls) -> dict[str, type]:

@@ -19,6 +19,8 @@ METHODS = ("ngram", "draft_model")
 _LATER_METHODS = ("eagle", "eagle3")
 # vLLM's prompt-lookup n when neither bound is given.
 _DEFAULT_PROMPT_LOOKUP = 5
+# Batch size above which drafts cost more than they save: benchmarks/RESULTS.md, "Stop 45".
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 
 
 @dataclass
@@ -44,6 +46,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     """Longest n-gram looked up (>= prompt_lookup_min; default: prompt_lookup_min, or 5)."""
 
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    """Speculate only while at most this many requests are running (>= 1; None: always).
+    Above it, steps run without drafts and, with ``async_output_proc``, one step ahead."""
+
     def __post_init__(self) -> None:
         if self.method in _LATER_METHODS:
             raise ValueError(f"speculative_config.method {self.method!r} is not supported yet; "
@@ -54,6 +60,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}.")
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1 or null, got {b!r}.")
         if self.method == "draft_model":
             self._check_draft_model()
         else:

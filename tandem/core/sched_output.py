@@ -83,6 +83,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     # Sampling sequences whose token must match a grammar: the runner samples them only
     # once given their bitmask (vLLM's structured_output_request_ids).
     structured_output_seq_ids: list[int] = msgspec.field(default_factory=list)
+    # Speculative decoding: drafts are wanted after this step (the runner's draft model
+    # proposes them); the scheduler's decision, by batch size.
+    propose_drafts: bool = False
 
     @property
     def is_empty(self) -> bool:

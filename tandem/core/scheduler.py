@@ -60,12 +60,15 @@ class Scheduler:
             with outputs processed synchronously); None: no n-gram speculation.
         num_lookahead_tokens: with a draft model (whose drafts the model runner returns),
             its number of drafts per step ``K``; 0: none.
+        disable_by_batch_size: speculate only while at most this many sequences run (None:
+            always).
     """
 
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
                  structured_output_manager: "StructuredOutputManager | None" = None,
-                 proposer: "NgramProposer | None" = None, num_lookahead_tokens: int = 0) -> None:
+                 proposer: "NgramProposer | None" = None, num_lookahead_tokens: int = 0,
+                 disable_by_batch_size: int | None = None) -> None:
         self.kv = kv_manager
         self.structured_output_manager = structured_output_manager
         self.max_num_seqs = max_num_seqs
@@ -83,6 +86,7 @@ class Scheduler:
         self.proposer = proposer
         self.num_lookahead_tokens = num_lookahead_tokens
         self.speculates = proposer is not None or num_lookahead_tokens > 0
+        self.disable_by_batch_size = disable_by_batch_size
         # Speculative decoding (vLLM's SpecDecodingStats): sequence-steps that verified
         # drafts, draft and accepted tokens, and accepted tokens by draft position, sized to
         # K so that every position is reported from the start.
@@ -152,11 +156,12 @@ class Scheduler:
         """Lookahead slots for ``req``'s step of ``num_new`` tokens: never past the context."""
         return max(0, min(self.num_lookahead_tokens, self.max_model_len - req.num_computed_tokens - num_new))
 
-    def _admit_slots(self, req: Request, num_new: int, blocks: list) -> bool:
+    def _admit_slots(self, req: Request, num_new: int, blocks: list, speculate: bool) -> bool:
         """Allocate a waiting ``req``'s first ``num_new`` slots (after its prefix-cache hit
-        ``blocks``), plus the draft model's lookahead where they end its prompt and a
-        block is free for it."""
-        lookahead = self._lookahead(req, num_new) if req.num_computed_tokens + num_new == req.num_tokens else 0
+        ``blocks``), plus the draft model's lookahead where the step speculates, they end
+        its prompt and a block is free for it."""
+        ends_prompt = req.num_computed_tokens + num_new == req.num_tokens
+        lookahead = self._lookahead(req, num_new) if speculate and ends_prompt else 0
         if lookahead and self.kv.allocate_slots(req, num_new, blocks, num_lookahead_tokens=lookahead):
             return True
         return self.kv.allocate_slots(req, num_new, blocks)
@@ -172,8 +177,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def wants_drafts(self) -> bool:
+        """Whether the next step speculates: drafts for its decoding sequences (those with
+        nothing in flight: the caller takes in a step in flight first). Decided once per
+        step, by the number of running sequences (``disable_by_batch_size``)."""
+        limit = self.disable_by_batch_size
+        return self.speculates and (limit is None or len(self.running) <= limit)
+
     def schedule(self) -> SchedulerOutput:
         """Decide the next step. Never blocks; may return an empty step."""
+        speculate = self.wants_drafts()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Request] = []
@@ -197,8 +210,8 @@ class Scheduler:
                 i += 1
                 continue
             drafts = (self._propose(req, num_tokens, budget)
-                      if self.speculates and num_new == 1 and not placeholders else [])
-            lookahead = self._lookahead(req, num_new + len(drafts))
+                      if speculate and num_new == 1 and not placeholders else [])
+            lookahead = self._lookahead(req, num_new + len(drafts)) if speculate else 0
             while not kv.allocate_slots(req, num_new + len(drafts), num_lookahead_tokens=lookahead):
                 if drafts or lookahead:
                     drafts, lookahead = [], 0  # drafts never cost another sequence its blocks
@@ -232,7 +245,7 @@ class Scheduler:
                         break
                     num_new = budget
                 req.num_computed_tokens = num_hit
-                if not self._admit_slots(req, num_new, blocks):
+                if not self._admit_slots(req, num_new, blocks, speculate):
                     req.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
@@ -255,6 +268,7 @@ class Scheduler:
             preempted_seq_ids=[r.seq_id for r in preempted],
             finished_seq_ids=self._finished_since_last_step,
             structured_output_seq_ids=so_seq_ids,
+            propose_drafts=speculate and self.num_lookahead_tokens > 0,
         )
         self._finished_since_last_step = []
         return out
@@ -332,8 +346,7 @@ class Scheduler:
                 token_logprobs = [logprobs[row]] if wants_logprobs else None
             if token_logprobs is not None:  # one per token kept below
                 out.new_logprobs = token_logprobs
-            if drafts is not None:
-                req.draft_token_ids = drafts[row]
+            req.draft_token_ids = drafts[row] if drafts is not None else []
             for tok in tokens:
                 req.output_token_ids.append(tok)
                 out.new_token_ids.append(tok)

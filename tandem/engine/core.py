@@ -78,7 +78,8 @@ class EngineCore:
             pin_memory=config.device_config.torch_device.type == "cuda")
         self.scheduler = Scheduler(self.kv_manager, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
                                    model_cfg.max_model_len, sched_cfg.enable_chunked_prefill, self.structured_output,
-                                   _make_proposer(config), _num_lookahead_tokens(config))
+                                   _make_proposer(config), _num_lookahead_tokens(config),
+                                   _disable_by_batch_size(config))
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self.async_output_proc = sched_cfg.async_output_proc
         # Live sequences by request id (the front end's per-sequence id).
@@ -151,6 +152,13 @@ class EngineCore:
                 the core stays usable for the others and for new ones.
         """
         outputs, self._pending = self._pending + self._fail_uncompiled(), []
+        if self._inflight is not None and self.scheduler.wants_drafts():
+            # Drafts follow a sequence's last token: the step in flight is taken in first.
+            try:
+                outputs += self._finish_inflight()
+            except Exception:
+                self._pending = outputs + self._pending  # its requests' abort outputs follow
+                raise
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         if self.step_times is not None:
@@ -184,6 +192,11 @@ class EngineCore:
             if so.is_empty:
                 # Nothing to process later, but an idle DP rank's dummy batch can fail: wait.
                 handle.result()
+            elif any(s.spec_token_ids for s in so.scheduled):
+                # Its sequences' next tokens depend on how many drafts it accepts: taken in now.
+                result = handle.result()
+                self._advance_grammars(so, result)
+                outputs += self._take(so, result, grammars_advanced=True)
             else:
                 self._inflight = (so, handle)
             return outputs
@@ -193,6 +206,19 @@ class EngineCore:
                 self.step_broadcast(None)  # the followers abandon the step too
             self._pending = outputs
             self._abort_steps(failed, [h for h in (handle, prev[1] if prev is not None else None) if h is not None], e)
+            raise
+
+    def _finish_inflight(self) -> list[EngineCoreOutput]:
+        """Wait for the step in flight and take in its outputs (on failure its requests
+        are aborted as :meth:`step` does, and the error raised)."""
+        so, handle = self._inflight
+        self._inflight = None
+        try:
+            result = handle.result()
+            self._advance_grammars(so, result)
+            return self._take(so, result, grammars_advanced=True)
+        except Exception as e:
+            self._abort_steps([so], [handle], e)
             raise
 
     def _sample_constrained(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
@@ -306,6 +332,11 @@ def _make_proposer(config: EngineConfig) -> NgramProposer | None:
     if spec is None or spec.method != "ngram":
         return None
     return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def _disable_by_batch_size(config: EngineConfig) -> int | None:
+    spec = config.speculative_config
+    return None if spec is None else spec.disable_by_batch_size
 
 
 def _num_lookahead_tokens(config: EngineConfig) -> int:

@@ -102,8 +102,9 @@ class DraftModelProposer:
             keep: ``[S]`` int64: how many of each sequence's step tokens are confirmed (all
                 but a verified sequence's rejected drafts).
             emit_seqs: ``[R]`` int64: the sequences (indices into the step's) that emitted a
-                token, in the order of ``emitted``.
-            emitted: ``[R]`` int64 on the device: each one's last emitted token.
+                token and want drafts, in the order of ``emitted``; empty: the catch-up only.
+            emitted: ``[R]`` int64 on the device: each one's last emitted token (unused
+                when ``emit_seqs`` is empty).
             block_table_np: ``[S, max_blocks]`` int32: the sequences' block ids (0: none).
             block_table: ``[S, width]`` int32 on the device, ``width`` covering every
                 position up to ``K`` past an emitted token.
@@ -125,7 +126,8 @@ class DraftModelProposer:
         ids = torch.empty(total, dtype=torch.long, device=self.device)
         ids[self._h2d(np.repeat(qsl[:-1], keep) + offsets)] = step_ids[self._h2d(
             np.repeat(step.query_start_loc[:-1], keep) + offsets)]
-        ids[self._h2d(emit_at)] = emitted
+        if len(emit_seqs):
+            ids[self._h2d(emit_at)] = emitted
         row_of_token = np.repeat(np.arange(num_seqs), q_lens)
         catch_up = StepInputs(np.zeros(total, dtype=np.int64), positions,
                               self._slots(block_table_np[row_of_token], positions), qsl, step.num_computed,

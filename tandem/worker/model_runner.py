@@ -125,6 +125,7 @@ class _DraftInputs:
     input_ids: torch.Tensor  # [num_tokens] int64 on the device
     rows: np.ndarray  # [S] int64: the step's sequences' input-batch rows
     known: np.ndarray  # [S] int64: each sequence's step tokens before its drafts
+    propose: bool  # drafts wanted (SchedulerOutput.propose_drafts); else the cache only
 
 
 @dataclass
@@ -291,7 +292,7 @@ class ModelRunner:
         fwd = self._logits(so.step_id, seqs, sampling, inputs, hidden, t_prep, timing)
         if self.drafter is not None:
             known = np.array([s.num_new_tokens - len(s.spec_token_ids) for s in seqs], dtype=np.int64)
-            fwd.draft = _DraftInputs(inputs, input_ids, rows, known)
+            fwd.draft = _DraftInputs(inputs, input_ids, rows, known, so.propose_drafts)
         if so.structured_output_seq_ids:
             return fwd  # sampled by sample_tokens
         return self._sample_step(fwd, None)
@@ -518,15 +519,15 @@ class ModelRunner:
 
     def _propose_drafts(self, draft: _DraftInputs, sampling: _StepSampling, last: torch.Tensor,
                         accepted: dict[int, list[int]]) -> torch.Tensor | None:
-        """The draft model's catch-up on the step's confirmed tokens, and the next drafts
-        (``[R, K]`` int64 on the device, None when none sampled) of the step's ``R``
-        sampling sequences, from each one's last emitted token ``last`` (``[R]``)."""
+        """The draft model's catch-up on the step's confirmed tokens, and, when the step
+        wants drafts, the next drafts (``[R, K]`` int64 on the device; else None) of the
+        step's ``R`` sampling sequences, from each one's last emitted token ``last`` (``[R]``)."""
         keep = draft.known.copy()
         spec_index = sampling.spec.index if sampling.spec is not None else []
         for r, tokens in zip(spec_index, accepted.values()):  # its last known token and accepted drafts
             keep[r] += len(tokens) - 1
         inputs, ib, bs = draft.inputs, self.input_batch, self.block_size
-        emit_seqs = np.array(sampling.index + spec_index, dtype=np.int64)
+        emit_seqs = np.array(sampling.index + spec_index if draft.propose else [], dtype=np.int64)
         last_pos = int((inputs.num_computed + keep).max()) + self.drafter.num_speculative_tokens
         width = min(-(-last_pos // bs), ib.block_table.shape[1])
         table = ib.block_table[self._h2d(draft.rows, torch.long), :width]

@@ -52,6 +52,10 @@ def test_commands(sd):
                         ("--base-url", "http://127.0.0.1:8123"), ("--result-filename", "edit-c4-off-r0.json")):
         assert b[b.index(flag) + 1] == value
     assert "--save-result" in b and "--ignore-eos" in b
+    for given, limit in (("none", None), ("3", 3)):
+        c = sd.parse_args(["--disable-by-batch-size", given])
+        spec = sd.server_command("ngram", c)
+        assert json.loads(spec[spec.index("--speculative-config") + 1])["disable_by_batch_size"] == limit
 
 
 def test_jsonl_is_read_back_by_bench_serves_custom_dataset(sd, tmp_path):

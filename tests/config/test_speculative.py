@@ -5,11 +5,11 @@ with it (asynchronous output processing off; parallelism and DBO refused)."""
 from __future__ import annotations
 
 import argparse
-import logging
 
 import pytest
 
 from tandem.config import EngineConfig, SpeculativeConfig
+from tandem.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from tandem.engine.arg_utils import EngineArgs
 from tandem.engine.processor import check_speculative_params
 from tandem.sampling_params import SamplingParams
@@ -29,6 +29,8 @@ from tandem.sampling_params import SamplingParams
      "prompt_lookup_max is for method 'ngram'"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not supported yet"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1.5}, "disable_by_batch_size must be"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_min must be"),
@@ -65,15 +67,12 @@ def test_flag_and_dict_give_the_same_config_and_survive_the_ready_message():
     assert EngineArgs(speculative_config="{}").create_engine_config().speculative_config is None
 
 
-def test_speculation_turns_async_output_processing_off_logging_once(caplog):
-    from dataclasses import asdict
-
-    with caplog.at_level(logging.INFO, logger="tandem.config.engine"):
-        cfg = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).create_engine_config()
-        EngineConfig.from_dict(asdict(cfg))  # as the front end rebuilds the core's config
-    assert not cfg.scheduler_config.async_output_proc
-    assert sum("async_output_proc turned off" in r.getMessage() for r in caplog.records) == 1
-    assert EngineArgs().create_engine_config().scheduler_config.async_output_proc
+def test_speculation_keeps_async_output_processing_and_a_batch_size_limit():
+    cfg = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).create_engine_config()
+    assert cfg.scheduler_config.async_output_proc
+    assert cfg.speculative_config.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    off = SpeculativeConfig(method="ngram", num_speculative_tokens=2, disable_by_batch_size=None)
+    assert off.disable_by_batch_size is None
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -37,7 +37,8 @@ def tiny(tmp_path_factory):
 
 
 def _tiny_llm(target: str, tokenizer: str, draft: str | None, **kw) -> LLM:
-    spec = None if draft is None else {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    spec = None if draft is None else {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+                                       "disable_by_batch_size": None}
     args = dict(tokenizer=tokenizer, load_format="dummy", block_size=8, num_kv_blocks=64, max_model_len=128,
                 dtype="float32", speculative_config=spec)
     return LLM(target, **{**args, **kw})
@@ -84,7 +85,7 @@ def test_preemption_keeps_greedy_output_and_frees_every_block(tiny, embedded_mod
 def self_draft(embedded_model_path):
     """The embedded model (fp32) drafting for itself."""
     llm = make_llm(speculative_config={"method": "draft_model", "model": embedded_model_path,
-                                       "num_speculative_tokens": 4})
+                                       "num_speculative_tokens": 4, "disable_by_batch_size": None})
     yield llm
     llm.engine.shutdown()
 
@@ -146,7 +147,8 @@ def test_abort_frees_every_block(self_draft):
 def test_drafts_get_lookahead_slots_for_their_kv(self_draft):
     engine = self_draft.engine
     engine.add_request("b", PROMPTS[0], SamplingParams(temperature=0, max_tokens=40))
-    engine.step()  # the prompt, its first token, and the drafts after it
+    engine.step()  # the prompt, its first token, and the drafts after it (in flight)
+    engine.step()  # taken in; a step verifying them, taken in at once
     req = next(iter(engine.core.scheduler.requests.values()))
     blocks = engine.core.kv_manager.req_blocks[req.seq_id]
     assert len(req.draft_token_ids) == 4

@@ -10,7 +10,9 @@ import pytest
 from tandem.sampling_params import SamplingParams
 from tests.conftest import PROMPTS, assert_all_blocks_free, make_llm
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Speculating at every batch size, so that batched steps verify drafts too.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "disable_by_batch_size": None}
 REPETITIVE = [
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
     "def add(a, b):\n    return a + b\n\n\ndef add(a, b):",
@@ -47,9 +49,46 @@ def test_greedy_equals_no_speculation_and_drafts_get_accepted(spec_llm, referenc
     assert_all_blocks_free(spec_llm.engine)
 
 
-def test_speculation_turns_async_output_processing_off(spec_llm):
-    assert not spec_llm.engine.config.scheduler_config.async_output_proc
-    assert spec_llm.engine.config.speculative_config.num_speculative_tokens == 4
+def test_async_output_processing_on_and_off_give_the_same_tokens_and_acceptance(spec_llm, reference):
+    """With async on (the default) a step with drafts is taken in before the next is
+    scheduled; the others run one step ahead. Tokens and every draft decision are those of
+    the fully synchronous loop (public engines shipped acceptance collapses with async on)."""
+    assert spec_llm.engine.config.scheduler_config.async_output_proc
+    sync = make_llm(speculative_config=SPEC, async_output_proc=False)
+    prompts = list(reference)
+    runs = []
+    for llm in (spec_llm, sync):
+        before = _stats(llm)
+        ids = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        after = _stats(llm)
+        runs.append((ids, [after[k] - before[k] for k in ("spec_decode_num_draft_tokens",
+                                                           "spec_decode_num_accepted_tokens", "spec_decode_num_drafts")]))
+    assert runs[0] == runs[1] and runs[0][1][1] > 0
+
+
+def test_above_the_batch_size_limit_steps_run_without_drafts_one_step_ahead(reference):
+    """``disable_by_batch_size=2``: while more than two sequences run, no drafts (and the
+    steps overlap); once two are left, they speculate. Greedy output is unchanged."""
+    llm = make_llm(speculative_config={**SPEC, "disable_by_batch_size": 2})
+    core = llm.engine.core
+    seen = []
+    schedule = core.scheduler.schedule
+
+    def spy():
+        so = schedule()
+        seen.append((len(core.scheduler.running), sum(len(s.spec_token_ids) for s in so.scheduled),
+                     core._inflight is not None))
+        return so
+
+    core.scheduler.schedule = spy
+    prompts = list(reference)[:4]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (8, 12, 32, 32)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p].token_ids[:n] for p, n in zip(prompts, (8, 12, 32, 32))]
+    assert all(drafts == 0 for running, drafts, _ in seen if running > 2)
+    assert any(drafts > 0 for running, drafts, _ in seen if running <= 2)
+    assert any(inflight for running, _, inflight in seen if running > 2)  # one step ahead above the limit
+    assert_all_blocks_free(llm.engine)
 
 
 @pytest.mark.parametrize("max_tokens", [5, 13])
