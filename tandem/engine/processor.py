@@ -152,15 +152,12 @@ class Processor:
 
 def check_speculative_params(params: SamplingParams) -> None:
     """Refuse the sampling fields that speculative decoding does not support yet: they need
-    per-position state in the verification (penalty counts, bad-word history, a grammar).
+    per-position state in the verification (bad-word history, a grammar).
 
     Raises:
         ValueError: naming the first such field the request sets.
     """
     unsupported = {
-        "presence_penalty": params.presence_penalty != 0.0,
-        "frequency_penalty": params.frequency_penalty != 0.0,
-        "repetition_penalty": params.repetition_penalty not in (None, 1.0),
         "bad_words": bool(params.bad_words),
         "structured_outputs": params.structured_outputs is not None,
     }

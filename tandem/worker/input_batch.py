@@ -298,8 +298,14 @@ class InputBatch:
         for i in np.flatnonzero(self.has_bad_words_np[rows]):
             self.bad_words[rows[i]].record(sampled[i : i + 1])
 
-    def record_emitted(self, rows: np.ndarray, num_emitted: list[int]) -> None:
-        """Advance the token index of rows that verified draft tokens by the number of
-        tokens each emitted (``[n]`` ints >= 1). Such rows have no penalties or bad words
-        (speculative decoding refuses them), whose tables would follow each token."""
-        self.num_sampled_np[rows] += np.asarray(num_emitted, dtype=np.int64)
+    def record_emitted(self, rows: np.ndarray, emitted: list[list[int]]) -> None:
+        """Count the tokens each row that verified draft tokens emitted (``emitted[i]``,
+        one or more per row) into the penalty tables of penalised rows, and advance the
+        rows' token index by as many. Such rows have no bad words (speculative decoding
+        refuses them), whose history would follow each token."""
+        pen = np.flatnonzero(self.has_penalty_np[rows])
+        if len(pen):
+            slots = self._h2d(np.repeat(rows[pen], [len(emitted[i]) for i in pen]), torch.long)
+            toks = self._h2d([t for i in pen for t in emitted[i]], torch.long)
+            self.output_counts.index_put_((slots, toks), torch.ones_like(toks, dtype=torch.int32), accumulate=True)
+        self.num_sampled_np[rows] += np.fromiter((len(e) for e in emitted), dtype=np.int64, count=len(emitted))

@@ -413,7 +413,8 @@ class ModelRunner:
         draft_ids = self._h2d([t for r in index for t in seqs[r].spec_token_ids], torch.long)
         per_seq = self.input_batch.sampling_batch(rows)
         generators = {i: torch.Generator(device=self.device).manual_seed(seed) for i, seed in per_seq.seeded}
-        batch = repeat_rows(replace(per_seq, seeded=[]), [n + 1 for n in num_drafts])
+        batch = repeat_rows(replace(per_seq, seeded=[]), [n + 1 for n in num_drafts],
+                            [seqs[r].spec_token_ids for r in index])
         greedy = per_seq.all_greedy or (False if per_seq.all_random else per_seq.greedy_mask)
         return _SpecVerify(index, [seqs[r].seq_id for r in index], rows, num_drafts, draft_ids, batch, greedy,
                            generators)
@@ -486,12 +487,13 @@ class ModelRunner:
         the device), ``{first_row + i: every token sequence i emitted}`` and, when a
         sequence asks for logprobs, ``{first_row + i: per emitted token (ids [1 + k],
         logprobs [1 + k], rank)}`` as the sampler gives them (of the raw logits)."""
-        probs, greedy_ids = target_distribution(logits, spec.batch)
+        ib = self.input_batch
+        probs, greedy_ids = target_distribution(logits, spec.batch, ib.output_counts, ib.prompt_mask)
         out = rejection_sample(spec.draft_ids, spec.num_drafts, probs, None, spec.greedy,
                                generators=spec.generators, target_greedy_ids=greedy_ids)
         token_ids, num_accepted = out.token_ids.tolist(), out.num_accepted.tolist()
         emitted = [toks[:n + 1] for toks, n in zip(token_ids, num_accepted)]
-        self.input_batch.record_emitted(spec.rows, [len(e) for e in emitted])
+        ib.record_emitted(spec.rows, emitted)
         logprobs = {}
         if spec.batch.max_num_logprobs >= 0:
             logprobs = {first_row + i: lp for i, lp in enumerate(self._emitted_logprobs(logits, spec, emitted))}

@@ -59,6 +59,9 @@ class SamplingBatch:
     max_num_logprobs: int  # -1: no row wants logprobs
     # allowed_token_ids: (rows [A] int64, mask [A, V] bool); other tokens are masked.
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Tokens the penalty tables do not hold yet, per penalised row: (indices [E] into
+    # penalty_rows, token ids [E]); a verified position's drafts before it.
+    pending_counts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -77,6 +80,9 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch, output_counts: torch
     rows, slots = b.penalty_rows, b.penalty_slots
     lg = logits[rows]
     counts = output_counts[slots]
+    if b.pending_counts is not None:
+        idx, toks = b.pending_counts
+        counts.index_put_((idx, toks), torch.ones_like(toks, dtype=counts.dtype), accumulate=True)
     seen = counts > 0
     rep = b.repetition[:, None]
     penalised = seen | prompt_mask[slots]
@@ -196,19 +202,20 @@ def sample(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor |
     return out
 
 
-def repeat_rows(b: SamplingBatch, counts: list[int]) -> SamplingBatch:
+def repeat_rows(b: SamplingBatch, counts: list[int], drafts: list[list[int]] | None = None) -> SamplingBatch:
     """``b`` with its row ``i`` repeated ``counts[i]`` times (``N`` host ints >= 1): the
     per-position batch of sequences that verify several positions. Temperature, top-k,
-    top-p, min-p, logit bias, allowed token ids and the logprobs count hold at every
-    position alike.
+    top-p, min-p, logit bias, allowed token ids, penalty settings and the logprobs count
+    hold at every position alike; at position ``j`` of row ``i`` the penalties also count
+    ``drafts[i][:j]`` (row ``i``'s draft tokens, ``len == counts[i] - 1``; needed with
+    penalties), the tokens it follows that the tables do not hold yet.
 
     Raises:
-        ValueError: ``b`` has penalties or seeds, whose per-position values this does not
-            derive (speculative decoding refuses penalties, tandem.engine.processor, and
-            draws seeded rows from generators of their own).
+        ValueError: ``b`` has seeds (speculative decoding draws seeded rows from generators
+            of their own), or penalties without ``drafts``.
     """
-    if b.penalty_rows is not None or b.seeded:
-        raise ValueError("repeat_rows: penalties and seeds are not repeated per position")
+    if b.seeded or (b.penalty_rows is not None and drafts is None):
+        raise ValueError("repeat_rows: seeds are not repeated, and penalties need the drafts")
     device = b.temperature.device
     repeats = torch.tensor(counts, dtype=torch.long).to(device, non_blocking=True)
     rep = lambda t: t.repeat_interleave(repeats, output_size=sum(counts))  # noqa: E731
@@ -216,7 +223,29 @@ def repeat_rows(b: SamplingBatch, counts: list[int]) -> SamplingBatch:
     return replace(b, temperature=rep(b.temperature), top_k=rep(b.top_k), top_p=rep(b.top_p), min_p=rep(b.min_p),
                    greedy_mask=None if b.greedy_mask is None else rep(b.greedy_mask),
                    bias=None if b.bias is None else _repeat_entries(b.bias[0], b.bias[1:], repeats, starts),
-                   allowed=None if b.allowed is None else _repeat_entries(b.allowed[0], b.allowed[1:], repeats, starts))
+                   allowed=None if b.allowed is None else _repeat_entries(b.allowed[0], b.allowed[1:], repeats, starts),
+                   **({} if b.penalty_rows is None else _repeat_penalties(b, repeats, starts, drafts)))
+
+
+def _repeat_penalties(b: SamplingBatch, repeats: torch.Tensor, starts: torch.Tensor,
+                      drafts: list[list[int]]) -> dict:
+    """The penalty fields of :func:`repeat_rows`, with each position's pending draft tokens."""
+    rows, slots, presence, frequency, repetition = _repeat_entries(
+        b.penalty_rows, (b.penalty_slots, b.presence, b.frequency, b.repetition), repeats, starts)
+    # Entry e's positions are consecutive from `base`; position j is pending drafts[row][:j].
+    # Penalised rows and drafts are few: listed on the host.
+    idx, toks, base = [], [], 0
+    for row in b.penalty_rows.tolist():
+        d = drafts[row]
+        for j in range(1, len(d) + 1):
+            idx += [base + j] * j
+            toks += d[:j]
+        base += len(d) + 1
+    device = rows.device
+    pending = None if not idx else (torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True),
+                                    torch.tensor(toks, dtype=torch.long).to(device, non_blocking=True))
+    return dict(penalty_rows=rows, penalty_slots=slots, presence=presence, frequency=frequency,
+                repetition=repetition, pending_counts=pending)
 
 
 def _repeat_entries(rows: torch.Tensor, values: tuple[torch.Tensor, ...], repeats: torch.Tensor,
@@ -233,15 +262,16 @@ def _repeat_entries(rows: torch.Tensor, values: tuple[torch.Tensor, ...], repeat
     return (new_rows, *(v.repeat_interleave(per_entry, dim=0, output_size=num) for v in values))
 
 
-def target_distribution(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def target_distribution(logits: torch.Tensor, b: SamplingBatch, output_counts: torch.Tensor | None = None,
+                        prompt_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What speculative verification compares drafts with, per row of ``logits [N, V]``
-    (fp32; ``b`` one row per row, :func:`repeat_rows`, without penalties): the
-    probabilities :func:`sample` draws from after allowed token ids, logit bias,
-    temperature, min-p, top-k and top-p, ``[N, V]`` float32, where rows :func:`sample` treats as greedy
+    (fp32; ``b`` one row per row, :func:`repeat_rows`; ``output_counts`` / ``prompt_mask``
+    the penalty tables when ``b`` has penalties): the probabilities :func:`sample` draws
+    from after allowed token ids, logit bias, penalties, temperature, min-p, top-k and top-p, ``[N, V]`` float32, where rows :func:`sample` treats as greedy
     (temperature 0, :func:`deterministic_rows`) are a one-hot on their greedy token (the
     logits themselves when every row is greedy: only the greedy ids are used then); and
     the greedy ids, ``[N]`` int64 (:func:`greedy_select`)."""
-    logits = _processed(logits, b, None, None)
+    logits = _processed(logits, b, output_counts, prompt_mask)
     greedy = greedy_select(logits)
     if b.all_greedy:
         return logits, greedy

@@ -87,7 +87,7 @@ def test_what_stage_one_does_not_cover_is_refused(kwargs, message):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("repetition_penalty", 1.1), ("bad_words", ["x"]),
+    ("bad_words", ["x"]),
     ("structured_outputs", {"choice": ["a"]}),
 ])
 def test_unsupported_sampling_fields_are_refused_by_name(field, value):
@@ -98,4 +98,5 @@ def test_unsupported_sampling_fields_are_refused_by_name(field, value):
 def test_supported_sampling_fields_pass():
     check_speculative_params(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=1, n=2,
                                             min_tokens=2, stop=["x"], stop_token_ids=[3], prompt_logprobs=1,
-                                            logprobs=2, logit_bias={1: 1.0}, allowed_token_ids=[1, 2, 3]))
+                                            logprobs=2, logit_bias={1: 1.0}, allowed_token_ids=[1, 2, 3],
+                                            presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1))

@@ -146,9 +146,8 @@ def test_prompt_logprobs_leave_the_output_unchanged(spec_llm, reference):
 
 
 def test_unsupported_sampling_fields_are_refused(spec_llm):
-    for params in (SamplingParams(presence_penalty=0.5),
-                   SamplingParams(bad_words=["x"]), SamplingParams(structured_outputs={"choice": ["a", "b"]})):
-        name = next(k for k in ("presence_penalty", "bad_words", "structured_outputs")
+    for params in (SamplingParams(bad_words=["x"]), SamplingParams(structured_outputs={"choice": ["a", "b"]})):
+        name = next(k for k in ("bad_words", "structured_outputs")
                     if getattr(params, k))
         with pytest.raises(ValueError, match=name):
             spec_llm.generate("x", params, use_tqdm=False)
@@ -189,6 +188,23 @@ def test_logit_bias_and_allowed_token_ids_hold_at_every_verified_position(spec_l
         (got,) = spec_llm.generate(prompt, params, use_tqdm=False)
         assert banned not in want.outputs[0].token_ids
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert_all_blocks_free(spec_llm.engine)
+
+
+@pytest.mark.parametrize("penalty", [dict(presence_penalty=0.8), dict(frequency_penalty=0.6),
+                                     dict(repetition_penalty=1.3)])
+def test_penalties_count_the_drafts_before_each_verified_position(spec_llm, penalty):
+    """Greedy with a penalty: the same tokens as without speculation (each position is
+    penalised for the accepted drafts before it), and the repetitive prompt still gets
+    drafts accepted."""
+    prompt = REPETITIVE[0]
+    params = SamplingParams(temperature=0, max_tokens=24, **penalty)
+    plain = make_llm()
+    (want,) = plain.generate(prompt, params, use_tqdm=False)
+    before = _stats(spec_llm)["spec_decode_num_draft_tokens"]
+    (got,) = spec_llm.generate(prompt, params, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert _stats(spec_llm)["spec_decode_num_draft_tokens"] > before
     assert_all_blocks_free(spec_llm.engine)
 
 

@@ -190,3 +190,43 @@ def test_repeat_rows_carries_bias_and_allowed_tokens_to_every_position():
     assert torch.equal(probs, want[index]) and torch.equal(greedy, want_greedy[index])
     assert (probs[2][~allowed[0]] == 0).all()  # row 1's allowed tokens, at its one position
     assert (probs[3:][:, ~allowed[1]] == 0).all()
+
+
+def test_repeat_rows_counts_the_drafts_before_each_position_into_the_penalties():
+    """Position ``j`` of a verifying row is penalised as if its drafts before ``j`` had been
+    sampled: the same distribution as the plain batch whose tables hold them."""
+    from tandem.worker.sampler import repeat_rows, target_distribution
+
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(2, V, generator=gen) * 2
+    counts = torch.zeros(4, V, dtype=torch.int32)  # state rows 0..3; the batch uses rows 2 and 3
+    counts[2, 5] = 2
+    counts[3, 7] = 1
+    prompt_mask = torch.zeros(4, V, dtype=torch.bool)
+    prompt_mask[3, 11] = True
+    b = replace(make_batch([dict(temperature=0.9), dict(temperature=0.0)]), penalty_rows=torch.tensor([0, 1]),
+                penalty_slots=torch.tensor([2, 3]), presence=torch.tensor([0.5, 0.3]),
+                frequency=torch.tensor([0.2, 0.4]), repetition=torch.tensor([1.1, 1.3]))
+    drafts = [[5, 9], [7, 7, 12]]
+    r = repeat_rows(b, [3, 4], drafts)
+    expanded = logits.repeat_interleave(torch.tensor([3, 4]), dim=0)
+    probs, greedy = target_distribution(expanded, r, counts, prompt_mask)
+    position = 0
+    for row, d in enumerate(drafts):
+        for j in range(len(d) + 1):
+            tables = counts.clone()
+            for t in d[:j]:
+                tables[2 + row, t] += 1
+            one = replace(b, penalty_rows=torch.tensor([0]), penalty_slots=torch.tensor([2 + row]),
+                          presence=b.presence[row:row + 1], frequency=b.frequency[row:row + 1],
+                          repetition=b.repetition[row:row + 1],
+                          temperature=b.temperature[row:row + 1], top_k=b.top_k[row:row + 1],
+                          top_p=b.top_p[row:row + 1], min_p=b.min_p[row:row + 1], all_greedy=row == 1,
+                          all_random=row == 0, greedy_mask=None)
+            want, want_greedy = target_distribution(logits[row:row + 1], one, tables, prompt_mask)
+            assert greedy[position] == want_greedy[0]
+            if row == 0:  # the random row's probabilities (the greedy row's are a one-hot on it)
+                assert torch.allclose(probs[position], want[0])
+            position += 1
+    with pytest.raises(ValueError, match="penalties need the drafts"):
+        repeat_rows(b, [1, 1])
