@@ -20,7 +20,7 @@ _LATER_METHODS = ("eagle", "eagle3")
 # vLLM's prompt-lookup n when neither bound is given.
 _DEFAULT_PROMPT_LOOKUP = 5
 # Batch size above which drafts cost more than they save: benchmarks/RESULTS.md, "Stop 45".
-DEFAULT_DISABLE_BY_BATCH_SIZE = 2
+DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 
 
 @dataclass

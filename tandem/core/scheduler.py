@@ -138,19 +138,22 @@ class Scheduler:
     def _propose(self, req: Request, num_tokens: int, budget: int) -> list[int]:
         """Draft tokens for a decoding ``req`` with ``num_tokens`` known tokens: at most
         what its ``max_tokens``, the context and the step's ``budget`` leave room for
-        besides the token the step samples anyway. None for a constrained sequence (its
-        grammar advances one token at a time) or one below ``min_tokens`` (its stop tokens
-        are masked per sampled token)."""
+        besides the token the step samples anyway; of a constrained sequence, the prefix
+        its grammar accepts. None for a sequence below ``min_tokens`` (its stop tokens are
+        masked per sampled token)."""
         num_output = num_tokens - req.num_prompt_tokens
-        if req.structured_output is not None or num_output < req.sampling_params.min_tokens:
+        if num_output < req.sampling_params.min_tokens:
             return []
         room = min(req.max_tokens - num_output, self.max_model_len - num_tokens, budget) - 1
         if room <= 0:
             return []
         if self.proposer is None:
-            return req.draft_token_ids[:room]
-        drafts = self.proposer.propose(np.asarray(req.all_token_ids, dtype=np.int64))
-        return drafts[:room].tolist()
+            drafts = req.draft_token_ids[:room]
+        else:
+            drafts = self.proposer.propose(np.asarray(req.all_token_ids, dtype=np.int64))[:room].tolist()
+        if drafts and req.structured_output is not None:
+            return self.structured_output_manager.valid_draft_prefix(req, drafts)
+        return drafts
 
     def _lookahead(self, req: Request, num_new: int) -> int:
         """Lookahead slots for ``req``'s step of ``num_new`` tokens: never past the context."""
@@ -281,19 +284,25 @@ class Scheduler:
 
         A sequence whose grammar could only end while ``min_tokens`` masked its stop
         tokens (``structured_output.forced_stop``) gets that stop token in place of its
-        sample, in ``result`` too: the grammar's end wins over ``min_tokens``."""
+        sample, in ``result`` too: the grammar's end wins over ``min_tokens``. A sequence
+        that verified drafts advances by every token it emitted; a token its grammar
+        refuses cuts its run there, in ``result`` too."""
         reqs, toks = [], []
-        sampled = result.sampled_token_ids
+        sampled, runs = result.sampled_token_ids, result.accepted_token_ids
+        manager = self.structured_output_manager
         for i, sid in enumerate(result.seq_ids):
             req = self.requests.get(sid)
             if req is not None and req.structured_output is not None:
                 so = req.structured_output
+                if i in runs and req.spec_token_ids:
+                    runs[i] = runs[i][:max(1, manager.accept_run(req, runs[i]))]
+                    continue
                 if so.forced_stop is not None:
                     sampled[i], so.forced_stop = so.forced_stop, None
                 reqs.append(req)
                 toks.append(sampled[i])
         if reqs:
-            self.structured_output_manager.accept_tokens(reqs, toks)
+            manager.accept_tokens(reqs, toks)
 
     def update_from_output(self, result: ModelRunnerOutput, grammars_advanced: bool = False) -> list[EngineCoreOutput]:
         """Take in one step's sampled tokens: placeholder accounting, token-id stop checks
@@ -347,10 +356,11 @@ class Scheduler:
             if token_logprobs is not None:  # one per token kept below
                 out.new_logprobs = token_logprobs
             req.draft_token_ids = drafts[row] if drafts is not None else []
-            for tok in tokens:
+            last = len(tokens) - 1
+            for k, tok in enumerate(tokens):
                 req.output_token_ids.append(tok)
                 out.new_token_ids.append(tok)
-                status = self._check_stop(req, tok)
+                status = self._check_stop(req, tok, k == last)
                 if status is not None:  # the tokens after it are dropped
                     if out.new_logprobs is not None:
                         del out.new_logprobs[len(out.new_token_ids):]
@@ -375,7 +385,9 @@ class Scheduler:
         for i in range(num_accepted):
             per_pos[i] += 1
 
-    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+    def _check_stop(self, req: Request, tok: int, last_of_step: bool = True) -> RequestStatus | None:
+        """How ``req`` ends after its new token ``tok``, or None. A finished grammar ends it
+        only at the step's last token (the grammar has taken in all of the step's tokens)."""
         p = req.sampling_params
         num_output = len(req.output_token_ids)
         if num_output >= p.min_tokens:
@@ -384,7 +396,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if tok in p.all_stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if req.structured_output is not None and req.structured_output.finished:
+        if last_of_step and req.structured_output is not None and req.structured_output.finished:
             return RequestStatus.FINISHED_STOPPED
         if num_output >= req.max_tokens or len(req.prompt_token_ids) + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

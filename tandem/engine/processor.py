@@ -151,15 +151,14 @@ class Processor:
 
 
 def check_speculative_params(params: SamplingParams) -> None:
-    """Refuse the sampling fields that speculative decoding does not support yet: they need
-    per-position state in the verification (bad-word history, a grammar).
+    """Refuse the sampling fields that speculative decoding does not support yet: bad words
+    need each verified position's own history.
 
     Raises:
         ValueError: naming the first such field the request sets.
     """
     unsupported = {
         "bad_words": bool(params.bad_words),
-        "structured_outputs": params.structured_outputs is not None,
     }
     for name, used in unsupported.items():
         if used:

@@ -177,6 +177,35 @@ class StructuredOutputManager:
             elif tok in self._grammar_stop_ids and matcher.is_terminated():  # only a stop token ends a grammar
                 req.structured_output.finished = True
 
+    def valid_draft_prefix(self, req: "Request", drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` that ``req``'s grammar accepts after its tokens
+        so far (speculative decoding; the grammar's state is left as it was)."""
+        matcher = req.structured_output.matcher
+        n = 0
+        for tok in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(tok):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return drafts[:n]
+
+    def accept_run(self, req: "Request", token_ids: list[int]) -> int:
+        """Advance ``req``'s matcher by the tokens a verification emitted, in order; returns
+        how many it accepted. A refused token ends the run: the sequence is finished
+        there (``refused`` too when it was the first); so is one whose grammar accepted
+        its stop token."""
+        so = req.structured_output
+        matcher = so.matcher
+        for n, tok in enumerate(token_ids):
+            if not matcher.accept_token(tok):
+                logger.warning("request %s: token %d does not match its grammar; finishing it", req.request_id, tok)
+                so.finished, so.refused = True, n == 0
+                return n
+        if token_ids[-1] in self._grammar_stop_ids and matcher.is_terminated():
+            so.finished = True
+        return len(token_ids)
+
     def grammar_bitmask(self, seq_ids: list[int], requests: dict[int, "Request"]) -> GrammarBitmask:
         """The bitmask rows of ``seq_ids`` (``int32 [len(seq_ids), ceil(V / 32)]``, host),
         filled in one xgrammar call over up to ``TANDEM_STRUCTURED_OUTPUT_THREADS`` threads
@@ -188,6 +217,11 @@ class StructuredOutputManager:
         would mask every token its row allows) gets ``structured_output.forced_stop``:
         the grammar's end wins, and that stop token replaces its sample.
 
+        A sequence that verifies draft tokens (``req.spec_token_ids``) gets a row per
+        verified position, consecutive (its id repeated in the result's ``seq_ids``): the
+        grammar's mask after each prefix of its drafts (which its grammar accepts,
+        :meth:`valid_draft_prefix`).
+
         The rows live in one buffer that the next call overwrites: a step's bitmask is
         read by that step's sampling, and the next step's fill waits for that step's
         tokens (``EngineCore.step``), so no copy and no fresh 4 MB per step (256 rows of
@@ -195,6 +229,9 @@ class StructuredOutputManager:
         """
         import xgrammar as xgr
 
+        spec = [sid for sid in seq_ids if sid in requests and requests[sid].spec_token_ids]
+        if spec:
+            return self._bitmask_with_drafts(seq_ids, requests, set(spec))
         bitmask = self._rows(len(seq_ids))
         matchers, rows, allow_all, below_min = [], [], [], []
         for row, sid in enumerate(seq_ids):
@@ -219,6 +256,30 @@ class StructuredOutputManager:
         for row, req in below_min:
             req.structured_output.forced_stop = self._only_stop(bitmask[row], req.structured_output.matcher)
         return GrammarBitmask(seq_ids, bitmask)
+
+    def _bitmask_with_drafts(self, seq_ids: list[int], requests: dict[int, "Request"],
+                             spec: set[int]) -> GrammarBitmask:
+        """:meth:`grammar_bitmask` of a step with verifying sequences ``spec``: theirs row by
+        row (each draft accepted, then all rolled back), the others in one batched fill."""
+        plain = [sid for sid in seq_ids if sid not in spec]
+        base = self.grammar_bitmask(plain, requests).bitmask.clone() if plain else None
+        rows_of = {sid: 1 + len(requests[sid].spec_token_ids) for sid in spec}
+        out_ids = [sid for sid in seq_ids for _ in range(rows_of.get(sid, 1))]
+        bitmask = self._rows(len(out_ids))
+        row, plain_row = 0, 0
+        for sid in seq_ids:
+            if sid not in spec:
+                bitmask[row] = base[plain_row]
+                row, plain_row = row + 1, plain_row + 1
+                continue
+            matcher, drafts = requests[sid].structured_output.matcher, requests[sid].spec_token_ids
+            matcher.fill_next_token_bitmask(bitmask, row)
+            for j, tok in enumerate(drafts):
+                matcher.accept_token(tok)
+                matcher.fill_next_token_bitmask(bitmask, row + 1 + j)
+            matcher.rollback(len(drafts))
+            row += 1 + len(drafts)
+        return GrammarBitmask(out_ids, bitmask)
 
     def _only_stop(self, row: torch.Tensor, matcher: "xgr.GrammarMatcher") -> int | None:
         """The first stop token ``row`` allows when it allows no other token, else None."""

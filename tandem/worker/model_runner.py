@@ -444,7 +444,7 @@ class ModelRunner:
             logits = fwd.logits
             if grammar is not None:
                 t0 = time.perf_counter()
-                self._apply_bitmask(logits, seq_ids, grammar)
+                self._apply_bitmask(logits, {sid: i for i, sid in enumerate(seq_ids)}, grammar)
                 if self.step_times is not None:
                     self.step_times.add(fwd.step_id, "bitmask", time.perf_counter() - t0)
             out: SamplerOutput = sample(logits, fwd.sampling.batch, self.input_batch.output_counts,
@@ -461,6 +461,10 @@ class ModelRunner:
         accepted_lp: dict[int, list[tuple[list[int], list[float], int]]] = {}
         last = host_src["sampled"]
         if fwd.spec_logits is not None:
+            if grammar is not None:
+                spec = fwd.sampling.spec
+                starts = np.cumsum([0] + [n + 1 for n in spec.num_drafts[:-1]]).tolist()
+                self._apply_bitmask(fwd.spec_logits, dict(zip(spec.seq_ids, starts)), grammar)
             first, accepted, accepted_lp = self._verify_drafts(fwd.sampling.spec, fwd.spec_logits, len(seq_ids))
             host_src["sampled"] = torch.cat([host_src["sampled"], first])
             last = torch.cat([last, self._h2d([e[-1] for e in accepted.values()], torch.long)])
@@ -536,14 +540,24 @@ class ModelRunner:
         return self.drafter.propose(inputs, draft.input_ids, keep, emit_seqs, last, ib.block_table_np[draft.rows],
                                     table)
 
-    def _apply_bitmask(self, logits: torch.Tensor, seq_ids: list[int], grammar: GrammarBitmask) -> None:
-        """Mask, in place, the tokens ``grammar`` forbids in the rows of its sequences."""
-        row_of = {sid: i for i, sid in enumerate(seq_ids)}
-        rows = [row_of[sid] for sid in grammar.seq_ids]
+    def _apply_bitmask(self, logits: torch.Tensor, first_row: dict[int, int], grammar: GrammarBitmask) -> None:
+        """Mask, in place, the tokens ``grammar`` forbids in the rows of its sequences that
+        ``logits`` holds: sequence ``sid``'s first row is ``first_row[sid]``, and a sequence
+        with several grammar rows (verified positions) has as many consecutive rows."""
+        rows, used, seen = [], [], {}
+        for g, sid in enumerate(grammar.seq_ids):
+            first = first_row.get(sid)
+            if first is not None:
+                k = seen[sid] = seen.get(sid, -1) + 1
+                rows.append(first + k)
+                used.append(g)
+        if not rows:
+            return
+        mask = grammar.bitmask if len(used) == len(grammar.seq_ids) else grammar.bitmask[used]
         # Pinned: a pageable copy could wait for the step's forward to finish.
-        mask = grammar.bitmask.pin_memory() if self._is_cuda else grammar.bitmask
-        # Every sampling row constrained, in order (all-constrained decode steps): no scatter.
-        in_order = len(rows) == len(seq_ids) and rows == list(range(len(rows)))
+        mask = mask.pin_memory() if self._is_cuda else mask
+        # Every row constrained, in order (all-constrained decode steps): no scatter.
+        in_order = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
         apply_token_bitmask(logits, None if in_order else self._h2d(rows, torch.long),
                             mask.to(self.device, non_blocking=True))
 

@@ -88,7 +88,6 @@ def test_what_stage_one_does_not_cover_is_refused(kwargs, message):
 
 @pytest.mark.parametrize("field, value", [
     ("bad_words", ["x"]),
-    ("structured_outputs", {"choice": ["a"]}),
 ])
 def test_unsupported_sampling_fields_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=f"^{field} is not supported with speculative decoding"):

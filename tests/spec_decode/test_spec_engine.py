@@ -146,8 +146,8 @@ def test_prompt_logprobs_leave_the_output_unchanged(spec_llm, reference):
 
 
 def test_unsupported_sampling_fields_are_refused(spec_llm):
-    for params in (SamplingParams(bad_words=["x"]), SamplingParams(structured_outputs={"choice": ["a", "b"]})):
-        name = next(k for k in ("bad_words", "structured_outputs")
+    for params in (SamplingParams(bad_words=["x"]),):
+        name = next(k for k in ("bad_words",)
                     if getattr(params, k))
         with pytest.raises(ValueError, match=name):
             spec_llm.generate("x", params, use_tqdm=False)
@@ -205,6 +205,28 @@ def test_penalties_count_the_drafts_before_each_verified_position(spec_llm, pena
     (got,) = spec_llm.generate(prompt, params, use_tqdm=False)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert _stats(spec_llm)["spec_decode_num_draft_tokens"] > before
+    assert_all_blocks_free(spec_llm.engine)
+
+
+@pytest.mark.parametrize("constraint", [
+    {"regex": r"( [0-9]+,){12}"},
+    {"json": {"type": "object", "properties": {"numbers": {"type": "array", "items": {"type": "integer"},
+                                                           "minItems": 6, "maxItems": 6}},
+              "required": ["numbers"]}},
+])
+def test_structured_outputs_mask_every_verified_position(spec_llm, constraint):
+    """Drafts are cut to what the grammar accepts and every verified position gets its
+    grammar's mask: greedy constrained output equals the one without speculation, and
+    drafts are accepted."""
+    prompt = REPETITIVE[0]
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=constraint)
+    plain = make_llm()
+    (want,) = plain.generate(prompt, params, use_tqdm=False)
+    before = _stats(spec_llm)["spec_decode_num_accepted_tokens"]
+    (got,) = spec_llm.generate(prompt, params, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].finish_reason == want.outputs[0].finish_reason == "stop"
+    assert _stats(spec_llm)["spec_decode_num_accepted_tokens"] > before
     assert_all_blocks_free(spec_llm.engine)
 
 
