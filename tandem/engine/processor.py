@@ -82,7 +82,6 @@ class Processor:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.generation_defaults = generation_defaults
-        self.speculative = ready.config.get("speculative_config") is not None
         self.eos_token_ids = set(ready.eos_token_ids) | set(generation_defaults.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -101,13 +100,10 @@ class Processor:
         Raises:
             PromptError: empty prompt, prompt + max_tokens over the context, token ids
                 outside the vocabulary.
-            ValueError: bad sampling values, or ones speculative decoding does not support
-                yet (the message names the field).
+            ValueError: bad sampling values (the message names the field).
         """
         defaults = self.generation_defaults.sampling
         params = (params or SamplingParams()).with_defaults(defaults)
-        if self.speculative:
-            check_speculative_params(params)
         params.verify_vocab(self.vocab_size)
         params.update_from_tokenizer(self.tokenizer)
         for name in ("logprobs", "prompt_logprobs"):
@@ -150,19 +146,4 @@ class Processor:
         return text, reqs
 
 
-def check_speculative_params(params: SamplingParams) -> None:
-    """Refuse the sampling fields that speculative decoding does not support yet: bad words
-    need each verified position's own history.
-
-    Raises:
-        ValueError: naming the first such field the request sets.
-    """
-    unsupported = {
-        "bad_words": bool(params.bad_words),
-    }
-    for name, used in unsupported.items():
-        if used:
-            raise ValueError(f"{name} is not supported with speculative decoding (speculative_config) yet.")
-
-
-__all__ = ["MAX_LOGPROBS", "Processor", "PromptError", "check_speculative_params"]
+__all__ = ["MAX_LOGPROBS", "Processor", "PromptError"]

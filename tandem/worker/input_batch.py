@@ -57,9 +57,13 @@ class BadWords:
         if self.recent.numel():
             self.recent = torch.cat([self.recent[1:], token])
 
-    def bias(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token ids, additive bias: -inf where banned now, else 0)."""
-        match = ((self.prefix == self.recent[None, :]) | ~self.valid).all(dim=-1)
+    def bias(self, after: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, additive bias: -inf where banned now, else 0); with ``after``, as
+        if those ids had been sampled too (a verified position's drafts before it)."""
+        recent = self.recent
+        if after and recent.numel():
+            recent = torch.cat([recent, torch.tensor(after, dtype=torch.long, device=recent.device)])[-recent.numel():]
+        match = ((self.prefix == recent[None, :]) | ~self.valid).all(dim=-1)
         vals = torch.where(match, float("-inf"), 0.0)
         single = torch.full(self.single.shape, float("-inf"), device=self.single.device)
         return torch.cat([self.single, self.last]), torch.cat([single, vals])
@@ -215,8 +219,10 @@ class InputBatch:
         """Rows ``[n]`` int64 of the given sequences."""
         return np.fromiter((self.states[s].row for s in seq_ids), dtype=np.int64, count=len(seq_ids))
 
-    def sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
-        """The sampler's inputs for sequences in ``rows`` (batch row ``i`` = ``rows[i]``).
+    def sampling_batch(self, rows: np.ndarray, bad_words: bool = True) -> SamplingBatch:
+        """The sampler's inputs for sequences in ``rows`` (batch row ``i`` = ``rows[i]``);
+        without ``bad_words`` their masks are left out of the bias (speculative
+        verification adds each position's own, :meth:`bad_words_bias`).
 
         What only the rows' parameters decide is built once for a set of rows and reused
         while a step's rows are the same as the previous one's (decode steps between two
@@ -227,7 +233,7 @@ class InputBatch:
         fixed = self._fixed_batch[1]
         seeded = [(int(i), token_seed(self.seed[rows[i]], int(self.num_sampled_np[rows[i]])))
                   for i in np.flatnonzero(~self.greedy_np[rows]) if self.seed[rows[i]] is not None]
-        bias = self._bias(rows)
+        bias = self._bias(rows, bad_words)
         return replace(fixed, seeded=seeded, bias=bias) if seeded or bias is not None else fixed
 
     def _fixed_sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
@@ -268,13 +274,13 @@ class InputBatch:
             return None
         return self._h2d(idx, torch.long), torch.stack([self.allowed[rows[i]] for i in idx])
 
-    def _bias(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(batch rows, token ids, values) of logit_bias, bad words and the min_tokens stop-id
-        masks, in that order per row."""
+    def _bias(self, rows: np.ndarray, bad_words: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(batch rows, token ids, values) of logit_bias, bad words (unless not
+        ``bad_words``) and the min_tokens stop-id masks, in that order per row."""
         b_rows, b_toks, b_vals = [], [], []
         for i in np.flatnonzero(self.has_bias_np[rows]):
             row = rows[i]
-            bad = self.bad_words[row]
+            bad = self.bad_words[row] if bad_words else None
             parts = [self.logit_bias[row], bad.bias() if bad is not None else None]
             stop = self.min_tokens_stop_ids[row]
             if stop is not None and self.num_sampled_np[row] < self.min_tokens_np[row]:
@@ -298,14 +304,22 @@ class InputBatch:
         for i in np.flatnonzero(self.has_bad_words_np[rows]):
             self.bad_words[rows[i]].record(sampled[i : i + 1])
 
+    def bad_words_bias(self, row: int, after: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Row ``row``'s bad-word masks (token ids, -inf or 0) as if ``after`` had been
+        sampled too; None without bad words."""
+        bad = self.bad_words[row]
+        return None if bad is None else bad.bias(after)
+
     def record_emitted(self, rows: np.ndarray, emitted: list[list[int]]) -> None:
         """Count the tokens each row that verified draft tokens emitted (``emitted[i]``,
-        one or more per row) into the penalty tables of penalised rows, and advance the
-        rows' token index by as many. Such rows have no bad words (speculative decoding
-        refuses them), whose history would follow each token."""
+        one or more per row) into the penalty tables of penalised rows and the bad-word
+        histories, and advance the rows' token index by as many."""
         pen = np.flatnonzero(self.has_penalty_np[rows])
         if len(pen):
             slots = self._h2d(np.repeat(rows[pen], [len(emitted[i]) for i in pen]), torch.long)
             toks = self._h2d([t for i in pen for t in emitted[i]], torch.long)
             self.output_counts.index_put_((slots, toks), torch.ones_like(toks, dtype=torch.int32), accumulate=True)
         self.num_sampled_np[rows] += np.fromiter((len(e) for e in emitted), dtype=np.int64, count=len(emitted))
+        for i in np.flatnonzero(self.has_bad_words_np[rows]):
+            for tok in emitted[i]:
+                self.bad_words[rows[i]].record(torch.tensor([tok], dtype=torch.long, device=self.device))

@@ -411,13 +411,32 @@ class ModelRunner:
         a generator seeded as the sampler seeds its next token."""
         num_drafts = [len(seqs[r].spec_token_ids) for r in index]
         draft_ids = self._h2d([t for r in index for t in seqs[r].spec_token_ids], torch.long)
-        per_seq = self.input_batch.sampling_batch(rows)
+        per_seq = self.input_batch.sampling_batch(rows, bad_words=False)
         generators = {i: torch.Generator(device=self.device).manual_seed(seed) for i, seed in per_seq.seeded}
-        batch = repeat_rows(replace(per_seq, seeded=[]), [n + 1 for n in num_drafts],
-                            [seqs[r].spec_token_ids for r in index])
+        drafts = [seqs[r].spec_token_ids for r in index]
+        batch = self._with_bad_words(repeat_rows(replace(per_seq, seeded=[]), [n + 1 for n in num_drafts], drafts),
+                                     rows, drafts)
         greedy = per_seq.all_greedy or (False if per_seq.all_random else per_seq.greedy_mask)
         return _SpecVerify(index, [seqs[r].seq_id for r in index], rows, num_drafts, draft_ids, batch, greedy,
                            generators)
+
+    def _with_bad_words(self, batch: SamplingBatch, rows: np.ndarray, drafts: list[list[int]]) -> SamplingBatch:
+        """``batch`` (one row per verified position) with each position's bad-word masks:
+        a word's last token is banned where the sequence's tokens, its drafts before the
+        position included, end with the word's prefix."""
+        ib = self.input_batch
+        parts, start = [], 0
+        for row, d in zip(rows.tolist(), drafts):
+            if ib.has_bad_words_np[row]:
+                for j in range(len(d) + 1):
+                    toks, vals = ib.bad_words_bias(row, d[:j])
+                    parts.append((torch.full_like(toks, start + j), toks, vals))
+            start += len(d) + 1
+        if not parts:
+            return batch
+        if batch.bias is not None:
+            parts.insert(0, batch.bias)
+        return replace(batch, bias=tuple(torch.cat(p) for p in zip(*parts)))
 
     def _logits(self, step_id: int, seqs: list[ScheduledSequence], sampling: _StepSampling, inputs: StepInputs,
                 hidden: torch.Tensor, t_prep: float, timing: tuple | None) -> _ForwardedStep:

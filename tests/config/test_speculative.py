@@ -11,8 +11,6 @@ import pytest
 from tandem.config import EngineConfig, SpeculativeConfig
 from tandem.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from tandem.engine.arg_utils import EngineArgs
-from tandem.engine.processor import check_speculative_params
-from tandem.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("value, message", [
@@ -84,18 +82,3 @@ def test_speculation_keeps_async_output_processing_and_a_batch_size_limit():
 def test_what_stage_one_does_not_cover_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **kwargs).create_engine_config()
-
-
-@pytest.mark.parametrize("field, value", [
-    ("bad_words", ["x"]),
-])
-def test_unsupported_sampling_fields_are_refused_by_name(field, value):
-    with pytest.raises(ValueError, match=f"^{field} is not supported with speculative decoding"):
-        check_speculative_params(SamplingParams(**{field: value}))
-
-
-def test_supported_sampling_fields_pass():
-    check_speculative_params(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=1, n=2,
-                                            min_tokens=2, stop=["x"], stop_token_ids=[3], prompt_logprobs=1,
-                                            logprobs=2, logit_bias={1: 1.0}, allowed_token_ids=[1, 2, 3],
-                                            presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1))

@@ -145,15 +145,6 @@ def test_prompt_logprobs_leave_the_output_unchanged(spec_llm, reference):
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
 
 
-def test_unsupported_sampling_fields_are_refused(spec_llm):
-    for params in (SamplingParams(bad_words=["x"]),):
-        name = next(k for k in ("bad_words",)
-                    if getattr(params, k))
-        with pytest.raises(ValueError, match=name):
-            spec_llm.generate("x", params, use_tqdm=False)
-    assert_all_blocks_free(spec_llm.engine)
-
-
 def test_logprobs_of_accepted_tokens_equal_those_without_speculation(spec_llm, reference):
     """Each emitted token's logprob, top logprobs and rank come from the target's logits of
     its position: the same as one token per step gives (fp32, tolerance for the GEMM's
@@ -226,6 +217,23 @@ def test_structured_outputs_mask_every_verified_position(spec_llm, constraint):
     (got,) = spec_llm.generate(prompt, params, use_tqdm=False)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert got.outputs[0].finish_reason == want.outputs[0].finish_reason == "stop"
+    assert _stats(spec_llm)["spec_decode_num_accepted_tokens"] > before
+    assert_all_blocks_free(spec_llm.engine)
+
+
+def test_bad_words_are_banned_at_every_verified_position(spec_llm, reference):
+    """A two-token bad word whose first token the drafts supply: each verified position
+    checks the sequence's tokens with the drafts before it, as one token per step does."""
+    prompt = REPETITIVE[0]
+    plain = make_llm()
+    text = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+    words = [text[2:6], " 9"]  # a piece of the answer, and a word the counting reaches
+    params = SamplingParams(temperature=0, max_tokens=24, bad_words=words)
+    (want,) = plain.generate(prompt, params, use_tqdm=False)
+    before = _stats(spec_llm)["spec_decode_num_accepted_tokens"]
+    (got,) = spec_llm.generate(prompt, params, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert want.outputs[0].text != text  # not vacuous: the words changed the answer
     assert _stats(spec_llm)["spec_decode_num_accepted_tokens"] > before
     assert_all_blocks_free(spec_llm.engine)
 
