@@ -179,16 +179,21 @@ class StructuredOutputManager:
 
     def valid_draft_prefix(self, req: "Request", drafts: list[int]) -> list[int]:
         """The longest prefix of ``drafts`` that ``req``'s grammar accepts after its tokens
-        so far (speculative decoding; the grammar's state is left as it was)."""
+        so far, without a token that ends the grammar (speculative decoding: a verified
+        position after an ended grammar has no mask; the stop token comes as the step's own
+        token). The grammar's state is left as it was."""
         matcher = req.structured_output.matcher
-        n = 0
+        n, ended = 0, False
         for tok in drafts:
             if matcher.is_terminated() or not matcher.accept_token(tok):
                 break
             n += 1
+            if matcher.is_terminated():
+                ended = True
+                break
         if n:
             matcher.rollback(n)
-        return drafts[:n]
+        return drafts[:n - 1] if ended else drafts[:n]
 
     def accept_run(self, req: "Request", token_ids: list[int]) -> int:
         """Advance ``req``'s matcher by the tokens a verification emitted, in order; returns

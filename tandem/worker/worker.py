@@ -91,6 +91,10 @@ class Worker:
                                  self.device, max_positions=model_cfg.max_model_len, seed=model_cfg.seed,
                                  quant_config=self.quant_config, **self._moe_kwargs())
         spec = cfg.speculative_config
+        if spec is not None:
+            logger.info("speculative decoding: %s, %d drafts per step, while at most %s requests run "
+                        "(disable_by_batch_size)", spec.method, spec.num_speculative_tokens,
+                        "any number of" if spec.disable_by_batch_size is None else spec.disable_by_batch_size)
         if spec is not None and spec.method == "draft_model":
             self.draft_model = self._load_draft_model(spec.model, backend)
         torch.manual_seed(model_cfg.seed)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.request import Request
 from tandem.sampling_params import SamplingParams
+from tandem.structured_output.params import StructuredOutputsParams
 from tests.conftest import PROMPTS, assert_all_blocks_free, make_llm
 
 # Speculating at every batch size, so that batched steps verify drafts too.
@@ -258,3 +260,27 @@ def test_preemption_keeps_greedy_output_and_frees_every_block(reference):
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert [o.outputs[0].token_ids for o in outs] == [reference[p].token_ids for p in prompts]
     assert_all_blocks_free(llm.engine)
+
+
+def test_a_draft_that_would_end_the_grammar_is_cut_before_it(spec_llm):
+    """A chat prompt ends with the model's end-of-turn token, so prompt lookup proposes it
+    after an output that repeats the prompt's end: the grammar's stop token is never a
+    draft (a verified position after an ended grammar has no mask); the step emits it."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    messages = [{"role": "user", "content": 'Give a person as JSON with name and age. Example:\n{\n"name": "John",\n'
+                                            '"age": 25\n}'}]
+    params = SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": schema})
+    for _ in range(2):
+        (out,) = spec_llm.chat(messages, params, use_tqdm=False)
+        assert out.outputs[0].finish_reason == "stop"
+    manager = spec_llm.engine.core.structured_output
+    stop = min(manager._grammar_stop_ids)
+    r = Request("g", [1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(regex="ab")), 0.0,
+                max_tokens=8)
+    manager.init_request(r)
+    while not r.structured_output.is_ready():
+        pass
+    ids = spec_llm.get_tokenizer().encode("ab", add_special_tokens=False)
+    assert manager.valid_draft_prefix(r, ids + [stop, 5]) == ids  # the stop token is left to the step
+    assert_all_blocks_free(spec_llm.engine)
