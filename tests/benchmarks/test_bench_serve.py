@@ -3,6 +3,7 @@ pieces it is built from: the truncated-JSON reader, ShareGPT sampling, metrics, 
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -211,7 +212,8 @@ def test_local_tokenizer_random_ids_skip_added_tokens(tmp_path):
     from tandem.config import embedded_default_model
     from tandem.model_loader.loader import load_tokenizer
 
-    tok = load_tokenizer(embedded_default_model())
+    # A copy: the loader's tokenizer is cached per path and shared read-only.
+    tok = copy.deepcopy(load_tokenizer(embedded_default_model()))
     base = tok.vocab_size
     tok.add_tokens([f"<extra_{i}>" for i in range(64)], special_tokens=True)
     tok.save_pretrained(tmp_path)

@@ -267,7 +267,9 @@ def test_bench_throughput_reports_the_acceptance_the_engine_counted(tmp_path, mo
         return outs
 
     monkeypatch.setattr(throughput, "generate_with_progress", counted)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # Drafts at every batch size: the run batches its prompts.
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "disable_by_batch_size": None}
     out = tmp_path / "res.json"
     throughput.main(build_parser().parse_args([
         "bench", "throughput", "--num-prompts", "2", "--input-len", "16", "--output-len", "32", "--max-model-len",

@@ -14,7 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.test_metrics_vllm_names import _fake_llm, _samples
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Drafts at every batch size: the requests run together.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "disable_by_batch_size": None}
 COUNTERS = ["spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"]
 PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 # The embedded model, greedy, continues both with drafts of the n-gram proposer, the second

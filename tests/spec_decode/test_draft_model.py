@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tandem.entrypoints.llm import LLM
-from tandem.model_loader.loader import load_hf_config
+from tandem.model_loader.loader import load_hf_config, load_tokenizer
 from tandem.sampling_params import SamplingParams
 from tandem.spec_decode.draft_model import check_draft_model
 from tests.conftest import PROMPTS, assert_all_blocks_free, make_llm
@@ -174,12 +174,15 @@ def test_a_draft_of_another_vocabulary_or_a_shorter_context_is_refused(tiny, tmp
         check_draft_model(target_hf, load_hf_config(str(short)), embedded_model_path, str(short), 128)
 
 
-def test_a_draft_with_other_tokens_is_refused(tmp_path, smol_tokenizer, embedded_model_path):
+def test_a_draft_with_other_tokens_is_refused(tmp_path, embedded_model_path):
     """Same vocabulary size, two tokens swapped: not the target's tokenizer."""
     target_hf = load_hf_config(embedded_model_path)
+    # The tokenizer the check loads for the target (the session fixture's may differ by
+    # what earlier tests added to it).
+    target_tokenizer = load_tokenizer(embedded_model_path)
 
     def draft_folder(name: str, swap: bool) -> str:
-        data = json.loads(smol_tokenizer.backend_tokenizer.to_str())
+        data = json.loads(target_tokenizer.backend_tokenizer.to_str())
         vocab = data["model"]["vocab"]
         if swap:
             vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
