@@ -60,6 +60,26 @@ TANDEM_API_KEY                      unset      the key ``tandem serve`` requires
 TANDEM_QWEN_GGUF                    unset      (tests) a Qwen GGUF file for the opt-in
                                                real-weights tests
 ==================================  =========  ==================================================
+
+Variables of other libraries that an engine sets in its process when they are unset
+(:func:`set_library_cache_limits`; a value set by the user wins):
+
+==================================  =========  ==================================================
+ONEDNN_PRIMITIVE_CACHE_CAPACITY     64         oneDNN's cache of created primitives (its
+                                               default: 1024)
+LRU_CACHE_CAPACITY                  64         PyTorch's ideep cache of oneDNN computations (its
+                                               default: 1024)
+MALLOC_ARENA_MAX                    2          glibc's malloc arenas of an engine-core process
+                                               (its default: 8 per CPU); applied with
+                                               ``mallopt`` (:func:`core_malloc_arena_max`),
+                                               glibc reads the variable only at process start
+==================================  =========  ==================================================
+
+Both oneDNN caches are keyed by shape: a CPU bfloat16 GEMM gets one entry per row count and
+weight shape, so a server whose steps vary in token count (every prompt length) fills them
+to their capacity and churns the heap. Each thread of a core that allocates (the loop, the
+step thread, the grammar threads) otherwise gets an arena of its own, which keeps the free
+memory of its largest step (the measurements: benchmarks/RESULTS.md, "engine core memory").
 """
 
 from __future__ import annotations
@@ -167,6 +187,32 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_API_KEY": lambda: os.environ.get("TANDEM_API_KEY", "").strip() or None,
     "TANDEM_QWEN_GGUF": _path("TANDEM_QWEN_GGUF"),
 }
+
+
+# Entries of each shape-keyed oneDNN cache. A step uses about five (the distinct weight
+# shapes of its GEMMs for one row count), so 64 keeps the last dozen row counts; a miss
+# costs one primitive creation (RESULTS, "engine core memory").
+LIBRARY_CACHE_LIMITS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+
+
+def set_library_cache_limits() -> None:
+    """Bound oneDNN's shape-keyed caches in this process (:data:`LIBRARY_CACHE_LIMITS`,
+    where unset). The libraries read them when they first create a primitive, so this
+    must run before the process's first CPU GEMM in bfloat16 (an engine calls it before
+    loading its model); later it changes nothing."""
+    for name, value in LIBRARY_CACHE_LIMITS.items():
+        os.environ.setdefault(name, value)
+
+
+# An engine core's arenas: its threads allocate in turn (the step thread between the loop's
+# waits), so two arenas cost no contention while bounding the free memory they keep.
+CORE_MALLOC_ARENA_MAX = 2
+
+
+def core_malloc_arena_max() -> int | None:
+    """The malloc arena limit an engine-core process sets at its start; None when the user
+    set ``MALLOC_ARENA_MAX`` (glibc applied it when the process started)."""
+    return None if os.environ.get("MALLOC_ARENA_MAX", "").strip() else CORE_MALLOC_ARENA_MAX
 
 
 def __getattr__(name: str) -> Any:

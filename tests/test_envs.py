@@ -54,3 +54,21 @@ def test_cache_root_default_and_override(monkeypatch, tmp_path):
     from tandem.model_loader.gguf_cache import cache_root
 
     assert cache_root() == str(tmp_path / "mine" / "gguf")
+
+
+def test_library_cache_limits_are_defaults(monkeypatch):
+    """An engine bounds oneDNN's shape-keyed caches where the user has not."""
+    for name in envs.LIBRARY_CACHE_LIMITS:
+        monkeypatch.setenv(name, "unset below")  # recorded, so that the test restores the environment
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    envs.set_library_cache_limits()
+    assert envs.os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+    assert envs.os.environ["LRU_CACHE_CAPACITY"] == "7"
+
+
+def test_core_malloc_arena_max_yields_to_the_user(monkeypatch):
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    assert envs.core_malloc_arena_max() == 2
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert envs.core_malloc_arena_max() is None

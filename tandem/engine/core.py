@@ -20,6 +20,7 @@ import socket
 import time
 from typing import Any
 
+from tandem import envs
 from tandem.config import EngineConfig
 from tandem.core.block_manager import KVCacheManager
 from tandem.core.sched_output import SchedulerOutput
@@ -51,6 +52,8 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        # Before the model's first GEMM: the libraries read these limits once.
+        envs.set_library_cache_limits()
         self.config = config
         self.engine_index = engine_index
         model_cfg, cache_cfg, sched_cfg = config.model_config, config.cache_config, config.scheduler_config

@@ -26,6 +26,8 @@ a ``kill -9`` of the server).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 import signal
@@ -47,6 +49,51 @@ logger = logging.getLogger(__name__)
 LOCKSTEP_IDLE_POLL_MS = 100
 # Seconds between two checks that the launching process is still alive.
 PARENT_POLL_S = 0.5
+
+
+# glibc's mallopt parameter number of M_ARENA_MAX (malloc.h).
+_M_ARENA_MAX = -8
+# Seconds a driver stays idle before it gives its free heap back (release_free_heap): long
+# enough that a server at a low request rate does not fault the pages back in every request.
+IDLE_TRIM_S = 5.0
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, or None on another C library."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # musl
+        return None
+
+
+def limit_malloc_arenas() -> None:
+    """Cap this process's glibc malloc arenas (:func:`tandem.envs.core_malloc_arena_max`);
+    call it before the process starts threads. Nothing on other C libraries."""
+    arenas = envs.core_malloc_arena_max()
+    if arenas is not None and _glibc() is not None:
+        _glibc().mallopt(_M_ARENA_MAX, arenas)
+
+
+def release_free_heap() -> None:
+    """Give the free pages inside glibc's malloc arenas back to the system (``malloc_trim``).
+
+    The arenas keep what a busy core's steps freed (their largest transients, fragmented
+    by longer-lived allocations; benchmarks/RESULTS.md, "engine core memory"); an idle
+    core then holds only what it uses."""
+    if _glibc() is not None:
+        _glibc().malloc_trim(0)
+
+
+def idle_wait_ms(last_step: float | None) -> int:
+    """How long an idle driver waits for input (ms): until its heap is due for
+    :func:`release_free_heap` (``last_step``: ``time.monotonic()`` of its last step, None
+    once released), then for as long as it takes (-1)."""
+    if last_step is None:
+        return -1
+    return max(0, int((last_step + IDLE_TRIM_S - time.monotonic()) * 1000))
 
 
 def exit_with_parent(parent_pid: int) -> None:
@@ -186,11 +233,12 @@ class EngineCoreProc:
         core = self.core
         self.send(core.ready_message())
         was_busy = False
+        last_step = None  # time of the last step, until the heap is released after it
         try:
             while True:
                 busy = core.has_unfinished_requests()
                 if self.lockstep_group is None:
-                    got = self._drain(0 if busy else -1)
+                    got = self._drain(0 if busy else idle_wait_ms(last_step))
                     if self.stop_requested:
                         break
                     step = core.has_unfinished_requests()
@@ -204,6 +252,11 @@ class EngineCoreProc:
                     # Every step with news, and the state after the last one (the gauges).
                     self.send_step(outs, core.scheduler_stats())
                 was_busy = step
+                if step:
+                    last_step = time.monotonic()
+                elif last_step is not None and time.monotonic() - last_step >= IDLE_TRIM_S:
+                    release_free_heap()
+                    last_step = None
         except Exception:
             self.send(EngineCoreOutputs(core.engine_index, engine_dead=True, error=traceback.format_exc()))
             raise
@@ -226,6 +279,20 @@ def serve(proc: EngineCoreProc, info) -> None:
             proc.core.step_broadcast(None)
 
 
+def commit_kv_cache(core) -> None:
+    """A rank process serves until stopped: its CPU KV cache becomes resident now, not over
+    its first minutes of load (:func:`tandem.worker.kv_cache.commit_kv_caches`)."""
+    from tandem.worker.kv_cache import commit_kv_caches
+
+    caches = core.runner.kv_caches
+    if all(c.device.type != "cpu" for c in caches):
+        return
+    t0 = time.perf_counter()
+    commit_kv_caches(caches)
+    logger.info("Committing the CPU KV cache (%.2f GiB) took %.2f s", sum(c.nbytes for c in caches) / 2**30,
+                time.perf_counter() - t0)
+
+
 def launcher_log_level() -> str:
     """The root log level of this process, for the rank processes it spawns: their load
     progress and stats lines then reach the log ``tandem serve`` writes (INFO) and stay out
@@ -244,6 +311,7 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
     the launching process's (:func:`launcher_log_level`), unless ``TANDEM_LOGGING_LEVEL`` says
     otherwise.
     """
+    limit_malloc_arenas()
     exit_with_parent(parent_pid)
     # Ctrl-C in a terminal (and SIGTERM from `timeout`, `kill -- -PGID`, systemd's default
     # KillMode) reaches every process of the group: the front end alone handles it (it
@@ -269,6 +337,7 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
             from tandem.engine.core import EngineCore
 
             core, info = EngineCore(config), ps.get_parallel_info()
+        commit_kv_cache(core)
         if not info.is_driver:
             run_tp_follower(core)
             return
@@ -305,4 +374,5 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
         sys.exit(1)  # a failed step: not a second copy of its traceback on stderr
 
 
-__all__ = ["EngineCoreProc", "LOCKSTEP_IDLE_POLL_MS", "exit_with_parent", "launcher_log_level", "run_engine_core", "serve"]
+__all__ = ["EngineCoreProc", "IDLE_TRIM_S", "LOCKSTEP_IDLE_POLL_MS", "commit_kv_cache", "exit_with_parent",
+           "idle_wait_ms", "launcher_log_level", "limit_malloc_arenas", "release_free_heap", "run_engine_core", "serve"]

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Compiled grammars kept for reuse (most recently used first out).
+# Compiled grammars kept for reuse (least recently used first out).
 _CACHE_SIZE = 256
 # Bitmask rows per fill thread. xgrammar starts its threads at every batched fill, which
 # costs about what filling a few rows in typical states does: small batches fill on
@@ -336,5 +336,8 @@ class StructuredOutputManager:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=sorted(stop) or None)
             self._grammar_stop_ids = frozenset(info.stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=envs.TANDEM_STRUCTURED_OUTPUT_THREADS)
+            # No cache of xgrammar's own: it has no bound by default and would keep every
+            # grammar the bounded cache of this manager has let go.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=envs.TANDEM_STRUCTURED_OUTPUT_THREADS,
+                                                 cache_enabled=False)
         return self._compiler

@@ -25,6 +25,21 @@ def _zeros_on_demand(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(buf[offset:offset + nbytes]).view(dtype).view(tuple(shape))
 
 
+def commit_kv_caches(kv_caches: Sequence[torch.Tensor]) -> None:
+    """Make every page of the CPU tensors among ``kv_caches`` resident now (GPU ones are).
+
+    A CPU cache is zeroed on demand (:func:`_zeros_on_demand`), which suits a short offline
+    run; a server's prefix cache, though, writes every block within its first minutes of
+    load (freed blocks keep their contents and queue behind the others), so its RSS would
+    climb by the whole cache while serving. A process that serves until stopped commits the
+    cache at start instead: its RSS from the first request on is its footprint (the cost of
+    committing: benchmarks/RESULTS.md, "engine core memory").
+    """
+    for cache in kv_caches:
+        if cache.device.type == "cpu":
+            cache.zero_()
+
+
 def allocate_kv_caches(num_layers: int, shape: Sequence[int], dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
     """One zeroed KV cache tensor of ``shape`` (``[planes, num_blocks, block_size,

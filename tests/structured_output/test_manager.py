@@ -70,6 +70,24 @@ def test_equal_constraints_share_one_compile(manager):
     assert a.structured_output.matcher is not b.structured_output.matcher  # own state per sequence
 
 
+def test_compiled_grammars_kept_are_bounded(smol_tokenizer, monkeypatch):
+    """A server sees a new schema in many requests: the manager keeps the last _CACHE_SIZE
+    compiles, and xgrammar's compiler keeps none of its own (unbounded by default)."""
+    import tandem.structured_output.manager as mod
+
+    monkeypatch.setattr(mod, "_CACHE_SIZE", 2)
+    m = StructuredOutputManager(smol_tokenizer, VOCAB, {smol_tokenizer.eos_token_id})
+    try:
+        for i in range(5):
+            req = _req(json={"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]})
+            m.init_request(req)
+            req.structured_output._compiled.result(timeout=120)
+        assert len(m._cache) == 2
+        assert m._compiler.get_cache_size_bytes() == 0
+    finally:
+        m.shutdown()
+
+
 def test_missing_sequence_gets_an_all_allowed_row(manager):
     out = manager.grammar_bitmask([12345], {})
     assert out.seq_ids == [12345] and bool((out.bitmask == -1).all())

@@ -1,11 +1,14 @@
-"""The KV cache tensors: zero, of the asked shape and dtype, aligned, one per layer."""
+"""The KV cache tensors: zero, of the asked shape and dtype, aligned, one per layer; a CPU
+cache's pages resident only once written, or all of them once committed."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from tandem.worker.kv_cache import allocate_kv_caches
+from tandem.worker.kv_cache import allocate_kv_caches, commit_kv_caches
 
 SHAPE = (2, 5, 16, 3, 24)
 
@@ -29,6 +32,25 @@ def test_large_cpu_cache_is_zero():
     assert not cache.view(torch.uint8).any()
     cache.fill_(1)
     assert cache.float().mean() == 1
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the RSS from /proc")
+def test_commit_makes_a_cpu_cache_resident():
+    """Allocating 2 x 40 MiB takes no memory yet; committing makes all of it resident
+    (what an engine-core process does at start) and leaves it zero."""
+    before = _rss_mib()
+    caches = allocate_kv_caches(2, (2, 640, 16, 8, 128), torch.bfloat16, torch.device("cpu"))
+    allocated = _rss_mib()
+    commit_kv_caches(caches)
+    committed = _rss_mib()
+    assert allocated - before < 16
+    assert committed - allocated > 72
+    assert not any(c.view(torch.uint8).any() for c in caches)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
