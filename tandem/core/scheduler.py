@@ -292,7 +292,7 @@ class Scheduler:
         manager = self.structured_output_manager
         for i, sid in enumerate(result.seq_ids):
             req = self.requests.get(sid)
-            if req is not None and req.structured_output is not None:
+            if req is not None and req.structured_output is not None and req.structured_output.failure is None:
                 so = req.structured_output
                 if i in runs and req.spec_token_ids:
                     runs[i] = runs[i][:max(1, manager.accept_run(req, runs[i]))]
@@ -310,7 +310,8 @@ class Scheduler:
         advance of constrained sequences' grammars by their token (unless
         ``grammars_advanced``: :meth:`advance_grammars` already ran on ``result``; a
         completed grammar finishes the sequence as "stop", and so does one that refused
-        its token, which is left out of the output) and freeing of finished sequences.
+        its token, which is left out of the output; one whose matcher failed ends as "abort"
+        with ``structured_output.failure`` as its error) and freeing of finished sequences.
 
         A sequence that verified drafts takes its ``result.accepted_token_ids`` one by one,
         each stop-checked, the rest dropped once one finishes it; its rejected drafts'
@@ -338,7 +339,13 @@ class Scheduler:
             out = outputs.get(sid)
             if out is None:
                 out = outputs[sid] = EngineCoreOutput(req.request_id, [])
-            if req.structured_output is not None and req.structured_output.refused:
+            so = req.structured_output
+            if so is not None and so.failure is not None:
+                # Its matcher failed: it ends with that error, its token dropped.
+                self.finish_request(sid, RequestStatus.FINISHED_ABORTED)
+                out.finish_reason, out.error = RequestStatus.FINISHED_ABORTED.finish_reason, so.failure
+                continue
+            if so is not None and so.refused:
                 # Its grammar refused the token: not part of the output; the grammar ends it.
                 self.finish_request(sid, RequestStatus.FINISHED_STOPPED)
                 out.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason

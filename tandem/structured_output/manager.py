@@ -20,6 +20,11 @@ bitmask is built; the front end only validates the constraint and sends its fiel
 3. ``grammar_bitmask`` (core thread) fills the bitmask rows of the next step's
    constrained sequences, all in one xgrammar call.
 
+An error raised by one sequence's matcher (xgrammar at run time) ends that sequence alone:
+the manager sets its ``structured_output.failure``, gives it an all-allowed row, and the
+scheduler finishes it as "abort" with that error; a batched call that raises is redone
+sequence by sequence to find whose it was.
+
 Both calls run in C++ without the GIL; the fill spreads its rows over
 ``TANDEM_STRUCTURED_OUTPUT_THREADS`` threads (:mod:`tandem.envs`). With every sequence
 constrained this is the host work that stands between a step's tokens reaching the host
@@ -74,6 +79,9 @@ class StructuredOutputRequest:
         # The stop token that replaces the sample of a row whose grammar can only end
         # while min_tokens masks its stop tokens (set by grammar_bitmask).
         self.forced_stop: int | None = None
+        # Why this sequence's matcher failed at run time: the scheduler ends it with this
+        # error (set by StructuredOutputManager, with ``finished``).
+        self.failure: str | None = None
 
     def is_ready(self) -> bool:
         """Compiled without error: the sequence may be scheduled."""
@@ -169,8 +177,13 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         matchers = [r.structured_output.matcher for r in reqs]
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, token_ids)
+        try:
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, token_ids)
+        except Exception:  # noqa: BLE001 - one sequence's matcher: redone one by one below
+            accepted = [self._guarded(r, False, m.accept_token, t) for r, m, t in zip(reqs, matchers, token_ids)]
         for req, matcher, tok, ok in zip(reqs, matchers, token_ids, accepted):
+            if req.structured_output.failure is not None:
+                continue
             if not ok:
                 logger.warning("request %s: token %d does not match its grammar; finishing it", req.request_id, tok)
                 req.structured_output.finished = req.structured_output.refused = True
@@ -182,6 +195,9 @@ class StructuredOutputManager:
         so far, without a token that ends the grammar (speculative decoding: a verified
         position after an ended grammar has no mask; the stop token comes as the step's own
         token). The grammar's state is left as it was."""
+        return self._guarded(req, [], self._valid_draft_prefix, req, drafts)
+
+    def _valid_draft_prefix(self, req: "Request", drafts: list[int]) -> list[int]:
         matcher = req.structured_output.matcher
         n, ended = 0, False
         for tok in drafts:
@@ -200,6 +216,9 @@ class StructuredOutputManager:
         how many it accepted. A refused token ends the run: the sequence is finished
         there (``refused`` too when it was the first); so is one whose grammar accepted
         its stop token."""
+        return self._guarded(req, 0, self._accept_run, req, token_ids)
+
+    def _accept_run(self, req: "Request", token_ids: list[int]) -> int:
         so = req.structured_output
         matcher = so.matcher
         for n, tok in enumerate(token_ids):
@@ -239,11 +258,16 @@ class StructuredOutputManager:
             return self._bitmask_with_drafts(seq_ids, requests, set(spec))
         bitmask = self._rows(len(seq_ids))
         matchers, rows, allow_all, below_min = [], [], [], []
+        live = []
         for row, sid in enumerate(seq_ids):
             req = requests.get(sid)
+            matcher = None
             if req is not None and not req.structured_output.finished:
-                matchers.append(req.structured_output.matcher)
+                matcher = self._guarded(req, None, lambda so: so.matcher, req.structured_output)
+            if matcher is not None:
+                matchers.append(matcher)
                 rows.append(row)
+                live.append(req)
                 # Tokens before this sample: the host's, plus the samples in flight but this one.
                 if req.sampling_params.min_tokens > len(req.output_token_ids) + req.num_output_placeholders - 1:
                     below_min.append((row, req))
@@ -257,9 +281,17 @@ class StructuredOutputManager:
             filler = self._batch_matchers.get(threads)
             if filler is None:
                 filler = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
-            filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            try:
+                filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            except Exception:  # noqa: BLE001 - one sequence's matcher: redone one by one
+                for req, matcher, row in zip(live, matchers, rows):
+                    self._guarded(req, None, matcher.fill_next_token_bitmask, bitmask, row)
+                    if req.structured_output.failure is not None:
+                        bitmask[row] = -1
         for row, req in below_min:
-            req.structured_output.forced_stop = self._only_stop(bitmask[row], req.structured_output.matcher)
+            so = req.structured_output
+            if so.failure is None:
+                so.forced_stop = self._guarded(req, None, self._only_stop, bitmask[row], so.matcher)
         return GrammarBitmask(seq_ids, bitmask)
 
     def _bitmask_with_drafts(self, seq_ids: list[int], requests: dict[int, "Request"],
@@ -277,14 +309,38 @@ class StructuredOutputManager:
                 bitmask[row] = base[plain_row]
                 row, plain_row = row + 1, plain_row + 1
                 continue
-            matcher, drafts = requests[sid].structured_output.matcher, requests[sid].spec_token_ids
-            matcher.fill_next_token_bitmask(bitmask, row)
-            for j, tok in enumerate(drafts):
-                matcher.accept_token(tok)
-                matcher.fill_next_token_bitmask(bitmask, row + 1 + j)
-            matcher.rollback(len(drafts))
-            row += 1 + len(drafts)
+            req = requests[sid]
+            n = rows_of[sid]
+            if not req.structured_output.finished:
+                self._guarded(req, None, self._fill_draft_rows, req, bitmask, row)
+            if req.structured_output.finished:  # ended, or its matcher failed just now
+                bitmask[row:row + n] = -1
+            row += n
         return GrammarBitmask(out_ids, bitmask)
+
+    @staticmethod
+    def _fill_draft_rows(req: "Request", bitmask: torch.Tensor, row: int) -> None:
+        """Fill ``req``'s rows from ``row`` on: its mask after each prefix of its drafts."""
+        matcher, drafts = req.structured_output.matcher, req.spec_token_ids
+        matcher.fill_next_token_bitmask(bitmask, row)
+        for j, tok in enumerate(drafts):
+            matcher.accept_token(tok)
+            matcher.fill_next_token_bitmask(bitmask, row + 1 + j)
+        matcher.rollback(len(drafts))
+
+    def _guarded(self, req: "Request", default, fn, *args):
+        """``fn(*args)``, or ``default`` once ``req``'s matcher raised: the sequence is then
+        finished with the error (``structured_output.failure``; the scheduler ends it as
+        "abort") and its grammar is not asked again."""
+        so = req.structured_output
+        if so.failure is not None:
+            return default
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - this sequence's fault: it ends, the others go on
+            so.failure, so.finished = f"grammar matcher failed: {xgrammar_error(e)}", True
+            logger.error("request %s: %s; finishing it", req.request_id, so.failure)
+            return default
 
     def _only_stop(self, row: torch.Tensor, matcher: "xgr.GrammarMatcher") -> int | None:
         """The first stop token ``row`` allows when it allows no other token, else None."""

@@ -171,6 +171,7 @@ class _Matcher:
         self.allowed, self.accepted, self.finished = allowed, [], False
         self.forced_stop = None  # as StructuredOutputRequest: no stop token forced over min_tokens
         self.refused = False
+        self.failure = None  # as StructuredOutputRequest: its matcher has not failed
 
     def is_ready(self) -> bool:
         return True

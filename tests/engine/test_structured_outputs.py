@@ -17,6 +17,7 @@ from tandem.sampling_params import SamplingParams
 from tandem.structured_output import StructuredOutputsParams
 from tandem.structured_output.bitmask import GrammarBitmask
 from tests.conftest import assert_all_blocks_free, make_llm
+from tests.structured_output.matcher_faults import FAULTS, expected_error, inject_matcher_fault
 
 PERSON = {
     "type": "object",
@@ -249,6 +250,33 @@ def test_generate_with_a_failing_grammar_returns_every_result(engines, monkeypat
     assert outs[1].outputs[0].finish_reason == "abort"
     got = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs[:1] + outs[2:]]
     assert got == without
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("async_output_proc", [True, False])
+def test_a_failing_matcher_finishes_only_its_request(engines, monkeypatch, async_output_proc, fault):
+    """An error of one sequence's grammar matcher at run time (creating it, filling its
+    mask, accepting a token) ends that request alone, "abort" with the error; the others in
+    its batches (constrained and free) complete as they do without it, every block is
+    freed and the engine serves on."""
+    llm = engines[async_output_proc]
+    tok = llm.get_tokenizer()
+    cases = _cases(tok)[3:5]
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts, params = [c[0] for c in cases] + ["Hello"], [c[1] for c in cases] + [free]
+    without = _run(llm, prompts, params)
+    bad = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=PET))
+    bad_prompt = _chat(tok, "Describe a pet as JSON, please.")
+    inject_matcher_fault(monkeypatch, llm.engine.core.structured_output, bad_prompt, fault)
+    outs = llm.generate(prompts[:1] + [bad_prompt] + prompts[1:],
+                        params[:1] + [bad] + params[1:], use_tqdm=False)
+    assert_all_blocks_free(llm.engine)
+    assert outs[1].error == expected_error(fault)
+    assert outs[1].outputs[0].finish_reason == "abort"
+    got = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs[:1] + outs[2:]]
+    assert got == without
+    monkeypatch.undo()
+    assert _run(llm, prompts, params) == without
 
 
 def test_adding_a_request_never_parses_its_constraint_on_the_core_thread(engines, monkeypatch):

@@ -11,6 +11,7 @@ from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 from tandem.structured_output.params import StructuredOutputsParams
 from tests.conftest import PROMPTS, assert_all_blocks_free, make_llm
+from tests.structured_output.matcher_faults import FAULTS, expected_error, inject_matcher_fault
 
 # Speculating at every batch size, so that batched steps verify drafts too.
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -220,6 +221,21 @@ def test_structured_outputs_mask_every_verified_position(spec_llm, constraint):
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert got.outputs[0].finish_reason == want.outputs[0].finish_reason == "stop"
     assert _stats(spec_llm)["spec_decode_num_accepted_tokens"] > before
+    assert_all_blocks_free(spec_llm.engine)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_failing_matcher_with_drafts_finishes_only_its_request(spec_llm, monkeypatch, fault):
+    """A grammar matcher that fails while its drafts are cut, masked or accepted ends its
+    request alone ("abort" with the error); a constrained request verifying drafts in the
+    same steps gives what it gives without it, and every block is freed."""
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs={"regex": r"( [0-9]+,){12}"})
+    (want,) = spec_llm.generate(REPETITIVE[0], params, use_tqdm=False)
+    bad_prompt = spec_llm.get_tokenizer().encode(REPETITIVE[0] + " 4, 5,")
+    inject_matcher_fault(monkeypatch, spec_llm.engine.core.structured_output, bad_prompt, fault, after=6)
+    got = spec_llm.generate([REPETITIVE[0], {"prompt_token_ids": bad_prompt}], params, use_tqdm=False)
+    assert got[1].error == expected_error(fault) and got[1].outputs[0].finish_reason == "abort"
+    assert got[0].outputs[0].token_ids == want.outputs[0].token_ids and got[0].error is None
     assert_all_blocks_free(spec_llm.engine)
 
 
