@@ -15,9 +15,11 @@ __version__ = tandem_version()
 
 _EXPORTS = {"LLM": "tandem.entrypoints.llm", "SamplingParams": "tandem.sampling_params",
             "RequestOutputKind": "tandem.sampling_params", "RequestOutput": "tandem.outputs",
-            "CompletionOutput": "tandem.outputs", "Logprob": "tandem.outputs"}
+            "CompletionOutput": "tandem.outputs", "Logprob": "tandem.outputs",
+            "BeamSearchParams": "tandem.beam_search"}
 
 if TYPE_CHECKING:
+    from tandem.beam_search import BeamSearchParams
     from tandem.entrypoints.llm import LLM
     from tandem.outputs import CompletionOutput, Logprob, RequestOutput
     from tandem.sampling_params import RequestOutputKind, SamplingParams
@@ -29,4 +31,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tandem' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["BeamSearchParams", "LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

@@ -10,7 +10,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tandem.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tandem.engine.arg_utils import EngineArgs
+from tandem.engine.processor import MAX_LOGPROBS, parse_prompt
 from tandem.entrypoints.chat_utils import parse_chat_messages, render_chat
 from tandem.model_loader.model_path import check_model_path
 from tandem.outputs import RequestOutput
@@ -136,6 +138,44 @@ class LLM:
         prompts = _prompt_list(prompts)
         ids = self._add(prompts, _params_list(sampling_params, len(prompts)), RequestOutputKind.FINAL_ONLY)
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: str | Mapping | Sequence[str | list[int] | Mapping], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (any form ``generate`` takes), all prompts' beams
+        batched in each round (:mod:`tandem.beam_search`); results in input order.
+
+        Raises:
+            ValueError: ``params`` is not a BeamSearchParams or its beam width is too wide
+                for the logprobs a request may ask, a prompt is invalid or leaves no room
+                for a token within the context.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        params.check_width(MAX_LOGPROBS)
+        proc = self.engine.processor
+        searches = []
+        for prompt in _prompt_list(prompts):
+            text, ids = parse_prompt(prompt)
+            searches.append(BeamSearch(proc.tokenizer.encode(text) if ids is None else list(ids), params,
+                                       proc.eos_token_ids, proc.max_model_len))
+        round_params = params.round_params()
+        bar = tqdm(total=params.max_tokens, desc="Beam search rounds", disable=not use_tqdm, dynamic_ncols=True)
+        while True:
+            pending = [s.pending() for s in searches]
+            flat = [{"prompt_token_ids": t} for p in pending for t in p]
+            if not flat:
+                break
+            outs = iter(self.generate(flat, round_params, use_tqdm=False))
+            for search, beams in zip(searches, pending):
+                if beams:
+                    search.advance([next(outs).outputs[0].logprobs[0] for _ in beams])
+            bar.update(1)
+        bar.close()
+        results = [s.result() for s in searches]
+        for search, result in zip(searches, results):
+            for seq in result.sequences:
+                seq.text = self.engine.tokenizer.decode(search.text_token_ids(seq), skip_special_tokens=True)
+        return results
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate for one prompt (any single form ``generate`` takes), yielding its output as it

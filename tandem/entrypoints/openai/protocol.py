@@ -127,6 +127,10 @@ class _SamplingFields(OpenAIRequestModel):
     regex: str | None = None
     ebnf: str | None = None
     stop_regex: str | list[str] | None = None
+    # vLLM extensions: beam search with ``n`` beams (tandem.beam_search).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
 
 class CompletionRequest(_SamplingFields):

@@ -26,6 +26,8 @@ from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from tandem.engine.processor import PromptError
 from tandem.engine.token_bytes import TokenBytes, token_id_string
 from tandem.entrypoints.chat_utils import ChatMessageError, parse_chat_messages, render_chat
+from tandem.beam_search import BeamSearch
+from tandem.entrypoints.openai.beam_search import beam_search_params, run_beam_search
 from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.structured_outputs import FieldError, ToolPlan, structured_outputs_of, tool_plan
 from tandem.entrypoints.openai.tool_parsers import ToolCall, parser_for_chat_template
@@ -284,7 +286,7 @@ class OpenAIServing:
         """``max_tokens_field``: the request field ``max_tokens`` came from (chat's
         ``max_completion_tokens``), named in its error."""
         if req.best_of is not None and req.best_of != (req.n or 1):
-            raise bad_request(f"best_of must equal n (beam search and best_of > n are not supported), got "
+            raise bad_request(f"best_of must equal n (best_of > n is not supported; beam search: use_beam_search), got "
                               f"best_of={req.best_of}, n={req.n}.", "best_of")
         if max_tokens is not None and max_tokens < 1:
             raise bad_request(f"{max_tokens_field} must be at least 1, got {max_tokens}.", max_tokens_field)
@@ -411,6 +413,29 @@ class OpenAIServing:
             for s in streams:
                 s.abort()
 
+    async def _beam_search(self, req: P._SamplingFields, request_id: str, ids: list[int], max_tokens: int | None,
+                           prompt_field: str) -> RequestOutput:
+        """``req``'s beam search over the prompt ``ids`` (:mod:`tandem.entrypoints.openai.beam_search`).
+
+        Raises:
+            OpenAIError: 400, a field beam search cannot serve or a bad value.
+        """
+        proc = self.llm.processor
+        try:
+            params = beam_search_params(req, max_tokens, len(ids), proc.max_model_len)
+            search = BeamSearch(ids, params, proc.eos_token_ids, proc.max_model_len)
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), name if name in type(req).model_fields else None) from None
+
+        async def generate_round(rid: str, prompts: list[list[int]], round_params: SamplingParams):
+            return await self._collect(await self._add(rid, prompts, round_params, prompt_field))
+
+        async def decode(token_ids: list[int]) -> str:
+            return await self._in_tokenizer(self.llm.tokenizer.decode, token_ids, req.skip_special_tokens)
+
+        return await run_beam_search(request_id, search, generate_round, decode)
+
     # ------------------------------------------------------------ completions
     def _tokenize_completion_prompts(self, req: P.CompletionRequest) -> list[tuple[str | None, list[int]]]:
         p = req.prompt
@@ -505,8 +530,12 @@ class OpenAIServing:
         structured = await self._structured_outputs(req)
         params = self._sampling_params(req, max_tokens, lp, prompt_lp, kind, structured)
         echo_texts = await self._in_tokenizer(self._prompt_texts, prompts) if echo else None
-        streams = await self._add(request_id, [ids for _, ids in prompts], params, "prompt")
         rid = f"cmpl-{request_id}"
+        if req.use_beam_search:
+            outs = await asyncio.gather(*(self._beam_search(req, f"{request_id}-{i}", ids, max_tokens, "prompt")
+                                          for i, (_, ids) in enumerate(prompts)))
+            return self._completion_response(req, list(outs), prompts, None, False, params, rid)
+        streams = await self._add(request_id, [ids for _, ids in prompts], params, "prompt")
         if req.stream:
             return SSEStream(self._completion_stream(streams, prompts, echo_texts, echo_only, params, rid,
                                                      include_usage, continuous_usage, self._as_ids(req)), streams)
@@ -701,14 +730,17 @@ class OpenAIServing:
         lp = top if req.logprobs else None
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         params = self._sampling_params(req, max_tokens, lp, req.prompt_logprobs, kind, structured, max_tokens_field)
-        streams = await self._add(request_id, [ids], params, "messages")
         rid = f"chatcmpl-{request_id}"
         as_ids = self._as_ids(req)
         echo = self._echo_text(req, conv)
-        if req.stream:
-            return SSEStream(self._chat_stream(streams[0], len(ids), params, rid, include_usage, continuous_usage,
-                                               as_ids, plan, echo), streams)
-        (out,) = await self._collect(streams)
+        if req.use_beam_search:
+            out = await self._beam_search(req, request_id, ids, max_tokens, "messages")
+        else:
+            streams = await self._add(request_id, [ids], params, "messages")
+            if req.stream:
+                return SSEStream(self._chat_stream(streams[0], len(ids), params, rid, include_usage,
+                                                   continuous_usage, as_ids, plan, echo), streams)
+            (out,) = await self._collect(streams)
         choices = []
         num_gen = 0
         for c in sorted(out.outputs, key=lambda c: c.index):

@@ -1,0 +1,74 @@
+"""``use_beam_search`` through ``tandem serve`` (the conftest's server, fp32), as vLLM's
+clients send it: completions and chat answer with the beams of ``LLM.beam_search``, best
+first; fields a beam search cannot honour get a 400 naming them."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tandem import BeamSearchParams
+from tests.conftest import make_llm
+
+MODEL_NAME = "SmolLM2-135M-Instruct"  # as served by the conftest fixture
+PROMPTS = ["The capital of France is", "def add(a, b):"]
+BEAM = {"model": MODEL_NAME, "use_beam_search": True, "n": 3, "max_tokens": 8, "ignore_eos": True,
+        "length_penalty": 0.0}
+
+
+@pytest.fixture(scope="module")
+def offline():
+    m = make_llm()
+    yield m
+    m.engine.shutdown()
+
+
+def _post(server, endpoint: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=300)
+
+
+def test_completions_answer_with_the_offline_beams(server, offline):
+    r = _post(server, "completions", {**BEAM, "prompt": PROMPTS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = offline.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True,
+                                                         length_penalty=0.0))
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == list(range(6))
+    assert [c["text"] for c in choices] == [s.text for o in want for s in o.sequences]
+    assert {c["finish_reason"] for c in choices} == {"length"}
+    assert body["usage"]["completion_tokens"] == 6 * 8
+
+
+def test_chat_answers_with_the_best_beam_first_and_ends_at_eos(server, offline):
+    messages = [{"role": "user", "content": "Say hi."}]
+    r = _post(server, "chat/completions", {"model": MODEL_NAME, "messages": messages, "use_beam_search": True,
+                                           "n": 2, "max_tokens": 24})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    tok = offline.get_tokenizer()
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    (want,) = offline.beam_search({"prompt_token_ids": ids}, BeamSearchParams(beam_width=2, max_tokens=24))
+    assert [c["message"]["content"] for c in choices] == [s.text for s in want.sequences]
+    assert choices[0]["finish_reason"] == "stop" and choices[0]["message"]["content"]
+
+
+@pytest.mark.parametrize("endpoint, extra, param", [
+    ("completions", {"stream": True}, "stream"),
+    ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"stop": ["\n"]}, "stop"),
+    ("completions", {"n": 11}, "beam_width"),
+    ("completions", {"max_tokens": 2048}, "max_tokens"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+])
+def test_what_beam_search_cannot_honour_is_a_400(server, endpoint, extra, param):
+    body = {**BEAM, **extra}
+    body.update({"prompt": PROMPTS[0]} if endpoint == "completions" else
+                {"messages": [{"role": "user", "content": "Hi"}]})
+    r = _post(server, endpoint, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError"
+    assert param in err["message"], err
