@@ -4,6 +4,8 @@ first; fields a beam search cannot honour get a 400 naming them."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -72,3 +74,22 @@ def test_what_beam_search_cannot_honour_is_a_400(server, endpoint, extra, param)
     err = r.json()["error"]
     assert err["type"] == "BadRequestError"
     assert param in err["message"], err
+
+
+def test_a_client_that_leaves_aborts_the_beam_search(server):
+    """The client drops a long beam search: no more rounds run, every request and KV block
+    of it is freed."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json={**BEAM, "prompt": PROMPTS[0], "max_tokens": 400}, timeout=2)
+    deadline = time.monotonic() + 30
+    while True:
+        stats = httpx.get(f"{server.url}/debug/engine_stats", timeout=30).json()
+        idle = stats["num_running"] == stats["num_waiting"] == stats["num_seqs_with_blocks"] == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, stats
+    time.sleep(1.0)  # no later round starts: no sequence admitted since
+    later = httpx.get(f"{server.url}/debug/engine_stats", timeout=30).json()
+    assert later["prefix_cache_queries"] == stats["prefix_cache_queries"], (stats, later)
+    assert later["num_running"] == later["num_waiting"] == 0 and later["kv_cache_usage"] == 0.0, later
