@@ -29,8 +29,9 @@ class SpeculativeConfig:
     model in one forward (docs/architecture.md)."""
 
     method: str | None = None
-    """How drafts are proposed (required): "ngram" (prompt lookup in the request's own
-    tokens) or "draft_model" (greedy tokens of the smaller model ``model``)."""
+    """How drafts are proposed: "ngram" (prompt lookup in the request's own tokens) or
+    "draft_model" (greedy tokens of the smaller model ``model``). Unset, it follows from
+    ``model`` as in vLLM ("ngram" for ``"model": "ngram"``, else "draft_model")."""
 
     model: str | None = None
     """The draft model (required with "draft_model", refused otherwise): a GGUF file or a
@@ -51,6 +52,8 @@ class SpeculativeConfig:
     Above it, steps run without drafts and, with ``async_output_proc``, one step ahead."""
 
     def __post_init__(self) -> None:
+        if self.method is None and self.model is not None:
+            self._infer_method()
         if self.method in _LATER_METHODS:
             raise ValueError(f"speculative_config.method {self.method!r} is not supported yet; "
                              f"supported: {list(METHODS)}.")
@@ -67,6 +70,20 @@ class SpeculativeConfig:
             self._check_draft_model()
         else:
             self._resolve_prompt_lookup()
+
+    def _infer_method(self) -> None:
+        """vLLM's inference of ``method`` from ``model`` alone: "ngram" (or "[ngram]") is
+        prompt lookup, a name with "eagle3" / "eagle" in it that method, any other a draft
+        model."""
+        name = str(self.model)
+        if name in ("ngram", "[ngram]"):
+            self.method, self.model = "ngram", None
+        elif "eagle3" in name.lower():
+            self.method = "eagle3"
+        elif "eagle" in name.lower():
+            self.method = "eagle"
+        else:
+            self.method = "draft_model"
 
     def _check_draft_model(self) -> None:
         if not isinstance(self.model, str) or not self.model:

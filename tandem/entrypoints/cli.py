@@ -181,6 +181,14 @@ _BUILTIN_TYPE_ERROR = re.compile(r"invalid (int|float) value: ('.*')$")
 _EXPECTED = {"int": "an integer", "float": "a number"}
 
 
+def _dashed(arg: str) -> str:
+    """``--max_model_len[=V]`` -> ``--max-model-len[=V]``; anything else as it is."""
+    if not arg.startswith("--") or arg == "--":
+        return arg
+    flag, eq, value = arg.partition("=")
+    return flag.replace("_", "-") + eq + value
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (argparse prints the whole usage block
     first, 35 lines for ``serve``) naming the (sub)command whose flags were wrong, and that
@@ -196,7 +204,11 @@ class OneLineErrorParser(argparse.ArgumentParser):
         """:meth:`argparse.ArgumentParser.parse_known_args`, an unknown argument being an
         error of this parser: a subcommand's parser is called through this method, and
         argparse would otherwise report its unknown flags in the top-level parser's name
-        (``tandem: error``, pointing to ``tandem --help`` for a ``tandem serve`` flag)."""
+        (``tandem: error``, pointing to ``tandem --help`` for a ``tandem serve`` flag).
+        A flag may be spelled with underscores (``--max_model_len``), as vLLM's parser takes it."""
+        if args is None:
+            args = sys.argv[1:]
+        args = [_dashed(a) for a in args]
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")

@@ -26,6 +26,8 @@ from tandem.engine.arg_utils import EngineArgs
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/", "prompt_lookup_max": 3},
      "prompt_lookup_max is for method 'ngram'"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not supported yet"),
+    ({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 2}, "'eagle3' is not supported yet"),
+    ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "model: no such file or folder"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1.5}, "disable_by_batch_size must be"),
@@ -49,6 +51,13 @@ def test_bad_values_are_refused_naming_the_field(value, message):
 def test_prompt_lookup_defaults_follow_vllm(given, expected):
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3, **given)
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == expected
+
+
+@pytest.mark.parametrize("model, method, kept", [("ngram", "ngram", None), ("[ngram]", "ngram", None),
+                                                 ("/", "draft_model", "/")])
+def test_method_follows_from_model_as_in_vllm(model, method, kept):
+    cfg = SpeculativeConfig(model=model, num_speculative_tokens=2)
+    assert (cfg.method, cfg.model) == (method, kept)
 
 
 def test_flag_and_dict_give_the_same_config_and_survive_the_ready_message():

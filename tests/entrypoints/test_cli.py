@@ -304,3 +304,16 @@ def test_a_flag_whose_package_is_missing_fails_before_the_run(tmp_path):
     res = subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve", "--port", str(port),
                           "--num-prompts", "2", "--plot"], capture_output=True, text=True, timeout=120, env=env)
     assert_one_line_error(res, 2, "--plot", "pip install matplotlib")
+
+
+def test_flags_with_underscores_are_taken_as_vllm_takes_them():
+    from tandem.entrypoints.cli import build_parser
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    dashed = build_parser().parse_args(["serve", "m", "--max-model-len", "128", "--speculative-config", spec,
+                                        "--enable-prefix-caching"])
+    underscored = build_parser().parse_args(["serve", "m", "--max_model_len", "128", f"--speculative_config={spec}",
+                                             "--enable_prefix_caching"])
+    assert vars(underscored) == vars(dashed)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--max_modl_len", "128"])
