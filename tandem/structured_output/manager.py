@@ -53,8 +53,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Compiled grammars kept for reuse (least recently used first out).
+# Compiled grammars kept for reuse (least recently used first out), at most this many and
+# this many bytes of them (xgrammar's own count; a small JSON schema or a tool call on a
+# 49K vocabulary takes ~0.2 MB: RESULTS, "engine core memory").
 _CACHE_SIZE = 256
+_CACHE_BYTES = 64 * 2**20
 # Bitmask rows per fill thread. xgrammar starts its threads at every batched fill, which
 # costs about what filling a few rows in typical states does: small batches fill on
 # fewer threads (vLLM fills in parallel from 128 rows, 16 rows per task).
@@ -141,11 +144,22 @@ class StructuredOutputManager:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
             fut = self._pool.submit(self._compile, params)
             self._cache[key] = fut
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
         self._cache.move_to_end(key)
+        self._evict()
         req.structured_output = StructuredOutputRequest(fut)
         self._pending.append(req)
+
+    def _evict(self) -> None:
+        """Drop the least recently used compiles while over :data:`_CACHE_SIZE` entries or
+        :data:`_CACHE_BYTES` (compiles still running count 0; the newest entry stays)."""
+        sizes = [f.result().memory_size_bytes if f.done() and f.exception() is None else 0
+                 for f in self._cache.values()]
+        total = sum(sizes)
+        for size in sizes[:-1]:
+            if len(self._cache) <= _CACHE_SIZE and total <= _CACHE_BYTES:
+                break
+            self._cache.popitem(last=False)
+            total -= size
 
     def take_failed(self) -> list["Request"]:
         """Sequences whose grammar failed to compile (each returned once)."""

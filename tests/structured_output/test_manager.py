@@ -88,6 +88,30 @@ def test_compiled_grammars_kept_are_bounded(smol_tokenizer, monkeypatch):
         m.shutdown()
 
 
+def test_compiled_grammars_kept_are_bounded_in_bytes(smol_tokenizer, monkeypatch):
+    """Beside the count, the bytes of the kept compiles are bounded (the oldest go first;
+    the newest stays even alone over the bound)."""
+    import tandem.structured_output.manager as mod
+
+    m = StructuredOutputManager(smol_tokenizer, VOCAB, {smol_tokenizer.eos_token_id})
+    try:
+        reqs = []
+        for i in range(4):
+            req = _req(json={"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]})
+            m.init_request(req)
+            req.structured_output._compiled.result(timeout=120)
+            reqs.append(req)
+        one = reqs[0].structured_output._compiled.result().memory_size_bytes
+        monkeypatch.setattr(mod, "_CACHE_BYTES", 2 * one)
+        m._evict()
+        assert list(m._cache.values()) == [r.structured_output._compiled for r in reqs[2:]]
+        monkeypatch.setattr(mod, "_CACHE_BYTES", 1)
+        m._evict()
+        assert list(m._cache.values()) == [reqs[3].structured_output._compiled]
+    finally:
+        m.shutdown()
+
+
 def test_missing_sequence_gets_an_all_allowed_row(manager):
     out = manager.grammar_bitmask([12345], {})
     assert out.seq_ids == [12345] and bool((out.bitmask == -1).all())
