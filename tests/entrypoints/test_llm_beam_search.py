@@ -110,3 +110,34 @@ def test_a_prompt_at_the_context_limit_is_refused(llm):
     with pytest.raises(ValueError, match="leaves no room"):
         llm.beam_search({"prompt_token_ids": [1] * 1024}, BeamSearchParams(beam_width=2, max_tokens=4))
     assert_all_blocks_free(llm.engine)
+
+
+def test_tiny_random_llama_beams_equal_transformers(tmp_path, smol_tokenizer):
+    """The same check on a random-weight Llama (fp32, 300-token vocabulary), token-id
+    prompts, beam width 4 and a length penalty: no EOS, so every beam has one length and
+    transformers' and vLLM's normalisations rank alike."""
+    from transformers import LlamaConfig
+
+    from tandem.entrypoints.llm import LLM
+    from tests.models.paged_parity import random_hf_reference
+
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    ref = random_hf_reference(cfg)
+    ref.save_pretrained(tmp_path)
+    smol_tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    ref.generation_config.eos_token_id = None
+    prompts = [[5, 17, 230, 41, 99], [7] * 3 + [120, 250, 33, 8, 61, 2, 77]]
+    params = BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True, length_penalty=1.0)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            g = ref.generate(ids, attention_mask=torch.ones_like(ids), num_beams=4, num_return_sequences=4,
+                             max_new_tokens=6, do_sample=False, length_penalty=0.0, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+        assert [s.tokens for s in out.sequences] == g.sequences.tolist()
+        assert [s.cum_logprob for s in out.sequences] == pytest.approx(g.sequences_scores.tolist(), abs=1e-4)
+    assert_all_blocks_free(llm.engine)
+    llm.engine.shutdown()

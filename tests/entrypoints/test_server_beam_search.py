@@ -4,6 +4,7 @@ first; fields a beam search cannot honour get a 400 naming them."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -56,8 +57,34 @@ def test_chat_answers_with_the_best_beam_first_and_ends_at_eos(server, offline):
     assert choices[0]["finish_reason"] == "stop" and choices[0]["message"]["content"]
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_streamed_beam_search_sends_the_same_choices(server, endpoint):
+    """Streamed, each choice comes whole once the search ends (as vLLM streams it), equal
+    to the plain answer; the usage chunk counts the same tokens."""
+    body = {**BEAM, "n": 2}
+    body.update({"prompt": PROMPTS[0]} if endpoint == "completions" else
+                {"messages": [{"role": "user", "content": "Name a color."}]})
+    plain = _post(server, endpoint, body)
+    assert plain.status_code == 200, plain.text
+    r = _post(server, endpoint, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200, r.text
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts, finish = {}, {}
+    for ch in chunks[:-1]:
+        for c in ch["choices"]:
+            piece = c["text"] if "text" in c else c["delta"].get("content") or ""
+            texts[c["index"]] = texts.get(c["index"], "") + piece
+            if c.get("finish_reason"):
+                finish[c["index"]] = c["finish_reason"]
+    want = {c["index"]: c["text"] if "text" in c else c["message"]["content"] for c in plain.json()["choices"]}
+    assert texts == want
+    assert finish == {c["index"]: c["finish_reason"] for c in plain.json()["choices"]}
+    assert chunks[-1]["usage"]["completion_tokens"] == plain.json()["usage"]["completion_tokens"]
+
+
 @pytest.mark.parametrize("endpoint, extra, param", [
-    ("completions", {"stream": True}, "stream"),
     ("completions", {"logprobs": 2}, "logprobs"),
     ("completions", {"stop": ["\n"]}, "stop"),
     ("completions", {"n": 11}, "beam_width"),

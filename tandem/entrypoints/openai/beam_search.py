@@ -4,13 +4,15 @@ beam width, ``length_penalty`` and ``early_stopping`` as :class:`tandem.beam_sea
 The search runs in the API server (:class:`tandem.beam_search.BeamSearch`): each round's
 beams are engine requests of one token, so a beam search shares the engine's steps with
 every other request. Its answer is the usual response, one choice per returned sequence,
-best first. Fields whose effect on a beam search is undefined are refused (400) rather
-than ignored: streaming, logprobs, stop conditions, output constraints and the sampling
-fields that reshape the distribution.
+best first; streamed (as vLLM streams it), the whole result comes as one chunk per choice
+once the search ends. Fields whose effect on a beam search is undefined are refused (400)
+rather than ignored: logprobs, stop conditions, output constraints and the sampling fields
+that reshape the distribution.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 from tandem.beam_search import BeamSearch, BeamSearchParams
@@ -20,7 +22,7 @@ from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 
 # Request fields that must be unset (or a no-op value) with use_beam_search.
-_UNSUPPORTED = ("stream", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "stop", "stop_token_ids",
+_UNSUPPORTED = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "stop", "stop_token_ids",
                 "stop_regex", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "top_p", "top_k", "min_p", "seed", "response_format",
                 "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "regex",
@@ -77,3 +79,29 @@ async def run_beam_search(request_id: str, search: BeamSearch,
                                         token_ids=s.tokens[len(prompt_token_ids):], cumulative_logprob=s.cum_logprob,
                                         finish_reason=s.finish_reason))
     return RequestOutput(request_id, None, list(prompt_token_ids), outputs, finished=True)
+
+
+class BeamSearchStream:
+    """A running beam search as the request stream the response paths read
+    (``next_outputs``, ``abort``): one output, its finished result. ``abort()`` cancels the
+    search, and with it the engine requests of its round."""
+
+    def __init__(self, search: Awaitable[RequestOutput]) -> None:
+        self._task = asyncio.ensure_future(search)
+        self._done = False
+
+    async def next_outputs(self) -> list[RequestOutput]:
+        if self._done:
+            raise StopAsyncIteration
+        out = await self._task
+        self._done = True
+        return [out]
+
+    def __aiter__(self) -> "BeamSearchStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return (await self.next_outputs())[0]
+
+    def abort(self) -> None:
+        self._task.cancel()

@@ -27,7 +27,7 @@ from tandem.engine.processor import PromptError
 from tandem.engine.token_bytes import TokenBytes, token_id_string
 from tandem.entrypoints.chat_utils import ChatMessageError, parse_chat_messages, render_chat
 from tandem.beam_search import BeamSearch
-from tandem.entrypoints.openai.beam_search import beam_search_params, run_beam_search
+from tandem.entrypoints.openai.beam_search import BeamSearchStream, beam_search_params, run_beam_search
 from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.structured_outputs import FieldError, ToolPlan, structured_outputs_of, tool_plan
 from tandem.entrypoints.openai.tool_parsers import ToolCall, parser_for_chat_template
@@ -413,12 +413,12 @@ class OpenAIServing:
             for s in streams:
                 s.abort()
 
-    async def _beam_search(self, req: P._SamplingFields, request_id: str, ids: list[int], max_tokens: int | None,
-                           prompt_field: str) -> RequestOutput:
-        """``req``'s beam search over the prompt ``ids`` (:mod:`tandem.entrypoints.openai.beam_search`).
+    def _start_beam_search(self, req: P._SamplingFields, request_id: str, ids: list[int], max_tokens: int | None,
+                           prompt_field: str) -> BeamSearchStream:
+        """Start ``req``'s beam search over the prompt ``ids`` (:mod:`tandem.entrypoints.openai.beam_search`).
 
         Raises:
-            OpenAIError: 400, a field beam search cannot serve or a bad value.
+            OpenAIError: 400, a field beam search cannot serve or a bad value (before it starts).
         """
         proc = self.llm.processor
         try:
@@ -434,7 +434,7 @@ class OpenAIServing:
         async def decode(token_ids: list[int]) -> str:
             return await self._in_tokenizer(self.llm.tokenizer.decode, token_ids, req.skip_special_tokens)
 
-        return await run_beam_search(request_id, search, generate_round, decode)
+        return BeamSearchStream(run_beam_search(request_id, search, generate_round, decode))
 
     # ------------------------------------------------------------ completions
     def _tokenize_completion_prompts(self, req: P.CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -532,10 +532,16 @@ class OpenAIServing:
         echo_texts = await self._in_tokenizer(self._prompt_texts, prompts) if echo else None
         rid = f"cmpl-{request_id}"
         if req.use_beam_search:
-            outs = await asyncio.gather(*(self._beam_search(req, f"{request_id}-{i}", ids, max_tokens, "prompt")
-                                          for i, (_, ids) in enumerate(prompts)))
-            return self._completion_response(req, list(outs), prompts, None, False, params, rid)
-        streams = await self._add(request_id, [ids for _, ids in prompts], params, "prompt")
+            streams = []
+            try:
+                for i, (_, ids) in enumerate(prompts):
+                    streams.append(self._start_beam_search(req, f"{request_id}-{i}", ids, max_tokens, "prompt"))
+            except OpenAIError:
+                for st in streams:
+                    st.abort()
+                raise
+        else:
+            streams = await self._add(request_id, [ids for _, ids in prompts], params, "prompt")
         if req.stream:
             return SSEStream(self._completion_stream(streams, prompts, echo_texts, echo_only, params, rid,
                                                      include_usage, continuous_usage, self._as_ids(req)), streams)
@@ -734,13 +740,13 @@ class OpenAIServing:
         as_ids = self._as_ids(req)
         echo = self._echo_text(req, conv)
         if req.use_beam_search:
-            out = await self._beam_search(req, request_id, ids, max_tokens, "messages")
+            streams = [self._start_beam_search(req, request_id, ids, max_tokens, "messages")]
         else:
             streams = await self._add(request_id, [ids], params, "messages")
-            if req.stream:
-                return SSEStream(self._chat_stream(streams[0], len(ids), params, rid, include_usage,
-                                                   continuous_usage, as_ids, plan, echo), streams)
-            (out,) = await self._collect(streams)
+        if req.stream:
+            return SSEStream(self._chat_stream(streams[0], len(ids), params, rid, include_usage, continuous_usage,
+                                               as_ids, plan, echo), streams)
+        (out,) = await self._collect(streams)
         choices = []
         num_gen = 0
         for c in sorted(out.outputs, key=lambda c: c.index):
