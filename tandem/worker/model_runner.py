@@ -62,7 +62,7 @@ import torch.distributed as dist
 from tandem import envs
 from tandem.core.sched_output import ScheduledSequence, SchedulerOutput
 from tandem.distributed.forward_context import RowPhases
-from tandem.outputs import ModelRunnerOutput, PromptLogprobs
+from tandem.outputs import ModelRunnerOutput
 from tandem.spec_decode.draft_model import DraftModelProposer
 from tandem.spec_decode.rejection_sampler import rejection_sample
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
@@ -70,6 +70,7 @@ from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
 from tandem.worker.input_batch import InputBatch
 from tandem.worker.sampler import SamplerOutput, SamplingBatch, repeat_rows, sample, target_distribution
 from tandem.worker.step_plan import CPU_MIN_PROMPT_TOKENS, DBOPolicy, StepMode, StepPlan, StepPlanner, ubatch_slices
+from tandem.worker.step_results import PromptLogprobTensors, RowLogprobs, SampledLogprobTensors, StepResultTensors
 from tandem.worker.ubatching import StepInputs, empty_step_inputs, forward_step, pad_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -137,8 +138,7 @@ class _ForwardedStep:
     logits: torch.Tensor | None  # [len(seq_ids), V] float; None when none samples
     spec_logits: torch.Tensor | None  # [sum(1 + num_drafts), V] float of sampling.spec
     draft: _DraftInputs | None  # with a draft model
-    prompt_lp: dict[int, int]  # {seq_id: first scored prompt index}
-    host_src: dict[str, torch.Tensor]  # prompt logprob tensors to copy to the host
+    results: StepResultTensors  # its prompt logprobs so far; sampling adds the rest
     t_prep: float  # host seconds spent building the step's inputs
     # (start event, sequences, all decode?, context tokens) when step timing is on.
     timing: tuple[torch.cuda.Event, int, bool, int] | None
@@ -441,7 +441,7 @@ class ModelRunner:
     def _logits(self, step_id: int, seqs: list[ScheduledSequence], sampling: _StepSampling, inputs: StepInputs,
                 hidden: torch.Tensor, t_prep: float, timing: tuple | None) -> _ForwardedStep:
         """Logits of the sampling sequences, and prompt logprobs."""
-        prompt_lp, host_src = self._prompt_logprobs(seqs, inputs.query_start_loc, hidden)
+        results = StepResultTensors(prompt_logprobs=self._prompt_logprobs(seqs, inputs.query_start_loc, hidden))
         logits = spec_logits = None
         qsl = inputs.query_start_loc
         if sampling.index:
@@ -452,13 +452,13 @@ class ModelRunner:
             ends = qsl[1:][spec.index]
             positions = [p for end, n in zip(ends, spec.num_drafts) for p in range(end - 1 - n, end)]
             spec_logits = self.model.compute_logits(hidden[self._h2d(positions, torch.long)])
-        return _ForwardedStep(step_id, sampling, logits, spec_logits, None, prompt_lp, host_src, t_prep, timing)
+        return _ForwardedStep(step_id, sampling, logits, spec_logits, None, results, t_prep, timing)
 
     @torch.inference_mode()
     def _sample_step(self, fwd: _ForwardedStep, grammar: GrammarBitmask | None) -> AsyncModelRunnerOutput:
         """Sample a forwarded step (``grammar``'s bitmask applied to its rows first), record
         its timing and start the copy of its results to the host."""
-        seq_ids, host_src = fwd.sampling.seq_ids, fwd.host_src
+        seq_ids, res = fwd.sampling.seq_ids, fwd.results
         if fwd.logits is not None:
             logits = fwd.logits
             if grammar is not None:
@@ -469,29 +469,28 @@ class ModelRunner:
             out: SamplerOutput = sample(logits, fwd.sampling.batch, self.input_batch.output_counts,
                                         self.input_batch.prompt_mask)
             self.input_batch.record_sampled(fwd.sampling.rows, out.sampled)
-            host_src["sampled"] = out.sampled
+            res.sampled = out.sampled
             if out.logprobs is not None:
-                host_src.update(logprobs=out.logprobs, logprob_token_ids=out.logprob_token_ids, ranks=out.sampled_ranks)
+                res.logprobs = SampledLogprobTensors(out.logprob_token_ids, out.logprobs, out.sampled_ranks)
         else:
-            host_src["sampled"] = torch.empty(0, dtype=torch.long, device=self.device)
-        self.prev_sampled = host_src["sampled"]
+            res.sampled = torch.empty(0, dtype=torch.long, device=self.device)
+        self.prev_sampled = res.sampled
         self.prev_rows = {sid: i for i, sid in enumerate(seq_ids)}
         accepted: dict[int, list[int]] = {}
-        accepted_lp: dict[int, list[tuple[list[int], list[float], int]]] = {}
-        last = host_src["sampled"]
+        accepted_lp: dict[int, list[RowLogprobs]] = {}
+        last = res.sampled
         if fwd.spec_logits is not None:
             if grammar is not None:
                 spec = fwd.sampling.spec
                 starts = np.cumsum([0] + [n + 1 for n in spec.num_drafts[:-1]]).tolist()
                 self._apply_bitmask(fwd.spec_logits, dict(zip(spec.seq_ids, starts)), grammar)
             first, accepted, accepted_lp = self._verify_drafts(fwd.sampling.spec, fwd.spec_logits, len(seq_ids))
-            host_src["sampled"] = torch.cat([host_src["sampled"], first])
+            res.sampled = torch.cat([res.sampled, first])
             last = torch.cat([last, self._h2d([e[-1] for e in accepted.values()], torch.long)])
             seq_ids = seq_ids + fwd.sampling.spec.seq_ids
         if fwd.draft is not None:
             drafts = self._propose_drafts(fwd.draft, fwd.sampling, last, accepted)
-            if drafts is not None:
-                host_src["draft_token_ids"] = drafts
+            res.draft_token_ids = drafts
         if fwd.timing is not None:
             ev_start, num_reqs, decode_only, context = fwd.timing
             ev_end = torch.cuda.Event(enable_timing=True)
@@ -499,7 +498,7 @@ class ModelRunner:
             self.step_events.append((ev_start, ev_end, num_reqs, decode_only, context))
         if self.step_times is not None:
             self.step_times.add(fwd.step_id, "prepare", fwd.t_prep)
-        return self._copy_to_host(seq_ids, host_src, fwd.prompt_lp, accepted, accepted_lp)
+        return self._copy_to_host(seq_ids, res, accepted, accepted_lp)
 
     def _verify_drafts(self, spec: _SpecVerify, logits: torch.Tensor, first_row: int) -> tuple[
             torch.Tensor, dict[int, list[int]], dict[int, list[tuple[list[int], list[float], int]]]]:
@@ -581,15 +580,12 @@ class ModelRunner:
                             mask.to(self.device, non_blocking=True))
 
     def _prompt_logprobs(self, seqs: list[ScheduledSequence], qsl: np.ndarray,
-                         hidden: torch.Tensor) -> tuple[dict[int, int], dict[str, torch.Tensor]]:
-        """Logprobs of the prompt tokens following each scheduled prompt position.
-
-        Returns ({seq_id: index of the first scored prompt token}, device tensors named
-        ``plp_{ids,vals,ranks}_{seq_id}``), copied to the host with the sampled ids (no sync).
-        """
-        starts, tensors = {}, {}
+                         hidden: torch.Tensor) -> dict[int, PromptLogprobTensors]:
+        """Logprobs of the prompt tokens following each scheduled prompt position, by
+        seq_id (device tensors, copied to the host with the sampled ids: no sync)."""
+        found: dict[int, PromptLogprobTensors] = {}
         if not self.input_batch.prompt_logprobs_seq_ids:
-            return starts, tensors
+            return found
         for r, s in enumerate(seqs):
             st = self.input_batch.states[s.seq_id]
             if not st.compute_prompt_logprobs or s.num_computed_tokens >= st.prompt_len:
@@ -609,47 +605,37 @@ class ModelRunner:
             if k > 0:
                 top_lp, top_ids = lp.topk(k, dim=-1)
                 ids, vals = torch.cat([ids, top_ids], 1), torch.cat([vals, top_lp], 1)
-            starts[s.seq_id] = start + 1
-            tensors.update({f"plp_ids_{s.seq_id}": ids, f"plp_vals_{s.seq_id}": vals, f"plp_ranks_{s.seq_id}": ranks})
-        return starts, tensors
+            found[s.seq_id] = PromptLogprobTensors(start + 1, ids, vals, ranks)
+        return found
 
     # ----------------------------------------------------------------- 6. to host
-    def _copy_to_host(self, seq_ids: list[int], src: dict[str, torch.Tensor], prompt_lp: dict[int, int],
-                      accepted: dict[int, list[int]],
-                      accepted_lp: dict[int, list[tuple[list[int], list[float], int]]]) -> AsyncModelRunnerOutput:
+    def _copy_to_host(self, seq_ids: list[int], res: StepResultTensors, accepted: dict[int, list[int]],
+                      accepted_lp: dict[int, list[RowLogprobs]]) -> AsyncModelRunnerOutput:
         """Start the device-to-host copy of a step's results (on CUDA: pinned buffers, a
         side stream, one event); the handle's ``result()`` waits for it. ``accepted`` /
         ``accepted_lp``: ``ModelRunnerOutput.accepted_token_ids`` / ``accepted_logprobs``,
         already on the host."""
-        host, event = src, None
+        host, event = res, None
         if self._is_cuda:
-            host = {}
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
-                for name, t in src.items():
-                    host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    host[name].copy_(t, non_blocking=True)
-                    t.record_stream(self._copy_stream)
+                host = res.map(self._pinned_copy)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
 
         def resolve() -> ModelRunnerOutput:
             if event is not None:
                 event.synchronize()
-            out = ModelRunnerOutput(seq_ids, host["sampled"].tolist(), accepted_token_ids=accepted,
-                                    accepted_logprobs=accepted_lp)
-            if "draft_token_ids" in host:
-                out.draft_token_ids = host["draft_token_ids"].tolist()
-            if "logprobs" in host:
-                out.logprobs = list(zip(host["logprob_token_ids"].tolist(), host["logprobs"].tolist(),
-                                        host["ranks"].tolist()))
-            for sid, start in prompt_lp.items():
-                out.prompt_logprobs[sid] = PromptLogprobs(start, host[f"plp_ids_{sid}"].tolist(),
-                                                          host[f"plp_vals_{sid}"].tolist(),
-                                                          host[f"plp_ranks_{sid}"].tolist())
-            return out
+            return host.to_output(seq_ids, accepted, accepted_lp)
 
         return AsyncModelRunnerOutput(resolve)
+
+    def _pinned_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A pinned host copy of ``t``, queued on the current (copy) stream."""
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        t.record_stream(self._copy_stream)
+        return host
 
     # ----------------------------------------------------------------- startup
     @torch.inference_mode()
