@@ -12,7 +12,7 @@ vLLM); a candidate ending in EOS is a finished hypothesis, the best ``beam_width
 others are the next beams. The search ends after ``max_tokens`` rounds, when no beam is
 left, or, with ``early_stopping``, once ``beam_width`` hypotheses have finished (Hugging
 Face's ``early_stopping=True``); the best ``beam_width`` of the finished hypotheses and
-the last beams are the result.
+the last beams (the finished ones alone after an early stop) are the result.
 
 The driver (:meth:`BeamSearch.pending` / :meth:`BeamSearch.advance`) is shared by the
 offline :meth:`tandem.entrypoints.llm.LLM.beam_search` and the server, which differ
@@ -38,11 +38,15 @@ class BeamSearchParams:
         max_tokens: most generated tokens per beam (>= 1).
         ignore_eos: EOS ends no hypothesis (beams run to ``max_tokens``).
         temperature: the temperature of each round's own sample, which joins the
-            candidates beside the top ``2 * beam_width`` (0: greedy, no extra candidate).
+            candidates beside the top ``2 * beam_width`` (0: greedy, no extra candidate;
+            a sample is most often among the top ones already), as vLLM.
         length_penalty: exponent of the length in the score (1.0: mean logprob per
             token; 0: the sum; > 1 favours longer sequences).
-        early_stopping: end once ``beam_width`` hypotheses have finished.
-        include_stop_str_in_output: keep the EOS token's text in ``text``.
+        early_stopping: end once ``beam_width`` hypotheses have finished, and return only
+            finished ones then (transformers' ``early_stopping=True``).
+        include_stop_str_in_output: decode the EOS token with the rest (its text shows
+            where the decode keeps special tokens: the server's ``skip_special_tokens``
+            false).
 
     Raises:
         ValueError: a value out of range, naming the field.
@@ -119,20 +123,23 @@ class BeamSearch:
         prompt_token_ids: the prompt.
         params: the search settings.
         eos_token_ids: the tokens that end a hypothesis (unless ``ignore_eos``).
-        max_model_len: the context length: a beam that reaches it is finished ("length").
+        max_model_len: the context length.
 
     Raises:
-        ValueError: the prompt leaves no room for a token within ``max_model_len``.
+        ValueError: the prompt and ``max_tokens`` do not fit in ``max_model_len``.
     """
 
     def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: set[int],
                  max_model_len: int) -> None:
         self.prompt_len = len(prompt_token_ids)
         self.params, self.eos = params, set(eos_token_ids)
-        self.rounds_left = min(params.max_tokens, max_model_len - self.prompt_len)
-        if self.rounds_left < 1:
+        if self.prompt_len >= max_model_len:
             raise ValueError(f"prompt of {self.prompt_len} tokens leaves no room for a generated token within the "
                              f"context length {max_model_len}.")
+        if self.prompt_len + params.max_tokens > max_model_len:
+            raise ValueError(f"max_tokens ({params.max_tokens}) and the prompt's {self.prompt_len} tokens exceed the "
+                             f"context length {max_model_len}.")
+        self.rounds_left = params.max_tokens
         self.beams = [BeamSearchSequence(list(prompt_token_ids))]
         self.finished: list[BeamSearchSequence] = []
 
@@ -160,10 +167,14 @@ class BeamSearch:
         self.rounds_left = 0 if not self.beams else self.rounds_left - 1
 
     def result(self) -> BeamSearchOutput:
-        """The best ``beam_width`` of the finished hypotheses and the last beams, best
-        first, with their ``finish_reason`` (their ``text`` is the caller's to set:
+        """The best ``beam_width`` of the finished hypotheses and the last beams (of the
+        finished ones alone when ``early_stopping`` ended the search, as transformers),
+        best first, with their ``finish_reason`` (their ``text`` is the caller's to set:
         :meth:`text_token_ids`)."""
-        best = sorted(self.finished + self.beams, key=self._score, reverse=True)[:self.params.beam_width]
+        width = self.params.beam_width
+        stopped_early = self.params.early_stopping and len(self.finished) >= width
+        pool = self.finished if stopped_early else self.finished + self.beams
+        best = sorted(pool, key=self._score, reverse=True)[:width]
         for s in best:
             s.finish_reason = "stop" if self._ended(s) else "length"
         return BeamSearchOutput(best)

@@ -79,16 +79,17 @@ def test_early_stopping_ends_once_the_width_has_finished():
         bs.advance(_round(beams, 2))
         rounds += 1
     assert rounds == 2 and len(bs.finished) >= 1
+    # Only finished hypotheses are returned after an early stop.
+    assert all(s.finish_reason == "stop" for s in bs.result().sequences)
     # Without it the search runs to max_tokens (the beams never end: 6 -> 6).
     assert len(_search(BeamSearchParams(beam_width=1, max_tokens=10)).beams[0].tokens) == 12
 
 
-def test_the_context_limit_caps_the_rounds():
-    bs = _search(BeamSearchParams(beam_width=2, max_tokens=50, ignore_eos=True), max_model_len=6)
+def test_prompt_and_max_tokens_must_fit_in_the_context():
+    bs = _search(BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True), max_model_len=6)
     assert {len(s.tokens) for s in bs.result().sequences} == {6}
-
-
-def test_a_prompt_without_room_is_refused():
+    with pytest.raises(ValueError, match=r"^max_tokens \(5\) and the prompt's 2 tokens exceed the context length 6"):
+        BeamSearch([9, 7], BeamSearchParams(beam_width=2, max_tokens=5), {EOS}, 6)
     with pytest.raises(ValueError, match="^prompt of 2 tokens leaves no room"):
         BeamSearch([9, 7], BeamSearchParams(beam_width=2, max_tokens=4), {EOS}, 2)
 

@@ -87,7 +87,7 @@ def test_streamed_beam_search_sends_the_same_choices(server, endpoint):
 @pytest.mark.parametrize("endpoint, extra, param", [
     ("completions", {"logprobs": 2}, "logprobs"),
     ("completions", {"stop": ["\n"]}, "stop"),
-    ("completions", {"n": 11}, "beam_width"),
+    ("completions", {"n": 11}, "n"),
     ("completions", {"max_tokens": 2048}, "max_tokens"),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
@@ -100,7 +100,7 @@ def test_what_beam_search_cannot_honour_is_a_400(server, endpoint, extra, param)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "BadRequestError"
-    assert param in err["message"], err
+    assert err["param"] == param and err["message"].startswith(param), err
 
 
 def test_a_client_that_leaves_aborts_the_beam_search(server):

@@ -45,14 +45,14 @@ def beam_search_params(req: P._SamplingFields, max_tokens: int | None, prompt_le
         value = getattr(req, name, None)
         if value not in _NO_OP and value not in _NO_OP_ALSO.get(name, ()):
             raise ValueError(f"{name} is not supported with use_beam_search.")
-    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-        raise ValueError(f"max_tokens ({max_tokens}) and the prompt's {prompt_len} tokens exceed the context length "
-                         f"{max_model_len}.")
+    width, most = req.n or 1, MAX_LOGPROBS // 2
+    if width > most:
+        raise ValueError(f"n must be at most {most} with use_beam_search (each round asks for 2 x n logprobs, at "
+                         f"most {MAX_LOGPROBS}), got {width}.")
     params = BeamSearchParams(
-        beam_width=req.n or 1, max_tokens=max_tokens if max_tokens is not None else max_model_len - prompt_len,
+        beam_width=width, max_tokens=max_tokens if max_tokens is not None else max(1, max_model_len - prompt_len),
         ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0, length_penalty=req.length_penalty,
         early_stopping=req.early_stopping, include_stop_str_in_output=req.include_stop_str_in_output)
-    params.check_width(MAX_LOGPROBS)
     return params
 
 
