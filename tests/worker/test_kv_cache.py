@@ -4,11 +4,13 @@ cache's pages resident only once written, or all of them once committed."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tandem.worker.kv_cache import allocate_kv_caches, commit_kv_caches
+from tandem.worker.kv_cache import allocate_kv_caches
 
 SHAPE = (2, 5, 16, 3, 24)
 
@@ -34,23 +36,31 @@ def test_large_cpu_cache_is_zero():
     assert cache.float().mean() == 1
 
 
-def _rss_mib() -> float:
+# Run in a fresh process: in a long one (the test suite), a large calloc may be served from
+# freed heap memory that is resident already, and then nothing is on demand.
+_COMMIT = """
+import os, torch
+from tandem.worker.kv_cache import allocate_kv_caches, commit_kv_caches
+def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+before = rss()
+caches = allocate_kv_caches(2, (2, 640, 16, 8, 128), torch.bfloat16, torch.device("cpu"))
+allocated = rss()
+commit_kv_caches(caches)
+committed = rss()
+print(allocated - before, committed - allocated, int(any(c.view(torch.uint8).any() for c in caches)))
+"""
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the RSS from /proc")
 def test_commit_makes_a_cpu_cache_resident():
-    """Allocating 2 x 40 MiB takes no memory yet; committing makes all of it resident
-    (what an engine-core process does at start) and leaves it zero."""
-    before = _rss_mib()
-    caches = allocate_kv_caches(2, (2, 640, 16, 8, 128), torch.bfloat16, torch.device("cpu"))
-    allocated = _rss_mib()
-    commit_kv_caches(caches)
-    committed = _rss_mib()
-    assert allocated - before < 16
-    assert committed - allocated > 72
-    assert not any(c.view(torch.uint8).any() for c in caches)
+    """In a fresh process, allocating 2 x 40 MiB takes no memory yet; committing makes all
+    of it resident (what an engine-core process does at start) and leaves it zero."""
+    out = subprocess.run([sys.executable, "-c", _COMMIT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    grown_alloc, grown_commit, nonzero = (float(x) for x in out.stdout.split()[-3:])
+    assert grown_alloc < 16 and grown_commit > 72 and nonzero == 0, out.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
