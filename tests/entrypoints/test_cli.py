@@ -287,7 +287,7 @@ def test_the_run_install_covers_the_readme_commands():
     """Each package a README command needs beyond the core is in scripts/setup.sh's install
     (the tests, `tandem eval` and the ShareGPT data set say they need setup_dev.sh)."""
     needed = {"tandem bench serve ... --plot": "matplotlib", "tandem serve": "uvicorn", "tandem bench serve": "aiohttp",
-              "benchmarks/serve_vs_offline.py": "httpx"}
+              "benchmarks/serve_vs_offline.py": "httpx", "benchmarks/soak.py": "psutil"}
     names = {re.split(r"[\s<>=;\[!~]", r, maxsplit=1)[0].lower() for r in _run_install_requirements()}
     assert {cmd: pkg for cmd, pkg in needed.items() if pkg not in names} == {}
 
