@@ -17,7 +17,8 @@ def _zeros_on_demand(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     ``torch.zeros`` writes every byte up front: for a 1 GiB CPU cache that is a page fault
     and a memset per page at start-up, for blocks most runs never use. ``calloc`` (numpy's
     ``zeros``) hands out fresh anonymous pages for large sizes, which read as zero and cost
-    nothing until written.
+    nothing until written (in a process whose heap holds no large freed block; one that has
+    run for a while may be given resident memory, zeroed up front).
     """
     nbytes = int(np.prod(shape)) * dtype.itemsize
     buf = np.zeros(nbytes + _ALIGN_BYTES, dtype=np.uint8)
