@@ -277,7 +277,9 @@ class StructuredOutputManager:
             req = requests.get(sid)
             matcher = None
             if req is not None and not req.structured_output.finished:
-                matcher = self._guarded(req, None, lambda so: so.matcher, req.structured_output)
+                so = req.structured_output
+                # Only its first use creates a matcher (and may fail): no guard per step after.
+                matcher = so._matcher if so._matcher is not None else self._guarded(req, None, lambda: so.matcher)
             if matcher is not None:
                 matchers.append(matcher)
                 rows.append(row)
