@@ -85,6 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
+    import tandem  # noqa: F401 - before torch: its OpenMP settings (tandem.envs) apply as in `tandem generate`
     import torch
 
     torch.set_num_threads(args.threads)

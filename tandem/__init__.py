@@ -9,7 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from tandem import envs as _envs
 from tandem.version import tandem_version
+
+_envs.set_openmp_spin_count()
 
 __version__ = tandem_version()
 

@@ -73,6 +73,10 @@ MALLOC_ARENA_MAX                    2          glibc's malloc arenas of an engin
                                                (its default: 8 per CPU); applied with
                                                ``mallopt`` (:func:`core_malloc_arena_max`),
                                                glibc reads the variable only at process start
+GOMP_SPINCOUNT                      10000      spins of an idle OpenMP (libgomp) worker before
+                                               it sleeps (its default: 300000); set when
+                                               ``tandem`` is imported, read by libgomp when
+                                               torch loads (:func:`set_openmp_spin_count`)
 ==================================  =========  ==================================================
 
 Both oneDNN caches are keyed by shape: a CPU bfloat16 GEMM gets one entry per row count and
@@ -202,6 +206,20 @@ def set_library_cache_limits() -> None:
     loading its model); later it changes nothing."""
     for name, value in LIBRARY_CACHE_LIMITS.items():
         os.environ.setdefault(name, value)
+
+
+# Decode steps run thousands of small parallel kernels a few microseconds apart: a worker
+# that sleeps between them costs a wake-up each (~100 spins: 0.65x the tokens/s of 10^4),
+# one that spins ~3 ms (libgomp's default) starves the other processes of a loaded machine
+# and stalls its own team when they preempt it (RESULTS, "one OpenMP team").
+OPENMP_SPIN_COUNT = "10000"
+
+
+def set_openmp_spin_count() -> None:
+    """Set ``GOMP_SPINCOUNT`` to :data:`OPENMP_SPIN_COUNT` where unset (``tandem`` does on
+    import). libgomp reads it when it loads, with torch: a process that imported torch
+    before keeps libgomp's default, the processes it spawns (engine cores, ranks) get this."""
+    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
 
 
 # An engine core's arenas: its threads allocate in turn (the step thread between the loop's

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+import tandem  # noqa: F401 - before torch, as in a user's process: sets GOMP_SPINCOUNT (tandem.envs)
 import torch
 
 

@@ -38,13 +38,12 @@ The device-to-host copy of the sampled ids is started non-blocking on a side str
 
 On the CPU, where torch kernels run synchronously, steps execute on one worker thread
 (torch releases the GIL inside kernels), so the caller's output processing still overlaps
-the model's compute, with the same pipeline structure as on a GPU. ``TANDEM_CPU_STEP_THREAD
-=off`` runs them inline instead (``execute_model`` then returns a handle of a finished step:
-the same results in the same order, without the overlap). The thread stays the default on
-every core count: on the shared 2-core development machine (2 torch threads, load 5-10)
-inline steps of the embedded model ran at 1-3 tok/s against 20-40 on the thread (torch's
-two OpenMP threads on the caller's thread stalled; the issue's earlier 28.5 vs 19 tok/s
-for inline was not reproduced), see benchmarks/RESULTS.md.
+the model's compute, with the same pipeline structure as on a GPU. The thread is the
+:class:`~tandem.worker.worker.Worker`'s ``step_thread``, which also loaded the model (see
+there why); ``TANDEM_CPU_STEP_THREAD=off`` (or no ``step_thread``) runs steps inline instead
+(``execute_model`` then returns a handle of a finished step: the same results in the same
+order, without the overlap). The thread stays the default on every core count: inline steps
+on the caller's thread stall under load (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -165,11 +164,14 @@ class ModelRunner:
         enforce_eager: never use CUDA graphs.
         dbo: dual-batch overlap policy; None (or a dense model) disables it.
         drafter: a draft model proposing each sampling sequence's next drafts; None: none.
+        step_thread: the single-thread executor CPU steps run on (module docstring; the
+            runner shuts it down); None: steps run inline.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, vocab_size: int,
                  max_num_seqs: int, device: torch.device, max_model_len: int = 2048, enforce_eager: bool = True,
-                 dbo: DBOPolicy | None = None, drafter: DraftModelProposer | None = None) -> None:
+                 dbo: DBOPolicy | None = None, drafter: DraftModelProposer | None = None,
+                 step_thread: ThreadPoolExecutor | None = None) -> None:
         self.model = model
         self.drafter = drafter
         self.kv_caches = kv_caches
@@ -185,7 +187,7 @@ class ModelRunner:
         self._deferred: _ForwardedStep | Future | None = None
         self._is_cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._is_cuda else None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tandem-step") if cpu_step_thread(device) else None
+        self._executor = step_thread
         self.cuda_graphs: DecodeCUDAGraphs | None = None
         if self._is_cuda and not enforce_eager:
             self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, max_blocks, block_size, device,

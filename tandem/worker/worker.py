@@ -11,12 +11,23 @@ and nano-vllm's ``ModelRunner``: the engine core builds a :class:`Worker` and ca
 
 The core keeps the scheduler, the KV block manager and the grammars; the worker knows
 nothing of requests.
+
+On the CPU all of a rank's torch work (loading, the cache, every step) runs on one thread,
+the worker's ``step_thread``, which the model runner then runs its steps on
+(:mod:`tandem.worker.model_runner`). libgomp gives each thread that runs a parallel region a
+team of its own, and once it manages more threads than there are CPUs its workers sleep
+after ~100 spins instead of ``GOMP_SPINCOUNT`` (:mod:`tandem.envs`): a model loaded on the
+caller's thread and run on the step thread made every one of a decode step's thousands of
+small parallel kernels wait for a worker's wake-up (benchmarks/RESULTS.md, "one OpenMP team").
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -31,10 +42,12 @@ from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.model_loader.loader import build_model, load_hf_config
 from tandem.spec_decode.draft_model import DraftModelProposer, check_draft_model
 from tandem.worker.kv_cache import allocate_kv_caches
-from tandem.worker.model_runner import ModelRunner
+from tandem.worker.model_runner import ModelRunner, cpu_step_thread
 from tandem.worker.step_plan import DBOPolicy
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class Worker:
@@ -65,6 +78,12 @@ class Worker:
         self.draft_model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
         self.num_kv_blocks: int | None = None
+        self.step_thread = (ThreadPoolExecutor(1, thread_name_prefix="tandem-step")
+                            if cpu_step_thread(self.device) else None)
+
+    def _on_step_thread(self, fn: Callable[[], _T]) -> _T:
+        """``fn()``, run on the step thread when there is one (module docstring)."""
+        return fn() if self.step_thread is None else self.step_thread.submit(fn).result()
 
     # ----------------------------------------------------------------- the model
     def load_model(self) -> torch.nn.Module:
@@ -75,6 +94,9 @@ class Worker:
             ValueError: the model, its quantization or the KV cache dtype is not supported
                 here (e.g. FP8 on a GPU without FP8).
         """
+        return self._on_step_thread(self._load_model)
+
+    def _load_model(self) -> torch.nn.Module:
         cfg, model_cfg = self.config, self.config.model_config
         batch_invariant.set_enabled(model_cfg.deterministic)
         backend = get_attention_backend(self.device, model_cfg.max_model_len)
@@ -237,7 +259,10 @@ class Worker:
         Raises:
             RuntimeError: :meth:`load_model` was not called.
         """
-        cfg, model_cfg, cache_cfg = self.config, self.config.model_config, self.config.cache_config
+        return self._on_step_thread(lambda: self._initialize_kv_cache(num_blocks))
+
+    def _initialize_kv_cache(self, num_blocks: int) -> ModelRunner:
+        model_cfg, cache_cfg = self.config.model_config, self.config.cache_config
         num_layers, planes, kv_heads, head_dim = self._cache_geometry
         kv_caches = allocate_kv_caches(num_layers, (planes, num_blocks, cache_cfg.block_size, kv_heads, head_dim),
                                        self.kv_dtype, self.device)
@@ -275,7 +300,8 @@ class Worker:
                          dbo_cfg.dbo_measure_split) if dbo_cfg.enable_dbo else None)
         runner = ModelRunner(self.model, kv_caches, cfg.cache_config.block_size, self.vocab_size,
                              sched_cfg.max_num_seqs, self.device, max_model_len=model_cfg.max_model_len,
-                             enforce_eager=model_cfg.enforce_eager, dbo=dbo, drafter=drafter)
+                             enforce_eager=model_cfg.enforce_eager, dbo=dbo, drafter=drafter,
+                             step_thread=self.step_thread)
         if ps.get_ep_size() > 1:
             # Expert parallelism: every DP rank's forward takes part in the EP collectives, so
             # the runner agrees on each step (and runs dummy batches) over the DP group.

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -37,7 +39,7 @@ def _prefill(seq_id: int, blocks: list[int]) -> ScheduledSequence:
 
 def _runner(model):
     return ModelRunner(model, [], block_size=4, vocab_size=V, max_num_seqs=4, device=torch.device("cpu"),
-                       max_model_len=32)
+                       max_model_len=32, step_thread=ThreadPoolExecutor(1))
 
 
 def test_constrained_step_samples_after_bitmask():

@@ -132,3 +132,39 @@ def test_profile_step_is_the_whole_token_budget_in_sequences_of_max_model_len(to
         s = meta.slot_mapping[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i + 1]]
         assert torch.equal(s // 16, meta.block_tables[i].long()[torch.arange(n) // 16])
     assert meta.num_decode_reqs == 0 and meta.max_query_len == max(lens)
+
+
+@pytest.mark.parametrize("step_thread", ["on", "off"])
+def test_cpu_torch_work_runs_on_the_step_thread(model_dirs, monkeypatch, step_thread):
+    """On the CPU the model is built, the cache allocated and the steps run on one thread,
+    the worker's step thread (one OpenMP team: tandem.worker.worker's docstring); with
+    TANDEM_CPU_STEP_THREAD=off all of it on the caller's thread."""
+    import threading
+
+    from tandem.worker import worker as worker_mod
+
+    monkeypatch.setenv("TANDEM_CPU_STEP_THREAD", step_thread)
+    seen = []
+
+    def recorded(fn):
+        def run(*args, **kwargs):
+            seen.append((fn.__name__, threading.current_thread()))
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(worker_mod, "build_model", recorded(worker_mod.build_model))
+    monkeypatch.setattr(worker_mod, "allocate_kv_caches", recorded(worker_mod.allocate_kv_caches))
+    worker = _worker(model_dirs["llama"], num_kv_blocks=8)
+    worker.load_model()
+    runner = worker.initialize_kv_cache(8)
+    try:
+        if step_thread == "off":
+            assert worker.step_thread is None and runner._executor is None
+            owner = threading.current_thread()
+        else:
+            assert runner._executor is worker.step_thread
+            owner = worker.step_thread.submit(threading.current_thread).result()
+            assert owner is not threading.current_thread()
+        assert seen == [("build_model", owner), ("allocate_kv_caches", owner)]
+    finally:
+        runner.shutdown()
