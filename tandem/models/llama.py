@@ -190,6 +190,9 @@ class LlamaForCausalLM(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = nn.utils.skip_init(nn.Linear, spec.hidden_size, spec.vocab_size, bias=False,
                                               device=torch.get_default_device())
+        # A quantized LM head computing the logits instead (GGUF on the CPU:
+        # tandem.layers.quantization.gguf.quantize_gguf_linears); None: the dense weight.
+        self.lm_head_quant: nn.Module | None = None
 
     @property
     def kv_cache_shape_per_block(self) -> tuple[int, int]:
@@ -205,6 +208,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_quant is not None:
+            return self.lm_head_quant(hidden).float()
         w = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
         return batch_invariant.linear(hidden, w).float()
 

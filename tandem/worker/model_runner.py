@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from tandem import envs
 from tandem.core.sched_output import ScheduledSequence, SchedulerOutput
-from tandem.distributed.forward_context import RowPhases
+from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
 from tandem.outputs import ModelRunnerOutput
 from tandem.spec_decode.draft_model import DraftModelProposer
 from tandem.spec_decode.rejection_sampler import rejection_sample
@@ -446,15 +446,26 @@ class ModelRunner:
         results = StepResultTensors(prompt_logprobs=self._prompt_logprobs(seqs, inputs.query_start_loc, hidden))
         logits = spec_logits = None
         qsl = inputs.query_start_loc
+        generated = inputs.generated_mask() if self._phase_layers else None
         if sampling.index:
-            logits = self.model.compute_logits(hidden[self._h2d(qsl[1:][sampling.index] - 1, torch.long)])
+            logits = self._compute_logits(hidden, qsl[1:][sampling.index] - 1, generated)
         if sampling.spec is not None:
             # Each sequence's last 1 + num_drafts positions: its last known token, then its drafts.
             spec = sampling.spec
             ends = qsl[1:][spec.index]
-            positions = [p for end, n in zip(ends, spec.num_drafts) for p in range(end - 1 - n, end)]
-            spec_logits = self.model.compute_logits(hidden[self._h2d(positions, torch.long)])
+            positions = np.array([p for end, n in zip(ends, spec.num_drafts) for p in range(end - 1 - n, end)])
+            spec_logits = self._compute_logits(hidden, positions, generated)
         return _ForwardedStep(step_id, sampling, logits, spec_logits, None, results, t_prep, timing)
+
+    def _compute_logits(self, hidden: torch.Tensor, rows: np.ndarray, generated: np.ndarray | None) -> torch.Tensor:
+        """``model.compute_logits`` of ``hidden``'s ``rows`` (token indices of the step), in
+        a forward context giving a quantized LM head each row's token phase (``generated
+        [num_tokens]`` bool; None: not tracked, no context)."""
+        h = hidden[torch.from_numpy(rows).to(self.device, non_blocking=True)]
+        if generated is None:
+            return self.model.compute_logits(h)
+        with forward_context(ForwardContext(len(rows), row_phases=RowPhases.from_mask(generated[rows], self.device))):
+            return self.model.compute_logits(h)
 
     @torch.inference_mode()
     def _sample_step(self, fwd: _ForwardedStep, grammar: GrammarBitmask | None) -> AsyncModelRunnerOutput:
@@ -598,7 +609,8 @@ class ModelRunner:
             if end <= start:
                 continue
             lo = int(qsl[r])
-            lp = self.model.compute_logits(hidden[lo : lo + end - start]).log_softmax(dim=-1)
+            prompt_rows = np.zeros(qsl[-1], dtype=bool) if self._phase_layers else None
+            lp = self._compute_logits(hidden, np.arange(lo, lo + end - start), prompt_rows).log_softmax(dim=-1)
             nxt = self._h2d(st.prompt_token_ids[start + 1 : end + 1], torch.long)
             tok_lp = lp.gather(1, nxt[:, None])
             ranks = (lp > tok_lp).sum(-1) + 1

@@ -84,3 +84,37 @@ def test_cpu_step_thread_env(monkeypatch):
     monkeypatch.setenv("TANDEM_CPU_STEP_THREAD", "sometimes")
     with pytest.raises(ValueError, match="TANDEM_CPU_STEP_THREAD"):
         cpu_step_thread(torch.device("cpu"))
+
+
+class _PhaseRecordingModel(_FixedLogitsModel):
+    """Has a layer following token phases (as a GGUF model's); records the phases its
+    ``compute_logits`` runs under (a quantized LM head reads them from the forward context)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Module()
+        self.head.uses_row_phases = True
+        self.logits_phases: list[tuple[int, int]] = []
+
+    def compute_logits(self, hidden):
+        from tandem.distributed.forward_context import get_forward_context
+
+        phases = get_forward_context().row_phases
+        assert phases.num_rows == hidden.shape[0]
+        self.logits_phases.append((phases.num_generated, phases.num_rows))
+        return super().compute_logits(hidden)
+
+
+def test_logits_rows_carry_their_token_phase():
+    """A prompt's last row (its first sample) is a prompt row, a decode's row a generated
+    one, also when both are in one step."""
+    model = _PhaseRecordingModel()
+    runner = _runner(model)
+    try:
+        runner.execute_model(SchedulerOutput(0, [_prefill(0, [0]), _prefill(1, [1])], 6)).result()
+        assert model.logits_phases[-1] == (0, 2)
+        decode = ScheduledSequence(0, 3, 1, [], True, True, [])
+        runner.execute_model(SchedulerOutput(1, [decode, _prefill(2, [2])], 4)).result()
+        assert model.logits_phases[-1] == (1, 2)
+    finally:
+        runner.shutdown()

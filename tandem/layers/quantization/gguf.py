@@ -1,4 +1,4 @@
-"""GGUF weights run quantized on the CPU: llama.cpp's 4-bit blocks mapped onto PyTorch's
+"""GGUF weights run quantized on the CPU: llama.cpp's blocks mapped onto PyTorch's
 weight-only int4 GEMM (``torch.ops.aten._weight_int4pack_mm_for_cpu``).
 
 PyTorch's int4 kernel takes 4-bit values ``q`` in ``[0, 15]`` with one (scale, zero) pair
@@ -13,11 +13,30 @@ kernel's activation dtype (bfloat16):
 * ``Q4_K``: super-blocks of 256 with fp16 ``d``, ``dmin`` and 6-bit scales/mins per 32;
   ``w = d * sc * q - dmin * mn``: scale ``d sc``, zero ``8 d sc - dmin mn``.
 
-``Q8_0`` (and every other format: K-quants other than Q4_K, fp16/fp32) is left
-dequantized: the int8 kernel (``_weight_int8pack_mm``) takes one scale per output row, so
-Q8_0's 32-wide block scales would have to be requantized (8-bit values rounded again),
-and it runs no faster than the bf16 GEMM here (see the module's tests and
-benchmarks/RESULTS.md).
+Wider values are split into two int4 *planes* whose weights sum to the block's, each run
+by the kernel (two calls, the outputs added): ``q = 16 hi + lo`` with ``lo`` the low
+nibble. Two planes read 1 byte per weight, half of bf16's 2:
+
+* ``Q5_0`` / ``Q5_1`` (``w = d * q - 16 d`` / ``d * q + m``, ``q`` 5 bits): the low nibbles
+  (scale ``d``, zero 0) and the fifth bits ``hi`` in {0, 1} as ``hi + 8`` (scale ``16 d``,
+  zero ``-8 d`` / ``m + 8 d``).
+* ``Q8_0`` (``w = d * q``, ``q`` int8): the low nibbles (scale ``d``, zero 0) and the high
+  ones ``hi`` in [-8, 7] as ``hi + 8`` (scale ``16 d``, zero ``8 d``).
+
+(The zeros are split so that each plane is about centred: the sum of two bf16 outputs then
+loses little to cancellation.) K-quants other than Q4_K and fp16/fp32 stay dequantized:
+``Q6_K``'s groups of 16 would take four planes, as many bytes as bf16.
+
+The LM head runs the same way when its tensor (``output``, or the tied ``token_embd``) is of
+these types: ``Q8_0`` in both real models (RESULTS). Its generated rows go through the
+kernel only while there are at most :data:`LM_HEAD_MAX_INT4_ROWS` of them in a step: the
+kernel's time grows with the rows (two planes of a 49,152 x 576 head: 1.5 ms at one row,
+11 ms at 16, against the bf16 GEMM's 3.5 and 5.5 ms), and a step of many sequences
+computes their logits with the dense weight, which the embedding shares. (The one choice by
+row count below: a generated token's logits differ in their last bits between a step of at
+most 4 decoding sequences and a larger one, as the batched decode attention's already do by
+default; a repeated request after a prefix-cache hit is unaffected, its prompt rows are
+dense either way.)
 
 The kernel runs on bfloat16 activations: its float32 and float16 paths are tens of times
 slower than ``F.linear`` (unvectorised in torch 2.13's CPU build), so inputs of another
@@ -34,7 +53,7 @@ prompt is then computed the same way whether part of it came from the prefix cac
 how it was chunked, and a generated token the same way whatever else is in the step
 (the two kernels give a row the same bits whatever the row count; a switch by row count
 made a repeated greedy chat change its answer after a prefix-cache hit). The int4 form
-costs a quarter more memory.
+costs a quarter more memory (two planes: half).
 """
 
 from __future__ import annotations
@@ -54,7 +73,14 @@ GROUP_SIZE = 32
 KERNEL_DTYPE = torch.bfloat16
 # innerKTiles of the CPU packing op: ignored by the CPU kernel's layout, 1 is what it takes.
 _INNER_K_TILES = 1
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# Int4 planes per GGUF type: 4-bit types are one plane, 5- and 8-bit types two (module docstring).
+PLANES = {"Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q5_0": 2, "Q5_1": 2, "Q8_0": 2}
+INT4_TYPES = tuple(PLANES)
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+
+Int4Plane = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""``(q [rows, cols] uint8 in [0, 15], scale [rows, cols/32] fp32, zero [rows, cols/32] fp32)``:
+the weight ``(q - 8) * scale + zero`` (per group of 32 input features)."""
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -66,52 +92,93 @@ def _fp16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[..., 0]
 
 
-def int4_groups(data: np.ndarray, qtype: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A GGUF tensor's raw blocks as PyTorch int4 groups.
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """``[..., 4]`` bytes of a Q5 block's 32 fifth bits -> ``[..., 32]`` values 0 or 1."""
+    bits = np.ascontiguousarray(qh).view(np.uint32)  # [..., 1], little-endian as in the file
+    return ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def int4_planes(data: np.ndarray, qtype: str, rows: int, cols: int) -> list[Int4Plane]:
+    """A GGUF tensor's raw blocks as planes of PyTorch int4 groups whose weights sum to the
+    tensor's (module docstring).
 
     Args:
         data: the tensor's bytes as the reader gives them (``uint8``, ``[rows, bytes per
             row]`` or flat).
-        qtype: ``"Q4_0"``, ``"Q4_1"`` or ``"Q4_K"``.
+        qtype: a type of :data:`INT4_TYPES`.
         rows, cols: the weight's shape (output x input features).
 
     Returns:
-        ``(q [rows, cols] uint8 in [0, 15], scale [rows, cols/32] fp32, zero [rows,
-        cols/32] fp32)`` with ``w = (q - 8) * scale + zero``.
+        :data:`PLANES` ``[qtype]`` planes (:data:`Int4Plane`).
 
     Raises:
         ValueError: another type, or a size that does not fit the blocks.
     """
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}.get(qtype)
+    block_bytes = _BLOCK_BYTES.get(qtype)
     block_elems = 256 if qtype == "Q4_K" else 32
     if block_bytes is None:
         raise ValueError(f"GGUF type {qtype} has no int4 mapping (one of {INT4_TYPES})")
     if cols % block_elems or data.size != rows * cols // block_elems * block_bytes:
         raise ValueError(f"GGUF {qtype} tensor of {data.size} bytes does not hold a [{rows}, {cols}] weight")
     b = data.reshape(rows, cols // block_elems, block_bytes)
-    if qtype == "Q4_0":
-        d = _fp16(b[..., 0:2])
-        q, scale, zero = _nibbles(b[..., 2:]), d, np.zeros_like(d)
-    elif qtype == "Q4_1":
-        d, m = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
-        q, scale, zero = _nibbles(b[..., 4:]), d, m + 8 * d
-    else:
-        q, scale, zero = _q4_k_groups(b)
-    return q.reshape(rows, cols), scale.reshape(rows, -1), zero.reshape(rows, -1)
+    planes = _BLOCK_PLANES[qtype](b)
+    return [(q.reshape(rows, cols), scale.reshape(rows, -1), zero.reshape(rows, -1)) for q, scale, zero in planes]
 
 
-def _q4_k_groups(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q4_0(b: np.ndarray) -> list[Int4Plane]:
+    d = _fp16(b[..., 0:2])  # w = d (q - 8)
+    return [(_nibbles(b[..., 2:]), d, np.zeros_like(d))]
+
+
+def _q4_1(b: np.ndarray) -> list[Int4Plane]:
+    d, m = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])  # w = d q + m
+    return [(_nibbles(b[..., 4:]), d, m + 8 * d)]
+
+
+def _q4_k(b: np.ndarray) -> list[Int4Plane]:
     from gguf.quants import Q4_K
 
     rows, nsb = b.shape[:2]
-    d, dmin = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
+    d, dmin = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])  # w = d sc q - dmin mn, per 32 of a 256 super-block
     sc, mn = Q4_K.get_scale_min(b[..., 4:16].reshape(rows * nsb, 12))
     scale = d[..., None] * sc.reshape(rows, nsb, 8).astype(np.float32)
     zero = 8 * scale - dmin[..., None] * mn.reshape(rows, nsb, 8).astype(np.float32)
     # 4 chunks of 64 values per super-block: 32 bytes, low nibbles the chunk's first 32.
     qs = b[..., 16:].reshape(rows, nsb, 4, 32)
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [rows, nsb, 4, 64]
-    return q, scale, zero
+    return [(q, scale, zero)]
+
+
+def _q5(d: np.ndarray, offset: np.ndarray, qh: np.ndarray, qs: np.ndarray) -> list[Int4Plane]:
+    """``w = d (lo + 16 hi) + offset``: the low nibbles and the fifth bits as two planes,
+    each about centred (``lo - 8`` and ``hi - 1/2``) so their sums cancel little."""
+    lo, hi = _nibbles(qs), _high_bits(qh)
+    return [(lo, d, np.zeros_like(d)), (hi + 8, 16 * d, offset + 8 * d)]
+
+
+def _q5_0(b: np.ndarray) -> list[Int4Plane]:
+    d = _fp16(b[..., 0:2])  # w = d (q - 16)
+    return _q5(d, -16 * d, b[..., 2:6], b[..., 6:])
+
+
+def _q5_1(b: np.ndarray) -> list[Int4Plane]:
+    d, m = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])  # w = d q + m
+    return _q5(d, m, b[..., 4:8], b[..., 8:])
+
+
+def _q8_0(b: np.ndarray) -> list[Int4Plane]:
+    """``w = d q`` for int8 ``q = 16 hi + lo`` (``hi`` in [-8, 7], ``lo`` in [0, 15])."""
+    d = _fp16(b[..., 0:2])
+    q = np.ascontiguousarray(b[..., 2:]).view(np.int8)
+    lo, hi = (q & 0x0F).astype(np.uint8), ((q >> 4) + 8).astype(np.uint8)
+    return [(lo, d, np.zeros_like(d)), (hi, 16 * d, 8 * d)]
+
+
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+# Generated rows above which the LM head runs its dense weight (RESULTS, "Q8_0 LM head").
+LM_HEAD_MAX_INT4_ROWS = 4
+
+_BLOCK_PLANES = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0}
 
 
 # Fused layer -> its checkpoint parts, in row order.
@@ -125,17 +192,20 @@ def _parts(module_name: str) -> list[str]:
 
 def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any]) -> dict[str, int]:
     """Replace every linear layer of a loaded (single-rank) model whose GGUF weights are all
-    Q4_0 / Q4_1 / Q4_K by a :class:`GGUFInt4Linear` of those blocks; the others keep their
-    dequantized weights. The layers' biases are kept (as loaded).
+    of :data:`INT4_TYPES` by a :class:`GGUFInt4Linear` of those blocks (the others keep
+    their dequantized weights; the layers' biases are kept as loaded), and give the model a
+    quantized LM head (``model.lm_head_quant``, over ``lm_head.weight`` or, tied, the
+    embedding) when its tensor is of those types.
 
     Args:
         model: the model, its weights loaded (the decoder's linear layers are
-            ``ColumnShardedLinear`` / ``RowParallelLinear``).
+            ``ColumnShardedLinear`` / ``RowParallelLinear``; it has ``lm_head_quant``).
         raw: HF weight name (``model.layers.0.self_attn.q_proj.weight``) -> the tensor's
             raw blocks (:class:`tandem.model_loader.gguf_weights.RawWeight`).
 
     Returns:
-        The number of linear layers per mode: ``{"int4": n, "dequantized": m}``.
+        The number of linear layers per mode: ``{"int4": n, "dequantized": m}`` (the LM
+        head not counted).
 
     Raises:
         ValueError: a layer's checkpoint weight is missing or its shape differs.
@@ -150,24 +220,42 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any]) -> dict[str,
         if any(raw[p].qtype not in INT4_TYPES for p in parts):
             counts["dequantized"] += 1
             continue
-        groups = [_unpermuted_groups(raw[p]) for p in parts]
-        q, scale, zero = (torch.from_numpy(np.concatenate([g[i] for g in groups])) for i in range(3))
-        if tuple(q.shape) != tuple(mod.weight.shape):
-            raise ValueError(f"GGUF weights of {name!r}: {tuple(q.shape)} vs the layer's {tuple(mod.weight.shape)}")
+        layer = GGUFInt4Linear(_fused_planes([raw[p] for p in parts]), mod.bias, mod.weight.data)
+        if (layer.out_features, layer.in_features) != tuple(mod.weight.shape):
+            raise ValueError(f"GGUF weights of {name!r}: {(layer.out_features, layer.in_features)} vs the "
+                             f"layer's {tuple(mod.weight.shape)}")
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, GGUFInt4Linear(q, scale, zero, mod.bias, mod.weight.data))
+        setattr(parent, child, layer)
         counts["int4"] += 1
+    _quantize_lm_head(model, raw)
     return counts
 
 
-def _unpermuted_groups(w: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return tuple(w.unpermute(a) for a in int4_groups(w.data, w.qtype, w.rows, w.cols))
+def _quantize_lm_head(model: nn.Module, raw: Mapping[str, Any]) -> None:
+    tied = not hasattr(model, "lm_head")
+    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    if name not in raw or raw[name].qtype not in INT4_TYPES:
+        return
+    dense = (model.embed_tokens if tied else model.lm_head).weight.data
+    model.lm_head_quant = GGUFInt4Linear(_fused_planes([raw[name]]), dense=dense, max_int4_rows=LM_HEAD_MAX_INT4_ROWS)
+
+
+def _fused_planes(weights: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The planes of checkpoint parts stacked in row order (HF order); a part with fewer
+    planes than another gets zero planes (``q = 8``, scale and zero 0)."""
+    per_part = [[tuple(w.unpermute(a) for a in plane) for plane in int4_planes(w.data, w.qtype, w.rows, w.cols)]
+                for w in weights]
+    n = max(len(p) for p in per_part)
+    for planes in per_part:
+        q, scale, _ = planes[0]
+        planes += [(np.full_like(q, 8), np.zeros_like(scale), np.zeros_like(scale))] * (n - len(planes))
+    return [tuple(torch.from_numpy(np.concatenate([p[i][j] for p in per_part])) for j in range(3)) for i in range(n)]
 
 
 class GGUFInt4Linear(nn.Module):
-    """A linear layer whose weight is int4 groups of 32 (:func:`int4_groups`), run with
-    PyTorch's CPU int4 kernel.
+    """A linear layer whose weight is the sum of int4 planes (:func:`int4_planes`), run with
+    PyTorch's CPU int4 kernel, one call per plane.
 
     ``forward(x [..., in_features]) -> [..., out_features]`` in ``x``'s dtype: rows of
     generated tokens through the int4 kernel (in bfloat16), rows of prompt tokens through
@@ -176,14 +264,17 @@ class GGUFInt4Linear(nn.Module):
     context: every row int4).
 
     Args:
-        q: ``[out, in]`` uint8/int values in [0, 15].
-        scale, zero: ``[out, in/32]`` float (``w = (q - 8) * scale + zero``).
+        planes: ``(q [out, in] uint8/int values in [0, 15], scale [out, in/32], zero
+            [out, in/32])`` per plane; the weight is the sum of ``(q - 8) * scale + zero``.
         bias: ``[out]`` or None.
         dense: ``[out, in]`` the dequantized weight for prompt tokens; None: always int4.
+        max_int4_rows: with ``dense``, a forward with more generated rows than this runs
+            them all through ``F.linear`` too (the LM head: the int4 kernel's time grows
+            with the rows, the dense GEMM's hardly); None: no limit.
 
     Raises:
-        ValueError: shapes that do not fit; at forward, an input whose row count differs
-            from the forward context's rows.
+        ValueError: shapes that do not fit, no planes; at forward, an input whose row
+            count differs from the forward context's rows.
     """
 
     # What the decoder asks a linear layer (tandem.layers.linear): plain tensors in and out.
@@ -192,35 +283,48 @@ class GGUFInt4Linear(nn.Module):
     # The model runner passes each forward's RowPhases to models with such layers.
     uses_row_phases = True
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> None:
+    def __init__(self, planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
+                 max_int4_rows: int | None = None) -> None:
         super().__init__()
-        self.out_features, self.in_features = q.shape
-        if self.in_features % GROUP_SIZE or scale.shape != (self.out_features, self.in_features // GROUP_SIZE) \
-                or zero.shape != scale.shape:
-            raise ValueError(f"int4 weight {tuple(q.shape)} with scales {tuple(scale.shape)} / zeros "
-                             f"{tuple(zero.shape)}: need [out, in/{GROUP_SIZE}] for in divisible by {GROUP_SIZE}")
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), _INNER_K_TILES)
-        self.register_buffer("packed", packed)
-        # The kernel's layout: [in/32, out, 2] of (scale, zero).
-        sz = torch.stack([scale.float(), zero.float()], dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_and_zeros", sz.to(KERNEL_DTYPE))
+        if not planes:
+            raise ValueError("an int4 layer needs at least one plane")
+        self.out_features, self.in_features = planes[0][0].shape
+        packed, sz = [], []
+        for q, scale, zero in planes:
+            groups = (self.out_features, self.in_features // GROUP_SIZE)
+            if self.in_features % GROUP_SIZE or q.shape != planes[0][0].shape or scale.shape != groups \
+                    or zero.shape != groups:
+                raise ValueError(f"int4 weight {tuple(q.shape)} with scales {tuple(scale.shape)} / zeros "
+                                 f"{tuple(zero.shape)}: need [out, in/{GROUP_SIZE}] for in divisible by {GROUP_SIZE}, "
+                                 f"and every plane of one shape")
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
+                                                                               _INNER_K_TILES))
+            # The kernel's layout: [in/32, out, 2] of (scale, zero).
+            sz.append(torch.stack([scale.float(), zero.float()], dim=-1).transpose(0, 1).to(KERNEL_DTYPE))
+        self.register_buffer("packed", torch.stack(packed))
+        self.register_buffer("scales_and_zeros", torch.stack(sz).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        if dense is not None and tuple(dense.shape) != tuple(q.shape):
-            raise ValueError(f"dense weight {tuple(dense.shape)} for an int4 weight {tuple(q.shape)}")
+        if dense is not None and tuple(dense.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"dense weight {tuple(dense.shape)} for an int4 weight "
+                             f"{(self.out_features, self.in_features)}")
         self.dense = None if dense is None else nn.Parameter(dense.detach(), requires_grad=False)
+        self.max_int4_rows = max_int4_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         phases = None if ctx is None or self.dense is None else ctx.row_phases
-        if phases is None or phases.num_prompt == 0:
+        if phases is None or phases.num_prompt == 0 and not self._over_max(phases):
             return self._int4(x)
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] != phases.num_rows:
             raise ValueError(f"GGUF int4 layer got {x2.shape[0]} rows in a forward of {phases.num_rows}")
-        if phases.num_generated == 0:
+        if phases.num_generated == 0 or self._over_max(phases):
             return F.linear(x, self.dense, self.bias)
         return self._mixed(x2, phases).reshape(*x.shape[:-1], self.out_features)
+
+    def _over_max(self, phases: RowPhases) -> bool:
+        return self.max_int4_rows is not None and phases.num_generated > self.max_int4_rows
 
     def _mixed(self, x2: torch.Tensor, phases: RowPhases) -> torch.Tensor:
         out = x2.new_empty(x2.shape[0], self.out_features)
@@ -232,20 +336,24 @@ class GGUFInt4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != KERNEL_DTYPE:
             x2 = x2.to(KERNEL_DTYPE)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, GROUP_SIZE,
-                                                        self.scales_and_zeros)
+        x2 = x2.contiguous()
+        y = _INT4_MM(x2, self.packed[0], GROUP_SIZE, self.scales_and_zeros[0])
+        for i in range(1, self.packed.shape[0]):
+            y += _INT4_MM(x2, self.packed[i], GROUP_SIZE, self.scales_and_zeros[i])
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def dequantized_weight(self) -> torch.Tensor:
         """``[out, in]`` fp32: the weight the kernel computes with (identity matrix through
-        the kernel, in bfloat16)."""
+        the kernel, in bfloat16, summed over the planes in fp32)."""
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
-        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scales_and_zeros)
-        return w.float().t().contiguous()
+        w = sum(_INT4_MM(eye, p, GROUP_SIZE, sz).float() for p, sz in zip(self.packed, self.scales_and_zeros))
+        return w.t().contiguous()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}, "
+                f"planes={self.packed.shape[0]}")
 
 
-__all__ = ["GROUP_SIZE", "INT4_TYPES", "KERNEL_DTYPE", "GGUFInt4Linear", "int4_groups", "quantize_gguf_linears"]
+__all__ = ["GROUP_SIZE", "INT4_TYPES", "KERNEL_DTYPE", "LM_HEAD_MAX_INT4_ROWS", "PLANES", "GGUFInt4Linear", "Int4Plane",
+           "int4_planes", "quantize_gguf_linears"]

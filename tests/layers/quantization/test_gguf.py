@@ -11,76 +11,95 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
-from tandem.layers.quantization.gguf import KERNEL_DTYPE, GGUFInt4Linear, int4_groups, quantize_gguf_linears
+from tandem.layers.quantization.gguf import KERNEL_DTYPE, PLANES, GGUFInt4Linear, int4_planes, quantize_gguf_linears
 from tandem.model_loader.gguf_weights import RawWeight
 
 
-def _weight(q, scale, zero) -> np.ndarray:
-    return (q.astype(np.float32) - 8) * np.repeat(scale, 32, 1) + np.repeat(zero, 32, 1)
+def _weight(planes) -> np.ndarray:
+    return sum((q.astype(np.float32) - 8) * np.repeat(scale, 32, 1) + np.repeat(zero, 32, 1)
+               for q, scale, zero in planes)
 
 
-def _q4_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random Q4_K super-blocks: every scale/min/nibble bit pattern, finite fp16 d and dmin."""
+def _random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of ``qtype``: every value bit pattern, finite fp16 scales (the leading
+    2 or 4 bytes of a block: d, and m / dmin where the type has one)."""
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-    d = (rng.standard_normal((rows, cols // 256, 2)) * 0.01).astype(np.float16)
-    raw[..., 0:4] = d.view(np.uint8).reshape(rows, cols // 256, 4)
+    nb = cols // block_elems
+    raw = rng.integers(0, 256, (rows, nb, block_bytes), dtype=np.uint8)
+    halves = 2 if qtype in (T.Q4_1, T.Q5_1, T.Q4_K) else 1
+    d = (rng.standard_normal((rows, nb, halves)) * 0.01).astype(np.float16)
+    raw[..., : 2 * halves] = d.view(np.uint8).reshape(rows, nb, 2 * halves)
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1])
-def test_q4_0_q4_1_map_exactly(qtype):
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q8_0])
+def test_every_mapped_type_sums_to_gguf_dequantization_exactly(qtype):
+    """Each type's planes (one for 4-bit types, two for 5- and 8-bit ones) have values in
+    [0, 15] and weights summing to gguf's own dequantization: bit for bit in fp32, but for
+    Q4_K's zero ``8 d sc - dmin mn``, rounded once in fp32."""
+    raw = _random_blocks(qtype, 8, 512, seed=qtype.value)
+    planes = int4_planes(raw, qtype.name, 8, 512)
+    assert len(planes) == PLANES[qtype.name]
+    assert all(q.min() >= 0 and q.max() <= 15 for q, _, _ in planes)
+    ref = gguf.quants.dequantize(raw, qtype)
+    if qtype == T.Q4_K:
+        np.testing.assert_allclose(_weight(planes), ref, rtol=0, atol=2**-23 * np.abs(ref).max())
+    else:
+        np.testing.assert_array_equal(_weight(planes), ref)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0])
+def test_quantized_real_values_map_exactly(qtype):
     w = np.random.default_rng(1).standard_normal((48, 256)).astype(np.float32)
     raw = gguf.quants.quantize(w, qtype)
-    q, scale, zero = int4_groups(raw, qtype.name, 48, 256)
-    assert q.min() >= 0 and q.max() <= 15
-    np.testing.assert_array_equal(_weight(q, scale, zero), gguf.quants.dequantize(raw, qtype))
+    np.testing.assert_array_equal(_weight(int4_planes(raw, qtype.name, 48, 256)), gguf.quants.dequantize(raw, qtype))
 
 
-def test_q4_k_maps_exactly():
-    raw = _q4_k_blocks(8, 512)
-    q, scale, zero = int4_groups(raw, "Q4_K", 8, 512)
-    np.testing.assert_array_equal(_weight(q, scale, zero), gguf.quants.dequantize(raw, T.Q4_K))
-
-
-def test_embedded_q4_1_tensor_maps_exactly(embedded_model_path):
-    t = next(t for t in gguf.GGUFReader(embedded_model_path).tensors if t.name == "blk.0.ffn_down.weight")
-    rows, cols = int(t.shape[1]), int(t.shape[0])
-    q, scale, zero = int4_groups(t.data, "Q4_1", rows, cols)
-    np.testing.assert_array_equal(_weight(q, scale, zero), gguf.quants.dequantize(t.data, t.tensor_type))
+def test_embedded_q4_1_and_q8_0_tensors_map_exactly(embedded_model_path):
+    tensors = {t.name: t for t in gguf.GGUFReader(embedded_model_path).tensors}
+    for name in ("blk.0.ffn_down.weight", "token_embd.weight"):
+        t = tensors[name]
+        rows, cols = int(t.shape[1]), int(t.shape[0])
+        planes = int4_planes(t.data, t.tensor_type.name, rows, cols)
+        np.testing.assert_array_equal(_weight(planes), gguf.quants.dequantize(t.data, t.tensor_type))
 
 
 def test_other_types_and_bad_sizes_are_refused():
-    with pytest.raises(ValueError, match="Q8_0 has no int4 mapping"):
-        int4_groups(np.zeros((4, 34), np.uint8), "Q8_0", 4, 32)
+    with pytest.raises(ValueError, match="Q6_K has no int4 mapping"):
+        int4_planes(np.zeros((4, 210), np.uint8), "Q6_K", 4, 256)
     with pytest.raises(ValueError, match=r"does not hold a \[4, 64\] weight"):
-        int4_groups(np.zeros((4, 20), np.uint8), "Q4_1", 4, 64)
+        int4_planes(np.zeros((4, 20), np.uint8), "Q4_1", 4, 64)
 
 
-def test_kernel_computes_the_mapped_weight():
-    """The packed layer's weight is (q - 8) * scale + zero with the scales and zeros in
-    bf16 (the kernel's dtype), within bf16 output rounding; its product with the GGUF's
-    own dequantized weight agrees to < 1 % (relative Frobenius)."""
-    raw = _q4_k_blocks(64, 512, seed=3)
-    q, scale, zero = int4_groups(raw, "Q4_K", 64, 512)
-    layer = GGUFInt4Linear(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero))
-    s16, z16 = (torch.from_numpy(a).to(KERNEL_DTYPE).float().numpy() for a in (scale, zero))
-    expected = _weight(q, s16, z16)
+def _torch_planes(planes):
+    return [tuple(torch.from_numpy(a) for a in p) for p in planes]
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q5_0])
+def test_kernel_computes_the_mapped_weight(qtype):
+    """The packed layer's weight is the sum of its planes' (q - 8) * scale + zero with the
+    scales and zeros in bf16 (the kernel's dtype), within bf16 output rounding; its product
+    with the GGUF's own dequantized weight agrees to < 1 % (relative Frobenius)."""
+    raw = _random_blocks(qtype, 64, 512, seed=3)
+    planes = int4_planes(raw, qtype.name, 64, 512)
+    layer = GGUFInt4Linear(_torch_planes(planes))
+    rounded = [(q, *(torch.from_numpy(a).to(KERNEL_DTYPE).float().numpy() for a in (s, z))) for q, s, z in planes]
+    expected = _weight(rounded)
     got = layer.dequantized_weight().numpy()
-    np.testing.assert_allclose(got, expected, rtol=2**-8, atol=1e-6)
-    ref = torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K))
+    np.testing.assert_allclose(got, expected, rtol=2**-8, atol=2**-8 * np.abs(expected).max())
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     x = torch.randn(3, 512)
     y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (3, 64)
     assert ((y - x @ ref.T).norm() / (x @ ref.T).norm()).item() < 1e-2
 
 
-def _q4_0_layer(rows: int = 32, cols: int = 64) -> tuple[GGUFInt4Linear, torch.Tensor, torch.Tensor]:
+def _q4_0_layer(rows: int = 32, cols: int = 64, **kw) -> tuple[GGUFInt4Linear, torch.Tensor, torch.Tensor]:
     raw = gguf.quants.quantize(np.random.default_rng(2).standard_normal((rows, cols)).astype(np.float32), T.Q4_0)
-    q, scale, zero = (torch.from_numpy(a) for a in int4_groups(raw, "Q4_0", rows, cols))
     dense = torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_0))
     bias = torch.randn(rows)
-    return GGUFInt4Linear(q, scale, zero, bias, dense), dense, bias
+    return GGUFInt4Linear(_torch_planes(int4_planes(raw, "Q4_0", rows, cols)), bias, dense, **kw), dense, bias
 
 
 @pytest.mark.parametrize("generated", [[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 1, 1]],
@@ -100,16 +119,34 @@ def test_rows_take_the_kernel_of_their_token_phase(generated):
     assert not torch.equal(layer(x[:1])[0], torch.nn.functional.linear(x[0], dense, bias))  # two kernels indeed
 
 
+@pytest.mark.parametrize("generated", [[1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+def test_a_layer_with_max_int4_rows_runs_more_generated_rows_dense(generated):
+    """The LM head's rule (max_int4_rows=4): up to 4 generated rows take the int4 kernel,
+    more take F.linear as the prompt rows do."""
+    layer, dense, bias = _q4_0_layer(max_int4_rows=4)
+    x = torch.randn(len(generated), 64)
+    mask = np.array(generated, dtype=bool)
+    with forward_context(ForwardContext(len(mask), row_phases=RowPhases.from_mask(mask, torch.device("cpu")))):
+        y = layer(x)
+    dense_rows = ~mask if mask.sum() <= 4 else np.ones_like(mask)
+    assert torch.equal(y[dense_rows], torch.nn.functional.linear(x[dense_rows], dense, bias))
+    for i in np.flatnonzero(~dense_rows):
+        assert torch.equal(y[i], layer(x[i:i + 1])[0]), i
+
+
 def test_without_phases_every_row_count_runs_int4_with_the_same_bits():
     """No forward context (a layer called directly): int4 for every row count, and the
     kernel gives a row the same bits whatever the row count (what the phase rule relies
-    on)."""
+    on); two planes as well."""
     layer, _, _ = _q4_0_layer(96, 128)
+    raw = _random_blocks(T.Q8_0, 96, 128, seed=5)
+    two = GGUFInt4Linear(_torch_planes(int4_planes(raw, "Q8_0", 96, 128)))
     x = torch.randn(40, 128, dtype=KERNEL_DTYPE)
-    full = layer(x)
-    for m in (1, 3, 9, 17, 40):
-        assert torch.equal(layer(x[:m]), full[:m]), m
-    assert torch.equal(layer(x[20:21]), full[20:21])
+    for lay in (layer, two):
+        full = lay(x)
+        for m in (1, 3, 9, 17, 40):
+            assert torch.equal(lay(x[:m]), full[:m]), m
+        assert torch.equal(lay(x[20:21]), full[20:21])
 
 
 def test_row_count_must_match_the_forward():
@@ -117,8 +154,13 @@ def test_row_count_must_match_the_forward():
     phases = RowPhases.from_mask(np.array([True, False, False]), torch.device("cpu"))
     with forward_context(ForwardContext(3, row_phases=phases)), pytest.raises(ValueError, match="2 rows in a forward of 3"):
         layer(torch.randn(2, 64))
+    plane = (torch.zeros(32, 64, dtype=torch.uint8), torch.ones(32, 2), torch.zeros(32, 2))
     with pytest.raises(ValueError, match="dense weight"):
-        GGUFInt4Linear(torch.zeros(32, 64, dtype=torch.uint8), torch.ones(32, 2), torch.zeros(32, 2), dense=dense[:4])
+        GGUFInt4Linear([plane], dense=dense[:4])
+    with pytest.raises(ValueError, match="every plane of one shape"):
+        GGUFInt4Linear([plane, (torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2))])
+    with pytest.raises(ValueError, match="at least one plane"):
+        GGUFInt4Linear([])
 
 
 class _Tiny(torch.nn.Module):
@@ -137,23 +179,25 @@ class _Tiny(torch.nn.Module):
 
 
 def test_swap_fuses_parts_in_order_and_unpermutes():
+    """q/k/v of three types (one plane, two planes of two kinds) fuse into one layer, the
+    one-plane part padded with a zero plane; a Q6_K layer stays dequantized."""
     rng = np.random.default_rng(4)
     model = _Tiny()
     parts, dense = {}, []
-    for name, rows, heads in (("q_proj", 32, 2), ("k_proj", 16, 1), ("v_proj", 16, None)):
+    for name, rows, heads, qtype in (("q_proj", 32, 2, T.Q4_1), ("k_proj", 16, 1, T.Q8_0), ("v_proj", 16, None, T.Q5_0)):
         w = rng.standard_normal((rows, 64)).astype(np.float32)
-        raw = gguf.quants.quantize(w, T.Q4_1)
-        parts[f"model.layers.0.self_attn.{name}.weight"] = RawWeight(raw, "Q4_1", rows, 64, heads)
-        deq = gguf.quants.dequantize(raw, T.Q4_1)
+        raw = gguf.quants.quantize(w, qtype)
+        parts[f"model.layers.0.self_attn.{name}.weight"] = RawWeight(raw, qtype.name, rows, 64, heads)
+        deq = gguf.quants.dequantize(raw, qtype)
         if heads:  # the file's rows are interleaved; HF order is the unpermuted one
             deq = deq.reshape(heads, rows // heads // 2, 2, 64).swapaxes(1, 2).reshape(rows, 64)
         dense.append(deq)
-    parts["model.layers.0.self_attn.o_proj.weight"] = RawWeight(np.zeros((64, 34), np.uint8), "Q8_0", 64, 32, None)
+    parts["model.layers.0.self_attn.o_proj.weight"] = RawWeight(np.zeros((64, 1), np.uint8), "Q6_K", 64, 32, None)
     model.layers[0].self_attn.qkv_proj.bias.data.normal_()
     counts = quantize_gguf_linears(model, parts)
     assert counts == {"int4": 1, "dequantized": 1}
     qkv = model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, GGUFInt4Linear) and qkv.bias is not None
+    assert isinstance(qkv, GGUFInt4Linear) and qkv.bias is not None and qkv.packed.shape[0] == 2
     np.testing.assert_allclose(qkv.dequantized_weight().numpy(), np.concatenate(dense), atol=0.02, rtol=0.02)
     assert not isinstance(model.layers[0].self_attn.o_proj, GGUFInt4Linear)
     del parts["model.layers.0.self_attn.k_proj.weight"]
