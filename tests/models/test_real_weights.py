@@ -19,12 +19,13 @@ PROMPTS = ["def quicksort(arr):", "# Write a function that checks whether a numb
            "The capital of France is", "SELECT name FROM users WHERE"]
 
 
-def test_qwen2_gguf_greedy_matches_transformers():
+def test_qwen2_gguf_dequantized_greedy_matches_transformers():
+    """The dequantized path (bf16 weights) gives transformers' fp32 greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     from tandem import LLM
 
-    llm = LLM(model=GGUF, max_model_len=512, num_kv_blocks=128)
+    llm = LLM(model=GGUF, max_model_len=512, num_kv_blocks=128, quantization="none")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     llm.engine.shutdown()
     ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(GGUF), gguf_file=os.path.basename(GGUF)).eval()
@@ -35,3 +36,34 @@ def test_qwen2_gguf_greedy_matches_transformers():
             want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                                 pad_token_id=0)[0, ids.shape[1]:].tolist()
         assert o.outputs[0].token_ids == want, o.prompt
+
+
+def test_qwen2_gguf_quantized_agrees_with_dequantized_fp32(monkeypatch):
+    """The default's int4 kernels (its Q5_0 / Q8_0 / Q4_K layers and Q8_0 LM head as int4
+    planes), teacher-forced on the dequantized fp32 path's greedy continuations, pick the
+    same argmax at >= 95 % of positions (the embedded model's bar: a flipped near-tie changes
+    whole continuations, so those are not compared). The teacher-forced tokens are prompt
+    rows, which run the dense weight: here every row runs the int4 kernel, which gives a
+    row the same bits whatever the rows beside it (tests/layers/quantization/test_gguf.py)."""
+    from tandem import LLM
+    from tandem.layers.quantization.gguf import GGUFInt4Linear
+
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = LLM(model=GGUF, max_model_len=512, num_kv_blocks=128, quantization="none", dtype="float32")
+    conts = [list(o.outputs[0].token_ids) for o in ref.generate(PROMPTS, sp, use_tqdm=False)]
+    ref.engine.shutdown()
+    monkeypatch.setattr(GGUFInt4Linear, "forward", GGUFInt4Linear._int4)
+    llm = LLM(model=GGUF, max_model_len=512, num_kv_blocks=128)
+    model = llm.engine.model
+    assert isinstance(model.lm_head_quant, GGUFInt4Linear)
+    assert any(m.packed.shape[0] == 2 for m in model.modules() if isinstance(m, GGUFInt4Linear))
+    prompts = [list(o.prompt_token_ids) for o in llm.generate(PROMPTS, SamplingParams(max_tokens=1), use_tqdm=False)]
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    agree = total = 0
+    for prompt_ids, cont in zip(prompts, conts):
+        prefixes = [{"prompt_token_ids": prompt_ids + cont[:i]} for i in range(len(cont))]
+        got = [o.outputs[0].token_ids[0] for o in llm.generate(prefixes, one, use_tqdm=False)]
+        agree += sum(g == c for g, c in zip(got, cont))
+        total += len(cont)
+    llm.engine.shutdown()
+    assert agree / total >= 0.95, f"{agree}/{total} positions agree"
