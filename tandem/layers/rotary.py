@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.layers.fused_ops import apply_rotary
+from tandem.layers.fused_ops import apply_rotary, use_triton
 
 
 def rope_parameters(hf_config) -> dict:
@@ -45,6 +45,13 @@ class RotaryEmbedding(nn.Module):
     cos/sin ``[max_positions, D/2]`` are precomputed in fp32; the rotation is computed in
     fp32 and cast to the input dtype, as one fused kernel on CUDA (outputs are new
     contiguous tensors; see :func:`tandem.layers.fused_ops.apply_rotary`).
+
+    On the CPU (torch ops, one kernel each) the rotation takes the full-width tables
+    ``[cos, cos]`` and ``[-sin, sin]`` at the step's positions, gathered once per forward
+    when the model calls :meth:`begin_step` (every layer rotates at the same positions):
+    ``x * cos2 + roll(x, D/2) * sin2``, 6 ops per tensor and the same bits as
+    :func:`~tandem.layers.fused_ops.apply_rotary_ref` (``x1 cos + x2 (-sin)`` is
+    ``x1 cos - x2 sin`` exactly).
     """
 
     def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
@@ -54,6 +61,27 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq.to(t.device))
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        # begin_step's positions and their [T, 1, D] tables (CPU path).
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def begin_step(self, positions: torch.Tensor) -> None:
+        """Gather the CPU path's tables for a forward at ``positions [T]`` (CUDA: nothing)."""
+        self._step = None if use_triton(positions) or positions.is_cuda else (positions, *self._tables(positions))
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, s = self.cos[positions], self.sin[positions]
+        return torch.cat([c, c], -1).unsqueeze(1), torch.cat([-s, s], -1).unsqueeze(1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(q, k, self.cos, self.sin, positions)
+        if use_triton(q) or q.is_cuda:
+            return apply_rotary(q, k, self.cos, self.sin, positions)
+        step = self._step
+        cos2, sin2 = step[1:] if step is not None and step[0] is positions else self._tables(positions)
+        return _rotate_neox(q, cos2, sin2), _rotate_neox(k, cos2, sin2)
+
+
+def _rotate_neox(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    out = xf * cos2
+    out += torch.roll(xf, x.shape[-1] // 2, -1) * sin2
+    return out.to(x.dtype)

@@ -186,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.utils.skip_init(nn.Embedding, spec.vocab_size, spec.hidden_size,
                                                device=torch.get_default_device())
         self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend) for _ in range(spec.num_layers))
+        self.rotary = rotary
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.utils.skip_init(nn.Linear, spec.hidden_size, spec.vocab_size, bias=False,
@@ -201,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        self.rotary.begin_step(positions)
         for layer, cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, positions, cache, meta)
         if residual is None:  # no layers

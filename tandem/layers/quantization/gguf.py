@@ -304,6 +304,8 @@ class GGUFInt4Linear(nn.Module):
             sz.append(torch.stack([scale.float(), zero.float()], dim=-1).transpose(0, 1).to(KERNEL_DTYPE))
         self.register_buffer("packed", torch.stack(packed))
         self.register_buffer("scales_and_zeros", torch.stack(sz).contiguous())
+        # Each plane's kernel arguments, views of the buffers (a CPU-only layer: never moved).
+        self._planes = [(p, GROUP_SIZE, sz) for p, sz in zip(self.packed, self.scales_and_zeros)]
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         if dense is not None and tuple(dense.shape) != (self.out_features, self.in_features):
             raise ValueError(f"dense weight {tuple(dense.shape)} for an int4 weight "
@@ -333,14 +335,19 @@ class GGUFInt4Linear(nn.Module):
         return out
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+        # Every dispatched op costs ~1-3 us at decode sizes (tens per step and layer): no
+        # reshape, cast or plane indexing that would not change anything.
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.dtype != KERNEL_DTYPE:
             x2 = x2.to(KERNEL_DTYPE)
-        x2 = x2.contiguous()
-        y = _INT4_MM(x2, self.packed[0], GROUP_SIZE, self.scales_and_zeros[0])
-        for i in range(1, self.packed.shape[0]):
-            y += _INT4_MM(x2, self.packed[i], GROUP_SIZE, self.scales_and_zeros[i])
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        planes = self._planes
+        y = _INT4_MM(x2.contiguous(), *planes[0])
+        for plane in planes[1:]:
+            y += _INT4_MM(x2, *plane)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -1,0 +1,50 @@
+"""RoPE's CPU path (tandem.layers.rotary): the full-width tables gathered once per forward
+give the same bits as the reference rotation (tandem.layers.fused_ops.apply_rotary_ref)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from tandem.layers import fused_ops
+from tandem.layers.rotary import RotaryEmbedding
+
+
+def _rotary(head_dim: int = 64, max_pos: int = 512) -> RotaryEmbedding:
+    cfg = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, max_position_embeddings=max_pos,
+                      rope_theta=100000.0)
+    return RotaryEmbedding(cfg, head_dim, max_pos)
+
+
+def _qk(t: int, dtype: torch.dtype, hq: int = 9, hk: int = 3, d: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)  # strided views, as the model's
+    return qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 5, 300])
+@pytest.mark.parametrize("begin_step", [True, False], ids=["tables-of-the-step", "tables-per-call"])
+def test_cpu_rotation_equals_the_reference_bit_for_bit(t, dtype, begin_step):
+    rot = _rotary()
+    q, k = _qk(t, dtype)
+    pos = torch.randint(0, 512, (t,), generator=torch.Generator().manual_seed(t))
+    with fused_ops.mode("torch"):
+        if begin_step:
+            rot.begin_step(pos)
+        got_q, got_k = rot(pos, q, k)
+        want_q, want_k = fused_ops.apply_rotary_ref(q, k, rot.cos, rot.sin, pos)
+    assert got_q.dtype == dtype and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_tables_of_a_step_serve_only_its_positions():
+    """Another positions tensor (even one of the same shape) is rotated at its own positions."""
+    rot = _rotary()
+    q, k = _qk(4, torch.float32)
+    with fused_ops.mode("torch"):
+        rot.begin_step(torch.tensor([0, 1, 2, 3]))
+        other = torch.tensor([7, 100, 3, 511])
+        got_q, got_k = rot(other, q, k)
+        want_q, want_k = fused_ops.apply_rotary_ref(q, k, rot.cos, rot.sin, other)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
