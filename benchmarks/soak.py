@@ -151,6 +151,19 @@ async def send(session: aiohttp.ClientSession, url: str, kind: str, body: dict, 
     return out
 
 
+def _is_error_event(line: bytes) -> bool:
+    """Whether an SSE ``data:`` line is the server's error event (an object with an
+    ``error`` key), not a chunk whose generated text merely holds the word."""
+    payload = line[len(b"data:"):].strip()
+    if payload == b"[DONE]":
+        return False
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return True  # not JSON: not a chunk the server meant to send
+    return isinstance(event, dict) and "error" in event
+
+
 async def _read(session: aiohttp.ClientSession, url: str, body: dict, out: Outcome, t0: float,
                 drop_after_chunks: int | None = None) -> None:
     """Fill ``out`` from the answer; a stream is dropped after ``drop_after_chunks`` chunks
@@ -166,7 +179,7 @@ async def _read(session: aiohttp.ClientSession, url: str, body: dict, out: Outco
                 continue
             if out.ttft is None:
                 out.ttft = time.monotonic() - t0
-            if b'"error"' in line:
+            if _is_error_event(line):
                 out.status, out.error = 500, line.decode()[:200]
             chunks += 1
             if drop_after_chunks is not None and chunks >= drop_after_chunks:
@@ -197,28 +210,30 @@ def _mb(xs: list[float]) -> str:
     return "+".join(f"{x:.0f}" for x in xs)
 
 
-def process_rss(server_pid: int) -> tuple[list[float], list[float]]:
-    """RSS (MB) of the API-server processes (the launched one and its API-server children)
-    and of the engine cores (the children that run ``run_engine_core``: multiprocessing
-    spawns, the resource tracker left out), each sorted."""
+def process_rss(server_pid: int, port: int) -> tuple[list[float], list[float]]:
+    """RSS (MB) of the API-server processes (the launched one, and the spawned children
+    listening on the server's ``port``: ``--api-server-count`` > 1) and of the engine cores
+    (the other multiprocessing spawns, the resource tracker left out), each sorted."""
     api, core = [], []
     root = psutil.Process(server_pid)
     for p in [root] + root.children(recursive=True):
         try:
             cmd, rss = " ".join(p.cmdline()), p.memory_info().rss / 1e6
+            serves_http = p is root or any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                                           for c in p.net_connections("tcp"))
         except psutil.Error:
             continue
         if "resource_tracker" in cmd:
             continue
-        (core if "spawn_main" in cmd else api).append(rss)
+        (api if serves_http or "spawn_main" not in cmd else core).append(rss)
     return sorted(api), sorted(core)
 
 
-async def sampler(server_pid: int, every_s: float, t0: float, samples: list[Sample], outcomes: list[Outcome],
+async def sampler(server_pid: int, port: int, every_s: float, t0: float, samples: list[Sample], outcomes: list[Outcome],
                   stop: asyncio.Event) -> None:
     """Record the RSS every ``every_s`` s until ``stop``; a progress line per sample."""
     while True:
-        api, core = process_rss(server_pid)
+        api, core = process_rss(server_pid, port)
         samples.append(Sample(round(time.monotonic() - t0, 1), api, core))
         print(f"t={samples[-1].t:.0f} s: {len(outcomes)} requests done, API server {_mb(api)} MB, "
               f"engine core {_mb(core)} MB", file=sys.stderr, flush=True)
@@ -235,7 +250,8 @@ async def load(base: str, model: str, server_pid: int, args: argparse.Namespace)
     samples: list[Sample] = []
     t0 = time.monotonic()
     stop = asyncio.Event()
-    watch = asyncio.create_task(sampler(server_pid, args.sample_s, t0, samples, outcomes, stop))
+    port = int(base.rsplit(":", 1)[1])
+    watch = asyncio.create_task(sampler(server_pid, port, args.sample_s, t0, samples, outcomes, stop))
     budget = [args.max_requests]
     await asyncio.gather(*(client(i, base, model, args, t0 + args.duration_s, budget, outcomes)
                            for i in range(args.concurrency)))
@@ -340,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     with RemoteServer(["--disable-uvicorn-access-log", *serve_args], timeout=600) as srv:
         model = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        api, core = process_rss(srv.proc.pid)
+        api, core = process_rss(srv.proc.pid, srv.port)
         print(f"server ready: API server {_mb(api)} MB, engine core {_mb(core)} MB; load for {args.duration_s:.0f} s, "
               f"{args.concurrency} clients", flush=True)
         outcomes, samples = asyncio.run(load(srv.url, model, srv.proc.pid, args))
