@@ -33,7 +33,7 @@ TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS 384        FP8 products of o_proj / down_pro
                                                read when a model loads
 TANDEM_CPU_STEP_THREAD              on         CPU steps run on a worker thread, overlapping
                                                the caller's output processing (on), or inline
-                                               (off); read when a model runner is built
+                                               (off); read when a worker is built
 TANDEM_MLA_PREFILL                  auto       MLA prefill attention: auto (the Triton flash-
                                                attention kernel on CUDA), triton, torch (the
                                                masked-SDPA reference); read when a layer is built
