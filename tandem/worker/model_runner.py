@@ -291,7 +291,8 @@ class ModelRunner:
             timing = (ev_start, inputs.num_reqs, decode_only, int(inputs.seq_lens.sum()))
         input_ids = self._input_ids(inputs)
         hidden = self._forward(inputs, input_ids, plan)
-        fwd = self._logits(so.step_id, seqs, sampling, inputs, hidden, t_prep, timing)
+        fwd = self._logits(so.step_id, seqs, sampling, inputs, hidden, t_prep, timing,
+                           generated if self._phase_layers else None)
         if self.drafter is not None:
             known = np.array([s.num_new_tokens - len(s.spec_token_ids) for s in seqs], dtype=np.int64)
             fwd.draft = _DraftInputs(inputs, input_ids, rows, known, so.propose_drafts)
@@ -441,30 +442,32 @@ class ModelRunner:
         return replace(batch, bias=tuple(torch.cat(p) for p in zip(*parts)))
 
     def _logits(self, step_id: int, seqs: list[ScheduledSequence], sampling: _StepSampling, inputs: StepInputs,
-                hidden: torch.Tensor, t_prep: float, timing: tuple | None) -> _ForwardedStep:
-        """Logits of the sampling sequences, and prompt logprobs."""
+                hidden: torch.Tensor, t_prep: float, timing: tuple | None,
+                generated: np.ndarray | None) -> _ForwardedStep:
+        """Logits of the sampling sequences, and prompt logprobs. ``generated [num_tokens]``:
+        the step's token phases for a quantized LM head (None: not needed)."""
         results = StepResultTensors(prompt_logprobs=self._prompt_logprobs(seqs, inputs.query_start_loc, hidden))
         logits = spec_logits = None
         qsl = inputs.query_start_loc
-        generated = inputs.generated_mask() if self._phase_layers else None
         if sampling.index:
-            logits = self._compute_logits(hidden, qsl[1:][sampling.index] - 1, generated)
+            rows = qsl[1:][sampling.index] - 1
+            logits = self._compute_logits(hidden, rows, None if generated is None else generated[rows])
         if sampling.spec is not None:
             # Each sequence's last 1 + num_drafts positions: its last known token, then its drafts.
             spec = sampling.spec
             ends = qsl[1:][spec.index]
             positions = np.array([p for end, n in zip(ends, spec.num_drafts) for p in range(end - 1 - n, end)])
-            spec_logits = self._compute_logits(hidden, positions, generated)
+            spec_logits = self._compute_logits(hidden, positions, None if generated is None else generated[positions])
         return _ForwardedStep(step_id, sampling, logits, spec_logits, None, results, t_prep, timing)
 
     def _compute_logits(self, hidden: torch.Tensor, rows: np.ndarray, generated: np.ndarray | None) -> torch.Tensor:
         """``model.compute_logits`` of ``hidden``'s ``rows`` (token indices of the step), in
         a forward context giving a quantized LM head each row's token phase (``generated
-        [num_tokens]`` bool; None: not tracked, no context)."""
+        [len(rows)]`` bool; None: no context)."""
         h = hidden[torch.from_numpy(rows).to(self.device, non_blocking=True)]
         if generated is None:
             return self.model.compute_logits(h)
-        with forward_context(ForwardContext(len(rows), row_phases=RowPhases.from_mask(generated[rows], self.device))):
+        with forward_context(ForwardContext(len(rows), row_phases=RowPhases.from_mask(generated, self.device))):
             return self.model.compute_logits(h)
 
     @torch.inference_mode()
@@ -609,7 +612,7 @@ class ModelRunner:
             if end <= start:
                 continue
             lo = int(qsl[r])
-            prompt_rows = np.zeros(qsl[-1], dtype=bool) if self._phase_layers else None
+            prompt_rows = np.zeros(end - start, dtype=bool) if self._phase_layers else None  # all prompt tokens
             lp = self._compute_logits(hidden, np.arange(lo, lo + end - start), prompt_rows).log_softmax(dim=-1)
             nxt = self._h2d(st.prompt_token_ids[start + 1 : end + 1], torch.long)
             tok_lp = lp.gather(1, nxt[:, None])
