@@ -2,9 +2,10 @@
 ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`` or
 ``LLM(speculative_config={...})``.
 
-Two methods, both verified synchronously (the engine runs with ``async_output_proc`` off,
-:meth:`tandem.config.EngineConfig.__post_init__`): ``"ngram"`` (prompt lookup) and
-``"draft_model"`` (a smaller model of the same vocabulary, ``"model": PATH``).
+Methods: ``"ngram"`` (prompt lookup), ``"draft_model"`` (a smaller model of the same
+vocabulary, ``"model": PATH``), ``"eagle"`` and ``"eagle3"`` (a head over the target's
+hidden states trained for it, ``"model": FOLDER`` in the public Hugging Face layout). A step
+with drafts is taken in before the next is scheduled (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
-# Methods of vLLM's speculative config that later stages of issue 46 will add.
-_LATER_METHODS = ("eagle", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# Methods whose drafts come from a model run by the worker after each step.
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 # vLLM's prompt-lookup n when neither bound is given.
 _DEFAULT_PROMPT_LOOKUP = 5
 # Batch size above which drafts cost more than they save: benchmarks/RESULTS.md, "Stop 45".
@@ -29,13 +30,16 @@ class SpeculativeConfig:
     model in one forward (docs/architecture.md)."""
 
     method: str | None = None
-    """How drafts are proposed: "ngram" (prompt lookup in the request's own tokens) or
-    "draft_model" (greedy tokens of the smaller model ``model``). Unset, it follows from
-    ``model`` as in vLLM ("ngram" for ``"model": "ngram"``, else "draft_model")."""
+    """How drafts are proposed: "ngram" (prompt lookup in the request's own tokens),
+    "draft_model" (greedy tokens of the smaller model ``model``), "eagle" / "eagle3" (greedy
+    tokens of the EAGLE / EAGLE-3 head ``model``). Unset, it follows from ``model`` as in
+    vLLM ("ngram" for ``"model": "ngram"``, a name with "eagle3" / "eagle" that method, else
+    "draft_model")."""
 
     model: str | None = None
-    """The draft model (required with "draft_model", refused otherwise): a GGUF file or a
-    Hugging Face folder, of the same tokenizer as the target."""
+    """The draft model or head (required with every method but "ngram", refused with it): a
+    draft model is a GGUF file or a Hugging Face folder of the target's tokenizer; an EAGLE
+    head a Hugging Face folder (config.json and safetensors or pytorch_model.bin)."""
 
     num_speculative_tokens: int | None = None
     """Draft tokens proposed per request and step (K >= 1; required)."""
@@ -54,9 +58,6 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method is None and self.model is not None:
             self._infer_method()
-        if self.method in _LATER_METHODS:
-            raise ValueError(f"speculative_config.method {self.method!r} is not supported yet; "
-                             f"supported: {list(METHODS)}.")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)} (required), "
                              f"got {self.method!r}.")
@@ -66,10 +67,16 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1 or null, got {b!r}.")
-        if self.method == "draft_model":
-            self._check_draft_model()
+        if self.uses_model:
+            self._check_model()
         else:
             self._resolve_prompt_lookup()
+
+    @property
+    def uses_model(self) -> bool:
+        """Drafts come from a model the worker runs after each step (a draft model or an
+        EAGLE head), with ``num_speculative_tokens`` lookahead KV slots per sequence."""
+        return self.method in MODEL_METHODS
 
     def _infer_method(self) -> None:
         """vLLM's inference of ``method`` from ``model`` alone: "ngram" (or "[ngram]") is
@@ -85,20 +92,23 @@ class SpeculativeConfig:
         else:
             self.method = "draft_model"
 
-    def _check_draft_model(self) -> None:
+    def _check_model(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError("speculative_config.model (the draft model's path) is required with method "
-                             "'draft_model'.")
+            raise ValueError(f"speculative_config.model (the draft model's or head's path) is required with method "
+                             f"{self.method!r}.")
         self.model = os.path.expanduser(self.model)
         if not os.path.exists(self.model):
             raise ValueError(f"speculative_config.model: no such file or folder: {self.model!r}.")
+        if self.method != "draft_model" and not os.path.isdir(self.model):
+            raise ValueError(f"speculative_config.model: an EAGLE head is a Hugging Face folder, got the file "
+                             f"{self.model!r}.")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if getattr(self, name) is not None:
-                raise ValueError(f"speculative_config.{name} is for method 'ngram', not 'draft_model'.")
+                raise ValueError(f"speculative_config.{name} is for method 'ngram', not {self.method!r}.")
 
     def _resolve_prompt_lookup(self) -> None:
         if self.model is not None:
-            raise ValueError("speculative_config.model is for method 'draft_model', not 'ngram'.")
+            raise ValueError("speculative_config.model is not used by method 'ngram'.")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = _DEFAULT_PROMPT_LOOKUP

@@ -343,9 +343,10 @@ def _disable_by_batch_size(config: EngineConfig) -> int | None:
 
 
 def _num_lookahead_tokens(config: EngineConfig) -> int:
-    """KV slots each sampling step reserves past its tokens for the draft model's drafts."""
+    """KV slots each sampling step reserves past its tokens for the drafts' K/V (a draft
+    model's or an EAGLE head's)."""
     spec = config.speculative_config
-    return spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+    return spec.num_speculative_tokens if spec is not None and spec.uses_model else 0
 
 
 def _resolve_limits(config: EngineConfig, hf_config) -> None:

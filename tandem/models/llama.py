@@ -74,12 +74,15 @@ class DecoderSpec:
 
 class Attention(nn.Module):
     """GQA self-attention over the paged cache; heads sharded over the TP ranks
-    (``num_heads`` / ``num_kv_heads`` are this rank's)."""
+    (``num_heads`` / ``num_kv_heads`` are this rank's). ``input_size``: width of the
+    q/k/v projections' input (default ``spec.hidden_size``; an EAGLE-3 head's layer takes
+    ``2 * hidden_size``)."""
 
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 input_size: int | None = None) -> None:
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads,
-                                          bias=spec.qkv_bias)
+        self.qkv_proj = QKVParallelLinear(input_size or spec.hidden_size, spec.head_dim, spec.num_heads,
+                                          spec.num_kv_heads, bias=spec.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = spec.head_dim
         self.q_size = self.num_heads * spec.head_dim
@@ -142,6 +145,13 @@ def _norm_for(norm: RMSNorm, consumer: nn.Module, x: torch.Tensor | UnscaledProd
     return norm(x, residual)
 
 
+def _residual_stream(hidden: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None) -> torch.Tensor:
+    """A layer's input ``hidden + residual`` as one tensor."""
+    if isinstance(hidden, UnscaledProduct):
+        hidden = hidden.apply_scales()
+    return hidden if residual is None else hidden + residual
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm layer, residual stream carried separately (as in vLLM) so that each residual
     add is fused into the next RMSNorm: ``forward(hidden, residual, ...) -> (hidden,
@@ -174,6 +184,11 @@ class LlamaForCausalLM(nn.Module):
     ``forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer, see
     tandem.attention.metadata), meta) -> hidden states [T, hidden_size]``;
     ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` fp32.
+
+    With ``aux_hidden_state_layers`` set (an EAGLE-3 head's target), ``forward`` returns
+    ``[T, (1 + A) * hidden_size]``: the hidden states, then the input of each of those ``A``
+    layers (the residual stream ``hidden + residual``), concatenated along the last dim, so
+    that the step's one output tensor (a CUDA graph's included) carries them.
     """
 
     def __init__(self, hf_config, backend: AttentionBackend, max_positions: int | None = None) -> None:
@@ -194,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         # A quantized LM head computing the logits instead (GGUF on the CPU:
         # tandem.layers.quantization.gguf.quantize_gguf_linears); None: the dense weight.
         self.lm_head_quant: nn.Module | None = None
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     @property
     def kv_cache_shape_per_block(self) -> tuple[int, int]:
@@ -203,11 +219,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         self.rotary.begin_step(positions)
-        for layer, cache in zip(self.layers, kv_caches):
+        aux = []
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            if i in self.aux_hidden_state_layers:
+                aux.append(_residual_stream(hidden, residual))
             hidden, residual = layer(hidden, residual, positions, cache, meta)
-        if residual is None:  # no layers
-            return self.norm(hidden)
-        return self.norm(hidden, residual)[0]
+        out = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+        return torch.cat([out, *aux], dim=-1) if aux else out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_quant is not None:
@@ -215,54 +233,76 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
         return batch_invariant.linear(hidden, w).float()
 
-    _STACKED = {  # HF name part -> (fused param name part, shard index)
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the fused parameters.
 
         Raises:
             ValueError: a parameter of the model received no weight, or a shape differs.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        s = self.spec
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and s.tie_word_embeddings:
-                continue
-            target, shard = name, None
-            for part, (fused, idx) in self._STACKED.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(part, fused), idx
-                    break
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
-            p = params[target]
-            loader = getattr(p, "weight_loader", None)
-            try:
-                if loader is not None:  # tensor-parallel layers slice this rank's part
-                    loader(tensor, shard)
-                elif p.shape != tensor.shape:
-                    raise ValueError(f"checkpoint {tuple(tensor.shape)} vs model {tuple(p.shape)}")
-                else:
-                    with torch.no_grad():
-                        p.copy_(tensor)
-            except ValueError as e:
-                raise ValueError(f"shape of {name!r}: {e}") from None
-            loaded.add(f"{target}#{'' if shard is None else shard}")
-        expected = set()
-        for pname in params:
-            if ".qkv_proj." in pname:  # weight, bias, FP8 scales: one per shard
-                expected |= {f"{pname}#{i}" for i in range(3)}
-            elif ".gate_up_proj." in pname:
-                expected |= {f"{pname}#{i}" for i in range(2)}
+        tied = self.spec.tie_word_embeddings
+
+        def own(named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in named:
+                name = name.removeprefix("model.")
+                if "rotary_emb" not in name and not (name == "lm_head.weight" and tied):
+                    yield name, tensor
+
+        load_decoder_weights(self, own(weights))
+
+
+_STACKED = {  # HF name part -> (fused param name part, shard index)
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def load_decoder_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                         optional: tuple[str, ...] = ()) -> None:
+    """Copy tensors named as ``module``'s parameters and buffers, with HF's separate
+    q/k/v and gate/up names, into ``module`` (fused q/k/v and gate/up; a tensor-parallel
+    layer's ``weight_loader`` takes this rank's slice).
+
+    Args:
+        optional: parameter names that may be missing (they keep their values).
+
+    Raises:
+        ValueError: a tensor without a matching parameter or buffer, a shape differs, or a
+            parameter (or buffer given before) received no tensor.
+    """
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, shard = name, None
+        for part, (fused, idx) in _STACKED.items():
+            if f".{part}." in name:
+                target, shard = name.replace(part, fused), idx
+                break
+        p = params.get(target, buffers.get(target))
+        if p is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+        loader = getattr(p, "weight_loader", None)
+        try:
+            if loader is not None:  # tensor-parallel layers slice this rank's part
+                loader(tensor, shard)
+            elif p.shape != tensor.shape:
+                raise ValueError(f"checkpoint {tuple(tensor.shape)} vs model {tuple(p.shape)}")
             else:
-                expected.add(f"{pname}#")
-        missing = expected - loaded
-        if missing:
-            raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:6]} ({len(missing)} in all)")
+                with torch.no_grad():
+                    p.copy_(tensor)
+        except ValueError as e:
+            raise ValueError(f"shape of {name!r}: {e}") from None
+        loaded.add(f"{target}#{'' if shard is None else shard}")
+    expected = set()
+    for pname in params:
+        if pname in optional:
+            continue
+        if ".qkv_proj." in pname:  # weight, bias, FP8 scales: one per shard
+            expected |= {f"{pname}#{i}" for i in range(3)}
+        elif ".gate_up_proj." in pname:
+            expected |= {f"{pname}#{i}" for i in range(2)}
+        else:
+            expected.add(f"{pname}#")
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:6]} ({len(missing)} in all)")

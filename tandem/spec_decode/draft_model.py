@@ -32,6 +32,7 @@ position.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -64,6 +65,29 @@ def check_draft_model(target_hf, draft_hf, target_tokenizer: str, draft_path: st
                          f"model must share the target's tokenizer.")
 
 
+@dataclass
+class DraftStep:
+    """A sampled target step as a model-based proposer takes it in (built by the model
+    runner; every array host-side, every tensor on the device).
+
+    ``S`` sequences, ``T`` step tokens; ``R`` of the sequences emitted a token.
+    """
+
+    inputs: StepInputs  # the target's step: num_computed, query_start_loc, prompt_lens
+    input_ids: torch.Tensor  # [T] int64: the step's input ids
+    keep: np.ndarray  # [S] int64: each sequence's confirmed step tokens (all but rejected drafts)
+    sampled: np.ndarray  # [R] int64: the sequences (indices into S) that emitted, in the order of emitted
+    emitted: torch.Tensor  # [R] int64: each one's last emitted token
+    propose: bool  # drafts wanted after this step (else the proposer's cache only)
+    block_table_np: np.ndarray  # [S, max_blocks] int32: the sequences' block ids (0: none)
+    block_table: torch.Tensor  # [S, width] int32, width covering K positions past an emitted token
+    # EAGLE: the target's hidden states of the step [T, H'] (the final ones, or the
+    # concatenated inputs of the EAGLE-3 layers), and, for each sequence that did not emit,
+    # its next known token (its prompt continues; -1 for those that emitted) [S] int64.
+    target_hidden: torch.Tensor | None = None
+    next_token_ids: np.ndarray | None = None
+
+
 class DraftModelProposer:
     """Greedy drafts of a draft model over its own paged KV cache.
 
@@ -78,6 +102,9 @@ class DraftModelProposer:
         device: where the model lives.
     """
 
+    # The runner hands EAGLE heads the target's hidden states (DraftStep.target_hidden).
+    uses_target_hidden = False
+
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], num_speculative_tokens: int,
                  block_size: int, max_model_len: int, device: torch.device) -> None:
         if num_speculative_tokens < 1:
@@ -90,30 +117,17 @@ class DraftModelProposer:
         self.device = device
 
     @torch.inference_mode()
-    def propose(self, step: StepInputs, step_ids: torch.Tensor, keep: np.ndarray, emit_seqs: np.ndarray,
-                emitted: torch.Tensor, block_table_np: np.ndarray, block_table: torch.Tensor) -> torch.Tensor | None:
-        """Write the draft cache for a step's confirmed tokens and draft ``K`` tokens after
-        each emitted one.
-
-        Args:
-            step: the target's inputs of the step, ``S`` sequences (``num_computed``,
-                ``query_start_loc``, ``prompt_lens``).
-            step_ids: ``[step.num_tokens]`` int64 on the device: the step's input ids.
-            keep: ``[S]`` int64: how many of each sequence's step tokens are confirmed (all
-                but a verified sequence's rejected drafts).
-            emit_seqs: ``[R]`` int64: the sequences (indices into the step's) that emitted a
-                token and want drafts, in the order of ``emitted``; empty: the catch-up only.
-            emitted: ``[R]`` int64 on the device: each one's last emitted token (unused
-                when ``emit_seqs`` is empty).
-            block_table_np: ``[S, max_blocks]`` int32: the sequences' block ids (0: none).
-            block_table: ``[S, width]`` int32 on the device, ``width`` covering every
-                position up to ``K`` past an emitted token.
+    def propose(self, d: DraftStep) -> torch.Tensor | None:
+        """Write the draft cache for a step's confirmed tokens and, when ``d.propose``,
+        draft ``K`` tokens after each emitted one.
 
         Returns:
             ``[R, K]`` int64 on the device (draft ``k`` of sequence ``r`` follows draft
-            ``k-1``, the first follows ``emitted[r]``); None when ``R`` is 0.
+            ``k-1``, the first follows ``d.emitted[r]``); None without drafts.
         """
+        step, keep = d.inputs, d.keep
         num_seqs = len(keep)
+        emit_seqs = d.sampled if d.propose else np.zeros(0, dtype=np.int64)
         emits = np.zeros(num_seqs, dtype=np.int64)
         emits[emit_seqs] = 1
         q_lens = keep + emits
@@ -124,19 +138,20 @@ class DraftModelProposer:
         offsets = np.arange(int(keep.sum())) - np.repeat(np.cumsum(keep) - keep, keep)
         emit_at = qsl[emit_seqs] + keep[emit_seqs]
         ids = torch.empty(total, dtype=torch.long, device=self.device)
-        ids[self._h2d(np.repeat(qsl[:-1], keep) + offsets)] = step_ids[self._h2d(
+        ids[self._h2d(np.repeat(qsl[:-1], keep) + offsets)] = d.input_ids[self._h2d(
             np.repeat(step.query_start_loc[:-1], keep) + offsets)]
         if len(emit_seqs):
-            ids[self._h2d(emit_at)] = emitted
+            ids[self._h2d(emit_at)] = d.emitted
         row_of_token = np.repeat(np.arange(num_seqs), q_lens)
         catch_up = StepInputs(np.zeros(total, dtype=np.int64), positions,
-                              self._slots(block_table_np[row_of_token], positions), qsl, step.num_computed,
-                              step.num_computed + q_lens, block_table, [], [], step.prompt_lens)
+                              self._slots(d.block_table_np[row_of_token], positions), qsl, step.num_computed,
+                              step.num_computed + q_lens, d.block_table, [], [], step.prompt_lens)
         hidden = self._forward(catch_up, ids)
         if not len(emit_seqs):
             return None
         first = self.model.compute_logits(hidden[self._h2d(emit_at)]).argmax(dim=-1)
-        return self._decode(first, positions[emit_at] + 1, block_table_np[emit_seqs], block_table[self._h2d(emit_seqs)])
+        return self._decode(first, positions[emit_at] + 1, d.block_table_np[emit_seqs],
+                            d.block_table[self._h2d(emit_seqs)])
 
     def _decode(self, first: torch.Tensor, positions: np.ndarray, block_table_np: np.ndarray,
                 block_table: torch.Tensor) -> torch.Tensor:
@@ -175,4 +190,4 @@ class DraftModelProposer:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device, non_blocking=True)
 
 
-__all__ = ["DraftModelProposer", "check_draft_model"]
+__all__ = ["DraftModelProposer", "DraftStep", "check_draft_model"]

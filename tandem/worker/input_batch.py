@@ -13,7 +13,7 @@ the step's row indices).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -79,10 +79,22 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     compute_prompt_logprobs: bool
     num_blocks: int = 0
+    # Output tokens known when the sequence got its row (after a preemption: recomputed with the prompt).
+    output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+    def known_token(self, position: int) -> int:
+        """The token at ``position`` of the tokens known when the sequence got its row
+        (its prompt, then its outputs then).
+
+        Raises:
+            IndexError: a position past them.
+        """
+        p = self.prompt_len
+        return self.prompt_token_ids[position] if position < p else self.output_token_ids[position - p]
 
 
 class InputBatch:
@@ -145,7 +157,8 @@ class InputBatch:
         self._fixed_batch = None  # a row's parameters change
         p = data.sampling_params
         self.states[data.seq_id] = CachedRequestState(data.seq_id, row, p, data.prompt_token_ids,
-                                                      data.compute_prompt_logprobs)
+                                                      data.compute_prompt_logprobs,
+                                                      output_token_ids=data.output_token_ids)
         if data.compute_prompt_logprobs:
             self.prompt_logprobs_seq_ids.add(data.seq_id)
         self.block_table_np[row] = 0

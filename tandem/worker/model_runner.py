@@ -21,9 +21,11 @@ top-k, top-p; greedy and deterministic rows one-hot), and
 :func:`~tandem.spec_decode.rejection_sampler.rejection_sample` picks its accepted drafts
 and one more token. The other sequences of the step sample as always. The accepted counts
 are read on the host within the step (stage 1 of issue 46 is synchronous). With a draft
-model (:class:`~tandem.spec_decode.draft_model.DraftModelProposer`), once the step has
-sampled, the draft model takes in the step's confirmed tokens and proposes the next drafts
-of every sequence that sampled (``ModelRunnerOutput.draft_token_ids``).
+model (:class:`~tandem.spec_decode.draft_model.DraftModelProposer`) or an EAGLE head
+(:class:`~tandem.spec_decode.eagle.EagleProposer`, given the step's target hidden states:
+an EAGLE-3 head's target returns its layer inputs after them), once the step has sampled,
+the proposer takes in the step's confirmed tokens and proposes the next drafts of every
+sequence that sampled (``ModelRunnerOutput.draft_token_ids``).
 
 A step with constrained sequences (``SchedulerOutput.structured_output_seq_ids``) stops
 after 5: ``execute_model`` returns None, and :meth:`ModelRunner.sample_tokens`, given their
@@ -62,7 +64,7 @@ from tandem import envs
 from tandem.core.sched_output import ScheduledSequence, SchedulerOutput
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
 from tandem.outputs import ModelRunnerOutput
-from tandem.spec_decode.draft_model import DraftModelProposer
+from tandem.spec_decode.draft_model import DraftModelProposer, DraftStep
 from tandem.spec_decode.rejection_sampler import rejection_sample
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
 from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
@@ -126,6 +128,10 @@ class _DraftInputs:
     rows: np.ndarray  # [S] int64: the step's sequences' input-batch rows
     known: np.ndarray  # [S] int64: each sequence's step tokens before its drafts
     propose: bool  # drafts wanted (SchedulerOutput.propose_drafts); else the cache only
+    # EAGLE (DraftStep): the target's hidden states [num_tokens, H'], and each
+    # sequence's next known token where its step does not reach its last one (else -1).
+    target_hidden: torch.Tensor | None = None
+    next_token_ids: np.ndarray | None = None
 
 
 @dataclass
@@ -163,7 +169,8 @@ class ModelRunner:
         max_model_len: longest sequence (sizes the block tables).
         enforce_eager: never use CUDA graphs.
         dbo: dual-batch overlap policy; None (or a dense model) disables it.
-        drafter: a draft model proposing each sampling sequence's next drafts; None: none.
+        drafter: a draft model or EAGLE head proposing each sampling sequence's next
+            drafts; None: none.
         step_thread: the single-thread executor CPU steps run on (module docstring; the
             runner shuts it down); None: steps run inline.
     """
@@ -196,6 +203,8 @@ class ModelRunner:
         graphs = self.cuda_graphs
         self.planner = StepPlanner(self.dbo, graphs.sizes if graphs else None, graphs.split_sizes if graphs else set(),
                                    min_prompt_tokens=CPU_MIN_PROMPT_TOKENS if device.type == "cpu" else 0)
+        # Inputs of target layers the model returns after its hidden states (EAGLE-3).
+        self._num_aux = len(getattr(model, "aux_hidden_state_layers", ()))
         # Layers whose kernel follows the phase of a token (forward_context.RowPhases).
         models = [model] if drafter is None else [model, drafter.model]
         self._phase_layers = any(getattr(m, "uses_row_phases", False) for net in models for m in net.modules())
@@ -290,15 +299,27 @@ class ModelRunner:
             ev_start.record()
             timing = (ev_start, inputs.num_reqs, decode_only, int(inputs.seq_lens.sum()))
         input_ids = self._input_ids(inputs)
-        hidden = self._forward(inputs, input_ids, plan)
+        hidden = target_hidden = self._forward(inputs, input_ids, plan)
+        if self._num_aux:  # the target returns the EAGLE-3 layers' inputs after its hidden states
+            width = hidden.shape[-1] // (1 + self._num_aux)
+            hidden, target_hidden = hidden[:, :width], hidden[:, width:]
         fwd = self._logits(so.step_id, seqs, sampling, inputs, hidden, t_prep, timing,
                            generated if self._phase_layers else None)
         if self.drafter is not None:
-            known = np.array([s.num_new_tokens - len(s.spec_token_ids) for s in seqs], dtype=np.int64)
-            fwd.draft = _DraftInputs(inputs, input_ids, rows, known, so.propose_drafts)
+            fwd.draft = self._draft_inputs(seqs, inputs, input_ids, rows, so.propose_drafts, target_hidden)
         if so.structured_output_seq_ids:
             return fwd  # sampled by sample_tokens
         return self._sample_step(fwd, None)
+
+    def _draft_inputs(self, seqs: list[ScheduledSequence], inputs: StepInputs, input_ids: torch.Tensor,
+                      rows: np.ndarray, propose: bool, target_hidden: torch.Tensor) -> _DraftInputs:
+        known = np.array([s.num_new_tokens - len(s.spec_token_ids) for s in seqs], dtype=np.int64)
+        if not self.drafter.uses_target_hidden:
+            return _DraftInputs(inputs, input_ids, rows, known, propose)
+        states = self.input_batch.states
+        nxt = [states[s.seq_id].known_token(s.num_computed_tokens + s.num_new_tokens) if not s.sample else -1
+               for s in seqs]
+        return _DraftInputs(inputs, input_ids, rows, known, propose, target_hidden, np.array(nxt, dtype=np.int64))
 
     # ----------------------------------------------------------------- 1. states
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -567,12 +588,13 @@ class ModelRunner:
         for r, tokens in zip(spec_index, accepted.values()):  # its last known token and accepted drafts
             keep[r] += len(tokens) - 1
         inputs, ib, bs = draft.inputs, self.input_batch, self.block_size
-        emit_seqs = np.array(sampling.index + spec_index if draft.propose else [], dtype=np.int64)
         last_pos = int((inputs.num_computed + keep).max()) + self.drafter.num_speculative_tokens
         width = min(-(-last_pos // bs), ib.block_table.shape[1])
         table = ib.block_table[self._h2d(draft.rows, torch.long), :width]
-        return self.drafter.propose(inputs, draft.input_ids, keep, emit_seqs, last, ib.block_table_np[draft.rows],
-                                    table)
+        return self.drafter.propose(DraftStep(inputs, draft.input_ids, keep,
+                                              np.array(sampling.index + spec_index, dtype=np.int64), last,
+                                              draft.propose, ib.block_table_np[draft.rows], table,
+                                              draft.target_hidden, draft.next_token_ids))
 
     def _apply_bitmask(self, logits: torch.Tensor, first_row: dict[int, int], grammar: GrammarBitmask) -> None:
         """Mask, in place, the tokens ``grammar`` forbids in the rows of its sequences that

@@ -41,6 +41,7 @@ from tandem.layers.quantization.config import get_gguf_config, get_quantization_
 from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.model_loader.loader import build_model, load_hf_config
 from tandem.spec_decode.draft_model import DraftModelProposer, check_draft_model
+from tandem.spec_decode.eagle import EagleProposer, load_eagle_head
 from tandem.worker.kv_cache import allocate_kv_caches
 from tandem.worker.model_runner import ModelRunner, cpu_step_thread
 from tandem.worker.step_plan import DBOPolicy
@@ -61,7 +62,7 @@ class Worker:
 
     Attributes:
         model: the loaded model (after :meth:`load_model`).
-        draft_model: the speculative config's draft model, or None (likewise).
+        draft_model: the speculative config's draft model or EAGLE head, or None (likewise).
         model_runner: the runner over the model and its cache (after :meth:`initialize_kv_cache`).
         num_kv_blocks: the cache's size in blocks, block 0 the null block (likewise).
     """
@@ -119,6 +120,9 @@ class Worker:
                         "any number of" if spec.disable_by_batch_size is None else spec.disable_by_batch_size)
         if spec is not None and spec.method == "draft_model":
             self.draft_model = self._load_draft_model(spec.model, backend)
+        elif spec is not None and spec.uses_model:
+            self.draft_model = load_eagle_head(spec.method, spec.model, self.model, backend, self.dtype, self.device,
+                                               model_cfg.max_model_len, cfg.load_config.load_format, model_cfg.seed)
         torch.manual_seed(model_cfg.seed)
         return self.model
 
@@ -282,16 +286,18 @@ class Worker:
         return self.model_runner
 
     def _build_drafter(self, num_blocks: int) -> DraftModelProposer | None:
-        """The draft model's proposer over its own cache of ``num_blocks`` blocks (the
-        target's block ids address both), or None without a draft model."""
+        """The draft model's (or EAGLE head's) proposer over its own cache of ``num_blocks``
+        blocks (the target's block ids address both), or None without one."""
         if self.draft_model is None:
             return None
         cache_cfg = self.config.cache_config
         num_layers, planes, kv_heads, head_dim = _cache_geometry(self.draft_model)
         caches = allocate_kv_caches(num_layers, (planes, num_blocks, cache_cfg.block_size, kv_heads, head_dim),
                                     self.kv_dtype, self.device)
-        return DraftModelProposer(self.draft_model, caches, self.config.speculative_config.num_speculative_tokens,
-                                  cache_cfg.block_size, self.config.model_config.max_model_len, self.device)
+        spec = self.config.speculative_config
+        cls = DraftModelProposer if spec.method == "draft_model" else EagleProposer
+        return cls(self.draft_model, caches, spec.num_speculative_tokens, cache_cfg.block_size,
+                   self.config.model_config.max_model_len, self.device)
 
     def _build_model_runner(self, kv_caches: list[torch.Tensor], drafter: DraftModelProposer | None) -> ModelRunner:
         cfg, model_cfg, sched_cfg, dbo_cfg = (self.config, self.config.model_config, self.config.scheduler_config,

@@ -17,16 +17,19 @@ from tandem.engine.arg_utils import EngineArgs
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft": "x"}', r"unknown fields \['draft'\]"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "model is for method 'draft_model'"),
-    ({"num_speculative_tokens": 2}, r"method must be one of \['ngram', 'draft_model'\]"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "model is not used by method 'ngram'"),
+    ({"num_speculative_tokens": 2}, r"method must be one of \['ngram', 'draft_model', 'eagle', 'eagle3'\]"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, r"model \(the draft model's path\) is required"),
+    ({"method": "draft_model", "num_speculative_tokens": 2},
+     r"model \(the draft model's or head's path\) is required with method 'draft_model'"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such/model"},
      "model: no such file or folder: '/no/such/model'"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/", "prompt_lookup_max": 3},
      "prompt_lookup_max is for method 'ngram'"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not supported yet"),
-    ({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 2}, "'eagle3' is not supported yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "path\\) is required with method 'eagle'"),
+    ({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 2},
+     "model: no such file or folder: 'yuhuili/EAGLE3-LLaMA3.1-Instruct-8B'"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "model": __file__}, "an EAGLE head is a Hugging Face folder"),
     ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "model: no such file or folder"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
@@ -58,6 +61,13 @@ def test_prompt_lookup_defaults_follow_vllm(given, expected):
 def test_method_follows_from_model_as_in_vllm(model, method, kept):
     cfg = SpeculativeConfig(model=model, num_speculative_tokens=2)
     assert (cfg.method, cfg.model) == (method, kept)
+
+
+@pytest.mark.parametrize("folder, method", [("EAGLE3-LLaMA3.1-head", "eagle3"), ("eagle-llama3-head", "eagle")])
+def test_eagle_methods_follow_from_the_head_name_as_in_vllm(tmp_path, folder, method):
+    (tmp_path / folder).mkdir()
+    cfg = SpeculativeConfig(model=str(tmp_path / folder), num_speculative_tokens=2)
+    assert (cfg.method, cfg.uses_model) == (method, True)
 
 
 def test_flag_and_dict_give_the_same_config_and_survive_the_ready_message():
