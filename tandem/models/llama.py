@@ -145,6 +145,16 @@ def _norm_for(norm: RMSNorm, consumer: nn.Module, x: torch.Tensor | UnscaledProd
     return norm(x, residual)
 
 
+def split_aux_hidden_states(model: nn.Module, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A forward's output as (hidden states ``[T, H]``, the ``aux_hidden_state_layers``'
+    inputs ``[T, A * H]`` or None when the model returns none; views of ``out``)."""
+    num = len(getattr(model, "aux_hidden_state_layers", ()))
+    if not num:
+        return out, None
+    width = out.shape[-1] // (1 + num)
+    return out[:, :width], out[:, width:]
+
+
 def _residual_stream(hidden: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None) -> torch.Tensor:
     """A layer's input ``hidden + residual`` as one tensor."""
     if isinstance(hidden, UnscaledProduct):

@@ -64,6 +64,7 @@ from tandem import envs
 from tandem.core.sched_output import ScheduledSequence, SchedulerOutput
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
 from tandem.outputs import ModelRunnerOutput
+from tandem.models.llama import split_aux_hidden_states
 from tandem.spec_decode.draft_model import DraftModelProposer, DraftStep
 from tandem.spec_decode.rejection_sampler import rejection_sample
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
@@ -203,8 +204,6 @@ class ModelRunner:
         graphs = self.cuda_graphs
         self.planner = StepPlanner(self.dbo, graphs.sizes if graphs else None, graphs.split_sizes if graphs else set(),
                                    min_prompt_tokens=CPU_MIN_PROMPT_TOKENS if device.type == "cpu" else 0)
-        # Inputs of target layers the model returns after its hidden states (EAGLE-3).
-        self._num_aux = len(getattr(model, "aux_hidden_state_layers", ()))
         # Layers whose kernel follows the phase of a token (forward_context.RowPhases).
         models = [model] if drafter is None else [model, drafter.model]
         self._phase_layers = any(getattr(m, "uses_row_phases", False) for net in models for m in net.modules())
@@ -299,10 +298,8 @@ class ModelRunner:
             ev_start.record()
             timing = (ev_start, inputs.num_reqs, decode_only, int(inputs.seq_lens.sum()))
         input_ids = self._input_ids(inputs)
-        hidden = target_hidden = self._forward(inputs, input_ids, plan)
-        if self._num_aux:  # the target returns the EAGLE-3 layers' inputs after its hidden states
-            width = hidden.shape[-1] // (1 + self._num_aux)
-            hidden, target_hidden = hidden[:, :width], hidden[:, width:]
+        hidden, aux = split_aux_hidden_states(self.model, self._forward(inputs, input_ids, plan))
+        target_hidden = hidden if aux is None else aux
         fwd = self._logits(so.step_id, seqs, sampling, inputs, hidden, t_prep, timing,
                            generated if self._phase_layers else None)
         if self.drafter is not None:

@@ -40,6 +40,7 @@ from tandem.layers import batch_invariant
 from tandem.layers.quantization.config import get_gguf_config, get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.model_loader.loader import build_model, load_hf_config
+from tandem.models.llama import split_aux_hidden_states
 from tandem.spec_decode.draft_model import DraftModelProposer, check_draft_model
 from tandem.spec_decode.eagle import EagleProposer, load_eagle_head
 from tandem.worker.kv_cache import allocate_kv_caches
@@ -241,13 +242,14 @@ class Worker:
         # Every rank profiles the same t tokens: expert-parallel exchanges pair up.
         positions = torch.cat([torch.arange(n, device=device) for n in meta.seq_lens_cpu])
         with forward_context(ForwardContext(max_tokens_per_rank=t)):
-            hidden = model(torch.zeros(t, dtype=torch.long, device=device), positions, caches, meta)
+            out = model(torch.zeros(t, dtype=torch.long, device=device), positions, caches, meta)
         rows = min(cfg.scheduler_config.max_num_seqs, t)
+        hidden, _ = split_aux_hidden_states(model, out)
         logits = model.compute_logits(hidden[:rows])
         logits.sort(dim=-1)  # top-k/top-p sort, the sampler's largest temporary
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
-        del caches, hidden, logits
+        del caches, out, hidden, logits
         torch.cuda.empty_cache()
         # Softmax, noise and logprob copies of the logits beside the sort.
         return peak + 4 * rows * self.vocab_size * 4
