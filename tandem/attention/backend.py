@@ -59,9 +59,15 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     (block 0 is never handed to a request), so the call has no host sync and a fixed
     shape (CUDA-graph safe).
     """
+    write_kv_cache_at(k, v, kv_cache, slot_mapping.clamp(min=0), k_scale, v_scale)
+
+
+def write_kv_cache_at(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """:func:`write_kv_cache` given the clamped slot mapping ``slots [num_tokens]`` int64
+    (padding at slot 0), which a backend can compute once per step for every layer."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    slots = slot_mapping.clamp(min=0)
     k, v = quantize_kv(k, k_scale, kv_cache.dtype), quantize_kv(v, v_scale, kv_cache.dtype)
     if kv_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no float8 CPU kernel: copy the bytes
         flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.attention.backend import write_kv_cache
+from tandem.attention.backend import write_kv_cache_at
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers import batch_invariant
 
@@ -92,6 +92,9 @@ class TorchAttentionBackend:
         self._gather_buf: torch.Tensor | None = None
         # A lone decode request's first block when its blocks are consecutive (else None).
         self._first_block: int | None = None
+        # The step's slot mapping with padding at slot 0 (write_kv_cache_at), and its step.
+        self._slots_meta: AttentionMetadata | None = None
+        self._slots: torch.Tensor | None = None
 
     def forward(
         self,
@@ -104,7 +107,9 @@ class TorchAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        if self._slots_meta is not meta:  # one clamp per step, not per layer
+            self._slots_meta, self._slots = meta, meta.slot_mapping.clamp(min=0)
+        write_kv_cache_at(k, v, kv_cache, self._slots, k_scale, v_scale)
         out_scale = 1.0
         if kv_cache.dtype != q.dtype:
             scale, out_scale = scale * k_scale, v_scale
@@ -157,13 +162,15 @@ class TorchAttentionBackend:
             self._step_meta = meta
             self._first_block = _first_of_consecutive(meta.block_tables[0, :nb])
         if self._first_block is not None and kv_cache.dtype == q.dtype:
+            # Keys and values of consecutive blocks as views, [2, 1, Hk, seq_len, D], in 4 ops.
             first = self._first_block
-            kc = kv_cache[0, first:first + nb].view(1, nb * bs, hk, d)
-            vc = kv_cache[1, first:first + nb].view(1, nb * bs, hk, d)
+            kv = kv_cache[:, first:first + nb].view(2, 1, nb * bs, hk, d)[:, :, :seq_len].transpose(2, 3)
+            kc, vc = kv.unbind(0)
         else:
             kc, vc = gather_kv(kv_cache, meta.block_tables[:1], nb, q.dtype)
-        o = F.scaled_dot_product_attention(q.reshape(1, hk, hq // hk, d), kc[:, :seq_len].transpose(1, 2),
-                                           vc[:, :seq_len].transpose(1, 2), scale=scale)
+            kc, vc = kc[:, :seq_len].transpose(1, 2), vc[:, :seq_len].transpose(1, 2)
+        # Heads of one KV head as its query rows: [1, Hk, group, D] against [1, Hk, seq_len, D].
+        o = F.scaled_dot_product_attention(q.reshape(1, hk, hq // hk, d), kc, vc, scale=scale)
         return o.reshape(1, hq, d)
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, r: int,

@@ -103,13 +103,16 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor | UnscaledProduct:
         qkv = self.qkv_proj(x)
         t = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary(positions, q, k)
+        else:
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            q, k = self.rotary.forward_qk(positions, qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim),
+                                          self.num_heads)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
