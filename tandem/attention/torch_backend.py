@@ -95,6 +95,9 @@ class TorchAttentionBackend:
         # The step's slot mapping with padding at slot 0 (write_kv_cache_at), and its step.
         self._slots_meta: AttentionMetadata | None = None
         self._slots: torch.Tensor | None = None
+        # Each layer's cache as (keys, values) [slots, Hk, D] views, by the cache's storage
+        # (a backend is made per engine: these views live as long as its caches do).
+        self._cache_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(
         self,
@@ -109,7 +112,12 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         if self._slots_meta is not meta:  # one clamp per step, not per layer
             self._slots_meta, self._slots = meta, meta.slot_mapping.clamp(min=0)
-        write_kv_cache_at(k, v, kv_cache, self._slots, k_scale, v_scale)
+        if kv_cache.dtype == k.dtype:
+            k_slots, v_slots = self._slot_views(kv_cache)
+            k_slots.index_copy_(0, self._slots, k)
+            v_slots.index_copy_(0, self._slots, v)
+        else:
+            write_kv_cache_at(k, v, kv_cache, self._slots, k_scale, v_scale)
         out_scale = 1.0
         if kv_cache.dtype != q.dtype:
             scale, out_scale = scale * k_scale, v_scale
@@ -126,6 +134,16 @@ class TorchAttentionBackend:
                 if end > start:
                     out[start:end] = self._prefill(q[start:end], kv_cache, meta, r, scale)
         return out if out_scale == 1.0 else out * out_scale
+
+    def _slot_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_cache``'s keys and values as ``[num_blocks * block_size, Hk, D]`` views,
+        made once per cache (three dispatched ops per layer and step otherwise)."""
+        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.dtype)
+        views = self._cache_views.get(key)
+        if views is None:
+            flat = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], *kv_cache.shape[3:])
+            views = self._cache_views[key] = (flat[0], flat[1])
+        return views
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """``q [nd, Hq, D]`` of the leading ``nd`` decode requests -> ``[nd, Hq, D]``."""
