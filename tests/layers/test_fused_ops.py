@@ -64,6 +64,19 @@ def test_rms_norm(t, hidden, dtype):
     _close(fused_ops.rms_norm(x, w, 1e-6), fused_ops.rms_norm_ref(x, w, 1e-6), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_16_bit_rms_norm_is_the_fp32_formula_rounded_once(dtype):
+    # rms_norm_ref's one-op CPU path relies on it: transformers' order, the same bits.
+    g = torch.Generator().manual_seed(0)
+    for hidden in (64, 576, 1536):
+        for t in (1, 5, 128):
+            for scale in (0.01, 1.0, 30.0):
+                x = (torch.randn(t, hidden, generator=g) * scale).to(dtype)
+                w = torch.randn(hidden, generator=g).to(dtype)
+                want = w * torch.nn.functional.rms_norm(x.float(), (hidden,), eps=1e-6).to(dtype)
+                assert torch.equal(fused_ops.rms_norm_ref(x, w, 1e-6), want), (hidden, t, scale)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 576])
 @pytest.mark.parametrize("t", [0, 1, 7, 256])
