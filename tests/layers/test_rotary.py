@@ -38,6 +38,22 @@ def test_cpu_rotation_equals_the_reference_bit_for_bit(t, dtype, begin_step):
     assert got_q.dtype == dtype and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 5, 300])
+def test_q_and_k_rotated_as_one_tensor_equal_the_reference_bit_for_bit(t, dtype):
+    rot = _rotary()
+    hq, hk, d = 9, 3, 64
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    qk = qkv[:, : (hq + hk) * d].view(t, hq + hk, d)  # a strided view, as the model's
+    pos = torch.randint(0, 512, (t,), generator=torch.Generator().manual_seed(t))
+    with fused_ops.mode("torch"):
+        rot.begin_step(pos)
+        got_q, got_k = rot.forward_qk(pos, qk, hq)
+        want_q, want_k = fused_ops.apply_rotary_ref(qk[:, :hq], qk[:, hq:], rot.cos, rot.sin, pos)
+    assert got_q.shape == (t, hq, d) and got_k.shape == (t, hk, d)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
 def test_tables_of_a_step_serve_only_its_positions():
     """Another positions tensor (even one of the same shape) is rotated at its own positions."""
     rot = _rotary()
