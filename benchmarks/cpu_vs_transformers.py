@@ -41,14 +41,14 @@ def load_transformers(model: str, dtype: torch.dtype | None):
     """transformers' model of the same weights Tandem loads, in ``dtype`` (None: its default)."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
+    from tandem.model_loader.gguf_cache import checkpoint_folder
     from tandem.model_loader.loader import is_gguf
 
     folder = model
     if is_gguf(model):
-        folder = converted_folder(model)
-        if folder is None or not os.path.isfile(os.path.join(folder, WEIGHTS_FILE)):
-            raise SystemExit(f"no converted weights for {model} in the GGUF cache")
+        folder = checkpoint_folder(model)
+        if folder is None:
+            raise SystemExit(f"cannot write the converted weights of {model} into the GGUF cache")
     kwargs = {} if dtype is None else {"dtype": dtype}
     ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", **kwargs).eval()
     ref.generation_config.eos_token_id = None  # like ignore_eos

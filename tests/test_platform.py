@@ -52,7 +52,7 @@ def test_bf16_default_prompt_logprobs_match_transformers_bf16(embedded_model_pat
     from transformers import AutoModelForCausalLM
 
     from tandem import LLM, SamplingParams
-    from tandem.model_loader.gguf_cache import converted_folder
+    from tandem.model_loader.gguf_cache import checkpoint_folder
     from tests.conftest import PROMPTS
 
     llm = LLM(model=embedded_model_path, num_kv_blocks=256, max_model_len=1024)
@@ -63,7 +63,7 @@ def test_bf16_default_prompt_logprobs_match_transformers_bf16(embedded_model_pat
         outs = llm.generate(seqs, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     finally:
         llm.engine.shutdown()
-    ref = AutoModelForCausalLM.from_pretrained(converted_folder(embedded_model_path), dtype=torch.bfloat16).eval()
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_folder(embedded_model_path), dtype=torch.bfloat16).eval()
     for ids, out in zip(seqs, outs):
         with torch.no_grad():
             want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)

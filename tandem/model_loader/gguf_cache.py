@@ -1,21 +1,25 @@
 """On-disk cache of GGUF files converted to Hugging Face folders.
 
 Reading a GGUF file's config and tokenizer (vocabulary and merges in its metadata) through
-transformers, and dequantizing its tensors with ``gguf``, parses the file three times and
-takes tens of seconds on a CPU. The first load of a GGUF file writes what those produce
-into a folder that transformers and :mod:`tandem.model_loader.loader` read like any HF
-checkpoint; every later load reads that folder:
+transformers parses the file twice and takes seconds on a CPU. The first load of a GGUF
+file writes what those produce into a folder that transformers and
+:mod:`tandem.model_loader.loader` read like an HF model folder; every later load reads that
+folder:
 
 * ``config.json``: the HF config (``AutoConfig.from_pretrained(..., gguf_file=...)``);
 * the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, chat template);
-* ``model.safetensors``: every tensor dequantized to fp32 under its HF name (llama.cpp's
-  q/k row permutation undone), when that is at most :data:`MAX_CACHED_WEIGHT_BYTES`;
-  larger files are dequantized from the GGUF file at every load instead;
 * ``source.json``: what the entry was made from.
 
+The weights are not converted here: a load dequantizes the file's tensors (or repacks them
+for the int4 layers) and caches what the model then holds in the entry, per dtype, mapped by
+later loads (:mod:`tandem.model_loader.param_cache`). Only where a reader of a whole HF
+checkpoint asks for one (transformers' ``from_pretrained`` in tests and benchmarks:
+:func:`checkpoint_folder`) does the entry get ``model.safetensors``, every tensor
+dequantized to fp32 under its HF name (llama.cpp's q/k row permutation undone), which the
+loader then reads instead of dequantizing.
+
 Location: ``$TANDEM_CACHE_ROOT/gguf/<key>`` (``~/.cache/tandem/gguf/<key>`` by default, see
-:mod:`tandem.envs`). The entry also holds the model's parameters as loaded, per dtype
-(:mod:`tandem.model_loader.param_cache`).
+:mod:`tandem.envs`).
 The key hashes the file's content (its size and SHA-256), the versions of tandem,
 transformers and gguf, and :data:`CACHE_FORMAT`, not its path: copies of one file in
 several installations (virtual environments, checkouts) share one entry, while a changed
@@ -27,10 +31,11 @@ An entry is built in a temporary folder next to it and renamed into place (atomi
 POSIX), so a reader never sees a partial entry; concurrent first loads take turns on a lock
 file beside it (``.<key>.lock``, removed after the conversion): the later ones wait for the
 first conversion and read it (where the file system has no locks, they convert too and one
-rename wins). ``source.json`` lists the paths loaded from the entry; when
-one of them changes, its new entry drops it from the old one, and removes the old one once
-none of its paths still holds that content. When the cache cannot be written (read-only
-home, full disk) loading works as without it.
+rename wins). Files added to an entry later (parameters, the fp32 checkpoint) are written
+to a temporary file in it and renamed into place. ``source.json`` lists the paths loaded
+from the entry; when one of them changes, its new entry drops it from the old one, and
+removes the old one once none of its paths still holds that content. When the cache cannot
+be written (read-only home, full disk) loading works as without it.
 """
 
 from __future__ import annotations
@@ -48,16 +53,14 @@ from importlib import metadata
 
 from tandem import envs
 from tandem.distributed import parallel_state as ps
-from tandem.model_loader.gguf_weights import dequantized_bytes, gguf_weight_count, iterate_gguf_weights, open_gguf
+from tandem.model_loader.gguf_weights import gguf_weight_count, iterate_gguf_weights, open_gguf
 from tandem.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-# Bump when the conversion's output changes (names, layout, dtype).
-CACHE_FORMAT = 1
+# Bump when the conversion's output changes (names, layout, dtype, which files).
+CACHE_FORMAT = 2
 _HASH_CHUNK_BYTES = 1 << 20
-# fp32 bytes of the dequantized weights above which they are not cached (disk space).
-MAX_CACHED_WEIGHT_BYTES = 4 << 30
 WEIGHTS_FILE = "model.safetensors"
 SOURCE_FILE = "source.json"
 HASHES_DIR = "hashes"
@@ -244,24 +247,64 @@ def _build_entry(real: str, info: dict, root: str, dest: str) -> bool:
 
 
 def _convert(path: str, out: str) -> None:
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
     folder, name = os.path.split(path)
     # Each stage takes seconds on a small CPU; the first load would otherwise sit silent.
-    with Progress(f"Converting {name}", logger, unit="tensors", show=ps.get_rank() == 0) as progress:
+    with Progress(f"Converting {name}", logger, show=ps.get_rank() == 0) as progress:
         progress.stage("reading the config")
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        config.save_pretrained(out)
+        AutoConfig.from_pretrained(folder, gguf_file=name).save_pretrained(out)
         progress.stage("reading the tokenizer")
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
-        progress.stage("reading the tensor index")
-        reader = open_gguf(path)
-        if dequantized_bytes(reader) <= MAX_CACHED_WEIGHT_BYTES:
-            progress.stage("dequantizing")
+
+
+def checkpoint_folder(path: str) -> str | None:
+    """The converted folder of a GGUF file as a whole HF checkpoint: with ``model.safetensors``
+    (every tensor dequantized to fp32), written on the first request, for readers of such a
+    folder (``AutoModelForCausalLM.from_pretrained``); a load does not need it.
+
+    Returns None when the cache cannot be written.
+
+    Raises:
+        ValueError: a tensor name has no HF equivalent.
+    """
+    folder = converted_folder(path)
+    if folder is None or os.path.isfile(os.path.join(folder, WEIGHTS_FILE)):
+        return folder
+    try:
+        _write_checkpoint(os.path.realpath(path), folder)
+    except OSError as e:
+        logger.warning("could not write %s into the GGUF cache entry %s (%s)", WEIGHTS_FILE, folder, e)
+        return None
+    return folder
+
+
+def _write_checkpoint(path: str, folder: str) -> None:
+    """Dequantize the file's tensors into ``folder``'s ``model.safetensors`` (a temporary
+    file renamed into place: concurrent writers write the same bytes, one rename wins).
+
+    Raises:
+        OSError: the folder is not writable.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{WEIGHTS_FILE}.", dir=folder)
+    os.close(fd)
+    try:
+        with Progress(f"Dequantizing {os.path.basename(path)}", logger, unit="tensors",
+                      show=ps.get_rank() == 0) as progress:
+            reader = open_gguf(path)
             tensors = dict(progress.track(iterate_gguf_weights(reader, config), gguf_weight_count(reader)))
             progress.stage(f"writing {WEIGHTS_FILE}")
-            save_file(tensors, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt"})
+            save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
+        os.replace(tmp, os.path.join(folder, WEIGHTS_FILE))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _read_source(entry: str) -> dict | None:

@@ -47,11 +47,6 @@ def open_gguf(path: str):
     return GGUFReader(path)
 
 
-def dequantized_bytes(reader) -> int:
-    """Bytes of all the reader's tensors once dequantized to fp32."""
-    return sum(int(t.n_elements) for t in reader.tensors) * 4
-
-
 def _hf_name(gguf_name: str) -> str | None:
     """The HF name of a GGUF tensor; None for one Tandem recomputes (``rope_freqs``).
 

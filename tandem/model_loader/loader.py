@@ -1,12 +1,15 @@
 """Model loading: Hugging Face folder (safetensors), GGUF file, or dummy weights.
 
 GGUF: config, tokenizer and chat template come from the file's metadata through
-transformers' GGUF support; weights are dequantized to fp32 with the ``gguf`` library and
-renamed to HF names (:mod:`tandem.model_loader.gguf_weights`). The first load converts the
-file into a cached HF folder (:mod:`tandem.model_loader.gguf_cache`); later loads read it,
-and map the model's parameters as loaded from it (:mod:`tandem.model_loader.param_cache`).
-With ``quantization="gguf"`` (the CPU default) the linear layers of 4-bit weights are then
-rebuilt from the file's raw blocks and run quantized (:mod:`tandem.layers.quantization.gguf`).
+transformers' GGUF support, converted once into a cached folder
+(:mod:`tandem.model_loader.gguf_cache`) that later loads read; weights are dequantized to
+fp32 with the ``gguf`` library and renamed to HF names
+(:mod:`tandem.model_loader.gguf_weights`). With ``quantization="gguf"`` (the CPU default)
+the linear layers of the types the int4 kernel takes are then rebuilt from the file's raw
+blocks and run quantized (:mod:`tandem.layers.quantization.gguf`). The first load of a
+model in a dtype (and with or without int4 layers) caches what the model then holds in the
+folder, and later loads map it instead of reading the GGUF file
+(:mod:`tandem.model_loader.param_cache`).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_sc
 from tandem.layers.quantization.config import Fp8Config, GGUFQuantConfig
 from tandem.layers.quantization.gguf import quantize_gguf_linears
 from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
-from tandem.model_loader.gguf_weights import iterate_gguf_weights, raw_gguf_weights
+from tandem.model_loader.gguf_weights import gguf_weight_count, iterate_gguf_weights, open_gguf, raw_gguf_weights
 from tandem.model_loader.model_path import check_model_path
-from tandem.model_loader.param_cache import load_cached_parameters, save_parameters
+from tandem.model_loader.param_cache import load_cached_parameters, model_spec, save_parameters
 from tandem.models.registry import get_model_class
 from tandem.progress import Progress
 
@@ -120,7 +123,8 @@ def load_tokenizer(path: str):
 
 def iterate_gguf_weights_cached(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """The GGUF file's weights (HF names, fp32) from its cache entry when that holds them
-    (:mod:`tandem.model_loader.gguf_cache`), else dequantized from the file."""
+    (:func:`~tandem.model_loader.gguf_cache.checkpoint_folder` wrote them), else dequantized
+    from the file."""
     cached = _cached_weights_folder(path)
     if cached is not None:
         return iterate_safetensors_weights(cached)
@@ -133,32 +137,43 @@ def _cached_weights_folder(path: str) -> str | None:
 
 
 def load_gguf_weights(model: nn.Module, path: str, hf_config, dtype: torch.dtype, cache_parameters: bool = True,
-                      progress: Progress | None = None) -> None:
-    """Load a GGUF file's weights into ``model`` (built in ``dtype``): mapped from the
+                      int4: bool = False, progress: Progress | None = None) -> None:
+    """Load a GGUF file's weights into ``model`` (as built, in ``dtype``), with ``int4``
+    rebuilding the linear layers of the types the int4 kernel takes
+    (:func:`~tandem.layers.quantization.gguf.quantize_gguf_linears`): mapped from the
     parameter cache of its converted folder when that holds them, else loaded from the
-    folder's (or the file's) tensors and then cached (with ``cache_parameters``). Sharded
-    (tensor- or expert-parallel) models are never cached: their parameters depend on the
-    layout; nor are quantized ones (pass ``cache_parameters=False``): theirs are rewritten
-    after loading. ``progress`` counts the tensors loaded."""
+    folder's fp32 checkpoint (where :func:`~tandem.model_loader.gguf_cache.checkpoint_folder`
+    wrote one) or the file, and then cached (with ``cache_parameters``). Sharded (tensor-
+    or expert-parallel) models are never cached: their parameters depend on the layout; nor
+    are FP8 ones (pass ``cache_parameters=False``): theirs are rewritten after loading.
+    ``progress`` counts the tensors loaded."""
     folder = converted_folder(path)
     cacheable = cache_parameters and folder is not None and ps.get_tp_size() == 1 and ps.get_ep_size() == 1
+    built = model_spec(model)
     if cacheable:
         if progress is not None:
             progress.stage("mapping the cached parameters")
-        if load_cached_parameters(model, folder, dtype):
+        if load_cached_parameters(model, folder, dtype, int4):
             return
-    weights = iterate_gguf_weights_cached(path, hf_config)
+    # One parse of the file's metadata (seconds: its tokenizer) for its tensors and raw blocks.
+    cached = _cached_weights_folder(path)
+    reader = open_gguf(path) if cached is None or int4 else None
+    if cached is not None:
+        weights, total = iterate_safetensors_weights(cached), count_safetensors_weights(cached)
+    else:
+        weights, total = iterate_gguf_weights(reader, hf_config), gguf_weight_count(reader)
     if progress is not None:
         progress.stage("reading the tensors")
-        # Counting a GGUF file's tensors would parse its metadata again: the bar of an
-        # uncached file counts without a total.
-        cached = _cached_weights_folder(path)
-        weights = progress.track(weights, count_safetensors_weights(cached) if cached is not None else None)
+        weights = progress.track(weights, total)
     model.load_weights(weights)
+    if int4:
+        if progress is not None:
+            progress.stage("GGUF int4 layers")
+        quantize_gguf_linears(model, raw_gguf_weights(reader, hf_config))
     if cacheable:
         if progress is not None:
             progress.stage("caching the parameters")
-        save_parameters(model, folder, dtype)
+        save_parameters(model, folder, dtype, built, int4)
 
 
 def count_safetensors_weights(folder: str) -> int:
@@ -222,8 +237,8 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
     GGUF weights run them quantized (:mod:`tandem.layers.quantization.gguf`).
 
     Raises:
-        ValueError: unknown architecture, unknown load format, weights not matching, or
-            an FP8 checkpoint lacking scales.
+        ValueError: unknown architecture, unknown load format, weights not matching, an
+            FP8 checkpoint lacking scales, or a GGUF one on several ranks.
     """
     cls = get_model_class(hf_config)
     gguf_config = quant_config if isinstance(quant_config, GGUFQuantConfig) else None
@@ -249,8 +264,11 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
             progress.stage("random weights")
             init_dummy_weights(model, seed)
         elif is_gguf(model_path):
+            if gguf_config is not None and (ps.get_tp_size() != 1 or ps.get_ep_size() != 1):
+                raise ValueError("quantization='gguf' runs on one rank; use quantization='none' with tensor/expert "
+                                 "parallelism")
             load_gguf_weights(model, model_path, hf_config, dtype, cache_parameters=quant_config is None,
-                              progress=progress)
+                              int4=gguf_config is not None, progress=progress)
         elif os.path.isdir(model_path):
             progress.stage("reading the tensors")
             weights = progress.track(iterate_safetensors_weights(model_path), count_safetensors_weights(model_path))
@@ -261,10 +279,4 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
         if quant_config is not None:
             progress.stage("FP8 weights")
             finish_fp8_model(model, quant_config, dtype)
-        if gguf_config is not None:
-            if ps.get_tp_size() != 1 or ps.get_ep_size() != 1:
-                raise ValueError("quantization='gguf' runs on one rank; use quantization='none' with tensor/expert "
-                                 "parallelism")
-            progress.stage("GGUF int4 layers")
-            quantize_gguf_linears(model, raw_gguf_weights(gguf_config.path, hf_config))
     return model.eval()

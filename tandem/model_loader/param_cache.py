@@ -1,23 +1,32 @@
-"""A GGUF model's parameters as loaded, cached per dtype and memory-mapped on later loads.
+"""A GGUF model's tensors as loaded, cached per dtype and memory-mapped on later loads.
 
-The converted folder of a GGUF file (:mod:`tandem.model_loader.gguf_cache`) holds its
-tensors in fp32 under HF names. Loading those means reading all of them, converting them to
-the model dtype and copying them into fresh (fused q/k/v, gate/up) parameters: a second of
-a CLI start on a small CPU, most of it page faults of the new memory. This cache keeps the
-parameters exactly as :meth:`load_weights` left them, in the model dtype, in
-``<entry>/params-<dtype>.pt`` (``torch.save``'s zip format: every tensor 64-byte aligned
-for the GEMM kernels, which safetensors does not guarantee). A later load maps that file
-(``torch.load(mmap=True)``, copy-on-write: writes stay private to the process) and makes
-the mapped tensors the parameters' storage on the CPU (no copy: pages are read from the page
-cache at first use) or copies them to another device.
+Loading a GGUF file's weights means parsing its metadata (2 s for a 135M model, 7 s for a
+0.5B one on a small CPU: the tokenizer's arrays), dequantizing every tensor (``gguf``'s
+numpy code: 1.5 s and 10 s), converting them to the model dtype and copying them into fresh
+(fused q/k/v, gate/up) parameters; its int4 layers (:mod:`tandem.layers.quantization.gguf`)
+then repack the file's raw blocks (0.5 s and 9 s). This cache keeps what the model holds
+afterwards, exactly as it holds it, in ``<entry>/params-<dtype>[-gguf-int4-<cpu
+capability>].pt`` (``torch.save``'s zip format: every tensor 64-byte aligned for the GEMM
+kernels, which safetensors does not guarantee): the parameters in the model dtype (a tied
+LM head's dense weight is the embedding's storage, saved once), and the packed planes,
+scales and zeros of the int4 layers with the list of those layers. A later load maps that
+file (``torch.load(mmap=True)``, copy-on-write: writes stay private to the process), puts
+the listed int4 layers back around their mapped buffers
+(:func:`~tandem.layers.quantization.gguf.restore_gguf_linears`) and makes the mapped tensors
+the parameters' storage on the CPU (no copy: pages are read from the page cache at first
+use) or copies them to another device. The int4 file's name carries the CPU capability ATen
+dispatches to, whose packing it holds (a cache shared by machines of two capabilities
+keeps one file per capability).
 
 The entry's key already covers the GGUF file and the converter versions; the file also
-records :data:`PARAMS_FORMAT`, the model class, the dtype and every parameter's name, shape
-and dtype, and is used only when all of them equal the model being loaded. A file that cannot be
-read (truncated, not a torch zip) or that does not match is rewritten from the converted
-folder, with a warning. Written to a temporary file in the same folder and renamed into
-place (atomic on POSIX): a reader never maps a partial file. Only unsharded, unquantized
-models use it (a tensor-parallel rank's parameters are a slice that depends on the layout).
+records :data:`PARAMS_FORMAT`, the model class, the dtype, the torch version (the packing's
+owner) and the name, shape and dtype of every parameter of the model as built (before
+loading), and is used only when all of them equal the model being loaded. A file that
+cannot be read (truncated, not a torch zip, tensors other than it lists) or that does not
+match is rewritten from the GGUF file, with a warning. Written to a temporary file in the
+same folder and renamed into place (atomic on POSIX): a reader never maps a partial file.
+Only unsharded models without FP8 layers use it (a tensor-parallel rank's parameters are a
+slice that depends on the layout).
 """
 
 from __future__ import annotations
@@ -30,49 +39,80 @@ import tempfile
 import torch
 from torch import nn
 
+from tandem.layers.quantization.gguf import gguf_int4_layers, restore_gguf_linears
+
 logger = logging.getLogger(__name__)
 
-# Bump when a model's parameter layout changes without changing names or shapes.
-PARAMS_FORMAT = 1
+# Bump when what a load leaves in a model changes without changing the built model's names
+# or shapes: a parameter's layout, which GGUF layers run int4 or how their blocks map to
+# planes (tandem.layers.quantization.gguf).
+PARAMS_FORMAT = 2
 
 
-def params_file(folder: str, dtype: torch.dtype) -> str:
-    """Where the parameters of the converted GGUF ``folder`` in ``dtype`` are cached."""
-    return os.path.join(folder, f"params-{str(dtype).removeprefix('torch.')}.pt")
+def params_file(folder: str, dtype: torch.dtype, int4: bool = False) -> str:
+    """Where the tensors of the converted GGUF ``folder``'s model in ``dtype`` are cached;
+    ``int4``: the model with GGUF int4 layers (its packing is the current CPU capability's)."""
+    name = str(dtype).removeprefix("torch.")
+    if int4:
+        name += f"-gguf-int4-{torch.backends.cpu.get_cpu_capability().lower()}"
+    return os.path.join(folder, f"params-{name}.pt")
 
 
-def _header(model: nn.Module, dtype: torch.dtype) -> dict:
+def model_spec(model: nn.Module) -> dict[str, list]:
+    """Name -> ``[shape, dtype]`` of every parameter: what tells two models built alike."""
+    return {name: [list(p.shape), str(p.dtype)] for name, p in model.named_parameters()}
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The loaded model's parameters and its int4 layers' buffers, by name, on the CPU."""
+    out = {name: p.detach().cpu() for name, p in model.named_parameters()}
+    for name in gguf_int4_layers(model):
+        layer = model.get_submodule(name)
+        out[f"{name}.packed"], out[f"{name}.scales_and_zeros"] = layer.packed, layer.scales_and_zeros
+    return out
+
+
+def _header(built: dict[str, list], model: nn.Module, dtype: torch.dtype) -> dict:
+    """What must equal between the model that wrote the file and the one loading it."""
     return {
         "format": PARAMS_FORMAT,
         "model": f"{type(model).__module__}.{type(model).__qualname__}",
         "dtype": str(dtype),
-        "params": {name: [list(p.shape), str(p.dtype)] for name, p in model.named_parameters()},
+        "torch": str(torch.__version__),
+        "built": built,
     }
 
 
-def _matches(tensors: dict[str, torch.Tensor], header: dict) -> bool:
-    return tensors.keys() == header["params"].keys() and all(
-        [list(t.shape), str(t.dtype)] == header["params"][name] for name, t in tensors.items())
+def _spec(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
+    return {name: [list(t.shape), str(t.dtype)] for name, t in tensors.items()}
 
 
-def load_cached_parameters(model: nn.Module, folder: str, dtype: torch.dtype) -> bool:
-    """Point ``model``'s parameters at the cached tensors of ``folder`` in ``dtype``.
+def load_cached_parameters(model: nn.Module, folder: str, dtype: torch.dtype, int4: bool = False) -> bool:
+    """Give ``model`` (as built, not loaded) the cached tensors of ``folder`` in ``dtype``:
+    its int4 layers put back (with ``int4``) and every parameter pointing at its mapped
+    tensor.
 
     Returns False, leaving the model untouched, when there is no such file, it cannot be
-    read, or it was written for another layout (format, class, dtype, names or shapes).
+    read, or it was written for another model (format, class, dtype, torch version, or
+    names and shapes of the built model's parameters).
     """
-    path = params_file(folder, dtype)
+    path = params_file(folder, dtype, int4)
     if not os.path.isfile(path):
         return False
     try:
         saved = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        header, tensors = saved["header"], saved["params"]
+        header, layers, tensors = saved["header"], saved["int4_layers"], saved["tensors"]
+        consistent = _spec(tensors) == saved["spec"]
     except Exception as e:  # noqa: BLE001 - any unreadable file is rebuilt, whatever the reader raised
         logger.warning("cached parameters %s unreadable (%s: %s): rebuilding them", path, type(e).__name__, e)
         return False
-    expected = _header(model, dtype)
-    if header != expected or not _matches(tensors, expected):
+    if header != _header(model_spec(model), model, dtype) or not consistent:
         logger.warning("cached parameters %s were written for another model layout: rebuilding them", path)
+        return False
+    try:
+        restore_gguf_linears(model, layers, tensors)
+    except (AttributeError, KeyError, ValueError) as e:  # checked for every layer before any is replaced
+        logger.warning("cached parameters %s hold inconsistent int4 layers (%s): rebuilding them", path, e)
         return False
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -83,14 +123,24 @@ def load_cached_parameters(model: nn.Module, folder: str, dtype: torch.dtype) ->
     return True
 
 
-def save_parameters(model: nn.Module, folder: str, dtype: torch.dtype) -> None:
-    """Write ``model``'s parameters as the cached ones of ``folder`` for a model in ``dtype``.
+def save_parameters(model: nn.Module, folder: str, dtype: torch.dtype, built: dict[str, list] | None = None,
+                    int4: bool = False) -> None:
+    """Write the loaded ``model``'s tensors as the cached ones of ``folder`` for a model in
+    ``dtype``.
+
+    Args:
+        built: :func:`model_spec` of the model before loading (None: the model's own, for a
+            model whose loading changed no parameter's name, shape or dtype, i.e. without
+            int4 layers).
+        int4: the model went through the GGUF int4 rebuild (the file :func:`params_file`
+            names for it; its int4 layers are saved with it).
 
     A folder that cannot be written (read-only, full disk) is logged and skipped.
     """
-    path = params_file(folder, dtype)
-    payload = {"header": _header(model, dtype),
-               "params": {name: p.detach().cpu() for name, p in model.named_parameters()}}
+    path = params_file(folder, dtype, int4)
+    tensors = _tensors(model)
+    payload = {"header": _header(model_spec(model) if built is None else built, model, dtype),
+               "int4_layers": gguf_int4_layers(model), "spec": _spec(tensors), "tensors": tensors}
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)
     except OSError as e:

@@ -163,11 +163,8 @@ def test_concurrent_conversion_loses_the_rename_gracefully(tmp_path, cache_home,
 
 def test_cached_entry_equals_direct_gguf_load(embedded_model_path):
     """The embedded model's entry (in the real cache: built once per machine) holds the
-    config, tokenizer and fp32 weights that reading the GGUF file gives."""
-    from safetensors.torch import load_file
+    config and tokenizer that reading the GGUF file gives."""
     from transformers import AutoConfig, AutoTokenizer
-
-    from tandem.model_loader.gguf_weights import iterate_gguf_weights
 
     folder = gguf_cache.converted_folder(embedded_model_path)
     assert folder is not None
@@ -182,27 +179,77 @@ def test_cached_entry_equals_direct_gguf_load(embedded_model_path):
     assert cached_tok.encode(text) == direct_tok.encode(text)
     assert cached_tok.chat_template == direct_tok.chat_template
     assert cached_tok.special_tokens_map == direct_tok.special_tokens_map
-    cached = load_file(os.path.join(folder, gguf_cache.WEIGHTS_FILE))
-    direct = dict(iterate_gguf_weights(embedded_model_path, direct_cfg))
-    assert cached.keys() == direct.keys()
-    for k, t in direct.items():
-        assert cached[k].dtype == torch.float32 and torch.equal(cached[k], t), k
 
 
-def test_weights_not_cached_above_the_size_limit(tmp_path, cache_home, embedded_model_path, monkeypatch):
-    """A file whose fp32 weights exceed the limit gets config and tokenizer only; the
-    loader then dequantizes from the file."""
+@pytest.fixture
+def tiny_gguf(tmp_path, cache_home, monkeypatch):
+    """A small GGUF file of Llama tensors (fp32, Q8_0), whose config and tokenizer stand
+    in for transformers' reading of GGUF metadata (seconds for a real file)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig
+
+    path = tmp_path / "tiny.gguf"
+    w = GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", rng.standard_normal((300, 64), dtype=np.float32))
+    w.add_tensor("output_norm.weight", rng.standard_normal(64, dtype=np.float32))
+    q8 = quantize(rng.standard_normal((64, 64), dtype=np.float32), GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    class Tokenizer:
+        def save_pretrained(self, out: str) -> None:
+            pass
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setattr(AutoConfig, "from_pretrained", lambda *a, **k: config)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    return str(path)
+
+
+def test_conversion_writes_no_weights_and_the_checkpoint_is_written_on_request(tiny_gguf, monkeypatch):
+    """A conversion writes config and tokenizer only (loads cache their own parameters); a
+    reader of a whole HF checkpoint gets the fp32 weights written once into the entry,
+    equal to the file's dequantized tensors, which the loader then reads."""
+    from safetensors.torch import load_file
+
+    from tandem.model_loader.gguf_weights import iterate_gguf_weights
     from tandem.model_loader.loader import iterate_gguf_weights_cached, load_hf_config
 
-    src = tmp_path / "copy.gguf"
-    shutil.copyfile(embedded_model_path, src)
-    monkeypatch.setattr(gguf_cache, "MAX_CACHED_WEIGHT_BYTES", 1)
-    folder = gguf_cache.converted_folder(str(src))
-    assert os.path.isfile(os.path.join(folder, "config.json"))
-    assert os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    folder = gguf_cache.converted_folder(tiny_gguf)
     assert not os.path.exists(os.path.join(folder, gguf_cache.WEIGHTS_FILE))
-    name, t = next(iter(iterate_gguf_weights_cached(str(src), load_hf_config(str(src)))))
-    assert t.dtype == torch.float32 and name.startswith("model.")
+    assert gguf_cache.checkpoint_folder(tiny_gguf) == folder
+    cached = load_file(os.path.join(folder, gguf_cache.WEIGHTS_FILE))
+    direct = dict(iterate_gguf_weights(tiny_gguf, load_hf_config(tiny_gguf)))
+    assert cached.keys() == direct.keys() == {"model.embed_tokens.weight", "model.norm.weight",
+                                              "model.layers.0.self_attn.q_proj.weight"}
+    for k, t in direct.items():
+        assert cached[k].dtype == torch.float32 and torch.equal(cached[k], t), k
+    assert [e for e in os.listdir(folder) if e.startswith(".")] == []  # no temporary file left
+
+    def written_again(*args):
+        raise AssertionError("the checkpoint was written again")
+
+    monkeypatch.setattr(gguf_cache, "_write_checkpoint", written_again)
+    assert gguf_cache.checkpoint_folder(tiny_gguf) == folder
+    monkeypatch.setattr("tandem.model_loader.gguf_weights.open_gguf", written_again)  # read, not dequantized
+    loaded = dict(iterate_gguf_weights_cached(tiny_gguf, load_hf_config(tiny_gguf)))
+    assert all(torch.equal(loaded[k], t) for k, t in direct.items())
+
+
+def test_checkpoint_not_writable_is_none(tiny_gguf, monkeypatch):
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gguf_cache, "_write_checkpoint", full_disk)
+    assert gguf_cache.checkpoint_folder(tiny_gguf) is None
+    assert gguf_cache.converted_folder(tiny_gguf) is not None  # loads still use the entry
 
 
 def test_concurrent_first_loads_convert_once(tmp_path, cache_home, monkeypatch):

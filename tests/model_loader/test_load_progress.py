@@ -1,5 +1,5 @@
 """Load progress: a bar on a terminal, periodic INFO lines elsewhere, and a closing line with
-the time, for weight loading and GGUF conversion (tandem.progress)."""
+the time, for weight loading, GGUF conversion and its fp32 checkpoint (tandem.progress)."""
 
 from __future__ import annotations
 
@@ -116,14 +116,16 @@ def tiny_gguf(tmp_path, monkeypatch):
     gguf_cache._converted_folder.cache_clear()
 
 
-def test_gguf_conversion_logs_the_tensors_and_the_time(tiny_gguf, caplog):
+def test_gguf_conversion_logs_the_time(tiny_gguf, caplog):
     caplog.set_level(logging.INFO, logger="tandem.model_loader.gguf_cache")
     assert gguf_cache.converted_folder(tiny_gguf) is not None
-    assert any(re.fullmatch(r"Converting tiny\.gguf took \d+\.\d\d s \(3 tensors\)", m) for m in caplog.messages), \
-        caplog.messages
+    assert any(re.fullmatch(r"Converting tiny\.gguf took \d+\.\d\d s", m) for m in caplog.messages), caplog.messages
 
 
-def test_gguf_conversion_draws_a_bar_on_a_terminal(tiny_gguf, terminal, capsys):
-    gguf_cache.converted_folder(tiny_gguf)
+def test_gguf_checkpoint_logs_the_tensors_and_draws_a_bar_on_a_terminal(tiny_gguf, terminal, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="tandem.model_loader.gguf_cache")
+    assert gguf_cache.checkpoint_folder(tiny_gguf) is not None
     err = capsys.readouterr().err
-    assert "Converting tiny.gguf: 100%" in err and "3/3" in err, err
+    assert "Dequantizing tiny.gguf: 100%" in err and "3/3" in err, err
+    assert any(re.fullmatch(r"Dequantizing tiny\.gguf took \d+\.\d\d s \(3 tensors\)", m) for m in caplog.messages), \
+        caplog.messages

@@ -1,5 +1,6 @@
 """The parameter cache of GGUF models: hit, miss, invalidation, unreadable files rebuilt,
-and a model loaded from it equal to one loaded from the checkpoint."""
+and a model loaded from it equal to one loaded from the checkpoint; with GGUF int4 layers,
+their packed planes cached with the other tensors and mapped, not rebuilt."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from tandem import platform
 from tandem.attention.torch_backend import TorchAttentionBackend
+from tandem.layers.quantization import gguf as gguf_int4
 from tandem.model_loader import gguf_cache, loader
 from tandem.model_loader.param_cache import load_cached_parameters, params_file, save_parameters
 from tandem.models.llama import LlamaForCausalLM
@@ -120,19 +123,27 @@ def test_gguf_load_writes_then_maps_the_cache(entry_copy, embedded_model_path, m
     assert os.path.isfile(path)
     reference = _state(first)
 
-    def no_checkpoint(*args, **kwargs):
-        raise AssertionError("the checkpoint was read although the parameter cache holds the model")
-
     with monkeypatch.context() as m:
-        m.setattr(loader, "iterate_gguf_weights_cached", no_checkpoint)
+        _no_checkpoint(m)
         _assert_same(build(), reference)
 
     with open(path, "r+b") as f:  # damaged: rebuilt from the checkpoint, not crashed on
         f.truncate(1000)
     _assert_same(build(), reference)
     with monkeypatch.context() as m:
-        m.setattr(loader, "iterate_gguf_weights_cached", no_checkpoint)
+        _no_checkpoint(m)
         _assert_same(build(), reference)
+
+
+def _no_checkpoint(m: pytest.MonkeyPatch) -> None:
+    """Make reading the GGUF file or an fp32 checkpoint, or building int4 planes, fail."""
+    def read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read although the parameter cache holds the model")
+
+    for name in ("open_gguf", "iterate_safetensors_weights", "quantize_gguf_linears"):
+        m.setattr(loader, name, read)
+    for name in ("int4_planes", "pack_int4_planes"):
+        m.setattr(gguf_int4, name, read)
 
 
 def test_changed_gguf_file_misses(tmp_path, monkeypatch):
@@ -152,3 +163,84 @@ def test_changed_gguf_file_misses(tmp_path, monkeypatch):
     assert second != first and not os.path.exists(first)
     assert not load_cached_parameters(_model(seed=1), second, torch.float32)
     gguf_cache._converted_folder.cache_clear()
+
+
+def _build_int4(path: str):
+    from tandem.layers.quantization.config import GGUFQuantConfig
+
+    return loader.build_model(loader.load_hf_config(path), path, "auto", TorchAttentionBackend(), torch.bfloat16,
+                              torch.device("cpu"), max_positions=256, quant_config=GGUFQuantConfig(path))
+
+
+def _assert_same_model(model, reference) -> None:
+    """The same modules (types, names) and the same tensors, bit for bit."""
+    assert [(n, type(m)) for n, m in model.named_modules()] == [(n, type(m)) for n, m in reference.named_modules()]
+    got, want = model.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+def test_gguf_int4_load_caches_its_planes_and_maps_them(entry_copy, embedded_model_path, monkeypatch):
+    """The default CPU load (bf16, GGUF int4 layers) caches what the model holds, packed
+    planes included, in one file (no dense parameter file, no fp32 checkpoint); a later load
+    maps it without reading the GGUF file or building a plane, and holds the same model."""
+    first = _build_int4(embedded_model_path)
+    assert sum(isinstance(m, gguf_int4.GGUFInt4Linear) for m in first.modules()) == 30 * 4 + 1  # and the LM head
+    path = params_file(str(entry_copy), torch.bfloat16, int4=True)
+    assert os.path.isfile(path)
+    assert not os.path.exists(params_file(str(entry_copy), torch.bfloat16))
+    assert not os.path.exists(entry_copy / gguf_cache.WEIGHTS_FILE)
+    with monkeypatch.context() as m:
+        _no_checkpoint(m)
+        warm = _build_int4(embedded_model_path)
+    _assert_same_model(warm, first)
+    head = warm.lm_head_quant
+    assert head.dense.data_ptr() == warm.embed_tokens.weight.data_ptr()  # the tied head's weight saved once
+    assert head.packed.data_ptr() % 64 == 0
+
+
+def test_int4_file_is_one_per_cpu_capability(tmp_path, monkeypatch):
+    """The kernel's packing differs between AVX512 and AVX2 (and the portable build): a
+    cache shared by two machines keeps one int4 file for each."""
+    names = set()
+    for capability in ("AVX512", "AVX2", "DEFAULT"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        names.add(params_file(str(tmp_path), torch.bfloat16, int4=True))
+    assert len(names) == 3 and params_file(str(tmp_path), torch.bfloat16) not in names
+
+
+@pytest.mark.skipif(not platform.cpu_has_native_bf16(), reason="GGUF int4 is the default on CPUs with native bf16")
+def test_default_load_cold_and_warm_give_the_same_logits(tmp_path, embedded_model_path, monkeypatch):
+    """The default load of the embedded model, first in an empty cache then from it: the same
+    greedy tokens and log-probabilities (prompt and generated tokens) bit for bit; the entry
+    holds config, tokenizer and one parameter file, a warm load builds no plane."""
+    from tandem import LLM, SamplingParams
+    from tests.conftest import PROMPTS
+
+    monkeypatch.setenv("TANDEM_CACHE_ROOT", str(tmp_path / "cache"))
+    gguf_cache._converted_folder.cache_clear()
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, prompt_logprobs=5)
+
+    def run() -> list:
+        llm = LLM(model=embedded_model_path, num_kv_blocks=64, max_model_len=512)
+        try:
+            assert any(isinstance(m, gguf_int4.GGUFInt4Linear) for m in llm.engine.model.modules())
+            outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
+                 [d and {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs]) for o in outs]
+
+    try:
+        cold = run()
+        (entry,) = [e for e in os.listdir(tmp_path / "cache" / "gguf") if e != gguf_cache.HASHES_DIR]
+        files = os.listdir(tmp_path / "cache" / "gguf" / entry)
+        assert [f for f in files if f.startswith("params-")] == [os.path.basename(
+            params_file("", torch.bfloat16, int4=True))] and gguf_cache.WEIGHTS_FILE not in files
+        with monkeypatch.context() as m:
+            _no_checkpoint(m)
+            warm = run()
+    finally:
+        gguf_cache._converted_folder.cache_clear()
+    assert warm == cold

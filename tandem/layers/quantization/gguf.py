@@ -54,6 +54,14 @@ how it was chunked, and a generated token the same way whatever else is in the s
 (the two kernels give a row the same bits whatever the row count; a switch by row count
 made a repeated greedy chat change its answer after a prefix-cache hit). The int4 form
 costs a quarter more memory (two planes: half).
+
+A load builds the planes from the file's raw blocks once (:func:`quantize_gguf_linears`);
+the parameter cache (:mod:`tandem.model_loader.param_cache`) keeps the packed layers
+(:func:`gguf_int4_layers`) with the model's other tensors, and later loads rebuild the layers
+from its mapped tensors (:func:`restore_gguf_linears`). The packed layout is the one of the
+CPU capability ATen dispatches to (AVX512 and AVX2 interleave output rows differently), so
+the cache file is one per capability. A change to which layers run int4 or to a type's
+planes must bump the cache's ``PARAMS_FORMAT``: the cached planes would be served otherwise.
 """
 
 from __future__ import annotations
@@ -220,7 +228,7 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any]) -> dict[str,
         if any(raw[p].qtype not in INT4_TYPES for p in parts):
             counts["dequantized"] += 1
             continue
-        layer = GGUFInt4Linear(_fused_planes([raw[p] for p in parts]), mod.bias, mod.weight.data)
+        layer = GGUFInt4Linear.from_planes(_fused_planes([raw[p] for p in parts]), mod.bias, mod.weight.data)
         if (layer.out_features, layer.in_features) != tuple(mod.weight.shape):
             raise ValueError(f"GGUF weights of {name!r}: {(layer.out_features, layer.in_features)} vs the "
                              f"layer's {tuple(mod.weight.shape)}")
@@ -238,7 +246,8 @@ def _quantize_lm_head(model: nn.Module, raw: Mapping[str, Any]) -> None:
     if name not in raw or raw[name].qtype not in INT4_TYPES:
         return
     dense = (model.embed_tokens if tied else model.lm_head).weight.data
-    model.lm_head_quant = GGUFInt4Linear(_fused_planes([raw[name]]), dense=dense, max_int4_rows=LM_HEAD_MAX_INT4_ROWS)
+    model.lm_head_quant = GGUFInt4Linear.from_planes(_fused_planes([raw[name]]), dense=dense,
+                                                     max_int4_rows=LM_HEAD_MAX_INT4_ROWS)
 
 
 def _fused_planes(weights: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -253,6 +262,78 @@ def _fused_planes(weights: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, 
     return [tuple(torch.from_numpy(np.concatenate([p[i][j] for p in per_part])) for j in range(3)) for i in range(n)]
 
 
+def gguf_int4_layers(model: nn.Module) -> dict[str, int | None]:
+    """The model's :class:`GGUFInt4Linear` layers: module name -> ``max_int4_rows`` (with
+    their buffers and parameters, what :func:`restore_gguf_linears` rebuilds them from)."""
+    return {name: m.max_int4_rows for name, m in model.named_modules() if isinstance(m, GGUFInt4Linear)}
+
+
+def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
+                         tensors: Mapping[str, torch.Tensor]) -> None:
+    """Put back the int4 layers of a model that :func:`quantize_gguf_linears` rebuilt, from
+    their saved tensors, without a copy (a parameter cache's mapped tensors): what a
+    model built alike holds after loading and quantizing the same file.
+
+    Args:
+        model: the model as built (the decoder's linear layers dense; ``lm_head_quant``
+            None).
+        layers: :func:`gguf_int4_layers` of the quantized model.
+        tensors: the quantized model's tensors by name: ``<layer>.packed`` and
+            ``<layer>.scales_and_zeros`` of every layer, ``<layer>.bias`` and
+            ``<layer>.dense`` where it has them.
+
+    Raises:
+        AttributeError: a layer's parent module is missing.
+        KeyError: a layer's buffers are missing.
+        ValueError: a layer's tensors do not fit each other.
+        (All checked for every layer before any is replaced.)
+    """
+    swaps = []
+    for name, max_rows in layers.items():
+        parent_name, _, child = name.rpartition(".")
+        layer = GGUFInt4Linear(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"],
+                               tensors.get(f"{name}.bias"), tensors.get(f"{name}.dense"), max_rows)
+        swaps.append((model.get_submodule(parent_name), child, layer))
+    for parent, child, layer in swaps:
+        setattr(parent, child, layer)
+
+
+def pack_int4_planes(planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int4 planes in the CPU kernel's layout (the buffers of a :class:`GGUFInt4Linear`).
+
+    Args:
+        planes: ``(q [out, in] uint8/int values in [0, 15], scale [out, in/32], zero
+            [out, in/32])`` per plane; the weight is the sum of ``(q - 8) * scale + zero``.
+
+    Returns:
+        ``packed`` ``[planes, out, in/2]`` uint8 (``_convert_weight_to_int4pack_for_cpu``'s
+        layout, which depends on the CPU capability ATen dispatches to:
+        ``torch.backends.cpu.get_cpu_capability()``) and ``scales_and_zeros``
+        ``[planes, in/32, out, 2]`` in :data:`KERNEL_DTYPE`.
+
+    Raises:
+        ValueError: no planes, ``in`` not divisible by :data:`GROUP_SIZE`, or planes of
+            different shapes.
+    """
+    if not planes:
+        raise ValueError("an int4 layer needs at least one plane")
+    out_features, in_features = planes[0][0].shape
+    groups = (out_features, in_features // GROUP_SIZE)
+    packed, sz = [], []
+    for q, scale, zero in planes:
+        if in_features % GROUP_SIZE or q.shape != planes[0][0].shape or scale.shape != groups \
+                or zero.shape != groups:
+            raise ValueError(f"int4 weight {tuple(q.shape)} with scales {tuple(scale.shape)} / zeros "
+                             f"{tuple(zero.shape)}: need [out, in/{GROUP_SIZE}] for in divisible by {GROUP_SIZE}, "
+                             f"and every plane of one shape")
+        packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
+                                                                           _INNER_K_TILES))
+        # The kernel's layout: [in/32, out, 2] of (scale, zero).
+        sz.append(torch.stack([scale.float(), zero.float()], dim=-1).transpose(0, 1).to(KERNEL_DTYPE))
+    return torch.stack(packed), torch.stack(sz).contiguous()
+
+
 class GGUFInt4Linear(nn.Module):
     """A linear layer whose weight is the sum of int4 planes (:func:`int4_planes`), run with
     PyTorch's CPU int4 kernel, one call per plane.
@@ -264,8 +345,10 @@ class GGUFInt4Linear(nn.Module):
     context: every row int4).
 
     Args:
-        planes: ``(q [out, in] uint8/int values in [0, 15], scale [out, in/32], zero
-            [out, in/32])`` per plane; the weight is the sum of ``(q - 8) * scale + zero``.
+        packed: ``[planes, out, in/2]`` uint8 and
+        scales_and_zeros: ``[planes, in/32, out, 2]`` bfloat16: the planes in the kernel's
+            layout (:func:`pack_int4_planes`; :meth:`from_planes` packs them), kept as the
+            layer's buffers without a copy (a memory-mapped cache's tensors stay mapped).
         bias: ``[out]`` or None.
         dense: ``[out, in]`` the dequantized weight for prompt tokens; None: always int4.
         max_int4_rows: with ``dense``, a forward with more generated rows than this runs
@@ -273,8 +356,9 @@ class GGUFInt4Linear(nn.Module):
             with the rows, the dense GEMM's hardly); None: no limit.
 
     Raises:
-        ValueError: shapes that do not fit, no planes; at forward, an input whose row
-            count differs from the forward context's rows.
+        ValueError: buffers whose shapes or dtypes do not fit each other, no planes, a
+            dense weight of another shape; at forward, an input whose row count differs
+            from the forward context's rows.
     """
 
     # What the decoder asks a linear layer (tandem.layers.linear): plain tensors in and out.
@@ -283,27 +367,21 @@ class GGUFInt4Linear(nn.Module):
     # The model runner passes each forward's RowPhases to models with such layers.
     uses_row_phases = True
 
-    def __init__(self, planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
-                 max_int4_rows: int | None = None) -> None:
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None = None,
+                 dense: torch.Tensor | None = None, max_int4_rows: int | None = None) -> None:
         super().__init__()
-        if not planes:
-            raise ValueError("an int4 layer needs at least one plane")
-        self.out_features, self.in_features = planes[0][0].shape
-        packed, sz = [], []
-        for q, scale, zero in planes:
-            groups = (self.out_features, self.in_features // GROUP_SIZE)
-            if self.in_features % GROUP_SIZE or q.shape != planes[0][0].shape or scale.shape != groups \
-                    or zero.shape != groups:
-                raise ValueError(f"int4 weight {tuple(q.shape)} with scales {tuple(scale.shape)} / zeros "
-                                 f"{tuple(zero.shape)}: need [out, in/{GROUP_SIZE}] for in divisible by {GROUP_SIZE}, "
-                                 f"and every plane of one shape")
-            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
-                                                                               _INNER_K_TILES))
-            # The kernel's layout: [in/32, out, 2] of (scale, zero).
-            sz.append(torch.stack([scale.float(), zero.float()], dim=-1).transpose(0, 1).to(KERNEL_DTYPE))
-        self.register_buffer("packed", torch.stack(packed))
-        self.register_buffer("scales_and_zeros", torch.stack(sz).contiguous())
+        if scales_and_zeros.dim() != 4 or scales_and_zeros.shape[0] == 0:
+            raise ValueError(f"int4 scales and zeros {tuple(scales_and_zeros.shape)}: an int4 layer needs at least "
+                             f"one plane, [planes, in/{GROUP_SIZE}, out, 2]")
+        planes, groups, self.out_features, _ = scales_and_zeros.shape
+        self.in_features = groups * GROUP_SIZE
+        if packed.shape != (planes, self.out_features, self.in_features // 2) or packed.dtype != torch.uint8 \
+                or scales_and_zeros.dtype != KERNEL_DTYPE:
+            raise ValueError(f"packed int4 weight {tuple(packed.shape)} {packed.dtype} with scales and zeros "
+                             f"{tuple(scales_and_zeros.shape)} {scales_and_zeros.dtype}: need uint8 [planes, out, "
+                             f"in/2] and {KERNEL_DTYPE} [planes, in/{GROUP_SIZE}, out, 2]")
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
         # Each plane's kernel arguments, views of the buffers (a CPU-only layer: never moved).
         self._planes = [(p, GROUP_SIZE, sz) for p, sz in zip(self.packed, self.scales_and_zeros)]
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -312,6 +390,18 @@ class GGUFInt4Linear(nn.Module):
                              f"{(self.out_features, self.in_features)}")
         self.dense = None if dense is None else nn.Parameter(dense.detach(), requires_grad=False)
         self.max_int4_rows = max_int4_rows
+
+    @classmethod
+    def from_planes(cls, planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                    bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
+                    max_int4_rows: int | None = None) -> GGUFInt4Linear:
+        """The layer of int4 planes (:func:`pack_int4_planes`'s ``planes``; the other
+        arguments as the constructor's).
+
+        Raises:
+            ValueError: as :func:`pack_int4_planes` and the constructor.
+        """
+        return cls(*pack_int4_planes(planes), bias, dense, max_int4_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -363,4 +453,4 @@ class GGUFInt4Linear(nn.Module):
 
 
 __all__ = ["GROUP_SIZE", "INT4_TYPES", "KERNEL_DTYPE", "LM_HEAD_MAX_INT4_ROWS", "PLANES", "GGUFInt4Linear", "Int4Plane",
-           "int4_planes", "quantize_gguf_linears"]
+           "gguf_int4_layers", "int4_planes", "pack_int4_planes", "quantize_gguf_linears", "restore_gguf_linears"]

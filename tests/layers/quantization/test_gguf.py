@@ -11,7 +11,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
-from tandem.layers.quantization.gguf import KERNEL_DTYPE, PLANES, GGUFInt4Linear, int4_planes, quantize_gguf_linears
+from tandem.layers.quantization.gguf import (KERNEL_DTYPE, PLANES, GGUFInt4Linear, gguf_int4_layers, int4_planes,
+                                             quantize_gguf_linears, restore_gguf_linears)
 from tandem.model_loader.gguf_weights import RawWeight
 
 
@@ -83,7 +84,7 @@ def test_kernel_computes_the_mapped_weight(qtype):
     with the GGUF's own dequantized weight agrees to < 1 % (relative Frobenius)."""
     raw = _random_blocks(qtype, 64, 512, seed=3)
     planes = int4_planes(raw, qtype.name, 64, 512)
-    layer = GGUFInt4Linear(_torch_planes(planes))
+    layer = GGUFInt4Linear.from_planes(_torch_planes(planes))
     rounded = [(q, *(torch.from_numpy(a).to(KERNEL_DTYPE).float().numpy() for a in (s, z))) for q, s, z in planes]
     expected = _weight(rounded)
     got = layer.dequantized_weight().numpy()
@@ -99,7 +100,8 @@ def _q4_0_layer(rows: int = 32, cols: int = 64, **kw) -> tuple[GGUFInt4Linear, t
     raw = gguf.quants.quantize(np.random.default_rng(2).standard_normal((rows, cols)).astype(np.float32), T.Q4_0)
     dense = torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_0))
     bias = torch.randn(rows)
-    return GGUFInt4Linear(_torch_planes(int4_planes(raw, "Q4_0", rows, cols)), bias, dense, **kw), dense, bias
+    layer = GGUFInt4Linear.from_planes(_torch_planes(int4_planes(raw, "Q4_0", rows, cols)), bias, dense, **kw)
+    return layer, dense, bias
 
 
 @pytest.mark.parametrize("generated", [[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 1, 1]],
@@ -140,7 +142,7 @@ def test_without_phases_every_row_count_runs_int4_with_the_same_bits():
     on); two planes as well."""
     layer, _, _ = _q4_0_layer(96, 128)
     raw = _random_blocks(T.Q8_0, 96, 128, seed=5)
-    two = GGUFInt4Linear(_torch_planes(int4_planes(raw, "Q8_0", 96, 128)))
+    two = GGUFInt4Linear.from_planes(_torch_planes(int4_planes(raw, "Q8_0", 96, 128)))
     x = torch.randn(40, 128, dtype=KERNEL_DTYPE)
     for lay in (layer, two):
         full = lay(x)
@@ -156,11 +158,29 @@ def test_row_count_must_match_the_forward():
         layer(torch.randn(2, 64))
     plane = (torch.zeros(32, 64, dtype=torch.uint8), torch.ones(32, 2), torch.zeros(32, 2))
     with pytest.raises(ValueError, match="dense weight"):
-        GGUFInt4Linear([plane], dense=dense[:4])
+        GGUFInt4Linear.from_planes([plane], dense=dense[:4])
     with pytest.raises(ValueError, match="every plane of one shape"):
-        GGUFInt4Linear([plane, (torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2))])
+        other = (torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2))
+        GGUFInt4Linear.from_planes([plane, other])
     with pytest.raises(ValueError, match="at least one plane"):
-        GGUFInt4Linear([])
+        GGUFInt4Linear.from_planes([])
+
+
+def test_layer_of_its_buffers_is_the_layer_of_its_planes():
+    """A layer built around packed buffers (a parameter cache's, mapped) computes what the
+    layer that packed them does, bit for bit, and keeps them without a copy; buffers that
+    do not fit each other are refused."""
+    layer, dense, bias = _q4_0_layer()
+    again = GGUFInt4Linear(layer.packed, layer.scales_and_zeros, bias, dense)
+    assert again.packed.data_ptr() == layer.packed.data_ptr()
+    x = torch.randn(5, 64, dtype=KERNEL_DTYPE)
+    assert torch.equal(again(x), layer(x))
+    with pytest.raises(ValueError, match="need uint8"):
+        GGUFInt4Linear(layer.packed[:, :16], layer.scales_and_zeros)
+    with pytest.raises(ValueError, match="need uint8"):
+        GGUFInt4Linear(layer.packed, layer.scales_and_zeros.float())
+    with pytest.raises(ValueError, match="at least one plane"):
+        GGUFInt4Linear(layer.packed[:0], layer.scales_and_zeros[:0])
 
 
 class _Tiny(torch.nn.Module):
@@ -203,6 +223,31 @@ def test_swap_fuses_parts_in_order_and_unpermutes():
     del parts["model.layers.0.self_attn.k_proj.weight"]
     with pytest.raises(ValueError, match="no tensor 'model.layers.0.self_attn.k_proj.weight'"):
         quantize_gguf_linears(_Tiny(), parts)
+
+
+def test_restore_puts_back_the_swapped_layers_from_their_tensors():
+    """The int4 layers of a quantized model, named by ``gguf_int4_layers`` and rebuilt from
+    its tensors in a model as built: the same modules and tensors (the buffers not copied);
+    a missing buffer replaces nothing."""
+    rng = np.random.default_rng(5)
+    model = _Tiny()
+    parts = {}
+    for name, rows in (("q_proj", 32), ("k_proj", 16), ("v_proj", 16), ("o_proj", 64)):
+        cols = 32 if name == "o_proj" else 64
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), T.Q8_0)
+        parts[f"model.layers.0.self_attn.{name}.weight"] = RawWeight(raw, "Q8_0", rows, cols, None)
+    quantize_gguf_linears(model, parts)
+    layers, tensors = gguf_int4_layers(model), model.state_dict()
+    assert set(layers) == {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj"}
+    fresh = _Tiny()
+    with pytest.raises(KeyError):
+        restore_gguf_linears(fresh, layers, {k: v for k, v in tensors.items() if not k.endswith("o_proj.packed")})
+    assert not gguf_int4_layers(fresh)
+    restore_gguf_linears(fresh, layers, tensors)
+    assert gguf_int4_layers(fresh) == layers
+    got = fresh.state_dict()
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert fresh.layers[0].self_attn.o_proj.packed.data_ptr() == tensors["layers.0.self_attn.o_proj.packed"].data_ptr()
 
 
 _CONTINUATION_PROMPTS = [
