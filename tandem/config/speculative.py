@@ -33,8 +33,8 @@ class SpeculativeConfig:
     """How drafts are proposed: "ngram" (prompt lookup in the request's own tokens),
     "draft_model" (greedy tokens of the smaller model ``model``), "eagle" / "eagle3" (greedy
     tokens of the EAGLE / EAGLE-3 head ``model``). Unset, it follows from ``model`` as in
-    vLLM ("ngram" for ``"model": "ngram"``, a name with "eagle3" / "eagle" that method, else
-    "draft_model")."""
+    vLLM ("ngram" for ``"model": "ngram"``, a folder name with "eagle3" / "eagle-" that
+    method, else "draft_model")."""
 
     model: str | None = None
     """The draft model or head (required with every method but "ngram", refused with it): a
@@ -80,14 +80,16 @@ class SpeculativeConfig:
 
     def _infer_method(self) -> None:
         """vLLM's inference of ``method`` from ``model`` alone: "ngram" (or "[ngram]") is
-        prompt lookup, a name with "eagle3" / "eagle" in it that method, any other a draft
-        model."""
+        prompt lookup, a name with "eagle3" / "eagle-" in it that method, any other a draft
+        model. Only the last path component counts (a folder named "eagle..." above a draft
+        model does not make it a head)."""
         name = str(self.model)
+        last = os.path.basename(os.path.normpath(name)).lower()
         if name in ("ngram", "[ngram]"):
             self.method, self.model = "ngram", None
-        elif "eagle3" in name.lower():
+        elif "eagle3" in last:
             self.method = "eagle3"
-        elif "eagle" in name.lower():
+        elif "eagle-" in last:
             self.method = "eagle"
         else:
             self.method = "draft_model"

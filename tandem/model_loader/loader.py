@@ -177,13 +177,17 @@ def load_gguf_weights(model: nn.Module, path: str, hf_config, dtype: torch.dtype
 
 
 def count_safetensors_weights(folder: str) -> int:
-    """How many tensors :func:`iterate_safetensors_weights` yields (reads the files' headers only)."""
-    from safetensors import safe_open
+    """How many tensors :func:`iterate_safetensors_weights` yields (reads the files' headers
+    only). Raises ValueError: a file that cannot be read, naming it."""
+    from safetensors import SafetensorError, safe_open
 
     total = 0
     for f in glob.glob(os.path.join(folder, "*.safetensors")):
-        with safe_open(f, framework="pt") as sf:
-            total += len(sf.keys())
+        try:
+            with safe_open(f, framework="pt") as sf:
+                total += len(sf.keys())
+        except SafetensorError as e:
+            raise ValueError(f"cannot read {f}: {e}") from None
     return total
 
 
@@ -192,16 +196,20 @@ def iterate_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor
 
     Raises:
         FileNotFoundError: the folder has no safetensors files.
+        ValueError: a file that cannot be read (truncated, corrupt), naming it.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder!r} (use --load-format dummy for random weights)")
     for f in files:
-        with safe_open(f, framework="pt") as sf:
-            for name in sf.keys():
-                yield name, sf.get_tensor(name)
+        try:
+            with safe_open(f, framework="pt") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+        except SafetensorError as e:  # a truncated or corrupt file: one line, not a traceback
+            raise ValueError(f"cannot read {f}: {e}") from None
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -316,6 +316,19 @@ def load_decoder_weights(module: nn.Module, weights: Iterable[tuple[str, torch.T
             expected |= {f"{pname}#{i}" for i in range(2)}
         else:
             expected.add(f"{pname}#")
-    missing = expected - loaded
+    missing = sorted(_checkpoint_name(m) for m in expected - loaded)
     if missing:
-        raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:6]} ({len(missing)} in all)")
+        raise ValueError(f"checkpoint lacks weights for {missing[:6]} ({len(missing)} in all)")
+
+
+_UNSTACKED = {(fused, idx): part for part, (fused, idx) in _STACKED.items()}
+
+
+def _checkpoint_name(entry: str) -> str:
+    """A loaded-parameter entry ``name#shard`` as the checkpoint names it (q_proj, not qkv_proj#0)."""
+    name, shard = entry.split("#")
+    if shard:
+        for (fused, idx), part in _UNSTACKED.items():
+            if f".{fused}." in name and idx == int(shard):
+                return name.replace(fused, part)
+    return name

@@ -41,37 +41,66 @@ from tandem.worker.ubatching import StepInputs
 def load_eagle_head(method: str, path: str, target: torch.nn.Module, backend: AttentionBackend, dtype: torch.dtype,
                     device: torch.device, max_positions: int, load_format: str, seed: int = 0) -> torch.nn.Module:
     """The EAGLE (``method`` "eagle") or EAGLE-3 ("eagle3") head at ``path`` (a folder: config.json
-    and ``*.safetensors`` or ``pytorch_model.bin``), in ``dtype`` on ``device``, sharing
-    ``target``'s embedding (and EAGLE-1 its LM head). For EAGLE-3 the target is set to return
-    the inputs of the head's layers (``aux_hidden_state_layers``).
+    and ``*.safetensors`` or ``*.bin``), in ``dtype`` on ``device``, sharing ``target``'s
+    embedding (and EAGLE-1 its LM head). For EAGLE-3 the target is set to return the inputs of
+    the head's layers (``aux_hidden_state_layers``).
 
     Raises:
-        ValueError: naming ``speculative_config.model``: a head that does not fit the target
-            (:func:`check_eagle_head`) or weights that do not fit the head.
+        ValueError: one line naming ``speculative_config.model``: files that cannot be read,
+            a head that does not fit the target (:func:`check_eagle_head`), weights that do not
+            fit the head, or a ``d2t`` mapping outside the target's vocabulary.
     """
-    hf = load_hf_config(path)
+    name = f"speculative_config.model {path!r}"
+    try:
+        hf = load_hf_config(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{name}: cannot read its config.json: {_one_line(e)}") from None
     layers = check_eagle_head(method, hf, target, path)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             head = HEADS[method](hf, backend, TargetParts(target.embed_tokens, target.compute_logits), max_positions)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
     finally:
         torch.set_default_dtype(prev)
     for mod in head.modules():  # RoPE tables stay fp32, as the target's
-        for name, buf in mod.named_buffers(recurse=False):
+        for bname, buf in mod.named_buffers(recurse=False):
             if buf.is_floating_point():
-                setattr(mod, name, buf.float())
+                setattr(mod, bname, buf.float())
     if load_format == "dummy":
         init_dummy_weights(head, seed + 1)
     else:
-        try:
-            head.load_weights(_checkpoint(path))
-        except (ValueError, FileNotFoundError) as e:
-            raise ValueError(f"speculative_config.model {path!r}: {e}") from None
+        _load_head_weights(head, method, hf, path)
     if layers:
         target.aux_hidden_state_layers = layers
     return head.eval()
+
+
+def _load_head_weights(head: torch.nn.Module, method: str, hf, path: str) -> None:
+    """Load the head's checkpoint; every failure (unreadable, corrupt or mismatched files, a
+    ``d2t`` outside the vocabulary) is one ValueError naming ``speculative_config.model``."""
+    name = f"speculative_config.model {path!r}"
+    try:
+        head.load_weights(_checkpoint(path))
+    except Exception as e:  # a user's files: any reader's error is this one line
+        hint = ""
+        if isinstance(e, ValueError) and method == "eagle3" and \
+                not any("Eagle3" in a for a in getattr(hf, "architectures", None) or []):
+            hint = " (its config does not name an EAGLE-3 architecture: an EAGLE-1 head? use method 'eagle')"
+        raise ValueError(f"{name}: {_one_line(e)}{hint}") from None
+    d2t = getattr(head, "d2t", None)
+    if d2t is not None:
+        targets = torch.arange(len(d2t), device=d2t.device) + d2t
+        if len(targets) and (int(targets.min()) < 0 or int(targets.max()) >= head.spec.vocab_size):
+            raise ValueError(f"{name}: its d2t maps draft tokens to ids outside the target's vocabulary "
+                             f"[0, {head.spec.vocab_size}) ({int(targets.min())}..{int(targets.max())}).")
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if not isinstance(e, ValueError) else text
 
 
 def check_eagle_head(method: str, head_hf, target: torch.nn.Module, path: str) -> tuple[int, ...]:
@@ -79,11 +108,15 @@ def check_eagle_head(method: str, head_hf, target: torch.nn.Module, path: str) -
     EAGLE-3 head takes (empty for EAGLE-1).
 
     Raises:
-        ValueError: naming ``speculative_config.model``: another vocabulary or hidden size
-            than the target's, or an EAGLE-3 head on a target that cannot return layer
-            inputs (not a dense Llama / Qwen2 / Qwen3) or naming layers it lacks.
+        ValueError: naming ``speculative_config.model``: an EAGLE-3 head given as "eagle",
+            another vocabulary or hidden size than the target's, or an EAGLE-3 head on a
+            target that cannot return layer inputs (not a dense Llama / Qwen2 / Qwen3) or
+            naming layers it lacks.
     """
     name = f"speculative_config.model {path!r}"
+    archs = getattr(head_hf, "architectures", None) or []
+    if method == "eagle" and any("Eagle3" in a for a in archs):
+        raise ValueError(f"{name}: an EAGLE-3 head (architectures {archs}): use method 'eagle3'.")
     spec = getattr(target, "spec", None)
     if head_hf.vocab_size != target.embed_tokens.num_embeddings:
         raise ValueError(f"{name}: a head over {head_hf.vocab_size} tokens for a target of "
@@ -91,8 +124,8 @@ def check_eagle_head(method: str, head_hf, target: torch.nn.Module, path: str) -
     hidden = target.embed_tokens.embedding_dim
     head_in = getattr(head_hf, "target_hidden_size", None) or head_hf.hidden_size
     if head_hf.hidden_size != hidden or head_in != hidden:
-        raise ValueError(f"{name}: a head of hidden size {head_hf.hidden_size} (target hidden size {head_in}) "
-                         f"for a target of {hidden}: the head must be trained for this target.")
+        raise ValueError(f"{name}: the head's hidden size is {head_hf.hidden_size} and it takes target states of "
+                         f"{head_in}, the target's are {hidden}: the head must be trained for this target.")
     if method != "eagle3":
         return ()
     if spec is None or not hasattr(target, "aux_hidden_state_layers"):
@@ -108,7 +141,8 @@ def check_eagle_head(method: str, head_hf, target: torch.nn.Module, path: str) -
 
 def _checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """A head's tensors: its ``*.safetensors`` files, else its ``*.bin`` files (the public
-    EAGLE heads ship ``pytorch_model.bin``; loaded with ``weights_only``)."""
+    EAGLE heads ship ``pytorch_model.bin``; loaded with ``weights_only``, any torch.save
+    format)."""
     if glob.glob(os.path.join(path, "*.safetensors")):
         yield from iterate_safetensors_weights(path)
         return
@@ -116,7 +150,7 @@ def _checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors or *.bin files in {path!r}")
     for f in files:
-        yield from torch.load(f, map_location="cpu", weights_only=True, mmap=True).items()
+        yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
 class EagleProposer(DraftModelProposer):

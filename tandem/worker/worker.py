@@ -283,7 +283,7 @@ class Worker:
                     model_cfg.model, self.dtype, self.quant_config.method if self.quant_config is not None else "none",
                     num_blocks, cache_cfg.block_size, capacity,
                     sum(c.nbytes for c in kv_caches + (drafter.kv_caches if drafter else [])) / 2**30,
-                    " (the draft model's included)" if drafter else "", self.kv_dtype)
+                    " (the draft model's or EAGLE head's included)" if drafter else "", self.kv_dtype)
         self.model_runner = self._build_model_runner(kv_caches, drafter)
         return self.model_runner
 

@@ -63,9 +63,10 @@ def test_method_follows_from_model_as_in_vllm(model, method, kept):
     assert (cfg.method, cfg.model) == (method, kept)
 
 
-@pytest.mark.parametrize("folder, method", [("EAGLE3-LLaMA3.1-head", "eagle3"), ("eagle-llama3-head", "eagle")])
-def test_eagle_methods_follow_from_the_head_name_as_in_vllm(tmp_path, folder, method):
-    (tmp_path / folder).mkdir()
+@pytest.mark.parametrize("folder, method", [("EAGLE3-LLaMA3.1-head", "eagle3"), ("EAGLE-LLaMA3-head", "eagle"),
+                                            ("eagle_trial/draft", "draft_model"), ("eagle/draft", "draft_model")])
+def test_the_method_follows_from_the_last_folder_name_as_in_vllm(tmp_path, folder, method):
+    (tmp_path / folder).mkdir(parents=True)
     cfg = SpeculativeConfig(model=str(tmp_path / folder), num_speculative_tokens=2)
     assert (cfg.method, cfg.uses_model) == (method, True)
 

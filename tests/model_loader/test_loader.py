@@ -92,3 +92,16 @@ def test_gguf_config_and_tokenizer_import_no_model_config_class(embedded_model_p
             "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_truncated_safetensors_file_is_one_value_error_naming_it(tmp_path):
+    from safetensors.torch import save_file
+
+    from tandem.model_loader.loader import count_safetensors_weights, iterate_safetensors_weights
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(64, 64)}, str(path))
+    path.write_bytes(path.read_bytes()[:100])
+    for read in (count_safetensors_weights, lambda folder: list(iterate_safetensors_weights(folder))):
+        with pytest.raises(ValueError, match=f"cannot read {path}"):
+            read(str(tmp_path))

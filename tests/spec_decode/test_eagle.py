@@ -269,7 +269,8 @@ def test_a_head_that_agrees_with_its_target_gets_its_drafts_accepted(tmp_path, e
 
 @pytest.mark.parametrize("change, message", [
     ({"vocab_size": 500}, "a head over 500 tokens for a target of 512"),
-    ({"hidden_size": 32, "head_dim": 16}, "a head of hidden size 32"),
+    ({"hidden_size": 32, "head_dim": 16}, "the head's hidden size is 32 and it takes target states of 32, the target's "
+                                           "are 64"),
     ({"eagle_aux_hidden_state_layer_ids": [2, 4, 8]}, r"three target layers in 1\.\.7, got \[2, 4, 8\]"),
     ({"num_hidden_layers": 2}, "one decoder layer"),
 ])
@@ -286,3 +287,51 @@ def test_a_head_without_its_draft_vocabulary_map_is_refused(tmp_path, target, he
     folder = _save_folder(tmp_path / "head", {**HEAD, "draft_vocab_size": DRAFT_V}, weights)
     with pytest.raises(ValueError, match="needs its d2t mapping"):
         _llm(target[0], embedded_model_path, "eagle3", folder)
+
+
+def _bad_head(tmp_path, heads, change: dict | None = None, drop: str | None = None, config: dict | None = None,
+              bin_file: bool = False) -> str:
+    weights = {k: v for k, v in heads["eagle3"][1].items() if k != drop} | (change or {})
+    return _save_folder(tmp_path / "head", config or {**HEAD, "draft_vocab_size": DRAFT_V,
+                                                      "architectures": ["LlamaForCausalLMEagle3"]}, weights, bin_file)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("d2t past the vocabulary", r"d2t maps draft tokens to ids outside the target's vocabulary \[0, 512\)"),
+    ("d2t below zero", "d2t maps draft tokens to ids outside"),
+    ("a tensor missing", r"lacks weights for \['layers.0.mlp.up_proj.weight'\]"),
+    ("a corrupt safetensors file", r"cannot read .*model.safetensors: Error while deserializing header"),
+    ("config.json not JSON", "cannot read its config.json"),
+    ("an EAGLE-3 head as method eagle", "an EAGLE-3 head .*: use method 'eagle3'"),
+])
+def test_a_broken_or_mismatched_head_is_one_line_naming_the_field(case, message, tmp_path, target, heads,
+                                                                   embedded_model_path):
+    method = "eagle3"
+    if case.startswith("d2t"):
+        d2t = heads["eagle3"][1]["d2t"].clone()
+        d2t[-1] = 10_000 if "past" in case else -DRAFT_V
+        folder = _bad_head(tmp_path, heads, {"d2t": d2t})
+    elif case == "a tensor missing":
+        folder = _bad_head(tmp_path, heads, drop="midlayer.mlp.up_proj.weight")
+    elif case == "a corrupt safetensors file":
+        folder = _bad_head(tmp_path, heads)
+        path = tmp_path / "head" / "model.safetensors"
+        path.write_bytes(path.read_bytes()[:200])
+    elif case == "config.json not JSON":
+        folder = _bad_head(tmp_path, heads)
+        (tmp_path / "head" / "config.json").write_text("{not json")
+    else:
+        folder, method = _bad_head(tmp_path, heads), "eagle"
+    with pytest.raises(ValueError, match=f"speculative_config.model '{folder}'.*{message}") as info:
+        _llm(target[0], embedded_model_path, method, folder)
+    assert "\n" not in str(info.value)
+
+
+def test_a_head_saved_in_torch_legacy_format_loads(tmp_path, target, heads, embedded_model_path):
+    folder = tmp_path / "legacy"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(HEAD))
+    torch.save(heads["eagle"][1], folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    llm = _llm(target[0], embedded_model_path, "eagle", str(folder))
+    assert len(_ids(llm, TOKEN_PROMPTS[:1])[0]) == GREEDY.max_tokens
+    llm.engine.shutdown()
