@@ -19,7 +19,7 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -235,6 +235,27 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 p.normal_(0.0, 0.02, generator=gen)
 
 
+def instantiate_model(make: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device,
+                      quant_config: Fp8Config | None = None) -> nn.Module:
+    """``make()``'s model with its parameters created in ``dtype`` on ``device`` (FP8 layers
+    prepared with ``quant_config``) and its floating-point buffers (RoPE tables) in fp32;
+    weights not loaded."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = make()
+            if quant_config is not None:
+                prepare_fp8_model(model, quant_config)
+    finally:
+        torch.set_default_dtype(prev)
+    for mod in model.modules():
+        for bname, buf in mod.named_buffers(recurse=False):
+            if buf.is_floating_point():
+                setattr(mod, bname, buf.float())
+    return model
+
+
 def build_model(hf_config, model_path: str, load_format: str, backend: AttentionBackend, dtype: torch.dtype,
                 device: torch.device, max_positions: int, seed: int = 0,
                 quant_config: Fp8Config | GGUFQuantConfig | None = None, **model_kwargs) -> nn.Module:
@@ -254,20 +275,8 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
     # One bar per deployment: the other ranks write the closing line only.
     with Progress("Loading model weights", logger, unit="tensors", show=ps.get_rank() == 0) as progress:
         progress.stage("building the model")
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # parameters are created in the model dtype, on the device
-        try:
-            with torch.device(device):
-                model = cls(hf_config, backend, max_positions=max_positions, **model_kwargs)
-                if quant_config is not None:
-                    prepare_fp8_model(model, quant_config)
-        finally:
-            torch.set_default_dtype(prev)
-        # RoPE tables and other buffers stay fp32.
-        for mod in model.modules():
-            for bname, buf in mod.named_buffers(recurse=False):
-                if buf.is_floating_point():
-                    setattr(mod, bname, buf.float())
+        model = instantiate_model(lambda: cls(hf_config, backend, max_positions=max_positions, **model_kwargs),
+                                  dtype, device, quant_config)
         if load_format == "dummy":
             progress.stage("random weights")
             init_dummy_weights(model, seed)

@@ -150,13 +150,14 @@ class DraftModelProposer:
         if not len(emit_seqs):
             return None
         first = self.model.compute_logits(hidden[self._h2d(emit_at)]).argmax(dim=-1)
-        return self._decode(first, positions[emit_at] + 1, d.block_table_np[emit_seqs],
+        return self._decode(first, None, positions[emit_at] + 1, d.block_table_np[emit_seqs],
                             d.block_table[self._h2d(emit_seqs)])
 
-    def _decode(self, first: torch.Tensor, positions: np.ndarray, block_table_np: np.ndarray,
-                block_table: torch.Tensor) -> torch.Tensor:
-        """``[R, K]``: ``first`` (``[R]``, at ``positions``), then ``K - 1`` greedy tokens,
-        each from a one-token forward of the previous one."""
+    def _decode(self, first: torch.Tensor, hidden: torch.Tensor | None, positions: np.ndarray,
+                block_table_np: np.ndarray, block_table: torch.Tensor) -> torch.Tensor:
+        """``[R, K]``: ``first`` (``[R]``, fed at ``positions``), then ``K - 1`` greedy tokens,
+        each from a one-token forward of the previous one (:meth:`_run`, given the previous
+        forward's states for a head fed its own, ``hidden``; None for a draft model)."""
         num = len(positions)
         qsl = np.arange(num + 1, dtype=np.int64)
         ids, drafts = first, [first]
@@ -164,9 +165,15 @@ class DraftModelProposer:
             pos = np.minimum(positions + k, self.max_model_len - 1)
             step = StepInputs(np.zeros(num, dtype=np.int64), pos, self._slots(block_table_np, positions + k), qsl, pos,
                               pos + 1, block_table, [], [])
-            ids = self.model.compute_logits(self._forward(step, ids)).argmax(dim=-1)
+            out, hidden = self._run(step, ids, hidden)
+            ids = self.model.compute_logits(out).argmax(dim=-1)
             drafts.append(ids)
         return torch.stack(drafts, dim=1)
+
+    def _run(self, inputs: StepInputs, ids: torch.Tensor, hidden: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft forward: (states for logits, states for the next position: none here)."""
+        return self._forward(inputs, ids), None
 
     def _slots(self, table_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache slots of ``positions`` (``[N]``; ``table_rows`` ``[N, max_blocks]``: each

@@ -32,7 +32,8 @@ import torch
 
 from tandem.attention.backend import AttentionBackend
 from tandem.distributed.forward_context import ForwardContext, forward_context
-from tandem.model_loader.loader import init_dummy_weights, iterate_safetensors_weights, load_hf_config
+from tandem.model_loader.loader import (init_dummy_weights, instantiate_model, iterate_safetensors_weights,
+                                        load_hf_config)
 from tandem.models.llama_eagle import HEADS, TargetParts, default_aux_hidden_state_layers
 from tandem.spec_decode.draft_model import DraftModelProposer, DraftStep
 from tandem.worker.ubatching import StepInputs
@@ -56,19 +57,11 @@ def load_eagle_head(method: str, path: str, target: torch.nn.Module, backend: At
     except (OSError, ValueError) as e:
         raise ValueError(f"{name}: cannot read its config.json: {_one_line(e)}") from None
     layers = check_eagle_head(method, hf, target, path)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    parts = TargetParts(target.embed_tokens, target.compute_logits)
     try:
-        with torch.device(device):
-            head = HEADS[method](hf, backend, TargetParts(target.embed_tokens, target.compute_logits), max_positions)
+        head = instantiate_model(lambda: HEADS[method](hf, backend, parts, max_positions), dtype, device)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
-    finally:
-        torch.set_default_dtype(prev)
-    for mod in head.modules():  # RoPE tables stay fp32, as the target's
-        for bname, buf in mod.named_buffers(recurse=False):
-            if buf.is_floating_point():
-                setattr(mod, bname, buf.float())
     if load_format == "dummy":
         init_dummy_weights(head, seed + 1)
     else:
@@ -193,29 +186,12 @@ class EagleProposer(DraftModelProposer):
             return None
         rows = self._h2d(last[d.sampled])
         first = self.model.compute_logits(out[rows]).argmax(dim=-1)
-        return self._decode_from(first, nxt[rows], positions[last[d.sampled]] + 1, d.block_table_np[d.sampled],
-                                 d.block_table[self._h2d(d.sampled)])
-
-    def _decode_from(self, first: torch.Tensor, hidden: torch.Tensor, positions: np.ndarray,
-                     block_table_np: np.ndarray, block_table: torch.Tensor) -> torch.Tensor:
-        """``[R, K]``: ``first`` (``[R]``, the token after ``positions``), then ``K - 1``
-        greedy tokens, each from a one-token forward of the previous one and the head's
-        previous output ``hidden`` (``[R, H]``)."""
-        num = len(positions)
-        qsl = np.arange(num + 1, dtype=np.int64)
-        ids, drafts = first, [first]
-        for k in range(self.num_speculative_tokens - 1):
-            pos = np.minimum(positions + k, self.max_model_len - 1)
-            step = StepInputs(np.zeros(num, dtype=np.int64), pos, self._slots(block_table_np, positions + k), qsl, pos,
-                              pos + 1, block_table, [], [])
-            out, hidden = self._run(step, ids, hidden)
-            ids = self.model.compute_logits(out).argmax(dim=-1)
-            drafts.append(ids)
-        return torch.stack(drafts, dim=1)
+        return self._decode(first, nxt[rows], positions[last[d.sampled]] + 1, d.block_table_np[d.sampled],
+                            d.block_table[self._h2d(d.sampled)])
 
     def _run(self, inputs: StepInputs, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over ``inputs`` (eager, unpadded): (states for logits, states for the
-        next position), each ``[num_tokens, H]``."""
+        """The head over ``inputs`` (eager, unpadded) fed ``hidden`` (``[num_tokens, H]``): (states
+        for logits, states for the next position), each ``[num_tokens, H]``."""
         positions = self._h2d(np.minimum(inputs.positions, self.max_model_len - 1))
         with forward_context(ForwardContext(inputs.num_tokens)):
             return self.model(ids, positions, hidden, self.kv_caches, inputs.metadata(self.device))
