@@ -25,6 +25,12 @@ Two kernels read K/V straight out of the paged cache through the block tables (l
   constructor limits); programs whose segment lies past the end of their sequence exit
   early and the reduce kernel ignores them.
 
+In deterministic mode (``--deterministic``) every request, decode ones included, goes
+through ``_paged_prefill_kernel``, compiled without FMA contraction: its key tiles start at
+position 0 and a row's masked keys add exact zeros, so a token's output is the same bits
+whatever the batch, the chunking, the prefix-cache hit or the phase (the tile shapes depend
+only on head_dim and the GQA ratio).
+
 ``forward`` first writes the step's new K/V into the cache
 (:func:`tandem.attention.triton_reshape_and_cache.reshape_and_cache`, one kernel), then runs
 the decode and prefill kernels. It makes no host sync: it uses only the host ints already in the metadata.
@@ -397,11 +403,10 @@ class TritonAttentionBackend:
     # ------------------------------------------------------------------ helpers
 
     def num_decode_splits(self, num_decode_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-        """KV splits per decode request for this step (host ints only, no sync). In
-        deterministic mode (:mod:`tandem.layers.batch_invariant`) always 1: each request's
-        keys are then reduced tile by tile in one program, whatever the batch (the split
-        count, and with it the segment boundaries, otherwise follows the batch size)."""
-        if self.max_num_splits == 1 or batch_invariant.enabled():
+        """KV splits per decode request for this step (host ints only, no sync); the count,
+        and with it the segment boundaries, follows the batch (deterministic mode runs no
+        decode kernel: see :meth:`forward`)."""
+        if self.max_num_splits == 1:
             return 1
         # Rounded up, unlike the MLA heuristic: five of these programs fit an SM, so aiming at
         # two per SM never starts a second wave (rounding down measured worse: RESULTS session 16).
@@ -451,7 +456,13 @@ class TritonAttentionBackend:
         common = dict(PRECISION=precision, UPCAST=upcast,
                       F16_DOTS=kv_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16)
 
-        nd = meta.num_decode_reqs
+        # Deterministic mode (:mod:`tandem.layers.batch_invariant`): decode requests go
+        # through the prefill kernel as one-token queries, so that a token's keys are reduced
+        # by the one kernel, tile by tile from position 0, whether it is computed in a
+        # prefill, a chunk, after a prefix hit or as a decode; FMA contraction is off so
+        # that a key tile gives the same bits in the unmasked and the causal loop.
+        deterministic = batch_invariant.enabled()
+        nd = 0 if deterministic else meta.num_decode_reqs
         if nd > 0:
             block_h = max(16, triton.next_power_of_2(gqa))
             splits = self.num_decode_splits(nd, num_kv_heads, meta.max_seq_len, q.device)
@@ -504,6 +515,6 @@ class TritonAttentionBackend:
                 BLOCK_SIZE=block_size, GQA=gqa, HEADS_PER_PROG=heads_per_prog, BLOCK_Q=block_q,
                 BLOCK_N=self.block_n, HEAD_DIM=head_dim,
                 num_warps=self.prefill_num_warps or warps,
-                num_stages=self.prefill_num_stages or stages, **common,
+                num_stages=self.prefill_num_stages or stages, enable_fp_fusion=not deterministic, **common,
             )
         return out

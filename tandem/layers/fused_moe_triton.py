@@ -64,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.layers import batch_invariant
 from tandem.layers.fused_ops import silu_and_mul
 from tandem.triton_utils import INTERPRET as _INTERPRET
 from tandem.triton_utils import dot as _dot
@@ -98,9 +99,19 @@ TILE_CONFIGS = (
 _CONFIG_KEYS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
 
 
+# Deterministic mode's one configuration, whatever the batch (the large-batch one: the mode
+# is for throughput runs of evaluations and rollouts): a token's sums never depend on how
+# many rows its expert got.
+DETERMINISTIC_TILE_CONFIG = TILE_CONFIGS[2][1:]
+
+
 def default_config(num_pairs: int, num_experts: int) -> dict[str, int]:
     """The launch configuration of :data:`TILE_CONFIGS` for ``num_pairs`` (token, expert)
-    pairs over ``num_experts`` experts (host ints from shapes: no sync)."""
+    pairs over ``num_experts`` experts (host ints from shapes: no sync); in deterministic
+    mode (:mod:`tandem.layers.batch_invariant`) :data:`DETERMINISTIC_TILE_CONFIG` for any
+    count."""
+    if batch_invariant.enabled():
+        return dict(zip(_CONFIG_KEYS, DETERMINISTIC_TILE_CONFIG))
     mean = num_pairs / max(1, num_experts)
     row = next(r for r in TILE_CONFIGS if mean <= r[0])
     return dict(zip(_CONFIG_KEYS, row[1:]))

@@ -266,6 +266,8 @@ def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0, fp8: bool = Fa
         return impl
     if x.device.type == "cpu" and batch_invariant.enabled():
         return "loop"  # deterministic mode: each expert's rows through the row-blocked GEMM
+    if x.device.type == "cuda" and batch_invariant.enabled() and _triton_available():
+        return "triton"  # deterministic mode: one tile configuration at every batch size
     if x.device.type == "cuda":
         grouped = grouped_mm_available(x.device, x.dtype)
         if (x.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(x.device) >= (9, 0)

@@ -103,7 +103,8 @@ class Worker:
         batch_invariant.set_enabled(model_cfg.deterministic)
         backend = get_attention_backend(self.device, model_cfg.max_model_len)
         load_format = cfg.load_config.load_format
-        self.quant_config = get_quantization_config(self.hf_config, model_cfg.quantization, load_format)
+        self.quant_config = get_quantization_config(self.hf_config, model_cfg.quantization, load_format,
+                                                    model_cfg.deterministic)
         if self.quant_config is not None:
             check_fp8_supported(self.device, f"quantization={self.quant_config.method!r}")
         else:

@@ -366,7 +366,7 @@ def test_deterministic_decode_row_does_not_depend_on_the_batch(deterministic_mod
     """A decode request's output is the same bits alone and among others at any position,
     one of them with a long context: the heuristic would split the target's 600 tokens in
     3 segments alone and in 5 beside a 1500-token context (the cap follows the batch's
-    longest context); in deterministic mode the split count is pinned to 1."""
+    longest context); in deterministic mode no split-KV decode kernel runs."""
     import random
 
     rng = random.Random(0)
@@ -376,7 +376,6 @@ def test_deterministic_decode_row_does_not_depend_on_the_batch(deterministic_mod
     target_len, target_blocks = 600, list(range(1, 39))
     tq, tk, tv = (torch.randn(1, h, d, generator=g) for h in (hq, hk, hk))
     backend = TritonAttentionBackend()
-    assert backend.num_decode_splits(1, hk, target_len, DEVICE) == 1
 
     def run(others: list[tuple[int, list[int]]], pos: int) -> torch.Tensor:
         reqs = others[:pos] + [(target_len, target_blocks)] + others[pos:]
@@ -394,3 +393,77 @@ def test_deterministic_decode_row_does_not_depend_on_the_batch(deterministic_mod
             s = 1500 if i == 0 else rng.randint(1, 300)
             others.append((s, [free.pop() for _ in range(-(-s // bs))]))
         assert torch.equal(run(others, rng.randrange(n)), alone), n
+
+
+def _one_token_cases(seq_len: int, pos: int, chunk_sizes: tuple[int, ...], prefix_hit: int):
+    """``(num_computed, query_len)`` of the steps that compute token ``pos`` of one sequence:
+    the whole prompt, each chunk size's chunk holding it, the rest after a prefix-cache hit
+    of ``prefix_hit`` tokens, and a decode of that token."""
+    cases = {"prompt": (0, seq_len), "prefix hit": (prefix_hit, seq_len - prefix_hit), "decode": (pos, 1)}
+    for c in chunk_sizes:
+        start = pos // c * c
+        cases[f"chunk {c}"] = (start, min(c, seq_len - start))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_deterministic_token_is_the_same_bits_in_every_phase_and_batch(deterministic_mode, dtype):
+    """One token's attention output is the same bits computed in a whole prompt, in chunks of
+    16 and 64, after a prefix-cache hit, as a decode, and each of those beside other requests
+    (decodes and prompts of other lengths) at any position in the step."""
+    import random
+
+    rng = random.Random(1)
+    g = torch.Generator().manual_seed(1)
+    hq, hk, d, bs = 8, 2, 64, 16
+    seq_len, pos = 150, 97
+    num_blocks = 200
+    cache = torch.zeros(2, num_blocks, bs, hk, d).to(dtype)
+    q_all, k_all, v_all = (torch.randn(seq_len, h, d, generator=g).to(dtype) for h in (hq, hk, hk))
+    table = list(range(1, 1 + -(-seq_len // bs)))
+    backend = TritonAttentionBackend()
+    free = list(range(table[-1] + 1, num_blocks))
+
+    def other_request(decode: bool) -> tuple[int, int, list[int], torch.Tensor]:
+        nc, ql = (rng.randint(1, 200), 1) if decode else (rng.choice([0, 16, 32]), rng.randint(2, 90))
+        blocks = [free.pop() for _ in range(-(-(nc + ql) // bs))]
+        return nc, ql, blocks, torch.randn(nc + ql, hk, d, generator=g).to(dtype)
+
+    def run(nc: int, ql: int, others: list, at: int) -> torch.Tensor:
+        """Token ``pos`` computed in a step where the sequence runs ``(nc, ql)``, placed at
+        ``at`` among ``others`` (decodes first, as the runner orders them)."""
+        c = cache.clone()
+        reqs = others[:at] + [(nc, ql, table, None)] + others[at:]
+        reqs.sort(key=lambda r: r[1] != 1)  # decodes first; stable
+        qs, ks, vs, bt, slots, qsl = [], [], [], [], [], [0]
+        for rnc, rql, blocks, kv in reqs:
+            if kv is None:
+                qr, kr, vr = q_all[rnc:rnc + rql], k_all[:rnc + rql], v_all[:rnc + rql]
+            else:
+                qr, kr, vr = torch.randn(rql, hq, d, generator=g).to(dtype), kv, kv.flip(0)
+            for p in range(rnc):  # the cached context
+                c[0, blocks[p // bs], p % bs], c[1, blocks[p // bs], p % bs] = kr[p], vr[p]
+            qs.append(qr), ks.append(kr[rnc:]), vs.append(vr[rnc:])
+            slots += [blocks[p // bs] * bs + p % bs for p in range(rnc, rnc + rql)]
+            bt.append(blocks)
+            qsl.append(qsl[-1] + rql)
+        width = max(len(b) for b in bt)
+        tables = torch.tensor([b + [0] * (width - len(b)) for b in bt], dtype=torch.int32)
+        seq_lens = [r[0] + r[1] for r in reqs]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            num_computed_tokens=torch.tensor([r[0] for r in reqs], dtype=torch.int32, device=DEVICE),
+            block_tables=tables.to(DEVICE), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+            max_query_len=max(r[1] for r in reqs), max_seq_len=max(seq_lens), query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens, num_decode_reqs=sum(r[1] == 1 for r in reqs))
+        out = backend.forward(torch.cat(qs).to(DEVICE), torch.cat(ks).to(DEVICE), torch.cat(vs).to(DEVICE),
+                              c.to(DEVICE), meta, d**-0.5)
+        target = next(i for i, r in enumerate(reqs) if r[3] is None)
+        return out[qsl[target] + pos - nc].cpu()
+
+    ref = run(0, seq_len, [], 0)
+    for name, (nc, ql) in _one_token_cases(seq_len, pos, (16, 64), prefix_hit=48).items():
+        assert torch.equal(run(nc, ql, [], 0), ref), name
+        others = [other_request(decode=i % 2 == 0) for i in range(rng.randint(1, 4))]
+        assert torch.equal(run(nc, ql, others, rng.randrange(len(others) + 1)), ref), (name, "batched")

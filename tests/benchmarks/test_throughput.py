@@ -173,15 +173,21 @@ def test_bench_throughput_json_names_the_settings_that_tell_runs_apart(tmp_path)
     from tandem.benchmarks.throughput import main
     from tandem.entrypoints.cli import build_parser
 
-    out = tmp_path / "res.json"
-    main(build_parser().parse_args(["bench", "throughput", "--num-prompts", "2", "--input-len", "8",
-                                    "--output-len", "2", "--max-model-len", "128", "--quantization", "fp8",
-                                    "--kv-cache-dtype", "fp8", "--deterministic", "--output-json", str(out)]))
-    res = json.loads(out.read_text())
-    assert (res["quantization"], res["kv_cache_dtype"], res["dtype"]) == ("fp8", "fp8", "auto")
-    assert res["deterministic"] is True
+    def run(*flags: str) -> dict:
+        out = tmp_path / "res.json"
+        main(build_parser().parse_args(["bench", "throughput", "--num-prompts", "2", "--input-len", "8",
+                                        "--output-len", "2", "--max-model-len", "128", *flags,
+                                        "--output-json", str(out)]))
+        return json.loads(out.read_text())
+
+    res = run("--quantization", "fp8", "--kv-cache-dtype", "fp8")
+    assert (res["quantization"], res["kv_cache_dtype"], res["dtype"], res["deterministic"]) == ("fp8", "fp8", "auto",
+                                                                                                 False)
     assert res["num_prompts"] == 2 and res["requests_per_s"] > 0
     assert res["spec_decode_acceptance_rate"] is None  # no speculation
+    # FP8 weights are refused in deterministic mode; an FP8 KV cache is not.
+    res = run("--kv-cache-dtype", "fp8", "--deterministic")
+    assert (res["quantization"], res["kv_cache_dtype"], res["deterministic"]) == (None, "fp8", True)
 
 
 def test_progress_moves_with_the_tokens_before_any_request_finishes(capsys):

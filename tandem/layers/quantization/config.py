@@ -155,7 +155,8 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern
 
 
-def get_quantization_config(hf_config, quantization: str | None, load_format: str = "auto") -> Fp8Config | None:
+def get_quantization_config(hf_config, quantization: str | None, load_format: str = "auto",
+                            deterministic: bool = False) -> Fp8Config | None:
     """The FP8 scheme of a model, or None for an unquantized run.
 
     Args:
@@ -164,11 +165,23 @@ def get_quantization_config(hf_config, quantization: str | None, load_format: st
             ``"gguf"`` and ``"none"`` are not FP8: None, see :func:`get_gguf_config`).
         load_format: with ``"dummy"`` the checkpoint format is moot: random weights are
             quantized online.
+        deterministic: batch-invariant execution is asked for; the FP8 GEMMs
+            (``torch._scaled_mm``: cuBLASLt picks its kernel by the row count) are not, so an
+            FP8 scheme is refused.
 
     Raises:
         ValueError: unknown ``quantization``, a checkpoint method other than the one asked
-            for, or an unsupported scheme (the message names the field).
+            for, an unsupported scheme (the message names the field), or an FP8 scheme with
+            ``deterministic``.
     """
+    scheme = _fp8_scheme(hf_config, quantization, load_format)
+    if scheme is not None and deterministic:
+        raise ValueError(f"deterministic=True is not supported with FP8 weights (quantization={scheme.method!r}): "
+                         f"the FP8 GEMMs are not batch-invariant; run the model in bf16/fp16/fp32")
+    return scheme
+
+
+def _fp8_scheme(hf_config, quantization: str | None, load_format: str) -> Fp8Config | None:
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {quantization!r}")
     if quantization == "gguf":

@@ -24,6 +24,16 @@ def test_unquantized_and_online():
     assert get_quantization_config(_cfg(QUANTIZATION_CONFIGS["fp8-block"]), None, "dummy") is None
 
 
+@pytest.mark.parametrize("qc, quantization", [(None, "fp8"), ("fp8-block", None), ("ct-channel-dynamic", None)])
+def test_fp8_weights_are_refused_in_deterministic_mode(qc, quantization):
+    """The FP8 GEMMs are not batch-invariant: an FP8 scheme, asked for or the checkpoint's,
+    is refused with one line; an unquantized run is not."""
+    cfg = _cfg(QUANTIZATION_CONFIGS[qc] if qc else None)
+    with pytest.raises(ValueError, match="deterministic=True is not supported with FP8 weights"):
+        get_quantization_config(cfg, quantization, deterministic=True)
+    assert get_quantization_config(_cfg(), None, deterministic=True) is None
+
+
 @pytest.mark.parametrize("fmt, block, static, scale_name, method", [
     ("ct-channel-dynamic", None, False, "weight_scale", "compressed-tensors"),
     ("ct-tensor-static", None, True, "weight_scale", "compressed-tensors"),
