@@ -44,6 +44,21 @@ Attention, as vLLM and FlashMLA split it:
   elsewhere (CPU) a plain-torch reference gathers the latents and runs one padded, masked
   ``scaled_dot_product_attention`` (``MLAAttention.decode_backend`` overrides the choice).
 
+Deterministic mode on the CPU (:mod:`tandem.layers.batch_invariant`): both forms above
+depend on the batch. The prefill's decompressed form is other arithmetic than the decode's
+absorbed one (a token's bits changed between its prompt and a decode step), its masked SDPA
+reduces over the whole group's packed keys and blocks the queries by the chunk's size (a
+token changed when batched with other prompts, after a prefix-cache hit or chunked), and
+the decode's ``W_uk`` / ``W_uv`` bmms round a row by the batch's row count (MKL fp32).
+There every token, prefill or decode, therefore takes the absorbed form
+(:meth:`MLAAttention._attend_invariant`): ``W_uk`` and ``W_uv`` applied per head on fixed
+blocks of :data:`~tandem.layers.batch_invariant.ROW_BLOCK` tokens, and the latent
+attention by :func:`tandem.attention.torch_backend.split_attention` (keys in fixed splits
+in order, GEMMs of at least ``MIN_GEMM_ROWS`` rows), as the dense models' torch backend
+does it. A token's output is then the same bits whatever the step holds: alone or batched,
+prefilled whole, chunked, on a cached prefix or decoded. The price is prefill attention
+in the latent space (``kv_lora_rank + rope`` per head and key instead of ``qk_head_dim``).
+
 New tokens: ``kv_a_layernorm``, RoPE of ``q_pe`` and ``k_pe``, the concat and the cache
 write are one kernel on CUDA (:func:`tandem.layers.mla_latent.write_latents`).
 
@@ -64,6 +79,8 @@ from torch import nn
 from tandem import envs
 from tandem.attention.selector import get_attention_backend
 from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.torch_backend import KV_SPLIT, MIN_GEMM_ROWS, split_attention
+from tandem.layers import batch_invariant
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.layers.mla_latent import write_latents
 from tandem.layers.norm import RMSNorm
@@ -108,7 +125,8 @@ class MLAAttention(nn.Module):
 
     #: Decode attention: ``"triton"`` (paged kernel), ``"torch"`` (gather + SDPA reference)
     #: or ``None``: the kind of backend ``get_attention_backend`` gives the dense models on
-    #: the input's device (Triton on CUDA, torch on the CPU).
+    #: the input's device (Triton on CUDA, torch on the CPU). Deterministic mode on the CPU
+    #: overrides it and ``prefill_backend`` (:meth:`_attend_invariant`).
     decode_backend: str | None = None
 
     def __init__(self, hf_config, rotary: RotaryEmbedding) -> None:
@@ -176,6 +194,8 @@ class MLAAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if batch_invariant.enabled() and q_nope.device.type == "cpu":
+            return self._attend_invariant(q_nope, q_pe, kv_cache, meta)
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
         nd = meta.num_decode_reqs
         if nd > 0:
@@ -190,6 +210,44 @@ class MLAAttention(nn.Module):
             start, end = qsl[r0], qsl[r1]
             out[start:end] = self._prefill_batched(q_nope[start:end], q_pe[start:end], kv_cache, meta, r0, r1)
         return out
+
+    def _attend_invariant(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """Deterministic mode's attention (module docstring): every token in the absorbed
+        form, so that its bits do not depend on the step. ``q_lat = q_nope W_uk`` and the
+        ``W_uv`` map run on fixed token blocks (:func:`absorb_per_head`); the latent
+        attention (MQA: one key head of ``kv_lora_rank + rope``, the heads packed as its
+        query rows) by :func:`split_attention`: the decodes as one batch, each request's
+        query padded to ``MIN_GEMM_ROWS`` rows, and each prefill request alone, as the
+        dense torch backend runs them. Returns ``[T, heads, v_head_dim]``."""
+        w_uk, w_uv = self._absorbed_weights()
+        q = torch.cat((absorb_per_head(q_nope, w_uk), q_pe), dim=-1)  # [T, h, r + rope]
+        t, h, d = q.shape
+        rank, dev = self.kv_lora_rank, q.device
+        min_rows = -(-MIN_GEMM_ROWS // h)  # tokens whose packed heads give a GEMM MIN_GEMM_ROWS rows
+        o = q.new_empty(t, h, rank)
+        nd = meta.num_decode_reqs
+        if nd > 0:
+            lat = split_latents(kv_cache, meta.block_tables[:nd], max(meta.seq_lens_cpu[:nd]))
+            pos = torch.full((nd, min_rows * h), -1, dtype=torch.long, device=dev)
+            pos[:, :h] = (meta.seq_lens[:nd].long() - 1)[:, None]
+            qd = F.pad(q[:nd, None], (0, 0, 0, 0, 0, min_rows - 1)).view(nd, 1, min_rows * h, d)
+            o[:nd] = split_attention(qd, lat, lat[..., :rank], pos, self.scale)[:, 0, :h]
+        qsl = meta.query_start_loc_cpu
+        for r in range(nd, meta.num_reqs):
+            start, end, seq_len = qsl[r], qsl[r + 1], meta.seq_lens_cpu[r]
+            q_len = end - start
+            if q_len == 0:
+                continue
+            rows = max(q_len, min_rows)
+            lat = split_latents(kv_cache, meta.block_tables[r: r + 1], seq_len)
+            pos = torch.arange(seq_len - q_len, seq_len - q_len + rows, device=dev)
+            pos[q_len:] = -1
+            qr = F.pad(q[start:end], (0, 0, 0, 0, 0, rows - q_len)).view(1, 1, rows * h, d)
+            o_r = split_attention(qr, lat, lat[..., :rank], pos.repeat_interleave(h)[None], self.scale,
+                                  first_pos=seq_len - q_len)
+            o[start:end] = o_r.view(rows, h, rank)[:q_len]
+        return absorb_per_head(o, w_uv.transpose(1, 2))
 
     def _gather_context(self, kv_cache: torch.Tensor, meta: AttentionMetadata, r0: int, r1: int,
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -352,6 +410,35 @@ def prefill_groups(query_start_loc: list[int], seq_lens: list[int], first: int, 
     if last > r0:
         groups.append((r0, last))
     return groups
+
+
+def absorb_per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [T, heads, a]`` times each head's ``w [heads, a, b]`` -> ``[T, heads, b]``, as one
+    bmm per :data:`~tandem.layers.batch_invariant.ROW_BLOCK` tokens
+    (:func:`~tandem.layers.batch_invariant.row_blocked`): every token goes through a bmm of
+    the one shape, so its bits do not depend on ``T`` (one bmm over all tokens rounds a row
+    by the row count, as the GEMMs do)."""
+    t, h, a = x.shape
+    b = w.shape[-1]
+    if t == 0:
+        return x.new_empty(0, h, b)
+
+    def bmm(rows: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(rows.view(-1, h, a).transpose(0, 1), w).transpose(0, 1).reshape(-1, h * b)
+
+    return batch_invariant.row_blocked(bmm, x.reshape(t, h * a), h * b).view(t, h, b)
+
+
+def split_latents(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The requests' latents as :func:`split_attention`'s keys: ``[R, S, 1, D]`` fp32, ``S``
+    = ``seq_len`` rounded up to :data:`KV_SPLIT`; blocks past a request's table are the null
+    block's (masked)."""
+    want = -(-seq_len // KV_SPLIT) * KV_SPLIT
+    nb = -(-want // kv_cache.shape[2])
+    table = block_tables[:, :nb]
+    if table.shape[1] < nb:
+        table = F.pad(table, (0, nb - table.shape[1]))
+    return gather_latent(kv_cache, table, nb)[:, :want].float().unsqueeze(2)
 
 
 def gather_latent(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:

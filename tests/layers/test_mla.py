@@ -2,12 +2,16 @@
 (torch reference and the Triton kernel) == decompressed attention, whatever the
 block-table width; the batched prefill (masked SDPA or the flash-attention kernel, however
 it is grouped) == per-request attention; the whole layer / model with the Triton kernels ==
-the torch path / transformers. Without CUDA the Triton kernels run in the interpreter
-(tests/conftest.py sets ``TRITON_INTERPRET=1``)."""
+the torch path / transformers; in deterministic mode on the CPU a token's output is the
+same bits alone or batched, prefilled whole, chunked, on a cached prefix or decoded (the
+layer, and a tiny DeepSeek-V2 through ``LLM``). Without CUDA the Triton kernels run in the
+interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 
 import pytest
 import torch
@@ -18,7 +22,8 @@ from tandem.attention.metadata import AttentionMetadata
 from tandem.layers import fused_ops
 from tandem.layers import mla as mla_module
 from tandem.layers.fused_ops import apply_rotary
-from tandem.layers.mla import MLAAttention, gather_latent, prefill_groups
+from tandem.layers import batch_invariant
+from tandem.layers.mla import MLAAttention, absorb_per_head, gather_latent, prefill_groups
 from tandem.layers.mla_latent import write_latent_cache
 from tandem.layers.rotary import RotaryEmbedding
 from tests.models.paged_parity import assert_paged_parity, random_hf_reference, step_metadata
@@ -374,3 +379,156 @@ def test_triton_on_a_cpu_without_the_interpreter_names_the_setting(monkeypatch):
     with pytest.raises(ValueError, match="prefill_backend='triton' needs a CUDA device"):
         mla._uses_triton("prefill_backend", "triton", torch.device("cpu"))
     assert mla._uses_triton("prefill_backend", "torch", torch.device("cpu")) is False
+
+
+class _Request:
+    """One request's hidden states and consecutive blocks, replayed in any split of steps."""
+
+    def __init__(self, length: int, hidden: int, dtype: torch.dtype, seed: int, first_block: int, block_size: int = 16):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(length, hidden, generator=g).to(dtype)
+        self.blocks = list(range(first_block, first_block + -(-length // block_size)))
+
+
+def _layer(num_heads: int, dtype: torch.dtype) -> MLAAttention:
+    g = torch.Generator().manual_seed(4)
+    cfg = DeepseekV2Config(hidden_size=64, num_attention_heads=num_heads, kv_lora_rank=32, q_lora_rank=24,
+                           qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, max_position_embeddings=512)
+    attn = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 512))
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, 0, 0.2, generator=g)
+    return attn.to(dtype)
+
+
+def _run_steps(attn: MLAAttention, steps: list[list[tuple[_Request, int, int]]],
+               cache_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """``steps`` (each a list of ``(request, computed, new)``, query-length-1 entries first)
+    through the layer over one fresh cache; each step's output."""
+    dtype = attn.o_proj.weight.dtype
+    cache = torch.zeros(1, 120, 16, 1, attn.latent_dim, dtype=cache_dtype or dtype)
+    outs = []
+    with torch.no_grad():
+        for step in steps:
+            meta = step_metadata([n for _, _, n in step], [c for _, c, _ in step], [r.blocks for r, _, _ in step], 16)
+            x = torch.cat([r.x[c: c + n] for r, c, n in step])
+            pos = torch.cat([torch.arange(c, c + n) for _, c, n in step])
+            outs.append(attn(x, pos, cache, meta))
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_heads", [4, 16])
+def test_deterministic_token_bits_do_not_depend_on_the_step(deterministic_mode, dtype, num_heads):
+    """Deterministic mode: a 150-token prompt's outputs (two key splits) are the same bits
+    prefilled alone, beside other prompts at random places, in chunks of 16 or 64 (beside
+    another prompt), after a 16- or 32-token prefix-cache hit; its last token the same bits
+    decoded alone and among 1 to 6 other decodes (shorter, and longer by a key split) at
+    random places.
+    Before: the prefill's decompressed form vs the decode's absorbed one, the masked SDPA
+    over a group's packed keys and the decode's bmms all changed bits (4 and 16 heads: a
+    decode's query padded to 4 tokens, and not at all)."""
+    rng = random.Random(num_heads)
+    attn = _layer(num_heads, dtype)
+    length = 150
+    req = _Request(length, 64, dtype, 0, 1)
+    others = [_Request(n, 64, dtype, 1 + i, 11 + 20 * i) for i, n in enumerate((5, 300, 17, 1, 60, 129))]
+    whole = _run_steps(attn, [[(req, 0, length)]])[0]
+    for n in (2, 3, 5):
+        batch = [(o, 0, o.x.shape[0]) for o in rng.sample(others, n - 1)]
+        at = rng.randrange(n)
+        batch.insert(at, (req, 0, length))
+        start = sum(m for _, _, m in batch[:at])
+        assert torch.equal(_run_steps(attn, [batch])[0][start: start + length], whole), (n, at)
+    for size in (16, 64):
+        chunks = [(c, min(size, length - c)) for c in range(0, length, size)]
+        steps = [[(req, c, m), (others[2], 0, 17)] if not i else [(req, c, m)] for i, (c, m) in enumerate(chunks)]
+        got = torch.cat([o[:m] for o, (_, m) in zip(_run_steps(attn, steps), chunks)])
+        assert torch.equal(got, whole), size
+    for cached in (16, 32):
+        hit = _run_steps(attn, [[(req, 0, cached)], [(req, cached, length - cached)]])[1]
+        assert torch.equal(hit, whole[cached:]), cached
+    assert torch.equal(_run_steps(attn, [[(req, 0, length - 1)], [(req, length - 1, 1)]])[1][0], whole[-1])
+    for n in (2, 4, 7):
+        decoders = rng.sample(others, n - 1)
+        prefill = [(o, 0, o.x.shape[0] - 1) for o in decoders if o.x.shape[0] > 1] + [(req, 0, length - 1)]
+        decode = [(o, o.x.shape[0] - 1, 1) for o in decoders]
+        at = rng.randrange(n)
+        decode.insert(at, (req, length - 1, 1))
+        assert torch.equal(_run_steps(attn, [prefill, decode])[1][at], whole[-1]), (n, at)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
+def test_deterministic_mode_matches_the_default_paths(deterministic_mode, cache_dtype):
+    """The deterministic (absorbed, split) attention computes what the default paths do: a
+    mixed step of decodes, chunks on cached prefixes, a request without queries and fresh
+    prompts, over an fp32 or FP8 latent cache (fp32 model, 1e-5)."""
+    attn = _layer(4, torch.float32)
+    reqs = [_Request(n, 64, torch.float32, i, 1 + 12 * i) for i, n in enumerate((40, 131, 2, 70, 20, 9, 150))]
+    prefix = [[(reqs[0], 0, 39), (reqs[1], 0, 130), (reqs[2], 0, 1), (reqs[3], 0, 30), (reqs[4], 0, 20)]]
+    step = [(reqs[0], 39, 1), (reqs[1], 130, 1), (reqs[2], 1, 1), (reqs[3], 30, 40), (reqs[4], 20, 0),
+            (reqs[5], 0, 9), (reqs[6], 0, 150)]
+    got = _run_steps(attn, prefix + [step], cache_dtype)[1]
+    batch_invariant.set_enabled(False)
+    want = _run_steps(attn, prefix + [step], cache_dtype)[1]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_absorb_per_head_rows_do_not_depend_on_the_token_count(deterministic_mode, dtype):
+    """Each token's per-head product is the same bits among 1 to 300 tokens at any place
+    (one bmm over the tokens: other bits for 5, 8, 12 and 17 rows than for one in fp32)."""
+    g, rng = torch.Generator().manual_seed(5), random.Random(5)
+    w = torch.randn(16, 128, 512, generator=g).to(dtype)
+    row = torch.randn(16, 128, generator=g).to(dtype)
+    alone = absorb_per_head(row[None], w)[0]
+    torch.testing.assert_close(alone.float(), torch.bmm(row[:, None], w)[:, 0].float(), atol=1e-3, rtol=1e-2)
+    for m in (2, 3, 5, 8, 12, 16, 17, 33, 300):
+        x = torch.randn(m, 16, 128, generator=g).to(dtype)
+        at = rng.randrange(m)
+        x[at] = row
+        assert torch.equal(absorb_per_head(x, w)[at], alone), (m, at)
+    assert absorb_per_head(row[None][:0], w).shape == (0, 16, 512)
+
+
+def test_deterministic_deepseek_v2_end_to_end(deterministic_mode, tmp_path):
+    """A tiny random DeepSeek-V2 through ``LLM(deterministic=True)``: one prompt's greedy
+    token ids and logprobs are the same bits alone, among 2 to 9 other prompts at random
+    places, after a prefix-cache hit, and with its prompt chunked at 16 tokens."""
+    from tandem.config import embedded_default_model
+    from tandem.entrypoints.llm import LLM
+    from tandem.sampling_params import SamplingParams
+    from tests.distributed.conftest import CONFIGS, ENGINE
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS["deepseek_v2"]))
+    vocab, rng = CONFIGS["deepseek_v2"]["vocab_size"], random.Random(7)
+    target = [rng.randrange(2, vocab) for _ in range(45)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
+
+    def make(**kwargs) -> LLM:
+        return LLM(model=str(tmp_path), tokenizer=embedded_default_model(),
+                   **{**ENGINE, "num_kv_blocks": 256, "max_model_len": 256, "deterministic": True, **kwargs})
+
+    def bits(llm: LLM, prompts: list[list[int]], at: int, cached: int = 0) -> tuple:
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)[at]
+        assert out.num_cached_tokens >= cached
+        c = out.outputs[0]
+        return tuple(c.token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in d.items())) for d in c.logprobs)
+
+    def others(n: int) -> list[list[int]]:
+        return [[rng.randrange(2, vocab) for _ in range(rng.randint(1, 70))] for _ in range(n)]
+
+    llm = make()
+    try:
+        alone = bits(llm, [target], 0)
+        for n in (2, 5, 9):
+            batch, at = others(n - 1), rng.randrange(n)
+            assert bits(llm, batch[:at] + [target] + batch[at:], at) == alone, (n, at)
+        bits(llm, [target[:40] + [5, 6, 7]], 0)
+        assert bits(llm, others(3) + [target], 3, cached=32) == alone
+    finally:
+        llm.engine.shutdown()
+    chunked = make(max_num_batched_tokens=16, enable_chunked_prefill=True, enable_prefix_caching=False)
+    try:
+        assert bits(chunked, others(4) + [target], 4) == alone
+    finally:
+        chunked.engine.shutdown()
