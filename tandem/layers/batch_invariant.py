@@ -5,12 +5,15 @@ A GEMM library picks its kernel, blocking and thread split from the matrix shape
 sum behind one output row can be ordered differently when the batch has another row count
 ("Defeating Nondeterminism in LLM Inference", Thinking Machines, 2025). Measured on the
 CPU (torch 2.13): MKL's fp32 GEMM gives other bits for 1, 2, 3, 5, 6, 7, 9, 10 and 11 rows
-than for 4, 8 or 12 and more. In deterministic mode every matmul of the model therefore
+than for 4, 8 or 12 and more. In deterministic mode every CPU matmul of the model therefore
 runs on blocks of exactly :data:`ROW_BLOCK` rows (the last one padded with zeros): each
 row is computed by a call of the one shape, whatever the batch (the MoE router and experts
-too, :mod:`tandem.layers.moe`). Row-wise operations (RMSNorm, SiLU, RoPE, softmax) already
-reduce each row alone in a fixed order. Not covered: FP8 GEMMs and the CUDA GEMMs (their
-library kernels are kept).
+too, :mod:`tandem.layers.moe`). On CUDA, where cuBLAS also picks its kernel and split-K
+from the row count, the matmuls run a Triton GEMM instead
+(:func:`tandem.layers.matmul_triton.matmul_batch_invariant`: one tile configuration per
+``(N, K, dtype)``, no split-K, one compiled variant for every row count). Row-wise
+operations (RMSNorm, SiLU, RoPE, softmax) already reduce each row alone in a fixed order.
+Not covered: FP8 GEMMs (their library kernels are kept).
 
 The mode is one process-wide switch, set by the worker from ``ModelConfig.deterministic``
 before the model is built (:func:`set_enabled`); kernels read it with :func:`enabled`.
@@ -62,8 +65,16 @@ def row_blocked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; batch-invariant (:func:`row_blocked`) when the mode is
-    on and ``x`` is on the CPU (the CUDA GEMMs of this path keep their own kernels)."""
-    if not _enabled or x.device.type != "cpu" or x.shape[:-1].numel() == 0:
+    """``F.linear(x, weight, bias)``; batch-invariant when the mode is on: on CUDA through
+    :func:`~tandem.layers.matmul_triton.matmul_batch_invariant` (fp16 / bf16 / fp32; it
+    raises ValueError for other dtypes), on the CPU through :func:`row_blocked`. Other
+    devices keep ``F.linear``."""
+    if not _enabled or x.shape[:-1].numel() == 0:
+        return torch.nn.functional.linear(x, weight, bias)
+    if x.is_cuda:
+        from tandem.layers.matmul_triton import matmul_batch_invariant  # lazy: Triton is optional (CPU installs)
+
+        return matmul_batch_invariant(x, weight, bias)
+    if x.device.type != "cpu":
         return torch.nn.functional.linear(x, weight, bias)
     return row_blocked(lambda rows: torch.nn.functional.linear(rows, weight, bias), x, weight.shape[0])
