@@ -7,8 +7,8 @@ and logprobs are compared bit for bit with the first run alone. Large batches al
 the probe's prompt at places that depend on its position (``max_num_batched_tokens``).
 
 Each mode (``default``, ``deterministic``) runs in its own processes (the mode is
-process-wide), each of them twice: with prefix caching off (alone, then the batches: no run
-reuses another's KV) and on (a prompt sharing the probe's first ``--shared-prefix`` tokens,
+process-wide), each of them twice: with prefix caching off (alone, then the batches, then
+alone again, its KV in other blocks: no run reuses another's KV) and on (a prompt sharing the probe's first ``--shared-prefix`` tokens,
 then the probe: a partial hit; then the probe again: a full hit). Both engines load the same
 dummy weights (one seed). Results: a table, and ``DIR/batch_invariance.json``.
 
@@ -89,6 +89,8 @@ def run_worker(args: argparse.Namespace, model_dir: str) -> dict[str, dict]:
         res["alone"] = run([probe], 0)
         for n, (at, others) in batches.items():
             res[f"batch {n}"] = run(others[:at] + [probe] + others[at:], at)
+        # The same step as the first, after the batches moved its KV to other blocks.
+        res["alone again (other KV blocks)"] = run([probe], 0)
     else:
         run([sharer], 0)
         res[f"partial prefix hit ({args.shared_prefix} tokens)"] = run([probe], 0)
