@@ -8,9 +8,9 @@ the probe's prompt at places that depend on its position (``max_num_batched_toke
 
 Each mode (``default``, ``deterministic``) runs in its own processes (the mode is
 process-wide), each of them twice: with prefix caching off (alone, then the batches, then
-alone again, its KV in other blocks: no run reuses another's KV) and on (a prompt sharing the probe's first ``--shared-prefix`` tokens,
-then the probe: a partial hit; then the probe again: a full hit). Both engines load the same
-dummy weights (one seed). Results: a table, and ``DIR/batch_invariance.json``.
+alone again, its KV in other blocks: no run reuses another's KV) and on (a prompt sharing
+the probe's first ``--shared-prefix`` tokens, then the probe: a partial hit; then the probe
+again: a full hit). Both engines load the same dummy weights (one seed). Results: a table, and ``DIR/batch_invariance.json``.
 
     python benchmarks/batch_invariance.py --out DIR [--shape llama-3.1-8b] [--modes default,deterministic]
         [--batches 4,16,64,128,256,512] [--probe-len 100] [--max-tokens 32]
