@@ -343,7 +343,9 @@ def mla_decode_attention(
     if (q_lat.dtype not in _SUPPORTED_DTYPES or q_pe.dtype != q_lat.dtype
             or kv_cache.dtype not in (q_lat.dtype, torch.float8_e4m3fn)):
         raise ValueError(f"unsupported dtypes q_lat={q_lat.dtype} q_pe={q_pe.dtype} kv_cache={kv_cache.dtype}")
-    row = decode_launch(nd)
+    # Deterministic mode: one launch row whatever the batch, so a request's tiles, and with
+    # them its reduction order, do not follow the batch size.
+    row = DECODE_LAUNCH_TABLE[-1] if batch_invariant.enabled() else decode_launch(nd)
     block_n = block_n or row.block_n
     min_tokens_per_split = min_tokens_per_split or row.min_tokens_per_split
     # A given block_h serves as many heads unless told otherwise.

@@ -44,18 +44,21 @@ Attention, as vLLM and FlashMLA split it:
   elsewhere (CPU) a plain-torch reference gathers the latents and runs one padded, masked
   ``scaled_dot_product_attention`` (``MLAAttention.decode_backend`` overrides the choice).
 
-Deterministic mode on the CPU (:mod:`tandem.layers.batch_invariant`): both forms above
+Deterministic mode (:mod:`tandem.layers.batch_invariant`): both forms above
 depend on the batch. The prefill's decompressed form is other arithmetic than the decode's
 absorbed one (a token's bits changed between its prompt and a decode step), its masked SDPA
 reduces over the whole group's packed keys and blocks the queries by the chunk's size (a
 token changed when batched with other prompts, after a prefix-cache hit or chunked), and
 the decode's ``W_uk`` / ``W_uv`` bmms round a row by the batch's row count (MKL fp32).
-There every token, prefill or decode, therefore takes the absorbed form
-(:meth:`MLAAttention._attend_invariant`): ``W_uk`` and ``W_uv`` applied per head on fixed
-blocks of :data:`~tandem.layers.batch_invariant.ROW_BLOCK` tokens, and the latent
-attention by :func:`tandem.attention.torch_backend.split_attention` (keys in fixed splits
-in order, GEMMs of at least ``MIN_GEMM_ROWS`` rows), as the dense models' torch backend
-does it. A token's output is then the same bits whatever the step holds: alone or batched,
+There every token, prefill or decode, therefore takes the absorbed form. On the torch
+path (:meth:`MLAAttention._attend_invariant`, the CPU): ``W_uk`` and ``W_uv`` applied per
+head on fixed blocks of :data:`~tandem.layers.batch_invariant.ROW_BLOCK` tokens, and the
+latent attention by :func:`tandem.attention.torch_backend.split_attention` (keys in fixed
+splits in order, GEMMs of at least ``MIN_GEMM_ROWS`` rows), as the dense models' torch
+backend does it. On the Triton path (:meth:`MLAAttention._attend_invariant_triton`, CUDA):
+``W_uk`` / ``W_uv`` through the batch-invariant Triton GEMM per head, and each token as a
+one-query request of the paged decode kernel (one launch configuration, no KV split),
+whose context ends at its position. A token's output is then the same bits whatever the step holds: alone or batched,
 prefilled whole, chunked, on a cached prefix or decoded. The price is prefill attention
 in the latent space (``kv_lora_rank + rope`` per head and key instead of ``qk_head_dim``).
 
@@ -194,7 +197,9 @@ class MLAAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if batch_invariant.enabled() and q_nope.device.type == "cpu":
+        if batch_invariant.enabled():
+            if self._decode_uses_triton(q_nope.device):
+                return self._attend_invariant_triton(q_nope, q_pe, kv_cache, meta)
             return self._attend_invariant(q_nope, q_pe, kv_cache, meta)
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
         nd = meta.num_decode_reqs
@@ -248,6 +253,23 @@ class MLAAttention(nn.Module):
                                   first_pos=seq_len - q_len)
             o[start:end] = o_r.view(rows, h, rank)[:q_len]
         return absorb_per_head(o, w_uv.transpose(1, 2))
+
+    def _attend_invariant_triton(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                                 meta: AttentionMetadata) -> torch.Tensor:
+        """Deterministic mode with the Triton kernels (CUDA): every token, prompt or decode,
+        in the absorbed form through the paged MLA decode kernel, as a one-query request whose
+        context ends at its own position (:func:`per_token_contexts`; a prompt's latents are
+        in the cache before attention), with one launch configuration and no KV split
+        (:func:`~tandem.attention.triton_mla.mla_decode_attention` in deterministic mode);
+        ``W_uk`` / ``W_uv`` through the batch-invariant GEMM, one launch per head
+        (:func:`absorb_per_head_triton`). Returns ``[T, heads, v_head_dim]``."""
+        from tandem.attention.triton_mla import mla_decode_attention
+
+        w_uk, w_uv = self._absorbed_weights()
+        q_lat = absorb_per_head_triton(q_nope, w_uk)
+        tables, seq_lens = per_token_contexts(meta, q_nope.shape[0])
+        o = mla_decode_attention(q_lat, q_pe, kv_cache, tables, seq_lens, self.scale)
+        return absorb_per_head_triton(o, w_uv.transpose(1, 2))
 
     def _gather_context(self, kv_cache: torch.Tensor, meta: AttentionMetadata, r0: int, r1: int,
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -427,6 +449,41 @@ def absorb_per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.bmm(rows.view(-1, h, a).transpose(0, 1), w).transpose(0, 1).reshape(-1, h * b)
 
     return batch_invariant.row_blocked(bmm, x.reshape(t, h * a), h * b).view(t, h, b)
+
+
+def absorb_per_head_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """:func:`absorb_per_head` with the batch-invariant Triton GEMM
+    (:func:`~tandem.layers.matmul_triton.matmul_batch_invariant`), one launch per head: a
+    token's bits do not depend on ``T`` and the launches do not grow with it (CUDA; the CPU
+    only in Triton's interpreter)."""
+    from tandem.layers.matmul_triton import matmul_batch_invariant
+
+    t, h, _ = x.shape
+    out = x.new_empty(t, h, w.shape[-1])
+    for i in range(h):
+        out[:, i] = matmul_batch_invariant(x[:, i], w[i].t())
+    return out
+
+
+def per_token_contexts(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of the step as a one-query request of the MLA decode kernel: ``(block
+    tables [T, W] int32, seq_lens [T] int32)``, token ``t`` of request ``r`` reading ``r``'s
+    blocks up to its own position (``seq_lens[r] - (query end of r - 1 - t)``); tokens past
+    the step's (padding) get length 0, a zero output. A decode-only step is its metadata as
+    is. Device ops only, no host sync (the token count is a host int)."""
+    if meta.num_decode_reqs == meta.num_reqs == num_tokens:
+        return meta.block_tables, meta.seq_lens
+    n = meta.query_start_loc_cpu[-1]
+    dev = meta.seq_lens.device
+    ends = meta.query_start_loc[1:].long()
+    req = torch.repeat_interleave(torch.arange(meta.num_reqs, device=dev), ends - meta.query_start_loc[:-1].long(),
+                                  output_size=n)
+    seq_lens = meta.seq_lens[req].long() - (ends[req] - 1 - torch.arange(n, device=dev))
+    tables = meta.block_tables[req]
+    if num_tokens > n:
+        seq_lens = F.pad(seq_lens, (0, num_tokens - n))
+        tables = F.pad(tables, (0, 0, 0, num_tokens - n))
+    return tables, seq_lens.to(torch.int32)
 
 
 def split_latents(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:

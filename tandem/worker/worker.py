@@ -115,9 +115,6 @@ class Worker:
         self.model = build_model(self.hf_config, model_cfg.model, cfg.load_config.load_format, backend, self.dtype,
                                  self.device, max_positions=model_cfg.max_model_len, seed=model_cfg.seed,
                                  quant_config=self.quant_config, **self._moe_kwargs())
-        if model_cfg.deterministic and self.device.type == "cuda" and getattr(self.hf_config, "kv_lora_rank", None):
-            logger.warning("deterministic=True: MLA attention on CUDA is not batch-invariant (its prefill and decode "
-                           "forms differ); this model's tokens may still change with the batch")
         spec = cfg.speculative_config
         if spec is not None:
             logger.info("speculative decoding: %s, %d drafts per step, while at most %s requests run "

@@ -457,6 +457,31 @@ def test_deterministic_token_bits_do_not_depend_on_the_step(deterministic_mode, 
         assert torch.equal(_run_steps(attn, [prefill, decode])[1][at], whole[-1]), (n, at)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_deterministic_triton_path_token_bits_do_not_depend_on_the_step(deterministic_mode, triton_decode_cpu, dtype):
+    """The Triton path of deterministic mode (CUDA's; here in the interpreter): every token
+    through the paged decode kernel as a one-query request, the per-head GEMMs through the
+    batch-invariant Triton GEMM. A 40-token prompt's outputs are the same bits prefilled
+    alone, beside another prompt, in chunks of 16, after a 16-token prefix-cache hit; its
+    last token decoded alone and beside two other decodes."""
+    attn = _layer(4, dtype)
+    attn.decode_backend = "triton"
+    length = 40
+    req, a, b = _Request(length, 64, dtype, 0, 1), _Request(9, 64, dtype, 1, 11), _Request(21, 64, dtype, 2, 21)
+    whole = _run_steps(attn, [[(req, 0, length)]])[0]
+    assert torch.equal(_run_steps(attn, [[(a, 0, 9), (req, 0, length)]])[0][9:], whole)
+    chunks = [(c, min(16, length - c)) for c in range(0, length, 16)]
+    got = torch.cat(_run_steps(attn, [[(req, c, m)] for c, m in chunks]))
+    assert torch.equal(got, whole)
+    assert torch.equal(_run_steps(attn, [[(req, 0, 16)], [(req, 16, length - 16)]])[1], whole[16:])
+    decode = _run_steps(attn, [[(a, 0, 8), (b, 0, 20), (req, 0, length - 1)], [(a, 8, 1), (req, length - 1, 1),
+                                                                                (b, 20, 1)]])[1]
+    assert torch.equal(decode[1], whole[-1])
+    batch_invariant.set_enabled(False)  # what the default paths compute, to the dtype's tolerance
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(_run_steps(attn, [[(req, 0, length)]])[0].float(), whole.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
 def test_deterministic_mode_matches_the_default_paths(deterministic_mode, cache_dtype):
     """The deterministic (absorbed, split) attention computes what the default paths do: a
