@@ -93,15 +93,20 @@ def tile_config(n: int, k: int, dtype: torch.dtype) -> TileConfig:
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
-    a_ptr,  # [M, K] rows at a stride of K
-    b_ptr,  # [N, K] weight
-    c_ptr,  # [M, N] output, rows at a stride of N
+    a_ptr,  # [B, M, K], unit stride along K
+    b_ptr,  # [B, N, K] weights
+    c_ptr,  # [B, M, N] output, unit stride along N
     bias_ptr,  # [N] (read iff HAS_BIAS)
     M,  # the batch: runtime, so one compiled variant serves every M
     N,
     K,
+    stride_ab,
+    stride_am,
+    stride_bb,
     stride_bn,
     stride_bk,
+    stride_cb,
+    stride_cm,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -111,6 +116,11 @@ def _matmul_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
+    # Grid axis 1: the product of a batched call (one weight per head); axis 0 persistent.
+    batch = tl.program_id(1).to(tl.int64)
+    a_ptr += batch * stride_ab
+    b_ptr += batch * stride_bb
+    c_ptr += batch * stride_cb
     num_m_tiles = tl.cdiv(M, BLOCK_M)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n_tiles
@@ -130,7 +140,7 @@ def _matmul_kernel(
         # way a valid row's arithmetic is the same wherever the batch ends.
         m_valid = offs_m < M
         cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
         b_ptrs = b_ptr + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -146,20 +156,21 @@ def _matmul_kernel(
             b_ptrs += BLOCK_K * stride_bk
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_valid[:, None] & (offs_n < N)[None, :])
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             cfg: TileConfig) -> None:
-    """``out [M, N] = x [M, K] @ weight.T (+ bias)`` with ``cfg``; x and out have rows of
-    unit stride at a pitch of K and N."""
-    m, k = x.shape
-    n = weight.shape[0]
+    """``out [B, M, N] = x [B, M, K] @ weight[b].T (+ bias)`` with ``cfg``; x and out have
+    a unit stride along their last dim, ``weight [B, N, K]`` any strides."""
+    nb, m, k = x.shape
+    n = weight.shape[1]
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = num_sms(x.device) if x.is_cuda else _INTERPRETER_PROGRAMS
-    _matmul_kernel[(min(tiles, programs),)](
-        x, weight, out, bias if bias is not None else out, m, n, k, weight.stride(0), weight.stride(1),
+    _matmul_kernel[(min(tiles, programs), nb)](
+        x, weight, out, bias if bias is not None else out, m, n, k, x.stride(0), x.stride(1),
+        weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -210,5 +221,44 @@ def matmul_batch_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         x2 = x2.clone(memory_format=torch.contiguous_format)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
-        _launch(x2, weight, None if bias is None else bias.contiguous(), out, tile_config(n, k, x.dtype))
+        _launch(x2[None], weight[None], None if bias is None else bias.contiguous(), out[None],
+                tile_config(n, k, x.dtype))
     return out.reshape(*lead, n)
+
+
+def bmm_batch_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``y[:, b] = x[:, b] @ weight[b]`` for every ``b`` in one launch, each row's bits
+    independent of the number of rows ``M`` (as :func:`matmul_batch_invariant`, one tile
+    configuration per ``(N, K, dtype)``); for MLA's per-head ``W_uk`` / ``W_uv``.
+
+    Args:
+        x: ``[M, B, K]`` fp16 / bf16 / fp32, unit stride along K (e.g. a per-head view of a
+            projection's output; read in place).
+        weight: ``[B, K, N]``, x's dtype and device, any strides.
+
+    Returns:
+        ``[M, B, N]`` in x's dtype (fp32 sums, one rounding).
+
+    Raises:
+        ValueError: shape, dtype or device mismatch, an unsupported dtype, or CPU tensors
+            without the Triton interpreter.
+    """
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"bmm_batch_invariant: x dtype {x.dtype} not supported ({_SUPPORTED_DTYPES})")
+    if x.dim() != 3 or weight.dim() != 3 or weight.shape[0] != x.shape[1] or weight.shape[1] != x.shape[2]:
+        raise ValueError(f"bmm_batch_invariant: x must be [M, B, K] and weight [B, K, N], got x {tuple(x.shape)} "
+                         f"and weight {tuple(weight.shape)}")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"bmm_batch_invariant: weight is {weight.dtype} on {weight.device}, x is {x.dtype} "
+                         f"on {x.device}")
+    if not x.is_cuda and not _INTERPRET:
+        raise ValueError("bmm_batch_invariant: x on the CPU needs the Triton interpreter (TRITON_INTERPRET=1 "
+                         "set before tandem.layers.matmul_triton is imported)")
+    m, nb, k = x.shape
+    n = weight.shape[2]
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, nb, n, dtype=x.dtype, device=x.device)
+    if m and n and nb:
+        _launch(x.transpose(0, 1), weight.transpose(1, 2), None, out.transpose(0, 1), tile_config(n, k, x.dtype))
+    return out

@@ -261,7 +261,7 @@ class MLAAttention(nn.Module):
         context ends at its own position (:func:`per_token_contexts`; a prompt's latents are
         in the cache before attention), with one launch configuration and no KV split
         (:func:`~tandem.attention.triton_mla.mla_decode_attention` in deterministic mode);
-        ``W_uk`` / ``W_uv`` through the batch-invariant GEMM, one launch per head
+        ``W_uk`` / ``W_uv`` through the batch-invariant GEMM, all heads in one launch
         (:func:`absorb_per_head_triton`). Returns ``[T, heads, v_head_dim]``."""
         from tandem.attention.triton_mla import mla_decode_attention
 
@@ -452,17 +452,12 @@ def absorb_per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def absorb_per_head_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """:func:`absorb_per_head` with the batch-invariant Triton GEMM
-    (:func:`~tandem.layers.matmul_triton.matmul_batch_invariant`), one launch per head: a
-    token's bits do not depend on ``T`` and the launches do not grow with it (CUDA; the CPU
-    only in Triton's interpreter)."""
-    from tandem.layers.matmul_triton import matmul_batch_invariant
+    """:func:`absorb_per_head` by the batch-invariant Triton GEMM, every head in one launch
+    (:func:`~tandem.layers.matmul_triton.bmm_batch_invariant`: a token's bits do not depend
+    on ``T``); CUDA, or the CPU in Triton's interpreter."""
+    from tandem.layers.matmul_triton import bmm_batch_invariant
 
-    t, h, _ = x.shape
-    out = x.new_empty(t, h, w.shape[-1])
-    for i in range(h):
-        out[:, i] = matmul_batch_invariant(x[:, i], w[i].t())
-    return out
+    return bmm_batch_invariant(x, w)
 
 
 def per_token_contexts(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from tests.triton_interpreter import triton_test_setup
 DEVICE, INTERPRET = triton_test_setup("tandem.layers.matmul_triton", bf16_rounding=True)
 
 from tandem.layers import batch_invariant  # noqa: E402
-from tandem.layers.matmul_triton import matmul_batch_invariant, tile_config  # noqa: E402
+from tandem.layers.matmul_triton import bmm_batch_invariant, matmul_batch_invariant, tile_config  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Against F.linear of the same operands in fp64: fp32 sums, one rounding to the dtype.
@@ -151,3 +151,32 @@ def test_cuda_linear_rows_do_not_depend_on_the_batch(deterministic_mode, n, k, d
         pos = rng.randrange(m)
         x[pos] = row
         assert torch.equal(batch_invariant.linear(x, w)[pos], alone), (m, pos)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bmm_matches_torch_and_rows_do_not_depend_on_the_batch(dtype):
+    """The per-head form (MLA's W_uk / W_uv): ``x [M, heads, K]`` read in place from a wider
+    projection output, a transposed weight view; equal to torch.bmm to the dtype's
+    tolerance, and one token's rows the same bits among 1..70 tokens at any place."""
+    g, rng = torch.Generator(device=DEVICE).manual_seed(9), random.Random(9)
+    heads, k, n = 3, 40, 24
+    w = (torch.randn(heads, n, k, generator=g, device=DEVICE) * k**-0.5).to(dtype).transpose(1, 2)  # [B, K, N] view
+
+    def per_head_view(rows: torch.Tensor) -> torch.Tensor:  # [M, heads, K] inside [M, heads, K + 8]
+        wide = torch.randn(rows.shape[0], heads, k + 8, generator=g, device=DEVICE).to(dtype)
+        wide[..., 8:] = rows
+        return wide[..., 8:]
+
+    x = per_head_view(torch.randn(5, heads, k, generator=g, device=DEVICE).to(dtype))
+    want = torch.bmm(x.double().transpose(0, 1), w.double()).transpose(0, 1)
+    torch.testing.assert_close(bmm_batch_invariant(x, w).double(), want, **TOL[dtype])
+    row = torch.randn(heads, k, generator=g, device=DEVICE).to(dtype)
+    alone = bmm_batch_invariant(per_head_view(row[None]), w)[0]
+    for m in (2, 7, 16, 33, 70):
+        rows = torch.randn(m, heads, k, generator=g, device=DEVICE).to(dtype)
+        at = rng.randrange(m)
+        rows[at] = row
+        assert torch.equal(bmm_batch_invariant(per_head_view(rows), w)[at], alone), (m, at)
+    assert bmm_batch_invariant(x[:0], w).shape == (0, heads, n)
+    with pytest.raises(ValueError, match="weight \\[B, K, N\\]"):
+        bmm_batch_invariant(x, w.transpose(1, 2))
