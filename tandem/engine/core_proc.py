@@ -363,6 +363,11 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
                 sock.send(data)
                 sock.close(linger=2000)
             ctx.term()
+            if config_error is not None:
+                # Bad input is one line, which the front end prints; a traceback on this
+                # process's stderr (multiprocessing prints one for an uncaught exception)
+                # would follow it whenever the front end had not stopped this rank first.
+                sys.exit(1)
         raise
     finally:
         if proc is not None:
