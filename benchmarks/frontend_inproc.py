@@ -28,6 +28,7 @@ def make_llm() -> AsyncLLM:
     llm._tokens_reported = {"prompt_tokens": 0, "generation_tokens": 0}
     llm.num_requests, llm._stopped, llm._scheduler_stats = 0, False, {}
     llm.vocab_size, llm.max_model_len = 49152, 4096
+    llm._stats_task, llm.log_stats_interval_s = None, None  # no periodic stats line
     llm.client = types.SimpleNamespace(is_alive=True, dead_error=None, start=lambda *a: None,
                                        add_requests=lambda r: None, abort_requests=lambda r: None)
     llm.processor = types.SimpleNamespace(process_inputs=lambda rid, p, sp, arr: (

@@ -1,7 +1,6 @@
-"""A streamed chat choice's tool-call deltas (``serving._ToolStream``) against
+"""A streamed chat choice's tool-call deltas (``serving_chat.ToolCallStream``) against
 ``ToolPlan.split`` of the whole text, for every tool_choice and any split into deltas;
-the SSE chunks written without pydantic models against the models' JSON; SGLang's
-``matched_stop``."""
+SGLang's ``matched_stop``. The chunks' wire format: test_stream_chunks.py."""
 
 from __future__ import annotations
 
@@ -10,7 +9,8 @@ import json
 import pytest
 
 from tandem.entrypoints.openai import protocol as P
-from tandem.entrypoints.openai.serving import ChunkFrames, _js, _ToolStream, matched_stop, sse
+from tandem.entrypoints.openai.serving_chat import ToolCallStream
+from tandem.entrypoints.openai.serving_engine import matched_stop
 from tandem.entrypoints.openai.structured_outputs import tool_plan
 
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("f", "g")]
@@ -21,27 +21,26 @@ CASES = [
     ("auto", None, HERMES), ("auto", False, HERMES), ("auto", None, HERMES[:70]),
     ("required", None, ARRAY), ("required", False, ARRAY[:45]), ("required", None, ARRAY[:60]),
     ({"type": "function", "function": {"name": "g"}}, None, '{\n "y": 2}'),
-    ("none", None, " plain\n"),
 ]
 
 
 def _streamed(plan, text: str, size: int):
     """(joined content or None, [(name, arguments)], the delta of each call's first
     piece) from feeding ``text`` in pieces of ``size`` characters."""
-    ts = _ToolStream(plan, "hermes")
+    ts = ToolCallStream(plan, "hermes")
     content, calls, first_at = None, {}, []
     pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
     for i, piece in enumerate(pieces):
         delta, _ = ts.delta(piece, i == len(pieces) - 1)
         if delta.content is not None:
             # Beside tool calls, whitespace alone is no content (it goes with text that follows).
-            assert plan.mode == "none" or delta.content.strip(), f"whitespace-only content {delta.content!r}"
+            assert delta.content.strip(), f"whitespace-only content {delta.content!r}"
             content = (content or "") + delta.content
         for t in delta.tool_calls or []:
-            if t["index"] not in calls:
+            if t.index not in calls:
                 first_at.append(i)
-                calls[t["index"]] = [t["function"]["name"], ""]
-            calls[t["index"]][1] += t["function"]["arguments"]
+                calls[t.index] = [t.function.name, ""]
+            calls[t.index][1] += t.function.arguments
     return content, [tuple(calls[k]) for k in sorted(calls)], first_at
 
 
@@ -60,39 +59,6 @@ def test_streamed_tool_calls_equal_whole(choice, parallel, text, size):
         assert first_at[0] < len(text) - 1  # the first call went out as soon as it was complete
     for name, args in s_calls:
         json.loads(args)
-
-
-TEXTS = ["", " hello", 'q"uo\\te/', "\n\t\r\b\f\x00\x1f\x7f", "é中🙂\u2028\u2029\ufffd", "</script>"]
-
-
-@pytest.mark.parametrize("text", TEXTS)
-@pytest.mark.parametrize("finish, stop_reason, matched", [(None, None, None), ("stop", 2, 2), ("stop", "a\"b", "a\"b"),
-                                                          ("stop", None, 0), ("length", None, None)])
-@pytest.mark.parametrize("usage", [None, (7, 3)])
-def test_chunk_frames_are_the_models_json(text, finish, stop_reason, matched, usage):
-    """``ChunkFrames`` writes, byte for byte, what ``model_dump_json`` of the stream
-    response models writes (ids and model names with characters JSON escapes too)."""
-
-    rid, model, created = 'cmpl-"x"\\é', "m/ö\n", 1700000000
-    u = P.UsageInfo(prompt_tokens=usage[0], completion_tokens=usage[1], total_tokens=sum(usage)) if usage else None
-    u_json = ChunkFrames.usage(*usage) if usage else "null"
-    lp = P.CompletionLogProbs(text_offset=[0], token_logprobs=[-1e-5], tokens=[text], top_logprobs=[{text: -0.5}])
-    for logprobs in (None, lp):
-        want = P.CompletionStreamResponse(id=rid, created=created, model=model, usage=u, choices=[
-            P.CompletionResponseStreamChoice(index=3, text=text, logprobs=logprobs, finish_reason=finish,
-                                             stop_reason=stop_reason, matched_stop=matched)])
-        got = ChunkFrames("text_completion", rid, created, model).frame(
-            3, _js(text), logprobs.model_dump_json() if logprobs else "null", finish, stop_reason, matched, u_json)
-        assert got == sse(want)
-    plan = tool_plan(P.ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}]))
-    delta_json, calls = _ToolStream(plan, "hermes").delta_json(text, finish is not None)
-    assert not calls
-    want = P.ChatCompletionStreamResponse(id=rid, created=created, model=model, usage=u, choices=[
-        P.ChatCompletionResponseStreamChoice(index=1, delta=P.DeltaMessage(content=text), finish_reason=finish,
-                                             stop_reason=stop_reason, matched_stop=matched)])
-    got = ChunkFrames("chat.completion.chunk", rid, created, model).frame(1, delta_json, "null", finish,
-                                                                         stop_reason, matched, u_json)
-    assert got == sse(want)
 
 
 @pytest.mark.parametrize("finish, stop_reason, last, want", [

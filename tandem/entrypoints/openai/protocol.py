@@ -1,4 +1,11 @@
-"""OpenAI API request/response models (pydantic v2), with vLLM's extensions.
+"""OpenAI API requests, responses and stream chunks, with vLLM's extensions.
+
+Requests and whole responses are pydantic v2 models: requests are validated field by
+field. Streamed chunks, and the logprobs and usage they share with whole responses, are
+msgspec structs, declared once here: a chunk goes out per token per choice and is only
+ever encoded (by :mod:`tandem.entrypoints.openai.streaming`'s encoder), which msgspec does
+without building a pydantic model per token. A whole response holds those structs as they
+are (``_Wire``).
 
 Field names, defaults and shapes follow the OpenAI API reference for ``/v1/completions``
 and ``/v1/chat/completions``; the extra sampling fields (``top_k``, ``min_p``,
@@ -14,9 +21,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, PlainSerializer
 
 MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -34,6 +42,12 @@ class OpenAIRequestModel(OpenAIBaseModel):
     """A request body (or part of one): fields it does not declare are rejected."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+_S = TypeVar("_S", bound=msgspec.Struct)
+# A response field holding a struct of this module as it is, written as the struct
+# encodes: what a whole response and a stream chunk both hold is declared once.
+_Wire = Annotated[InstanceOf[_S], PlainSerializer(msgspec.to_builtins)]
 
 
 # ------------------------------------------------------------------- errors
@@ -54,11 +68,11 @@ class StreamOptions(OpenAIRequestModel):
     continuous_usage_stats: bool | None = False
 
 
-class PromptTokensDetails(OpenAIBaseModel):
+class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
 
-class UsageInfo(OpenAIBaseModel):
+class UsageInfo(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
@@ -173,11 +187,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # -------------------------------------------------------------- completions
-class CompletionLogProbs(OpenAIBaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+class CompletionLogProbs(msgspec.Struct):
+    text_offset: list[int] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    tokens: list[str] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
 
 
 class PromptLogprob(OpenAIBaseModel):
@@ -189,10 +203,10 @@ class PromptLogprob(OpenAIBaseModel):
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
-    logprobs: CompletionLogProbs | None = None
+    logprobs: _Wire[CompletionLogProbs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # SGLang extension: what ended a "stop" choice (``serving.matched_stop``).
+    # SGLang extension: what ended a "stop" choice (``serving_engine.matched_stop``).
     matched_stop: int | str | None = None
     # vLLM extension (with ``prompt_logprobs`` in the request): per prompt position,
     # token id -> logprob; the first position is None.
@@ -205,40 +219,40 @@ class CompletionResponse(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionResponseChoice]
-    usage: UsageInfo | None = None
+    usage: _Wire[UsageInfo] | None = None
 
 
-class CompletionResponseStreamChoice(OpenAIBaseModel):
+class CompletionResponseStreamChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # SGLang extension: what ended a "stop" choice (``serving.matched_stop``).
+    # SGLang extension: what ended a "stop" choice (``serving_engine.matched_stop``).
     matched_stop: int | str | None = None
 
 
-class CompletionStreamResponse(OpenAIBaseModel):
+class CompletionStreamResponse(msgspec.Struct, kw_only=True):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int
     model: str
     choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
 
 
 # --------------------------------------------------------------------- chat
-class ChatCompletionLogProb(OpenAIBaseModel):
+class ChatCompletionLogProb(msgspec.Struct):
     token: str
     logprob: float
     bytes: list[int] | None = None
 
 
 class ChatCompletionLogProbsContent(ChatCompletionLogProb):
-    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+    top_logprobs: list[ChatCompletionLogProb] = msgspec.field(default_factory=list)
 
 
-class ChatCompletionLogProbs(OpenAIBaseModel):
+class ChatCompletionLogProbs(msgspec.Struct):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
@@ -251,10 +265,10 @@ class ChatResponseMessage(OpenAIBaseModel):
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: ChatCompletionLogProbs | None = None
+    logprobs: _Wire[ChatCompletionLogProbs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # SGLang extension: what ended a "stop" choice (``serving.matched_stop``).
+    # SGLang extension: what ended a "stop" choice (``serving_engine.matched_stop``).
     matched_stop: int | str | None = None
 
 
@@ -264,37 +278,49 @@ class ChatCompletionResponse(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
+    usage: _Wire[UsageInfo]
     # vLLM extension (with ``prompt_logprobs`` in the request), as in completions choices.
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
-class DeltaMessage(OpenAIBaseModel):
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    """The name goes in a call's first delta only; the arguments may come in pieces."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A call's id and type go in its first delta only, as OpenAI sends them."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
     """A chat stream delta; unset (None) fields are left out, as OpenAI sends it."""
 
     role: str | None = None
     content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+class ChatCompletionResponseStreamChoice(msgspec.Struct):
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # SGLang extension: what ended a "stop" choice (``serving.matched_stop``).
+    # SGLang extension: what ended a "stop" choice (``serving_engine.matched_stop``).
     matched_stop: int | str | None = None
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
+class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
