@@ -5,7 +5,9 @@ every other round, so that load drift hits every mode alike):
 
 * start ``tandem serve MODEL --port P`` in a process group of its own, with
   ``--speculative-config`` for ``ngram`` (prompt lookup, K = ``--k``, n-grams of 1..4
-  tokens) and ``draft`` (``draft_model`` with ``--draft-model``, K = ``--k``); ``off``:
+  tokens) and ``draft`` (``draft_model`` with ``--draft-model``, K = ``--k``; the step
+  verifying drafts runs one step ahead); ``draft-sync``: ``draft`` with
+  ``--no-async-output-proc`` (each step taken in before the next is scheduled); ``off``:
   none. Wait for ``/health``;
 * for each workload and each ``--concurrency`` C run ``tandem bench serve --backend
   openai-chat --dataset custom --dataset-path <workload>.jsonl --custom-output-len
@@ -31,7 +33,7 @@ same tokens expected in fp32; in bf16 a near-tie may flip). Printed as a markdow
 written as JSON (``--output-json``), with the 1-minute load average before and after.
 
     python benchmarks/spec_decode.py [--model GGUF_OR_FOLDER] [--draft-model GGUF_OR_FOLDER] \\
-        [--modes off ngram draft] [--workload edit humaneval] [--concurrency 1 4] [--rounds 2] \\
+        [--modes off ngram draft draft-sync] [--workload edit humaneval] [--concurrency 1 4] [--rounds 2] \\
         [--num-prompts 8] [--max-tokens 256] [--k 4] [--dtype auto] [--quantization Q] [--port 8000]
 """
 
@@ -67,7 +69,7 @@ EDIT_CODE = '''def moving_average(values, window):
 '''
 EDIT_TASKS = ["Rename the function to rolling_mean", "Rename the parameter values to xs",
               "Rename the variable total to acc", "Rename the variable out to result"]
-MODES = ("off", "ngram", "draft")
+MODES = ("off", "ngram", "draft", "draft-sync")
 WORKLOADS = ("edit", "humaneval")
 HOST = "127.0.0.1"
 CLI = [sys.executable, "-m", "tandem.entrypoints.cli"]  # ``tandem`` of this interpreter
@@ -124,8 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.modes is None:
         args.modes = ["off", "ngram"] + (["draft"] if args.draft_model else [])
-    if "draft" in args.modes and not args.draft_model:
-        ap.error("mode draft needs --draft-model")
+    if {"draft", "draft-sync"} & set(args.modes) and not args.draft_model:
+        ap.error("modes draft and draft-sync need --draft-model")
     if len(set(args.modes)) != len(args.modes):
         ap.error("--modes lists a mode twice")
     for name in ("rounds", "num_prompts", "max_tokens", "k"):
@@ -139,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def speculative_config(mode: str, args: argparse.Namespace) -> dict | None:
     if mode == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-    elif mode == "draft":
+    elif mode in ("draft", "draft-sync"):
         spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
     else:
         return None
@@ -158,6 +160,8 @@ def server_command(mode: str, args: argparse.Namespace) -> list[str]:
     spec = speculative_config(mode, args)
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
+    if mode == "draft-sync":
+        cmd.append("--no-async-output-proc")
     return cmd + shlex.split(args.server_args)
 
 

@@ -90,7 +90,8 @@ class ModelRunnerOutput:
     ``accepted_token_ids``: row -> every token a row with draft tokens emitted (its
     accepted drafts, then the recovered or bonus token; ``sampled_token_ids[row]`` is the
     first of them); rows without drafts are not in it; ``accepted_logprobs`` has, for such
-    rows that asked for logprobs, one ``logprobs`` entry per emitted token. ``draft_token_ids``: with a draft
+    rows that asked for logprobs, one ``logprobs`` entry per emitted token;
+    ``num_draft_tokens`` has, for such rows, the number of drafts verified. ``draft_token_ids``: with a draft
     model, per row the drafts proposed for the sequence's next step (the K tokens after its
     last emitted one); None otherwise."""
 
@@ -101,4 +102,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
     accepted_token_ids: dict[int, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[int, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+    num_draft_tokens: dict[int, int] = field(default_factory=dict)
     draft_token_ids: list[list[int]] | None = None

@@ -47,12 +47,15 @@ class Request:
     Token accounting (one-step-ahead scheduling, see docs/architecture.md):
       * ``num_tokens`` = prompt + output tokens known on the host;
       * ``num_output_placeholders`` = tokens sampled by launched steps whose ids are not
-        on the host yet;
+        on the host yet (a step verifying ``k`` drafts counts ``1 + k``, as if it accepted
+        every one: the most it can emit);
       * ``num_computed_tokens`` = tokens whose K/V are written by launched steps (advanced
         when a step is scheduled, drafts included; the rejected drafts are taken back when
         the step's output is processed);
       * ``spec_token_ids`` = the draft tokens of the step in flight (speculative decoding);
-      * ``draft_token_ids`` = the draft model's proposals for its next step.
+      * ``draft_token_ids`` = the draft model's proposals for its next step;
+      * ``num_device_drafts`` = drafts the model runner proposes after the sequence's
+        step in flight, kept on the device for its next step.
     """
 
     request_id: str
@@ -72,6 +75,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
+    num_device_drafts: int = 0
     # The grammar of a request with ``sampling_params.structured_outputs``.
     structured_output: "StructuredOutputRequest | None" = None
 

@@ -20,12 +20,31 @@ forward.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 PHASES = ("schedule", "prepare", "process")
+
+
+class WallClockEvent:
+    """``torch.cuda.Event(enable_timing=True)``'s timing interface on the host clock, for
+    the CPU, where a step thread runs the steps (:mod:`tandem.worker.model_runner`): recorded
+    on that thread, two events bound the thread's work on a step as CUDA events bound the
+    GPU's."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "WallClockEvent") -> float:
+        """Milliseconds from this event to ``end``."""
+        return (end.t - self.t) * 1e3
+
 GRAMMAR_PHASES = ("grammar", "bitmask")
 
 

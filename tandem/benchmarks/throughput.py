@@ -32,15 +32,16 @@ class ThroughputResult:
     output_tokens_per_s: float
     total_tokens_per_s: float
     num_preemptions: int | None  # None: not reported by a DP/TP front-end
-    # CUDA only: fraction of the timed wall time the GPU had no step queued (gaps between
-    # one step's last kernel and the next step's first), and decode-step statistics.
+    # In-process runners on CUDA or on the CPU step thread: fraction of the timed wall time
+    # the device had no step queued (gaps between one step's last kernel and the next step's
+    # first; on the CPU between the step thread's work on two steps), and decode-step statistics.
     gpu_idle_fraction: float | None = None
     gpu_idle_fraction_decode: float | None = None
     decode_step_ms_at_max_batch: float | None = None
     max_decode_batch: int | None = None
     max_batch_context_tokens: int | None = None
-    # CUDA only: GPU time (s, first kernel to last of each step) and count of decode-only
-    # steps and of steps with prefill tokens.
+    # The same runners: device time (s, first kernel to last of each step; on the CPU the
+    # step thread's) and count of decode-only steps and of steps with prefill tokens.
     decode_steps_s: float | None = None
     num_decode_steps: int | None = None
     prefill_steps_s: float | None = None
@@ -106,7 +107,8 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     pre = _preemptions(llm)
     # Step timing needs the in-process runner; the DP/TP front-ends run the steps in other processes.
     runner = getattr(llm.engine, "runner", None)
-    if runner is not None and runner.device.type == "cuda":
+    # The device's busy and idle time per step: CUDA events, or the CPU step thread's clock.
+    if runner is not None and (runner.device.type == "cuda" or runner.runs_on_step_thread):
         runner.step_events = []
     # Host time per step: recorded by an in-process engine core only.
     host_timing = hasattr(llm.engine, "start_host_timing") and llm.engine.start_host_timing() is not None
@@ -128,7 +130,8 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     if host_timing:
         _host_step_stats(llm.engine.stop_host_timing(), res)
     if runner is not None and runner.step_events:
-        torch.cuda.synchronize()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
         _gpu_step_stats(runner.step_events, res)
         runner.step_events = None
     return res
@@ -259,13 +262,14 @@ def main(args: argparse.Namespace) -> None:
               f"{len(res.jit_compiles_timed)} ({', '.join(names)})")
     if res.gpu_idle_fraction is not None:
         # Without decode-only steps (e.g. --output-len 1) the decode statistics are None.
-        line = f"GPU idle between steps: {100 * res.gpu_idle_fraction:.2f}% of wall time"
+        device = "GPU" if llm.engine.config.device_config.torch_device.type == "cuda" else "Step thread"
+        line = f"{device} idle between steps: {100 * res.gpu_idle_fraction:.2f}% of wall time"
         if res.gpu_idle_fraction_decode is not None:
             line += f" ({100 * res.gpu_idle_fraction_decode:.2f}% around decode steps)"
         if res.max_decode_batch is not None:
             line += f"; median decode step at batch {res.max_decode_batch}: {res.decode_step_ms_at_max_batch:.2f} ms"
         print(line)
-        print(f"GPU time in steps: {res.decode_steps_s:.2f} s in {res.num_decode_steps} decode-only steps, "
+        print(f"{device} time in steps: {res.decode_steps_s:.2f} s in {res.num_decode_steps} decode-only steps, "
               f"{res.prefill_steps_s:.2f} s in {res.num_prefill_steps} steps with prefill tokens")
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -57,7 +57,11 @@ class ScheduledSequence(msgspec.Struct, array_like=True, gc=False):
     block table since it was last scheduled (its whole table when ``new_request`` is set).
     ``spec_token_ids``: draft tokens (speculative decoding) that follow ``token_ids`` in the
     step's input and are counted in ``num_new_tokens``; the model verifies them, and the
-    sequence then emits its accepted drafts plus one token.
+    sequence then emits its accepted drafts plus one token. ``num_device_drafts``: instead,
+    that many of the drafts the model runner proposed after the previous step (which is
+    still in flight: ``uses_prev_sample``) follow its sample, their ids never on the host;
+    ``num_computed_tokens`` then assumes every draft of that step was accepted, and the
+    runner takes back its rejected ones (asynchronous speculative decoding).
     """
 
     seq_id: int
@@ -70,6 +74,12 @@ class ScheduledSequence(msgspec.Struct, array_like=True, gc=False):
     # Set the first time the sequence is scheduled (or again after a preemption).
     new_request: NewRequestData | None = None
     spec_token_ids: list[int] = msgspec.field(default_factory=list)
+    num_device_drafts: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens the step verifies for the sequence (host-known or on the device)."""
+        return len(self.spec_token_ids) + self.num_device_drafts
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):

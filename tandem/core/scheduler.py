@@ -11,20 +11,30 @@ One-step-ahead scheduling (docs/architecture.md): ``num_computed_tokens`` advanc
 scheduled, and a step that samples adds a *placeholder* for the token that is not on the
 host yet, so step N+1 can be scheduled before step N's outputs are processed.
 
-Speculative decoding (synchronous, with ``async_output_proc`` off): a running sequence in
-decode (every known token but the last computed, nothing in flight) gets draft tokens from
-the proposer and is scheduled for ``1 + len(drafts)`` tokens, KV slots included. When the
-step's output arrives, ``num_computed_tokens`` is taken back to the accepted drafts: the
-K/V of rejected drafts stays in slots past it, which later steps overwrite. The blocks
-allocated for drafts stay with the sequence until it is freed. Only host-known (confirmed)
-tokens are ever hashed into the prefix cache (``KVCacheManager._cache_full_blocks``), and
-drafts are never host-known, so no cached block is registered under tokens it lacks.
+Speculative decoding: a running sequence in decode gets draft tokens and is scheduled for
+``1 + len(drafts)`` tokens, KV slots included; until its step's output arrives it counts
+``1 + len(drafts)`` placeholders and as many computed tokens, as if every draft were
+accepted (vLLM's async scheduler). When the output arrives, ``num_computed_tokens`` is taken
+back to the accepted drafts: the K/V of rejected drafts stays in slots past it, which later
+steps overwrite. The blocks allocated for drafts stay with the sequence until it is freed.
+Only host-known (confirmed) tokens are ever hashed into the prefix cache
+(``KVCacheManager._cache_full_blocks``), and drafts are never host-known, so no cached
+block is registered under tokens it lacks.
 
-Drafts come from the n-gram ``proposer`` on the host, or, with a draft model, from the
-model runner: each step's output carries the next drafts of the sequences that sampled
-(``ModelRunnerOutput.draft_token_ids``, kept in ``Request.draft_token_ids``), and every
-step that samples allocates ``num_lookahead_tokens`` more slots for the draft model's K/V
-of them (vLLM's lookahead slots), unless that would need a block nobody has free.
+Where drafts come from:
+
+* the n-gram ``proposer`` on the host, from the sequence's tokens: its step in flight must
+  have been taken in first (:meth:`Scheduler.needs_outputs_to_draft`);
+* with a draft model or an EAGLE head, the model runner: every step that samples a
+  sequence proposes its next ``num_lookahead_tokens`` drafts (after allocating as many
+  lookahead slots for the draft K/V, vLLM's lookahead slots, unless that would need a block
+  nobody has free). While that step is in flight the next one is scheduled with them as
+  ``ScheduledSequence.num_device_drafts``: their ids stay on the device, and the runner
+  corrects the step's positions by the drafts the previous step rejected (asynchronous
+  speculative decoding, issue 46 stage 2). A sequence with no step in flight takes the
+  drafts its last output carried (``ModelRunnerOutput.draft_token_ids``). A constrained
+  sequence's drafts must be checked against its grammar on the host: while one runs,
+  every step is taken in before the next is scheduled.
 """
 
 from __future__ import annotations
@@ -56,10 +66,10 @@ class Scheduler:
         enable_chunked_prefill: split prompts longer than the remaining budget.
         structured_output_manager: advances the grammars of constrained sequences (needed
             once one is added).
-        proposer: proposes draft tokens for decoding sequences (speculative decoding, only
-            with outputs processed synchronously); None: no n-gram speculation.
-        num_lookahead_tokens: with a draft model (whose drafts the model runner returns),
-            its number of drafts per step ``K``; 0: none.
+        proposer: proposes draft tokens for decoding sequences on the host (n-gram
+            speculative decoding); None: none.
+        num_lookahead_tokens: with a draft model or an EAGLE head (whose drafts the model
+            runner proposes), its number of drafts per step ``K``; 0: none.
         disable_by_batch_size: speculate only while at most this many sequences run (None:
             always).
     """
@@ -104,18 +114,22 @@ class Scheduler:
         return bool(self.requests)
 
     def _schedule_seq(self, req: Request, num_new: int, num_tokens: int, so_seq_ids: list[int],
-                      drafts: list[int] | None = None) -> ScheduledSequence:
-        """``req``'s share of the step (``num_tokens``: its host-known tokens; ``drafts``:
-        draft tokens after them, KV slots already allocated); a sampling constrained
-        sequence's id is appended to ``so_seq_ids``."""
+                      drafts: list[int] | None = None, num_device_drafts: int = 0,
+                      propose_drafts: bool = False) -> ScheduledSequence:
+        """``req``'s share of the step (``num_tokens``: its host-known tokens; ``drafts`` or
+        ``num_device_drafts``: draft tokens after them, KV slots already allocated;
+        ``propose_drafts``: the runner proposes drafts after the step); a sampling
+        constrained sequence's id is appended to ``so_seq_ids``."""
         c = req.num_computed_tokens
         end = c + num_new
         known_end = end if end < num_tokens else num_tokens
-        assert end - known_end <= 1, "at most one not-yet-known token (the previous step's sample)"
+        assert end - max(c, known_end) <= 1, "at most one not-yet-known input token (the previous step's sample)"
         sample = end == num_tokens + req.num_output_placeholders
-        req.num_computed_tokens = end
+        num_drafts = (len(drafts) if drafts else 0) + num_device_drafts
+        req.num_computed_tokens = end + num_drafts
         if sample:
-            req.num_output_placeholders += 1
+            req.num_output_placeholders += 1 + num_drafts
+            req.num_device_drafts = self.num_lookahead_tokens if propose_drafts else 0
             if req.structured_output is not None:
                 so_seq_ids.append(req.seq_id)
         seq_id = req.seq_id
@@ -128,25 +142,32 @@ class Scheduler:
             new_blocks = []  # most decode steps: the last block has room
         # A decode step whose input is the previous step's sample has no host-known token.
         tokens = req.token_slice(c, known_end) if c < known_end else []
-        if not drafts:
+        if not num_drafts:
             return ScheduledSequence(seq_id, c, num_new, tokens, end > num_tokens, sample, new_blocks)
-        req.num_computed_tokens += len(drafts)
-        req.spec_token_ids = drafts
-        return ScheduledSequence(seq_id, c, num_new + len(drafts), tokens, False, sample, new_blocks,
-                                 spec_token_ids=drafts)
+        if drafts:
+            req.spec_token_ids = drafts
+            return ScheduledSequence(seq_id, c, num_new + num_drafts, tokens, False, sample, new_blocks,
+                                     spec_token_ids=drafts)
+        return ScheduledSequence(seq_id, c, num_new + num_drafts, tokens, True, sample, new_blocks,
+                                 num_device_drafts=num_device_drafts)
 
-    def _propose(self, req: Request, num_tokens: int, budget: int) -> list[int]:
+    def _propose(self, req: Request, num_tokens: int, budget: int) -> list[int] | int:
         """Draft tokens for a decoding ``req`` with ``num_tokens`` known tokens: at most
         what its ``max_tokens``, the context and the step's ``budget`` leave room for
-        besides the token the step samples anyway; of a constrained sequence, the prefix
-        its grammar accepts. None for a sequence below ``min_tokens`` (its stop tokens are
-        masked per sampled token)."""
+        besides the token the step samples anyway, counting its tokens in flight as the
+        most they can be; of a constrained sequence, the prefix its grammar accepts. With
+        a step in flight, the number of the runner's drafts to verify (their ids are on
+        the device). None for a sequence below ``min_tokens`` (its stop tokens are masked
+        per sampled token), counting a step in flight as one token."""
+        in_flight = req.num_output_placeholders
         num_output = num_tokens - req.num_prompt_tokens
-        if num_output < req.sampling_params.min_tokens:
+        if num_output + min(in_flight, 1) < req.sampling_params.min_tokens:
             return []
-        room = min(req.max_tokens - num_output, self.max_model_len - num_tokens, budget) - 1
+        room = min(req.max_tokens - num_output - in_flight, self.max_model_len - num_tokens - in_flight, budget) - 1
         if room <= 0:
             return []
+        if in_flight:
+            return min(req.num_device_drafts, room)
         if self.proposer is None:
             drafts = req.draft_token_ids[:room]
         else:
@@ -173,6 +194,7 @@ class Scheduler:
         self.kv.free(req)
         req.spec_token_ids = []
         req.draft_token_ids = []
+        req.num_device_drafts = 0
         self._num_sent_blocks.pop(req.seq_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -181,15 +203,24 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def wants_drafts(self) -> bool:
-        """Whether the next step speculates: drafts for its decoding sequences (those with
-        nothing in flight: the caller takes in a step in flight first). Decided once per
-        step, by the number of running sequences (``disable_by_batch_size``)."""
+        """Whether the next step speculates. Decided once per step, by the number of
+        running sequences (``disable_by_batch_size``)."""
         limit = self.disable_by_batch_size
         return self.speculates and (limit is None or len(self.running) <= limit)
+
+    def needs_outputs_to_draft(self) -> bool:
+        """Whether the next step's drafts need the step in flight taken in first: they
+        come from the n-gram proposer (the sequences' tokens), or a constrained sequence
+        runs (drafts are checked against its grammar on the host). Otherwise they stay
+        on the device and the loop runs one step ahead."""
+        if not self.wants_drafts():
+            return False
+        return self.proposer is not None or any(r.structured_output is not None for r in self.running)
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step. Never blocks; may return an empty step."""
         speculate = self.wants_drafts()
+        propose = speculate and self.num_lookahead_tokens > 0
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Request] = []
@@ -212,12 +243,13 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            drafts = (self._propose(req, num_tokens, budget)
-                      if speculate and num_new == 1 and not placeholders else [])
-            lookahead = self._lookahead(req, num_new + len(drafts)) if speculate else 0
-            while not kv.allocate_slots(req, num_new + len(drafts), num_lookahead_tokens=lookahead):
-                if drafts or lookahead:
-                    drafts, lookahead = [], 0  # drafts never cost another sequence its blocks
+            proposal = self._propose(req, num_tokens, budget) if speculate and num_new == 1 else []
+            drafts, device = ([], proposal) if isinstance(proposal, int) else (proposal, 0)
+            num_drafts = len(drafts) + device
+            lookahead = self._lookahead(req, num_new + num_drafts) if speculate else 0
+            while not kv.allocate_slots(req, num_new + num_drafts, num_lookahead_tokens=lookahead):
+                if num_drafts or lookahead:
+                    drafts, device, num_drafts, lookahead = [], 0, 0, 0  # drafts never cost another sequence its blocks
                     continue
                 victim = running.pop()
                 self._preempt(victim)
@@ -225,8 +257,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(self._schedule_seq(req, num_new, num_tokens, so_seq_ids, drafts))
-                budget -= num_new + len(drafts)
+                scheduled.append(self._schedule_seq(req, num_new, num_tokens, so_seq_ids, drafts, device, propose))
+                budget -= num_new + num_drafts
                 i += 1
                 continue
             break  # the sequence preempted itself: nothing else can fit
@@ -257,7 +289,7 @@ class Scheduler:
                     self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                seq = self._schedule_seq(req, num_new, req.num_tokens, so_seq_ids)
+                seq = self._schedule_seq(req, num_new, req.num_tokens, so_seq_ids, propose_drafts=propose)
                 seq.new_request = NewRequestData.from_request(req)
                 scheduled.append(seq)
                 budget -= num_new
@@ -271,7 +303,7 @@ class Scheduler:
             preempted_seq_ids=[r.seq_id for r in preempted],
             finished_seq_ids=self._finished_since_last_step,
             structured_output_seq_ids=so_seq_ids,
-            propose_drafts=speculate and self.num_lookahead_tokens > 0,
+            propose_drafts=propose,
         )
         self._finished_since_last_step = []
         return out
@@ -330,12 +362,13 @@ class Scheduler:
                 outputs[sid] = EngineCoreOutput(req.request_id, [], new_prompt_logprobs=PromptLogprobsData(
                     pl.start, pl.token_ids, pl.logprobs, pl.ranks))
         requests, logprobs, accepted = self.requests, result.logprobs, result.accepted_token_ids
-        drafts = result.draft_token_ids
+        drafts, num_verified = result.draft_token_ids, result.num_draft_tokens
         for row, (sid, tok) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
             req = requests.get(sid)
             if req is None:
                 continue
-            req.num_output_placeholders -= 1  # the token reached the host
+            num_drafts = num_verified.get(row, 0)
+            req.num_output_placeholders -= 1 + num_drafts  # the step's tokens reached the host
             out = outputs.get(sid)
             if out is None:
                 out = outputs[sid] = EngineCoreOutput(req.request_id, [])
@@ -353,9 +386,9 @@ class Scheduler:
             if req.num_cached_tokens > 0:
                 out.num_cached_tokens = req.num_cached_tokens
             wants_logprobs = req.sampling_params.logprobs is not None
-            if req.spec_token_ids:
-                tokens = accepted.get(row, [tok])
-                self._take_back_rejected(req, len(tokens) - 1)
+            if num_drafts:
+                tokens = accepted[row]
+                self._take_back_rejected(req, num_drafts, len(tokens) - 1)
                 token_logprobs = result.accepted_logprobs.get(row) if wants_logprobs else None
             else:
                 tokens = (tok,)
@@ -376,12 +409,12 @@ class Scheduler:
                     break
         return list(outputs.values())
 
-    def _take_back_rejected(self, req: Request, num_accepted: int) -> None:
+    def _take_back_rejected(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Un-count the computed tokens of ``req``'s rejected drafts (their K/V slots are
-        written again by later steps) and count the verification: position ``i`` is
-        accepted when the first ``i + 1`` drafts are."""
-        num_drafts = len(req.spec_token_ids)
-        req.num_computed_tokens -= num_drafts - num_accepted
+        written again by later steps; a preempted sequence has none counted) and count the
+        verification: position ``i`` is accepted when the first ``i + 1`` drafts are."""
+        if req.status is RequestStatus.RUNNING:
+            req.num_computed_tokens -= num_drafts - num_accepted
         req.spec_token_ids = []
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts

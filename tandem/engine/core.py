@@ -155,8 +155,8 @@ class EngineCore:
                 the core stays usable for the others and for new ones.
         """
         outputs, self._pending = self._pending + self._fail_uncompiled(), []
-        if self._inflight is not None and self.scheduler.wants_drafts():
-            # Drafts follow a sequence's last token: the step in flight is taken in first.
+        if self._inflight is not None and self.scheduler.needs_outputs_to_draft():
+            # Host-side drafts follow a sequence's last token: the step in flight is taken in first.
             try:
                 outputs += self._finish_inflight()
             except Exception:
@@ -195,8 +195,8 @@ class EngineCore:
             if so.is_empty:
                 # Nothing to process later, but an idle DP rank's dummy batch can fail: wait.
                 handle.result()
-            elif any(s.spec_token_ids for s in so.scheduled):
-                # Its sequences' next tokens depend on how many drafts it accepts: taken in now.
+            elif any(s.spec_token_ids for s in so.scheduled) and self.scheduler.needs_outputs_to_draft():
+                # The next step's drafts are proposed on the host from this one's tokens: taken in now.
                 result = handle.result()
                 self._advance_grammars(so, result)
                 outputs += self._take(so, result, grammars_advanced=True)

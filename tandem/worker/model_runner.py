@@ -20,12 +20,16 @@ draft, turned into the target's probabilities as the sampler would (temperature,
 top-k, top-p; greedy and deterministic rows one-hot), and
 :func:`~tandem.spec_decode.rejection_sampler.rejection_sample` picks its accepted drafts
 and one more token. The other sequences of the step sample as always. The accepted counts
-are read on the host within the step (stage 1 of issue 46 is synchronous). With a draft
+are read on the host within the step. With a draft
 model (:class:`~tandem.spec_decode.draft_model.DraftModelProposer`) or an EAGLE head
 (:class:`~tandem.spec_decode.eagle.EagleProposer`, given the step's target hidden states:
 an EAGLE-3 head's target returns its layer inputs after them), once the step has sampled,
 the proposer takes in the step's confirmed tokens and proposes the next drafts of every
-sequence that sampled (``ModelRunnerOutput.draft_token_ids``).
+sequence that sampled (``ModelRunnerOutput.draft_token_ids``). They also stay on the
+device for the next step, which the engine may launch before this one's output reaches the
+host (``ScheduledSequence.num_device_drafts``): its input ids are filled from them and its
+positions corrected by the drafts this step rejected (``prev_rejected``; docs/architecture.md,
+"One step ahead").
 
 A step with constrained sequences (``SchedulerOutput.structured_output_seq_ids``) stops
 after 5: ``execute_model`` returns None, and :meth:`ModelRunner.sample_tokens`, given their
@@ -67,6 +71,7 @@ from tandem.outputs import ModelRunnerOutput
 from tandem.models.llama import split_aux_hidden_states
 from tandem.spec_decode.draft_model import DraftModelProposer, DraftStep
 from tandem.spec_decode.rejection_sampler import rejection_sample
+from tandem.step_timing import WallClockEvent
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
 from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
 from tandem.worker.input_batch import InputBatch
@@ -102,10 +107,13 @@ class _SpecVerify:
     seq_ids: list[int]
     rows: np.ndarray  # [R] int64: their input-batch rows
     num_drafts: list[int]  # [R]
-    draft_ids: torch.Tensor  # [sum(num_drafts)] int64 on the device
+    draft_at: torch.Tensor  # [sum(num_drafts)] int64 on the device: the drafts' indices in the step's tokens
     batch: SamplingBatch  # one row per verified position (1 + num_drafts per sequence)
     greedy: bool | torch.Tensor  # rejection_sample's greedy argument
     generators: dict[int, torch.Generator]  # seeded sequences' draws, by index in seq_ids
+    # [sum(num_drafts)] int64 on the device, gathered from the step's input ids once they
+    # are built (drafts proposed on the device included).
+    draft_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -147,7 +155,7 @@ class _ForwardedStep:
     results: StepResultTensors  # its prompt logprobs so far; sampling adds the rest
     t_prep: float  # host seconds spent building the step's inputs
     # (start event, sequences, all decode?, context tokens) when step timing is on.
-    timing: tuple[torch.cuda.Event, int, bool, int] | None
+    timing: tuple[torch.cuda.Event | WallClockEvent, int, bool, int] | None
 
 
 def cpu_step_thread(device: torch.device) -> bool:
@@ -189,8 +197,14 @@ class ModelRunner:
         self.dbo = dbo if hasattr(model, "forward_steps") else None
         max_blocks = -(-max_model_len // block_size)
         self.input_batch = InputBatch(max_num_seqs, max_blocks, vocab_size, device)
+        # The previous step, for the next one's inputs (one-step-ahead execution): each
+        # sampling sequence's last emitted token, then (with drafts proposed) its next K
+        # drafts from _prev_drafts_at on; its row in them by seq_id; and, when it verified
+        # drafts, each row's rejected ones (the next step's positions are corrected by them).
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[int, int] = {}
+        self.prev_rejected: list[int] | None = None
+        self._prev_drafts_at = (0, 0)  # (first index, drafts per row)
         # A step waiting for sample_tokens (a Future of it on the CPU worker thread).
         self._deferred: _ForwardedStep | Future | None = None
         self._is_cuda = device.type == "cuda"
@@ -210,8 +224,10 @@ class ModelRunner:
         self._track_prompt_lens = self._phase_layers or self.planner.min_prompt_tokens > 0
         self.num_dbo_steps = 0
         # Per step, when timing is on: (start event, end event, sequences, all decode?,
-        # total context tokens read by attention).
-        self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] | None = None
+        # total context tokens read by attention); CUDA events, or on the step thread
+        # host-clock ones.
+        self.step_events: list[tuple[torch.cuda.Event | WallClockEvent, torch.cuda.Event | WallClockEvent,
+                                     int, bool, int]] | None = None
         # Host time of each step's input building, when timing is on (tandem.step_timing).
         self.step_times = None
 
@@ -224,6 +240,17 @@ class ModelRunner:
     @dp_group.setter
     def dp_group(self, group: dist.ProcessGroup | None) -> None:
         self.planner.dp_group = group
+
+    @property
+    def runs_on_step_thread(self) -> bool:
+        """Steps run on the CPU step thread (module docstring)."""
+        return self._executor is not None
+
+    def _timing_event(self) -> torch.cuda.Event | WallClockEvent:
+        """A recorded timing event: on the GPU's stream, or the host clock of the step thread."""
+        ev = torch.cuda.Event(enable_timing=True) if self._is_cuda else WallClockEvent()
+        ev.record()
+        return ev
 
     def _h2d(self, data, dtype: torch.dtype) -> torch.Tensor:
         # non_blocking: a blocking host-to-device copy would wait for the in-flight step.
@@ -270,6 +297,8 @@ class ModelRunner:
     def _execute(self, so: SchedulerOutput) -> AsyncModelRunnerOutput | _ForwardedStep:
         """Run a step; a step with constrained sequences only up to its logits."""
         t_prep = time.perf_counter()
+        # On the step thread the input building is the device's work too: timed from here.
+        wall_start = self._timing_event() if self.step_events is not None and not self._is_cuda else None
         self._update_states(so)
         # Decode sequences (one new token) first: backends batch them uniformly. (A step of
         # as many tokens as sequences is all decode: nothing to sort.)
@@ -278,7 +307,8 @@ class ModelRunner:
         inputs, rows = self._prepare_inputs(seqs) if seqs else (None, None)
         # Before the forward is launched: building them launches small copies and gathers,
         # which would otherwise queue behind the forward's kernels.
-        sampling = self._sampling_inputs(seqs, rows, so.num_scheduled_tokens == len(seqs)) if seqs else None
+        sampling = (self._sampling_inputs(seqs, rows, so.num_scheduled_tokens == len(seqs), inputs.query_start_loc)
+                    if seqs else None)
         t_prep = time.perf_counter() - t_prep
         decode_only = inputs is not None and inputs.num_decode_reqs() == inputs.num_reqs
         generated = inputs.generated_mask() if inputs is not None else None
@@ -294,10 +324,11 @@ class ModelRunner:
             return _empty_output()
         timing = None
         if self.step_events is not None:
-            ev_start = torch.cuda.Event(enable_timing=True)
-            ev_start.record()
+            ev_start = wall_start or self._timing_event()
             timing = (ev_start, inputs.num_reqs, decode_only, int(inputs.seq_lens.sum()))
         input_ids = self._input_ids(inputs)
+        if sampling.spec is not None:
+            sampling.spec.draft_ids = input_ids[sampling.spec.draft_at]
         hidden, aux = split_aux_hidden_states(self.model, self._forward(inputs, input_ids, plan))
         target_hidden = hidden if aux is None else aux
         fwd = self._logits(so.step_id, seqs, sampling, inputs, hidden, t_prep, timing,
@@ -310,7 +341,7 @@ class ModelRunner:
 
     def _draft_inputs(self, seqs: list[ScheduledSequence], inputs: StepInputs, input_ids: torch.Tensor,
                       rows: np.ndarray, propose: bool, target_hidden: torch.Tensor) -> _DraftInputs:
-        known = np.array([s.num_new_tokens - len(s.spec_token_ids) for s in seqs], dtype=np.int64)
+        known = np.array([s.num_new_tokens - s.num_drafts for s in seqs], dtype=np.int64)
         if not self.drafter.uses_target_hidden:
             return _DraftInputs(inputs, input_ids, rows, known, propose)
         states = self.input_batch.states
@@ -336,7 +367,7 @@ class ModelRunner:
     def _prepare_inputs(self, seqs: list[ScheduledSequence]) -> tuple[StepInputs, np.ndarray]:
         """The step's inputs, and the input-batch rows ``[len(seqs)]`` int64 of ``seqs``."""
         # One pass over the sequences for every per-sequence value; the rest is numpy.
-        states, prev_rows = self.input_batch.states, self.prev_rows
+        states, prev_rows, rejected = self.input_batch.states, self.prev_rows, self.prev_rejected
         q_list, computed_list, row_list, ids, plen_list = [], [], [], [], []
         track_prompt = self._track_prompt_lens
         prev_dst, prev_src = [], []
@@ -349,14 +380,24 @@ class ModelRunner:
             if st.num_blocks > width:
                 width = st.num_blocks
             q_list.append(s.num_new_tokens)
-            computed_list.append(s.num_computed_tokens)
+            computed = s.num_computed_tokens
             end += s.num_new_tokens
             ids += s.token_ids
             ids += s.spec_token_ids
             if s.uses_prev_sample:
-                ids.append(0)  # filled on the device from the previous step's samples
-                prev_dst.append(end - 1)
-                prev_src.append(prev_rows[s.seq_id])
+                # Filled on the device: the previous step's sample, then the drafts
+                # proposed after it; the scheduler counted that step's drafts as accepted.
+                i, n = prev_rows[s.seq_id], s.num_device_drafts
+                if rejected is not None:
+                    computed -= rejected[i]
+                ids += [0] * (1 + n)
+                prev_dst.append(end - 1 - n)
+                prev_src.append(i)
+                if n:
+                    first, k = self._prev_drafts_at
+                    prev_dst += range(end - n, end)
+                    prev_src += range(first + i * k, first + i * k + n)
+            computed_list.append(computed)
         n = len(seqs)
         q_lens = np.array(q_list, dtype=np.int64)
         computed = np.array(computed_list, dtype=np.int64)
@@ -413,33 +454,55 @@ class ModelRunner:
             self._forward(empty_step_inputs(), torch.empty(0, dtype=torch.long, device=self.device), plan)
 
     # ----------------------------------------------------------------- 5. sample
-    def _sampling_inputs(self, seqs: list[ScheduledSequence], rows: np.ndarray, all_decode: bool) -> _StepSampling:
-        """The sequences of ``seqs`` (input-batch ``rows``) whose step ends their known
-        tokens, so that they sample (or verify their drafts), and their sampler inputs.
-        ``all_decode``: one token per sequence, so none has drafts (no second pass)."""
+    def _sampling_inputs(self, seqs: list[ScheduledSequence], rows: np.ndarray, all_decode: bool,
+                         qsl: np.ndarray) -> _StepSampling:
+        """The sequences of ``seqs`` (input-batch ``rows``; ``qsl``: the step's query start
+        locations) whose step ends their known tokens, so that they sample (or verify
+        their drafts), and their sampler inputs. ``all_decode``: one token per sequence,
+        so none has drafts (no second pass)."""
         index = [r for r, s in enumerate(seqs) if s.sample]
-        spec_index = [] if all_decode else [r for r in index if seqs[r].spec_token_ids]
+        spec_index = [] if all_decode else [r for r in index if seqs[r].num_drafts]
         if spec_index:
-            index = [r for r in index if not seqs[r].spec_token_ids]
+            index = [r for r in index if not seqs[r].num_drafts]
         sample_rows = rows if len(index) == len(seqs) else rows[index]
         batch = self.input_batch.sampling_batch(sample_rows) if index else None
-        spec = self._spec_inputs(seqs, spec_index, rows[spec_index]) if spec_index else None
+        spec = self._spec_inputs(seqs, spec_index, rows[spec_index], qsl) if spec_index else None
         return _StepSampling(index, [seqs[r].seq_id for r in index], sample_rows, batch, spec)
 
-    def _spec_inputs(self, seqs: list[ScheduledSequence], index: list[int], rows: np.ndarray) -> _SpecVerify:
+    def _spec_inputs(self, seqs: list[ScheduledSequence], index: list[int], rows: np.ndarray,
+                     qsl: np.ndarray) -> _SpecVerify:
         """The rejection sampler's inputs of the sequences ``seqs[i]`` for ``i`` in
-        ``index`` (input-batch ``rows``), which have drafts. A seeded sequence draws from
-        a generator seeded as the sampler seeds its next token."""
-        num_drafts = [len(seqs[r].spec_token_ids) for r in index]
-        draft_ids = self._h2d([t for r in index for t in seqs[r].spec_token_ids], torch.long)
+        ``index`` (input-batch ``rows``), which have drafts: the last tokens of their
+        query. A seeded sequence draws from a generator seeded as the sampler seeds its
+        next token."""
+        num_drafts = [seqs[r].num_drafts for r in index]
+        ends = qsl[1:][index]
+        draft_at = self._h2d(np.concatenate([np.arange(e - n, e) for e, n in zip(ends, num_drafts)]), torch.long)
         per_seq = self.input_batch.sampling_batch(rows, bad_words=False)
         generators = {i: torch.Generator(device=self.device).manual_seed(seed) for i, seed in per_seq.seeded}
-        drafts = [seqs[r].spec_token_ids for r in index]
-        batch = self._with_bad_words(repeat_rows(replace(per_seq, seeded=[]), [n + 1 for n in num_drafts], drafts),
-                                     rows, drafts)
+        drafts = None
+        if per_seq.penalty_rows is not None or self.input_batch.has_bad_words_np[rows].any():
+            drafts = self._draft_lists([seqs[r] for r in index])
+        batch = repeat_rows(replace(per_seq, seeded=[]), [n + 1 for n in num_drafts], drafts)
+        if drafts is not None:
+            batch = self._with_bad_words(batch, rows, drafts)
         greedy = per_seq.all_greedy or (False if per_seq.all_random else per_seq.greedy_mask)
-        return _SpecVerify(index, [seqs[r].seq_id for r in index], rows, num_drafts, draft_ids, batch, greedy,
+        return _SpecVerify(index, [seqs[r].seq_id for r in index], rows, num_drafts, draft_at, batch, greedy,
                            generators)
+
+    def _draft_lists(self, seqs: list[ScheduledSequence]) -> list[list[int]]:
+        """Each sequence's draft ids on the host (penalties and bad words follow them):
+        those proposed on the device are read back (a sync on CUDA; only for sequences
+        with penalties or bad words)."""
+        first, k = self._prev_drafts_at
+        out = []
+        for s in seqs:
+            if s.num_device_drafts:
+                at = first + self.prev_rows[s.seq_id] * k
+                out.append(self.prev_sampled[at : at + s.num_device_drafts].tolist())
+            else:
+                out.append(s.spec_token_ids)
+        return out
 
     def _with_bad_words(self, batch: SamplingBatch, rows: np.ndarray, drafts: list[list[int]]) -> SamplingBatch:
         """``batch`` (one row per verified position) with each position's bad-word masks:
@@ -508,31 +571,36 @@ class ModelRunner:
                 res.logprobs = SampledLogprobTensors(out.logprob_token_ids, out.logprobs, out.sampled_ranks)
         else:
             res.sampled = torch.empty(0, dtype=torch.long, device=self.device)
-        self.prev_sampled = res.sampled
-        self.prev_rows = {sid: i for i, sid in enumerate(seq_ids)}
         accepted: dict[int, list[int]] = {}
         accepted_lp: dict[int, list[RowLogprobs]] = {}
-        last = res.sampled
+        num_drafts: dict[int, int] = {}
+        last, rejected, drafts = res.sampled, None, None
         if fwd.spec_logits is not None:
+            spec = fwd.sampling.spec
             if grammar is not None:
-                spec = fwd.sampling.spec
                 starts = np.cumsum([0] + [n + 1 for n in spec.num_drafts[:-1]]).tolist()
                 self._apply_bitmask(fwd.spec_logits, dict(zip(spec.seq_ids, starts)), grammar)
-            first, accepted, accepted_lp = self._verify_drafts(fwd.sampling.spec, fwd.spec_logits, len(seq_ids))
+            first, accepted, accepted_lp = self._verify_drafts(spec, fwd.spec_logits, len(seq_ids))
             res.sampled = torch.cat([res.sampled, first])
             last = torch.cat([last, self._h2d([e[-1] for e in accepted.values()], torch.long)])
-            seq_ids = seq_ids + fwd.sampling.spec.seq_ids
+            num_drafts = dict(zip(accepted, spec.num_drafts))
+            rejected = [0] * len(seq_ids) + [n + 1 - len(e) for n, e in zip(spec.num_drafts, accepted.values())]
+            seq_ids = seq_ids + spec.seq_ids
         if fwd.draft is not None:
-            drafts = self._propose_drafts(fwd.draft, fwd.sampling, last, accepted)
-            res.draft_token_ids = drafts
+            drafts = res.draft_token_ids = self._propose_drafts(fwd.draft, fwd.sampling, last, accepted)
+        self.prev_rows = {sid: i for i, sid in enumerate(seq_ids)}
+        self.prev_rejected = rejected
+        if drafts is None:
+            self.prev_sampled = last
+        else:
+            self.prev_sampled = torch.cat([last, drafts.reshape(-1)])
+            self._prev_drafts_at = (len(seq_ids), drafts.shape[1])
         if fwd.timing is not None:
             ev_start, num_reqs, decode_only, context = fwd.timing
-            ev_end = torch.cuda.Event(enable_timing=True)
-            ev_end.record()
-            self.step_events.append((ev_start, ev_end, num_reqs, decode_only, context))
+            self.step_events.append((ev_start, self._timing_event(), num_reqs, decode_only, context))
         if self.step_times is not None:
             self.step_times.add(fwd.step_id, "prepare", fwd.t_prep)
-        return self._copy_to_host(seq_ids, res, accepted, accepted_lp)
+        return self._copy_to_host(seq_ids, res, accepted, accepted_lp, num_drafts)
 
     def _verify_drafts(self, spec: _SpecVerify, logits: torch.Tensor, first_row: int) -> tuple[
             torch.Tensor, dict[int, list[int]], dict[int, list[tuple[list[int], list[float], int]]]]:
@@ -646,11 +714,11 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- 6. to host
     def _copy_to_host(self, seq_ids: list[int], res: StepResultTensors, accepted: dict[int, list[int]],
-                      accepted_lp: dict[int, list[RowLogprobs]]) -> AsyncModelRunnerOutput:
+                      accepted_lp: dict[int, list[RowLogprobs]], num_drafts: dict[int, int]) -> AsyncModelRunnerOutput:
         """Start the device-to-host copy of a step's results (on CUDA: pinned buffers, a
         side stream, one event); the handle's ``result()`` waits for it. ``accepted`` /
-        ``accepted_lp``: ``ModelRunnerOutput.accepted_token_ids`` / ``accepted_logprobs``,
-        already on the host."""
+        ``accepted_lp`` / ``num_drafts``: ``ModelRunnerOutput.accepted_token_ids`` /
+        ``accepted_logprobs`` / ``num_draft_tokens``, already on the host."""
         host, event = res, None
         if self._is_cuda:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -662,7 +730,7 @@ class ModelRunner:
         def resolve() -> ModelRunnerOutput:
             if event is not None:
                 event.synchronize()
-            return host.to_output(seq_ids, accepted, accepted_lp)
+            return host.to_output(seq_ids, accepted, accepted_lp, num_drafts)
 
         return AsyncModelRunnerOutput(resolve)
 

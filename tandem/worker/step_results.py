@@ -80,11 +80,12 @@ class StepResultTensors:
             {sid: p.map(fn) for sid, p in self.prompt_logprobs.items()})
 
     def to_output(self, seq_ids: list[int], accepted: dict[int, list[int]],
-                  accepted_logprobs: dict[int, list[RowLogprobs]]) -> ModelRunnerOutput:
+                  accepted_logprobs: dict[int, list[RowLogprobs]], num_drafts: dict[int, int]) -> ModelRunnerOutput:
         """The host-side output (these tensors on the host; ``accepted`` /
-        ``accepted_logprobs`` already are: ``ModelRunnerOutput``'s fields)."""
+        ``accepted_logprobs`` / ``num_drafts`` already are: ``ModelRunnerOutput``'s
+        ``accepted_token_ids`` / ``accepted_logprobs`` / ``num_draft_tokens``)."""
         out = ModelRunnerOutput(seq_ids, self.sampled.tolist(), accepted_token_ids=accepted,
-                                accepted_logprobs=accepted_logprobs)
+                                accepted_logprobs=accepted_logprobs, num_draft_tokens=num_drafts)
         if self.draft_token_ids is not None:
             out.draft_token_ids = self.draft_token_ids.tolist()
         if self.logprobs is not None:

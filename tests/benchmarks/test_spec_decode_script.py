@@ -28,7 +28,7 @@ def test_arguments(sd):
     assert a.modes == ["off", "ngram"] and a.concurrency == [1, 4] and a.rounds == 2
     assert a.workload == ["edit", "humaneval"] and a.model is None and a.port == 8000
     assert sd.parse_args(["--draft-model", "d.gguf"]).modes == ["off", "ngram", "draft"]
-    for bad in (["--modes", "off", "draft"], ["--modes", "off", "off"], ["--rounds", "0"], ["--concurrency", "0"]):
+    for bad in (["--modes", "off", "draft"], ["--modes", "draft-sync"], ["--modes", "off", "off"], ["--rounds", "0"], ["--concurrency", "0"]):
         with pytest.raises(SystemExit):
             sd.parse_args(bad)
 
@@ -45,6 +45,9 @@ def test_commands(sd):
     draft = sd.server_command("draft", a)
     assert json.loads(draft[draft.index("--speculative-config") + 1]) == {
         "method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 3}
+    assert "--no-async-output-proc" not in draft
+    sync = sd.server_command("draft-sync", a)
+    assert sync[-1] == "--no-async-output-proc" and sync[:-1] == draft
     b = sd.bench_command(a, "/x/edit.jsonl", 4, "/x", "edit-c4-off-r0.json")
     assert b[len(sd.CLI):len(sd.CLI) + 2] == ["bench", "serve"]
     for flag, value in (("--backend", "openai-chat"), ("--dataset", "custom"), ("--dataset-path", "/x/edit.jsonl"),

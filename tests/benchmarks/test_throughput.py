@@ -98,6 +98,19 @@ def test_run_throughput_reports_host_time_of_the_in_process_core():
     assert min(res.host_schedule_ms_median, res.host_prepare_ms_median, res.host_process_ms_median) > 0
     assert llm.engine.core.step_times is None and llm.engine.runner.step_times is None
     assert res.jit_compiles_timed == []  # the interpreter builds no kernel variants
+    # The CPU step thread's busy and idle time, as CUDA events give a GPU's.
+    assert llm.engine.runner.runs_on_step_thread and llm.engine.runner.step_events is None
+    assert 0 <= res.gpu_idle_fraction < 1 and res.num_decode_steps + res.num_prefill_steps >= 4
+    assert res.decode_steps_s > 0 and res.max_decode_batch == 2
+
+
+def test_wall_clock_events_time_the_step_thread_in_ms():
+    from tandem.step_timing import WallClockEvent
+
+    a, b = WallClockEvent(), WallClockEvent()
+    a.record()
+    b.record()
+    assert 0 <= a.elapsed_time(b) < 1e3 and b.elapsed_time(a) <= 0
 
 
 def test_run_throughput_reports_kernel_variants_built_in_the_timed_run_only(monkeypatch):

@@ -35,8 +35,10 @@ def _prefill(s, r):
 def _verify(s, r, tokens):
     """One decode step of ``r``; the runner emitted ``tokens``. Returns the scheduled sequence."""
     (seq,) = s.schedule().scheduled
-    outs = s.update_from_output(ModelRunnerOutput([r.seq_id], [tokens[0]], accepted_token_ids={0: tokens}))
-    return seq, outs
+    out = ModelRunnerOutput([r.seq_id], [tokens[0]])
+    if seq.num_drafts:
+        out.accepted_token_ids, out.num_draft_tokens = {0: tokens}, {0: seq.num_drafts}
+    return seq, s.update_from_output(out)
 
 
 def test_decode_gets_drafts_and_kv_slots_for_them():
@@ -175,7 +177,7 @@ def test_draft_model_drafts_come_from_the_output_with_lookahead_slots():
     (seq,) = s.schedule().scheduled
     assert seq.spec_token_ids == [4, 5, 6] and seq.num_new_tokens == 4
     assert len(kv.req_blocks[r.seq_id]) * 4 >= 10 + 3 + 3
-    s.update_from_output(ModelRunnerOutput([r.seq_id], [4], accepted_token_ids={0: [4, 8]},
+    s.update_from_output(ModelRunnerOutput([r.seq_id], [4], accepted_token_ids={0: [4, 8]}, num_draft_tokens={0: 3},
                                            draft_token_ids=[[9, 9, 9]]))
     assert r.output_token_ids == [3, 4, 8] and r.num_computed_tokens == 11 and r.draft_token_ids == [9, 9, 9]
 
@@ -201,3 +203,85 @@ def test_lookahead_never_passes_the_context_nor_costs_a_block_nobody_has():
     s2.add_request(c)
     s2.schedule()
     assert len(s2.kv.req_blocks[c.seq_id]) == 3  # 9 + 3 = the context: no more
+
+
+# ----------------------------------------------------------------- drafts kept on the device
+def _draft_sched(k=3, **kw):
+    return Scheduler(KVCacheManager(64, 4), 8, 64, kw.pop("max_model_len", 1024), num_lookahead_tokens=k, **kw)
+
+
+def _running_ahead(k=3, prompt=PROMPT, max_tokens=32, params=None):
+    """A sequence whose prompt step (proposing drafts) is in flight, and the step scheduled
+    behind it (one step ahead, as the engine core runs it)."""
+    s = _draft_sched(k)
+    r = _req(prompt=prompt, max_tokens=max_tokens, params=params)
+    s.add_request(r)
+    s.schedule()
+    (seq,) = s.schedule().scheduled
+    return s, r, seq
+
+
+def test_the_step_behind_one_in_flight_verifies_the_runners_drafts_as_if_all_were_accepted():
+    s, r, seq = _running_ahead()
+    # Its input is the prompt step's sample, then the 3 drafts proposed after it: none on the host.
+    assert seq.uses_prev_sample and seq.token_ids == [] and seq.spec_token_ids == []
+    assert (seq.num_device_drafts, seq.num_new_tokens, seq.num_computed_tokens) == (3, 4, 9)
+    assert r.num_output_placeholders == 1 + 1 + 3 and r.num_computed_tokens == 9 + 4
+    assert len(s.kv.req_blocks[r.seq_id]) * 4 >= 13 + 3  # its 4 tokens and the drafts' lookahead
+    s.update_from_output(ModelRunnerOutput([r.seq_id], [3]))  # the prompt step arrives
+    assert r.output_token_ids == [3] and r.num_output_placeholders == 4
+    (seq2,) = s.schedule().scheduled  # two ahead of the host: positions assume 3 accepted
+    assert seq2.num_computed_tokens == 13 and seq2.num_device_drafts == 3
+    # The first verification arrives: 1 of 3 drafts accepted, then a correction.
+    s.update_from_output(ModelRunnerOutput([r.seq_id], [4], accepted_token_ids={0: [4, 7]},
+                                           num_draft_tokens={0: 3}))
+    assert r.output_token_ids == [3, 4, 7] and r.num_output_placeholders == 4
+    assert r.num_computed_tokens == 13 + 4 - 2  # the 2 rejected drafts taken back
+    assert (s.num_draft_tokens, s.num_accepted_tokens) == (3, 1)
+
+
+def test_runner_drafts_respect_max_tokens_context_and_min_tokens_counting_tokens_in_flight():
+    # max_tokens 4: 1 in flight (the prompt step's sample) leaves 3: the step's own token + 2 drafts.
+    assert _running_ahead(max_tokens=4)[2].num_device_drafts == 2
+    s = _draft_sched(max_model_len=12)
+    r = _req()
+    s.add_request(r)
+    s.schedule()
+    (seq,) = s.schedule().scheduled  # 9 known + 1 in flight + the step's token: room for 1 draft
+    assert seq.num_device_drafts == 1
+    # min_tokens 3: the token in flight makes 1, below it: no drafts (their stop tokens are masked per token).
+    assert _running_ahead(params=SamplingParams(temperature=0, min_tokens=3))[2].num_device_drafts == 0
+    assert _running_ahead(params=SamplingParams(temperature=0, min_tokens=1))[2].num_device_drafts == 3
+
+
+def test_a_sequence_at_its_length_limit_counting_drafts_in_flight_waits_for_them():
+    s, r, seq = _running_ahead(max_tokens=5)  # 1 + (1 + 3) in flight: the 5 it may produce
+    assert r.num_output_placeholders == 5
+    assert s.schedule().scheduled == []
+    s.update_from_output(ModelRunnerOutput([r.seq_id], [3]))
+    s.update_from_output(ModelRunnerOutput([r.seq_id], [4], accepted_token_ids={0: [4]}, num_draft_tokens={0: 3}))
+    (seq,) = s.schedule().scheduled  # 2 produced, none in flight: it goes on from the host's tokens
+    assert seq.token_ids == [4] and not seq.uses_prev_sample and seq.num_computed_tokens == 10
+
+
+def test_preemption_with_drafts_in_flight_keeps_the_counts_consistent():
+    s, r, seq = _running_ahead()
+    s._preempt(s.running.pop())
+    assert r.num_computed_tokens == 0 and r.num_device_drafts == 0
+    s.update_from_output(ModelRunnerOutput([r.seq_id], [3]))
+    s.update_from_output(ModelRunnerOutput([r.seq_id], [4], accepted_token_ids={0: [4]}, num_draft_tokens={0: 3}))
+    assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0  # nothing taken back below zero
+    (again,) = s.schedule().scheduled  # recomputed from its prompt and the outputs it kept (a prefix hit first)
+    assert again.new_request.output_token_ids == [3, 4]
+    assert again.num_computed_tokens + again.num_new_tokens == 9 + 2 and not again.num_drafts
+
+
+def test_a_running_constrained_sequence_needs_each_step_taken_in_before_drafting():
+    class _Grammar:  # the scheduler only asks whether a sequence is constrained here
+        pass
+
+    s, r, _ = _running_ahead()
+    assert s.wants_drafts() and not s.needs_outputs_to_draft()
+    r.structured_output = _Grammar()
+    assert s.needs_outputs_to_draft()
+    assert Scheduler(KVCacheManager(64, 4), 8, 64, 1024, proposer=NgramProposer(3, 1, 2)).needs_outputs_to_draft()

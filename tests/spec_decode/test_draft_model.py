@@ -1,4 +1,4 @@
-"""Draft-model speculative decoding (stage 3 of issue 46, synchronous): greedy output equal
+"""Draft-model speculative decoding (stage 3 of issue 46): greedy output equal
 to no speculation whether the draft agrees (the embedded model as its own draft: nearly every
 draft accepted) or mostly not (a smaller random draft of a random target), stops and lengths
 exact, preemption and abort freeing every block, and the draft models refused with one line."""

@@ -26,15 +26,15 @@ def test_map_reaches_every_tensor():
 
 
 def test_to_output_fills_every_field():
-    out = _results().to_output([11, 12], {1: [9, 4]}, {})
+    out = _results().to_output([11, 12], {1: [9, 4]}, {}, {1: 2})
     assert (out.seq_ids, out.sampled_token_ids) == ([11, 12], [5, 9])
     assert out.logprobs == [([5, 1], [-0.5, -1.0], 1), ([9, 2], [-0.25, -2.0], 1)]
     assert out.draft_token_ids == [[3, 4], [6, 7]]
-    assert out.accepted_token_ids == {1: [9, 4]}
+    assert out.accepted_token_ids == {1: [9, 4]} and out.num_draft_tokens == {1: 2}
     plp = out.prompt_logprobs[7]
     assert (plp.start, plp.token_ids, plp.logprobs, plp.ranks) == (1, [[2, 8]], [[-1.5, -0.5]], [2])
 
 
 def test_only_what_a_step_computed_is_set():
-    out = StepResultTensors(sampled=torch.tensor([1])).to_output([3], {}, {})
+    out = StepResultTensors(sampled=torch.tensor([1])).to_output([3], {}, {}, {})
     assert out.logprobs is None and out.draft_token_ids is None and out.prompt_logprobs == {}
