@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 # Bump when what a load leaves in a model changes without changing the built model's names
 # or shapes: a parameter's layout, which GGUF layers run int4 or how their blocks map to
 # planes (tandem.layers.quantization.gguf).
-PARAMS_FORMAT = 2
+PARAMS_FORMAT = 3
 
 
 def params_file(folder: str, dtype: torch.dtype, int4: bool = False) -> str:

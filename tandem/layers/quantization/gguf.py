@@ -28,15 +28,18 @@ loses little to cancellation.) K-quants other than Q4_K and fp16/fp32 stay dequa
 ``Q6_K``'s groups of 16 would take four planes, as many bytes as bf16.
 
 The LM head runs the same way when its tensor (``output``, or the tied ``token_embd``) is of
-these types: ``Q8_0`` in both real models (RESULTS). Its generated rows go through the
-kernel only while there are at most :data:`LM_HEAD_MAX_INT4_ROWS` of them in a step: the
-kernel's time grows with the rows (two planes of a 49,152 x 576 head: 1.5 ms at one row,
-11 ms at 16, against the bf16 GEMM's 3.5 and 5.5 ms), and a step of many sequences
-computes their logits with the dense weight, which the embedding shares. (The one choice by
-row count below: a generated token's logits differ in their last bits between a step of at
-most 4 decoding sequences and a larger one, as the batched decode attention's already do by
-default; a repeated request after a prefix-cache hit is unaffected, its prompt rows are
-dense either way.)
+these types: ``Q8_0`` in both real models (RESULTS).
+
+Generated rows go through the kernel only while a step has at most :data:`MAX_INT4_ROWS` of
+them; a step with more runs every row on the kept bf16 weight. The kernel computes four rows
+per read of the weight, so its time steps up at 5, 9, 13... rows, while the bf16 GEMM's
+barely moves (``benchmarks/int4_rows.py``; RESULTS, "int4 kernel by row count": Qwen2.5-1.5B's
+layers at 16 rows take 1.2-2.3x the bf16 GEMM's time, the LM head of SmolLM2 2x). So a
+decode of a few sequences reads a quarter of the bytes, and a verification of several draft
+tokens or a decode of many sequences runs the dense GEMM. (The one choice by row count: a
+generated token's outputs differ in their last bits between a step of at most 4 generated
+rows and a larger one, as the batched decode attention's already do by default; a repeated
+request after a prefix-cache hit is unaffected, its prompt rows are dense either way.)
 
 The kernel runs on bfloat16 activations: its float32 and float16 paths are tens of times
 slower than ``F.linear`` (unvectorised in torch 2.13's CPU build), so inputs of another
@@ -46,14 +49,13 @@ The kernel pays at decode sizes only: at one to a few rows it reads a quarter of
 weight's bytes and runs ~2x faster than the bf16 GEMM, but from ~16 rows on oneDNN's bf16
 GEMM is faster (2-3x at 64-512 rows on the 2-core AVX512/AMX development machine). A layer
 therefore keeps the dequantized weight too (in the model dtype, the weight the dequantized
-path loads) and picks the kernel by the phase of each row's token, never by the row count
+path loads) and picks the kernel by the phase of each row's token
 (:class:`~tandem.distributed.forward_context.RowPhases`): prompt tokens go through
-``F.linear`` on the dequantized weight, generated tokens through the int4 kernel. A
-prompt is then computed the same way whether part of it came from the prefix cache or
-how it was chunked, and a generated token the same way whatever else is in the step
-(the two kernels give a row the same bits whatever the row count; a switch by row count
-made a repeated greedy chat change its answer after a prefix-cache hit). The int4 form
-costs a quarter more memory (two planes: half).
+``F.linear`` on the dequantized weight whatever their count, generated tokens through the
+int4 kernel (up to :data:`MAX_INT4_ROWS` of them, above). A prompt is then computed the same
+way whether part of it came from the prefix cache or how it was chunked (a switch of prompt
+rows by their count made a repeated greedy chat change its answer after a prefix-cache
+hit). The int4 form costs a quarter more memory (two planes: half).
 
 A load builds the planes from the file's raw blocks once (:func:`quantize_gguf_linears`);
 the parameter cache (:mod:`tandem.model_loader.param_cache`) keeps the packed layers
@@ -183,8 +185,8 @@ def _q8_0(b: np.ndarray) -> list[Int4Plane]:
 
 
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-# Generated rows above which the LM head runs its dense weight (RESULTS, "Q8_0 LM head").
-LM_HEAD_MAX_INT4_ROWS = 4
+# Generated rows above which a layer runs its dense weight (module docstring).
+MAX_INT4_ROWS = 4
 
 _BLOCK_PLANES = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0}
 
@@ -228,7 +230,8 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any]) -> dict[str,
         if any(raw[p].qtype not in INT4_TYPES for p in parts):
             counts["dequantized"] += 1
             continue
-        layer = GGUFInt4Linear.from_planes(_fused_planes([raw[p] for p in parts]), mod.bias, mod.weight.data)
+        layer = GGUFInt4Linear.from_planes(_fused_planes([raw[p] for p in parts]), mod.bias, mod.weight.data,
+                                           MAX_INT4_ROWS)
         if (layer.out_features, layer.in_features) != tuple(mod.weight.shape):
             raise ValueError(f"GGUF weights of {name!r}: {(layer.out_features, layer.in_features)} vs the "
                              f"layer's {tuple(mod.weight.shape)}")
@@ -247,7 +250,7 @@ def _quantize_lm_head(model: nn.Module, raw: Mapping[str, Any]) -> None:
         return
     dense = (model.embed_tokens if tied else model.lm_head).weight.data
     model.lm_head_quant = GGUFInt4Linear.from_planes(_fused_planes([raw[name]]), dense=dense,
-                                                     max_int4_rows=LM_HEAD_MAX_INT4_ROWS)
+                                                     max_int4_rows=MAX_INT4_ROWS)
 
 
 def _fused_planes(weights: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -452,5 +455,5 @@ class GGUFInt4Linear(nn.Module):
                 f"planes={self.packed.shape[0]}")
 
 
-__all__ = ["GROUP_SIZE", "INT4_TYPES", "KERNEL_DTYPE", "LM_HEAD_MAX_INT4_ROWS", "PLANES", "GGUFInt4Linear", "Int4Plane",
+__all__ = ["GROUP_SIZE", "INT4_TYPES", "KERNEL_DTYPE", "MAX_INT4_ROWS", "PLANES", "GGUFInt4Linear", "Int4Plane",
            "gguf_int4_layers", "int4_planes", "pack_int4_planes", "quantize_gguf_linears", "restore_gguf_linears"]

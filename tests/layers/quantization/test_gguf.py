@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
-from tandem.layers.quantization.gguf import (KERNEL_DTYPE, PLANES, GGUFInt4Linear, gguf_int4_layers, int4_planes,
+from tandem.layers.quantization.gguf import (KERNEL_DTYPE, MAX_INT4_ROWS, PLANES, GGUFInt4Linear, gguf_int4_layers, int4_planes,
                                              quantize_gguf_linears, restore_gguf_linears)
 from tandem.model_loader.gguf_weights import RawWeight
 
@@ -108,8 +108,8 @@ def _q4_0_layer(rows: int = 32, cols: int = 64, **kw) -> tuple[GGUFInt4Linear, t
                          ids=["decodes-first", "prompt", "decodes", "interleaved"])
 def test_rows_take_the_kernel_of_their_token_phase(generated):
     """Prompt rows: F.linear on the dense weight; generated rows: the int4 kernel, the same
-    bits as alone; the choice never follows the row count (a switch by row count changed a repeated
-    greedy chat's answer after a prefix-cache hit, issue 45)."""
+    bits as alone; prompt rows never follow their count (a switch by row count changed a
+    repeated greedy chat's answer after a prefix-cache hit, issue 45)."""
     layer, dense, bias = _q4_0_layer()
     x = torch.randn(len(generated), 64)
     mask = np.array(generated, dtype=bool)
@@ -123,8 +123,8 @@ def test_rows_take_the_kernel_of_their_token_phase(generated):
 
 @pytest.mark.parametrize("generated", [[1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
 def test_a_layer_with_max_int4_rows_runs_more_generated_rows_dense(generated):
-    """The LM head's rule (max_int4_rows=4): up to 4 generated rows take the int4 kernel,
-    more take F.linear as the prompt rows do."""
+    """The rule of GGUF layers and the LM head (max_int4_rows=4): up to 4 generated rows
+    take the int4 kernel, more take F.linear as the prompt rows do."""
     layer, dense, bias = _q4_0_layer(max_int4_rows=4)
     x = torch.randn(len(generated), 64)
     mask = np.array(generated, dtype=bool)
@@ -196,6 +196,8 @@ class _Tiny(torch.nn.Module):
         layer = torch.nn.Module()
         layer.self_attn = attn
         self.layers = torch.nn.ModuleList([layer])
+        for p in self.parameters():  # built uninitialised: a NaN would be unequal to itself
+            p.data.normal_()
 
 
 def test_swap_fuses_parts_in_order_and_unpermutes():
@@ -218,6 +220,7 @@ def test_swap_fuses_parts_in_order_and_unpermutes():
     assert counts == {"int4": 1, "dequantized": 1}
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, GGUFInt4Linear) and qkv.bias is not None and qkv.packed.shape[0] == 2
+    assert qkv.max_int4_rows == MAX_INT4_ROWS == 4  # more generated rows run dense (the kernel's 4-row blocks)
     np.testing.assert_allclose(qkv.dequantized_weight().numpy(), np.concatenate(dense), atol=0.02, rtol=0.02)
     assert not isinstance(model.layers[0].self_attn.o_proj, GGUFInt4Linear)
     del parts["model.layers.0.self_attn.k_proj.weight"]

@@ -1,0 +1,39 @@
+"""Speculative decoding one step ahead on a CUDA device (skipped without one): with CUDA
+graphs on, a draft model's device drafts feed the next step's input ids and the rejected
+ones come off its positions on the GPU path as on the CPU's: greedy output equals no
+speculation with async on and off, with a penalty (drafts read back) too, every step with
+device drafts runs one step ahead, and the draft decisions do not move with async."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.sampling_params import SamplingParams
+from tests.spec_decode.test_async_spec import _StepSpy
+# The fixture too (tiny): pytest finds it in this module's namespace.
+from tests.spec_decode.test_draft_model import TOKEN_PROMPTS, _ids, _tiny_llm, tiny  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_draft_model_one_step_ahead_under_cuda_graphs(tiny, embedded_model_path):  # noqa: F811
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 3 + \
+        [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=0.6)]
+    common = dict(enforce_eager=False, num_kv_blocks=256)
+    plain = _tiny_llm(tiny[0], embedded_model_path, None, **common)
+    want = _ids(plain, TOKEN_PROMPTS, params)
+    plain.engine.shutdown()
+    counts = []
+    for async_on in (True, False):
+        llm = _tiny_llm(tiny[0], embedded_model_path, tiny[1], async_output_proc=async_on, **common)
+        assert llm.engine.core.runner.cuda_graphs is not None
+        spy = _StepSpy(llm)
+        assert _ids(llm, TOKEN_PROMPTS, params) == want, async_on
+        spy.close()
+        st = llm.engine.core.debug_stats()
+        counts.append((st["spec_decode_num_drafts"], st["spec_decode_num_accepted_tokens"]))
+        if async_on:
+            assert sum(1 for n, _ in spy.steps if n) == len([n for n in spy.scheduled if n]) >= 5
+        llm.engine.shutdown()
+    assert counts[0][0] > 0 and abs(counts[0][1] - counts[1][1]) <= 4, counts
