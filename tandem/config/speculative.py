@@ -52,8 +52,10 @@ class SpeculativeConfig:
     """Longest n-gram looked up (>= prompt_lookup_min; default: prompt_lookup_min, or 5)."""
 
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
-    """Speculate only while at most this many requests are running (>= 1; None: always).
-    Above it, steps run without drafts and, with ``async_output_proc``, one step ahead."""
+    """Speculate only while at most this many requests are running (>= 1; None: always;
+    default 1: above one, drafts cost more than they save on the machines measured). Above
+    it, steps run without drafts. With ``async_output_proc`` every step runs one step ahead
+    but those that need their drafts on the host (n-gram, or while a grammar runs)."""
 
     def __post_init__(self) -> None:
         if self.method is None and self.model is not None:

@@ -117,9 +117,10 @@ class Worker:
                                  quant_config=self.quant_config, **self._moe_kwargs())
         spec = cfg.speculative_config
         if spec is not None:
-            logger.info("speculative decoding: %s, %d drafts per step, while at most %s requests run "
-                        "(disable_by_batch_size)", spec.method, spec.num_speculative_tokens,
-                        "any number of" if spec.disable_by_batch_size is None else spec.disable_by_batch_size)
+            limit = spec.disable_by_batch_size
+            logger.info("speculative decoding: %s, %d drafts per step, %s (disable_by_batch_size)", spec.method,
+                        spec.num_speculative_tokens, "at any batch size" if limit is None else
+                        f"while at most {limit} request{'s are' if limit > 1 else ' is'} running")
         if spec is not None and spec.method == "draft_model":
             self.draft_model = self._load_draft_model(spec.model, backend)
         elif spec is not None and spec.uses_model:
