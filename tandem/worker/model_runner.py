@@ -390,10 +390,11 @@ class ModelRunner:
                 i, n = prev_rows[s.seq_id], s.num_device_drafts
                 if rejected is not None:
                     computed -= rejected[i]
-                ids += [0] * (1 + n)
+                ids.append(0)
                 prev_dst.append(end - 1 - n)
                 prev_src.append(i)
                 if n:
+                    ids += [0] * n
                     first, k = self._prev_drafts_at
                     prev_dst += range(end - n, end)
                     prev_src += range(first + i * k, first + i * k + n)
