@@ -16,7 +16,10 @@ Per step, once the target has sampled (:meth:`DraftModelProposer.propose`, drive
    rejected drafts are left out) followed, for each sequence that sampled, by the token it
    emitted; the logits of that last token give its first draft. So the draft cache always
    holds the K/V of confirmed tokens, as the target's does;
-2. ``K - 1`` one-token forwards, each feeding its greedy (argmax) draft to the next.
+2. ``K - 1`` one-token forwards, each feeding its greedy (argmax) draft to the next. On
+   CUDA (unless ``enforce_eager``) these replay CUDA graphs captured per batch size, as the
+   target's decode steps do (:meth:`DraftModelProposer.capture_cuda_graphs`); the catch-up,
+   whose rows per sequence vary, runs eagerly.
 
 The rejection sampler treats a draft as a point mass (vLLM's draft-model and EAGLE paths do
 the same), which keeps the target's distribution.
@@ -39,6 +42,7 @@ import torch
 
 from tandem.distributed.forward_context import RowPhases
 from tandem.model_loader.loader import load_tokenizer
+from tandem.worker.cuda_graph import DecodeCUDAGraphs
 from tandem.worker.ubatching import StepInputs, forward_step
 
 
@@ -115,6 +119,19 @@ class DraftModelProposer:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = device
+        self.cuda_graphs: DecodeCUDAGraphs | None = None
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        """Capture the one-token draft forwards (every draft after a step's first) as CUDA
+        graphs, one per batch size up to ``max_num_seqs`` (:mod:`tandem.worker.cuda_graph`;
+        ``max_blocks_per_seq``: the block tables' width); larger batches run eagerly."""
+        self.cuda_graphs = DecodeCUDAGraphs(self._graph_model(), self.kv_caches, max_num_seqs, max_blocks_per_seq,
+                                            self.block_size, self.device, label="draft")
+        self.cuda_graphs.capture()
+
+    def _graph_model(self) -> torch.nn.Module:
+        """What the graphs capture: ``forward(ids, positions, kv_caches, meta) -> [n, H]``."""
+        return self.model
 
     @torch.inference_mode()
     def propose(self, d: DraftStep) -> torch.Tensor | None:
@@ -165,7 +182,8 @@ class DraftModelProposer:
             pos = np.minimum(positions + k, self.max_model_len - 1)
             step = StepInputs(np.zeros(num, dtype=np.int64), pos, self._slots(block_table_np, positions + k), qsl, pos,
                               pos + 1, block_table, [], [])
-            out, hidden = self._run(step, ids, hidden)
+            size = None if self.cuda_graphs is None else self.cuda_graphs.size_for(num)
+            out, hidden = self._run(step, ids, hidden) if size is None else self._replay(step, ids, hidden, size)
             ids = self.model.compute_logits(out).argmax(dim=-1)
             drafts.append(ids)
         return torch.stack(drafts, dim=1)
@@ -174,6 +192,12 @@ class DraftModelProposer:
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft forward: (states for logits, states for the next position: none here)."""
         return self._forward(inputs, ids), None
+
+    def _replay(self, step: StepInputs, ids: torch.Tensor, hidden: torch.Tensor | None, size: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_run` of a one-token step as the CUDA graph of capture ``size``."""
+        return self.cuda_graphs.run(step.num_reqs, ids, step.positions, step.slot_mapping, step.seq_lens,
+                                    step.num_computed, step.block_table, size), None
 
     def _slots(self, table_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache slots of ``positions`` (``[N]``; ``table_rows`` ``[N, max_blocks]``: each

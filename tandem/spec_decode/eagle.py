@@ -12,7 +12,9 @@ step, once the target has sampled (:meth:`EagleProposer.propose`):
    chunk that does not end the prompt: the prompt's next token). The head's output at a
    sampling sequence's last row gives its first draft;
 2. ``K - 1`` one-token forwards at the following positions, each with the previous draft as
-   the token and the head's own previous output as the hidden state.
+   the token and the head's own previous output as the hidden state (on CUDA, CUDA graphs
+   per batch size as a draft model's, the state passed through a persistent buffer:
+   :class:`HeadGraphStep`).
 
 Draft rows write the head's K/V at positions the next catch-up overwrites (the scheduler's
 ``K`` lookahead slots hold them). A prefix-cache hit reuses the head's K/V of the cached
@@ -146,6 +148,25 @@ def _checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
+class HeadGraphStep(torch.nn.Module):
+    """An EAGLE head as the decode CUDA graphs take a model
+    (:class:`~tandem.worker.cuda_graph.DecodeCUDAGraphs`): ``forward(ids [n], positions [n],
+    kv_caches, meta) -> [n, 2 H]``, the head's (states for logits, states for the next
+    position) side by side, fed the states of ``hidden[:n]``, a persistent ``[max_rows, H]``
+    buffer in the head's dtype that the caller fills before each replay."""
+
+    def __init__(self, head: torch.nn.Module, max_rows: int) -> None:
+        super().__init__()
+        self.head = head
+        weight = head.fc.weight
+        self.hidden = torch.zeros(max_rows, head.spec.hidden_size, dtype=weight.dtype, device=weight.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta) -> torch.Tensor:
+        out, nxt = self.head(input_ids, positions, self.hidden[: input_ids.shape[0]], kv_caches, meta)
+        return torch.cat([out, nxt], dim=-1)
+
+
 class EagleProposer(DraftModelProposer):
     """Greedy drafts of an EAGLE / EAGLE-3 head over its own paged KV cache (module
     docstring). Arguments as :class:`DraftModelProposer`'s, ``model`` being the head."""
@@ -189,6 +210,19 @@ class EagleProposer(DraftModelProposer):
         return self._decode(first, nxt[rows], positions[last[d.sampled]] + 1, d.block_table_np[d.sampled],
                             d.block_table[self._h2d(d.sampled)])
 
+    def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        self._graph_step = HeadGraphStep(self.model, max_num_seqs)
+        super().capture_cuda_graphs(max_num_seqs, max_blocks_per_seq)
+
+    def _graph_model(self) -> torch.nn.Module:
+        return self._graph_step
+
+    def _replay(self, step: StepInputs, ids: torch.Tensor, hidden: torch.Tensor, size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._graph_step.hidden[: step.num_reqs].copy_(hidden)
+        both = super()._replay(step, ids, None, size)[0]
+        return both.chunk(2, dim=-1)
+
     def _run(self, inputs: StepInputs, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over ``inputs`` (eager, unpadded) fed ``hidden`` (``[num_tokens, H]``): (states
         for logits, states for the next position), each ``[num_tokens, H]``."""
@@ -197,4 +231,4 @@ class EagleProposer(DraftModelProposer):
             return self.model(ids, positions, hidden, self.kv_caches, inputs.metadata(self.device))
 
 
-__all__ = ["EagleProposer", "check_eagle_head", "load_eagle_head"]
+__all__ = ["EagleProposer", "HeadGraphStep", "check_eagle_head", "load_eagle_head"]

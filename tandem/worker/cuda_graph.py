@@ -20,7 +20,7 @@ import torch
 from tandem.attention.metadata import AttentionMetadata
 from tandem.distributed import parallel_state as ps
 from tandem.progress import Progress
-from tandem.worker.step_plan import DBOPolicy, ubatch_slices
+from tandem.worker.step_plan import DBOPolicy, smallest_capture_size, ubatch_slices
 from tandem.worker.ubatching import forward_step
 
 logger = logging.getLogger(__name__)
@@ -72,12 +72,15 @@ class DecodeCUDAGraphs:
             capture buffers (context of one token): attention, which both variants share,
             is under-weighted, which favours the unsplit graph.
         sizes: capture sizes (default: ``capture_sizes(max_num_seqs)``).
+        label: what the graphs are, for the progress bar and log ("decode"; a
+            speculative-decoding proposer's: "draft").
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device, dbo: DBOPolicy | None = None,
-                 sizes: list[int] | None = None) -> None:
+                 sizes: list[int] | None = None, label: str = "decode") -> None:
         self.model = model
+        self.label = label
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes) if sizes else capture_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
@@ -136,7 +139,7 @@ class DecodeCUDAGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first so that smaller graphs reuse its memory pool."""
-        with Progress("Capturing decode CUDA graphs", logger, total=len(self.sizes), unit="graphs",
+        with Progress(f"Capturing {self.label} CUDA graphs", logger, total=len(self.sizes), unit="graphs",
                       show=ps.get_rank() == 0) as progress:
             for size in reversed(self.sizes):
                 progress.stage(f"batch size {size}")
@@ -150,7 +153,7 @@ class DecodeCUDAGraphs:
                 self.graphs[size], self.outputs[size] = g, out
                 progress.update()
             torch.cuda.synchronize(self.device)
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        logger.info("captured %s CUDA graphs for batch sizes %s", self.label, self.sizes)
         if self.dbo is not None and self.dbo.graph_timings:
             logger.info("dual-batch overlap kept for decode sizes %s (replay ms plain/split: %s)", sorted(self.split_sizes),
                         {s: f"{a:.2f}/{b:.2f}" for s, (a, b) in sorted(self.dbo.graph_timings.items())})
@@ -173,6 +176,10 @@ class DecodeCUDAGraphs:
         self.num_computed[:n].copy_(h2d(num_computed.astype(np.int32)))
         self.block_tables[:n, : block_table.shape[1]].copy_(block_table)
         return self._replay(n, size)
+
+    def size_for(self, n: int) -> int | None:
+        """The smallest capture size holding ``n`` rows; None above the largest."""
+        return smallest_capture_size(self.sizes, n)
 
     def run_padding(self, size: int) -> None:
         """Replay the graph of ``size`` with padding rows only: an idle data-parallel rank's

@@ -215,6 +215,8 @@ class ModelRunner:
             self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, max_blocks, block_size, device,
                                                 dbo=self.dbo)
             self.cuda_graphs.capture()
+            if drafter is not None:
+                drafter.capture_cuda_graphs(max_num_seqs, max_blocks)
         graphs = self.cuda_graphs
         self.planner = StepPlanner(self.dbo, graphs.sizes if graphs else None, graphs.split_sizes if graphs else set(),
                                    min_prompt_tokens=CPU_MIN_PROMPT_TOKENS if device.type == "cpu" else 0)

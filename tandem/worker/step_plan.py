@@ -162,6 +162,12 @@ def agree_across_dp(group: dist.ProcessGroup | None, num_tokens: int, wants_spli
     return max_tokens, not no_split, not no_graph
 
 
+def smallest_capture_size(sizes: list[int] | None, num_tokens: int) -> int | None:
+    """The smallest of the ascending capture ``sizes`` holding ``num_tokens`` rows; None if
+    none does (or no sizes)."""
+    return next((s for s in sizes or () if s >= num_tokens), None)
+
+
 @dataclass
 class StepPlanner:
     """Plans every step of one model runner (see the module docstring).
@@ -184,7 +190,7 @@ class StepPlanner:
 
     def graph_size(self, num_tokens: int) -> int | None:
         """The smallest capture size holding ``num_tokens`` rows; None if none does."""
-        return next((s for s in self.graph_sizes or () if s >= num_tokens), None)
+        return smallest_capture_size(self.graph_sizes, num_tokens)
 
     def plan(self, num_tokens: int, decode_only: bool, with_prompt: bool = False) -> StepPlan:
         """The plan of a step of ``num_tokens`` tokens on this rank (0: an idle DP rank;

@@ -2,7 +2,8 @@
 graphs on, a draft model's device drafts feed the next step's input ids and the rejected
 ones come off its positions on the GPU path as on the CPU's: greedy output equals no
 speculation with async on and off, with a penalty (drafts read back) too, every step with
-device drafts runs one step ahead, and the draft decisions do not move with async."""
+device drafts runs one step ahead, the draft model's one-token forwards replay its own CUDA
+graphs, and the draft decisions do not move with async."""
 
 from __future__ import annotations
 
@@ -27,13 +28,28 @@ def test_draft_model_one_step_ahead_under_cuda_graphs(tiny, embedded_model_path)
     counts = []
     for async_on in (True, False):
         llm = _tiny_llm(tiny[0], embedded_model_path, tiny[1], async_output_proc=async_on, **common)
-        assert llm.engine.core.runner.cuda_graphs is not None
+        drafter = llm.engine.core.runner.drafter
+        assert llm.engine.core.runner.cuda_graphs is not None and drafter.cuda_graphs is not None
+        replays = _count_replays(drafter)
         spy = _StepSpy(llm)
         assert _ids(llm, TOKEN_PROMPTS, params) == want, async_on
         spy.close()
+        assert replays, "the draft model's one-token forwards never replayed a graph"
         st = llm.engine.core.debug_stats()
         counts.append((st["spec_decode_num_drafts"], st["spec_decode_num_accepted_tokens"]))
         if async_on:
             assert sum(1 for n, _ in spy.steps if n) == len([n for n in spy.scheduled if n]) >= 5
         llm.engine.shutdown()
     assert counts[0][0] > 0 and abs(counts[0][1] - counts[1][1]) <= 4, counts
+
+
+def _count_replays(drafter) -> list[int]:
+    """Sizes of the drafter's graph replays from now on (wraps the instance's ``_replay``)."""
+    sizes, inner = [], drafter._replay
+
+    def replay(step, ids, hidden, size):
+        sizes.append(size)
+        return inner(step, ids, hidden, size)
+
+    drafter._replay = replay
+    return sizes
