@@ -37,6 +37,11 @@ TANDEM_CPU_STEP_THREAD              on         CPU steps run on a worker thread,
 TANDEM_MLA_PREFILL                  auto       MLA prefill attention: auto (the Triton flash-
                                                attention kernel on CUDA), triton, torch (the
                                                masked-SDPA reference); read when a layer is built
+TANDEM_PP_LAYER_PARTITION           unset      decoder layers per pipeline stage, comma-separated
+                                               (e.g. ``12,10,10``; they must sum to the model's
+                                               layers); unset: as even as can be, the extra
+                                               layers on the stages before the last (vLLM's
+                                               VLLM_PP_LAYER_PARTITION)
 TANDEM_STARTUP_TIMEOUT_S            1800       seconds spawned ranks may take to build engines
 TANDEM_HOST_JOIN_TIMEOUT_S          600        seconds the head waits for every --headless host
                                                to join (and a headless host for the head)
@@ -156,6 +161,20 @@ def _half_the_cpus_up_to_8() -> int:
     return max(1, min(8, cpus // 2))
 
 
+def _layer_partition() -> tuple[int, ...] | None:
+    raw = os.environ.get("TANDEM_PP_LAYER_PARTITION", "").strip()
+    if not raw:
+        return None
+    try:
+        counts = tuple(int(c) for c in raw.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise ValueError(f"TANDEM_PP_LAYER_PARTITION={raw!r}: give positive layer counts per stage, "
+                         f"comma-separated (e.g. 12,10,10)")
+    return counts
+
+
 def _cache_root() -> str:
     root = os.environ.get("TANDEM_CACHE_ROOT")
     if root:
@@ -178,6 +197,7 @@ _READERS: dict[str, Callable[[], Any]] = {
     "TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS": _int_at_least("TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS", lambda: 384, 0),
     "TANDEM_CPU_STEP_THREAD": _choice("TANDEM_CPU_STEP_THREAD", "on", ON_OFF),
     "TANDEM_MLA_PREFILL": _choice("TANDEM_MLA_PREFILL", "auto", MLA_PREFILL_MODES),
+    "TANDEM_PP_LAYER_PARTITION": _layer_partition,
     "TANDEM_STARTUP_TIMEOUT_S": _float("TANDEM_STARTUP_TIMEOUT_S", 1800.0),
     "TANDEM_HOST_JOIN_TIMEOUT_S": _float("TANDEM_HOST_JOIN_TIMEOUT_S", 600.0),
     "TANDEM_HOST_HEARTBEAT_TIMEOUT_S": _float("TANDEM_HOST_HEARTBEAT_TIMEOUT_S", 4.0),

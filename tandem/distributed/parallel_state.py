@@ -1,22 +1,27 @@
-"""Process groups of one Tandem deployment: data parallel (DP) x tensor parallel (TP), and
-expert parallel (EP) over all of them.
+"""Process groups of one Tandem deployment: data parallel (DP) x pipeline parallel (PP) x
+tensor parallel (TP), and expert parallel (EP) within each pipeline stage.
 
-World layout (``world_size = dp_size * tp_size``): global rank ``r = dp_rank * tp_size +
-tp_rank``, so the ranks of one TP group are consecutive (one DP replica's shards sit on
-neighbouring GPUs, where NVLink is fastest). Groups (every rank builds all of them, in the
-same order, as ``torch.distributed.new_group`` requires; groups of size 1 are not built and
-their getters return None):
+World layout (``world_size = dp_size * pp_size * tp_size``): global rank ``r = (dp_rank *
+pp_size + pp_rank) * tp_size + tp_rank``, so the ranks of one TP group are consecutive (one
+stage's shards sit on neighbouring GPUs, where NVLink is fastest) and a DP replica's whole
+pipeline is one block of ranks. Groups (every rank builds all of them, in the same order, as
+``torch.distributed.new_group`` requires; groups of size 1 are not built and their getters
+return None):
 
 * **TP group** (``get_tp_group``, device backend: NCCL on CUDA, gloo on the CPU): the
   all-reduces after row-parallel layers. ``get_tp_cpu_group`` (gloo, same ranks) carries
   the driver's per-step ``SchedulerOutput`` broadcast to the other TP ranks.
-* **DP group** (``get_dp_group``, **gloo**): the ranks with the same ``tp_rank`` in every DP
-  replica; the model runner's per-step :func:`~tandem.worker.step_plan.agree_across_dp`
+* **PP group** (``get_pp_group``, device backend): the ranks with this ``tp_rank`` in every
+  stage of this rank's pipeline, by stage; the stage-to-stage sends of hidden states
+  (:mod:`tandem.distributed.pipeline`).
+* **DP group** (``get_dp_group``, **gloo**): the ranks with this ``(pp_rank, tp_rank)`` in
+  every DP replica; the model runner's per-step :func:`~tandem.worker.step_plan.agree_across_dp`
   (CPU tensors, no GPU sync). ``get_dp_control_group`` (gloo, same ranks) is the engine
   loop's own group (request routing, lockstep, output gathering) so that the loop (main
   thread) and the runner (a worker thread on the CPU) never share a group.
-* **EP group** (``get_ep_group``, device backend): every rank when expert parallelism is
-  on (``ep_size = dp_size * tp_size``, ``ep_rank = r``), else None.
+* **EP group** (``get_ep_group``, device backend): when expert parallelism is on, every
+  rank of this pipeline stage in every DP replica (``ep_size = dp_size * tp_size``,
+  ``ep_rank = dp_rank * tp_size + tp_rank``; the whole world without PP), else None.
 
 Rendezvous: ``torchrun`` / env:// (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``LOCAL_RANK`` in the environment) or explicit ``rank``/``world_size``
@@ -51,11 +56,23 @@ class ParallelInfo:
     tp_rank: int = 0
     ep_size: int = 1
     ep_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
 
     @property
     def is_driver(self) -> bool:
-        """TP rank 0: runs the scheduler of its DP replica."""
-        return self.tp_rank == 0
+        """TP rank 0 of the first pipeline stage: runs the scheduler of its DP replica."""
+        return self.tp_rank == 0 and self.pp_rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Holds the embedding (pipeline stage 0)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Holds the final norm and LM head, and samples (the last pipeline stage)."""
+        return self.pp_rank == self.pp_size - 1
 
 
 @dataclass
@@ -68,6 +85,8 @@ class _State:
     dp_group: dist.ProcessGroup | None = None
     dp_control_group: dist.ProcessGroup | None = None
     dp_ranks: tuple[int, ...] = (0,)
+    pp_group: dist.ProcessGroup | None = None
+    pp_ranks: tuple[int, ...] = (0,)
     ep_group: dist.ProcessGroup | None = None
     owns_process_group: bool = False
 
@@ -81,16 +100,18 @@ def env_rendezvous() -> bool:
 
 
 def init_distributed(tp_size: int = 1, dp_size: int = 1, enable_expert_parallel: bool = False, *,
-                     rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
+                     pp_size: int = 1, rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
                      master_addr: str | None = None, master_port: int | None = None, backend: str = "auto",
                      device: torch.device | str | None = None,
                      timeout: datetime.timedelta = datetime.timedelta(minutes=30),
                      store_hosted: bool = False) -> ParallelInfo:
-    """Join (or create) the default process group and build the TP, DP and EP groups.
+    """Join (or create) the default process group and build the TP, PP, DP and EP groups.
 
     Args:
-        tp_size / dp_size: the parallel sizes; ``tp_size * dp_size`` must equal the world.
-        enable_expert_parallel: shard MoE experts over all ranks (EP group = world).
+        tp_size / dp_size / pp_size: the parallel sizes; ``tp_size * pp_size * dp_size``
+            must equal the world.
+        enable_expert_parallel: shard MoE experts over the ranks of each pipeline stage (EP
+            group = the world without PP).
         rank / world_size / local_rank: explicit ranks (Tandem's launcher); None: from the
             environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) when set, else one process.
         master_addr / master_port: rendezvous address for explicit ranks (default
@@ -109,25 +130,30 @@ def init_distributed(tp_size: int = 1, dp_size: int = 1, enable_expert_parallel:
         ValueError: sizes do not multiply to the world size, or bad ranks.
     """
     global _STATE
-    if tp_size < 1 or dp_size < 1:
-        raise ValueError(f"tensor_parallel_size and data_parallel_size must be >= 1, got {tp_size}, {dp_size}")
+    if tp_size < 1 or dp_size < 1 or pp_size < 1:
+        raise ValueError(f"tensor_parallel_size, pipeline_parallel_size and data_parallel_size must be >= 1, got "
+                         f"{tp_size}, {pp_size}, {dp_size}")
+    replica = tp_size * pp_size
     if rank is None and env_rendezvous():
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
         init_method = "env://"
     else:
         rank = 0 if rank is None else rank
-        world_size = tp_size * dp_size if world_size is None else world_size
+        world_size = replica * dp_size if world_size is None else world_size
         addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = master_port or int(os.environ.get("MASTER_PORT", "29500"))
         init_method = f"tcp://{addr}:{port}"
     local_rank = rank if local_rank is None else local_rank
-    if world_size != tp_size * dp_size:
-        raise ValueError(f"world size {world_size} != tensor_parallel_size ({tp_size}) x data_parallel_size ({dp_size})")
+    if world_size != replica * dp_size:
+        raise ValueError(f"world size {world_size} != tensor_parallel_size ({tp_size}) x pipeline_parallel_size "
+                         f"({pp_size}) x data_parallel_size ({dp_size})")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside the world of {world_size}")
-    info = ParallelInfo(world_size, rank, local_rank, dp_size, rank // tp_size, tp_size, rank % tp_size,
-                        world_size if enable_expert_parallel else 1, rank if enable_expert_parallel else 0)
+    dp_rank, pp_rank, tp_rank = rank // replica, rank // tp_size % pp_size, rank % tp_size
+    ep = enable_expert_parallel
+    info = ParallelInfo(world_size, rank, local_rank, dp_size, dp_rank, tp_size, tp_rank,
+                        dp_size * tp_size if ep else 1, dp_rank * tp_size + tp_rank if ep else 0, pp_size, pp_rank)
     if world_size == 1:
         _STATE = _State(info)
         return info
@@ -154,29 +180,47 @@ def init_distributed(tp_size: int = 1, dp_size: int = 1, enable_expert_parallel:
     state = _State(info, device_backend=backend, owns_process_group=owns)
     # Every rank creates every group, in this order.
     long = datetime.timedelta(days=7)  # control groups wait out idle periods between requests
+    def at(d: int, p: int, t: int) -> int:  # the global rank of (dp, pp, tp)
+        return (d * pp_size + p) * tp_size + t
+
     for d in range(dp_size):
-        ranks = list(range(d * tp_size, (d + 1) * tp_size))
-        if tp_size > 1:
-            g = dist.new_group(ranks, backend=backend, timeout=timeout)
-            gc = dist.new_group(ranks, backend="gloo", timeout=long)
-            if d == info.dp_rank:
-                state.tp_group, state.tp_cpu_group, state.tp_ranks = g, gc, tuple(ranks)
-    for t in range(tp_size):
-        ranks = list(range(t, world_size, tp_size))
-        if dp_size > 1:
-            g = dist.new_group(ranks, backend="gloo", timeout=timeout)
-            gc = dist.new_group(ranks, backend="gloo", timeout=long)
-            if t == info.tp_rank:
-                state.dp_group, state.dp_control_group, state.dp_ranks = g, gc, tuple(ranks)
+        for p in range(pp_size):
+            ranks = [at(d, p, t) for t in range(tp_size)]
+            if tp_size > 1:
+                g = dist.new_group(ranks, backend=backend, timeout=timeout)
+                gc = dist.new_group(ranks, backend="gloo", timeout=long)
+                if (d, p) == (dp_rank, pp_rank):
+                    state.tp_group, state.tp_cpu_group, state.tp_ranks = g, gc, tuple(ranks)
+    for p in range(pp_size):
+        for t in range(tp_size):
+            ranks = [at(d, p, t) for d in range(dp_size)]
+            if dp_size > 1:
+                g = dist.new_group(ranks, backend="gloo", timeout=timeout)
+                gc = dist.new_group(ranks, backend="gloo", timeout=long)
+                if (p, t) == (pp_rank, tp_rank):
+                    state.dp_group, state.dp_control_group, state.dp_ranks = g, gc, tuple(ranks)
+    for d in range(dp_size):
+        for t in range(tp_size):
+            ranks = [at(d, p, t) for p in range(pp_size)]
+            if pp_size > 1:
+                g = dist.new_group(ranks, backend=backend, timeout=timeout)
+                if (d, t) == (dp_rank, tp_rank):
+                    state.pp_group, state.pp_ranks = g, tuple(ranks)
     if info.ep_size > 1:
-        state.ep_group = dist.new_group(list(range(world_size)), backend=backend, timeout=timeout)
+        for p in range(pp_size):
+            g = dist.new_group([at(d, p, t) for d in range(dp_size) for t in range(tp_size)], backend=backend,
+                               timeout=timeout)
+            if p == pp_rank:
+                state.ep_group = g
     if tp_size == 1:
         state.tp_ranks = (rank,)
     if dp_size == 1:
         state.dp_ranks = (rank,)
+    if pp_size == 1:
+        state.pp_ranks = (rank,)
     _STATE = state
-    logger.info("rank %d/%d: dp %d/%d, tp %d/%d, ep %d/%d (%s)", rank, world_size, info.dp_rank, dp_size,
-                info.tp_rank, tp_size, info.ep_rank, info.ep_size, backend)
+    logger.info("rank %d/%d: dp %d/%d, pp %d/%d, tp %d/%d, ep %d/%d (%s)", rank, world_size, info.dp_rank, dp_size,
+                info.pp_rank, pp_size, info.tp_rank, tp_size, info.ep_rank, info.ep_size, backend)
     return info
 
 
@@ -261,6 +305,26 @@ def forward_min(value: int) -> int:
     return int(t.item())
 
 
+# ------------------------------------------------------------------------------ PP
+def get_pp_group() -> dist.ProcessGroup | None:
+    """Device group of this rank's pipeline (the ranks with its ``tp_rank`` in every stage,
+    by stage; None when ``pp_size == 1``)."""
+    return _STATE.pp_group
+
+
+def get_pp_size() -> int:
+    return _STATE.info.pp_size
+
+
+def get_pp_rank() -> int:
+    return _STATE.info.pp_rank
+
+
+def get_pp_ranks() -> tuple[int, ...]:
+    """Global ranks of this rank's PP group, by stage."""
+    return _STATE.pp_ranks
+
+
 # ------------------------------------------------------------------------------ DP
 def get_dp_group() -> dist.ProcessGroup | None:
     """gloo group of the ranks with this ``tp_rank`` in every DP replica (None when
@@ -288,7 +352,8 @@ def get_dp_ranks() -> tuple[int, ...]:
 
 # ------------------------------------------------------------------------------ EP
 def get_ep_group() -> dist.ProcessGroup | None:
-    """Device group of all ranks when expert parallelism is on (None otherwise)."""
+    """Device group of every rank of this pipeline stage when expert parallelism is on
+    (None otherwise)."""
     return _STATE.ep_group
 
 
@@ -302,5 +367,5 @@ def get_ep_rank() -> int:
 
 __all__ = ["ParallelInfo", "destroy_distributed", "env_rendezvous", "get_dp_control_group", "get_dp_group",
            "get_dp_rank", "get_dp_ranks", "get_dp_size", "get_ep_group", "get_ep_rank", "get_ep_size",
-           "forward_min", "get_parallel_info", "get_rank", "get_tp_cpu_group", "get_tp_group", "get_tp_rank", "get_tp_size",
+           "forward_min", "get_parallel_info", "get_pp_group", "get_pp_rank", "get_pp_ranks", "get_pp_size", "get_rank", "get_tp_cpu_group", "get_tp_group", "get_tp_rank", "get_tp_size",
            "get_tp_src_rank", "get_world_size", "init_distributed", "is_distributed", "tp_all_reduce", "tp_min"]

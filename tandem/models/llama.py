@@ -27,6 +27,8 @@ from torch import nn
 
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.metadata import AttentionMetadata
+from tandem.distributed import parallel_state as ps
+from tandem.distributed.pipeline import IntermediateTensors, PPMissingLayer, pp_layer_range
 from tandem.layers.fused_ops import silu_and_mul, silu_and_mul_dynamic_per_token_quant
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers import batch_invariant
@@ -158,10 +160,14 @@ def split_aux_hidden_states(model: nn.Module, out: torch.Tensor) -> tuple[torch.
     return out[:, :width], out[:, width:]
 
 
+def _scaled(hidden: torch.Tensor | UnscaledProduct) -> torch.Tensor:
+    """A layer's output as a plain tensor (FP8's deferred scales applied)."""
+    return hidden.apply_scales() if isinstance(hidden, UnscaledProduct) else hidden
+
+
 def _residual_stream(hidden: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None) -> torch.Tensor:
     """A layer's input ``hidden + residual`` as one tensor."""
-    if isinstance(hidden, UnscaledProduct):
-        hidden = hidden.apply_scales()
+    hidden = _scaled(hidden)
     return hidden if residual is None else hidden + residual
 
 
@@ -194,9 +200,16 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2 / Qwen3 causal LM over a paged KV cache.
 
-    ``forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer, see
-    tandem.attention.metadata), meta) -> hidden states [T, hidden_size]``;
-    ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` fp32.
+    ``forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer of this
+    stage, see tandem.attention.metadata), meta, intermediate=None) -> hidden states [T,
+    hidden_size]``; ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` fp32.
+
+    Under pipeline parallelism (:mod:`tandem.distributed.pipeline`) the model holds the
+    decoder layers ``[start_layer, end_layer)`` of its stage (the others are
+    ``PPMissingLayer``), the embedding on the first stage (and the last, tied), the final norm
+    and the LM head on the last; a stage after the first takes the previous stage's
+    ``intermediate`` tensors instead of ``input_ids``, and a stage before the last returns
+    :class:`~tandem.distributed.pipeline.IntermediateTensors`.
 
     With ``aux_hidden_state_layers`` set (an EAGLE-3 head's target), ``forward`` returns
     ``[T, (1 + A) * hidden_size]``: the hidden states, then the input of each of those ``A``
@@ -209,16 +222,23 @@ class LlamaForCausalLM(nn.Module):
         spec = DecoderSpec.from_hf_config(hf_config)
         self.spec = spec
         rotary = RotaryEmbedding(hf_config, spec.head_dim, max_positions or spec.max_position_embeddings)
+        info = ps.get_parallel_info()
+        self.is_first_stage, self.is_last_stage = info.is_first_stage, info.is_last_stage
+        self.start_layer, self.end_layer = pp_layer_range(spec.num_layers, info.pp_rank, info.pp_size)
         # Uninitialised (as every other parameter): loading overwrites them, and drawing
         # random vocab x hidden values first costs a CLI start a noticeable share.
-        self.embed_tokens = nn.utils.skip_init(nn.Embedding, spec.vocab_size, spec.hidden_size,
-                                               device=torch.get_default_device())
-        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend) for _ in range(spec.num_layers))
+        self.embed_tokens = (nn.utils.skip_init(nn.Embedding, spec.vocab_size, spec.hidden_size,
+                                                device=torch.get_default_device())
+                             if self.is_first_stage or self.is_last_stage and spec.tie_word_embeddings
+                             else PPMissingLayer())
+        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, backend) if self.start_layer <= i < self.end_layer
+                                    else PPMissingLayer() for i in range(spec.num_layers))
         self.rotary = rotary
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.utils.skip_init(nn.Linear, spec.hidden_size, spec.vocab_size, bias=False,
-                                              device=torch.get_default_device())
+            self.lm_head = (nn.utils.skip_init(nn.Linear, spec.hidden_size, spec.vocab_size, bias=False,
+                                               device=torch.get_default_device())
+                            if self.is_last_stage else PPMissingLayer())
         # A quantized LM head computing the logits instead (GGUF on the CPU:
         # tandem.layers.quantization.gguf.quantize_gguf_linears); None: the dense weight.
         self.lm_head_quant: nn.Module | None = None
@@ -227,16 +247,29 @@ class LlamaForCausalLM(nn.Module):
     @property
     def kv_cache_shape_per_block(self) -> tuple[int, int]:
         """(num_kv_heads of this TP rank, head_dim) of every layer's cache."""
-        return self.layers[0].self_attn.num_kv_heads, self.spec.head_dim
+        return self.layers[self.start_layer].self_attn.num_kv_heads, self.spec.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+    @property
+    def num_stage_layers(self) -> int:
+        """Decoder layers on this pipeline stage (each needs a KV cache)."""
+        return self.end_layer - self.start_layer
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
         self.rotary.begin_step(positions)
         aux = []
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+        layers = self.layers[self.start_layer:self.end_layer]
+        for i, (layer, cache) in enumerate(zip(layers, kv_caches), start=self.start_layer):
             if i in self.aux_hidden_state_layers:
                 aux.append(_residual_stream(hidden, residual))
             hidden, residual = layer(hidden, residual, positions, cache, meta)
+        if not self.is_last_stage:
+            return IntermediateTensors(_scaled(hidden), residual)
         out = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
         return torch.cat([out, *aux], dim=-1) if aux else out
 
@@ -254,13 +287,23 @@ class LlamaForCausalLM(nn.Module):
         """
         tied = self.spec.tie_word_embeddings
 
+        params = {n.split(".")[0] for n, _ in self.named_parameters()}  # this stage's top-level parts
+
         def own(named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in named:
                 name = name.removeprefix("model.")
-                if "rotary_emb" not in name and not (name == "lm_head.weight" and tied):
-                    yield name, tensor
+                if "rotary_emb" in name or name == "lm_head.weight" and tied or not self._on_stage(name, params):
+                    continue
+                yield name, tensor
 
         load_decoder_weights(self, own(weights))
+
+    def _on_stage(self, name: str, parts: set[str]) -> bool:
+        """Whether checkpoint tensor ``name`` (``model.`` removed) belongs to this stage."""
+        head, _, rest = name.partition(".")
+        if head == "layers":
+            return self.start_layer <= int(rest.split(".")[0]) < self.end_layer
+        return head in parts
 
 
 _STACKED = {  # HF name part -> (fused param name part, shard index)

@@ -1,0 +1,125 @@
+"""Pipeline parallelism below the engine (issue 50, stage 1): the layer split, the process
+groups of a DP x PP x TP world over gloo, and a split Llama / Qwen2 whose stages, passing the
+residual stream on, give transformers' logits (fp32, 1e-4) for a ragged prefill, decode steps
+and a chunked step over the paged KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.distributed.pipeline import pp_layer_range
+from tests.distributed._harness import run_ranks
+
+COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("layers,stages,want", [
+    (8, 2, [(0, 4), (4, 8)]),
+    (5, 3, [(0, 2), (2, 4), (4, 5)]),  # the extra layers go to the stages before the last
+    (7, 4, [(0, 2), (2, 4), (4, 6), (6, 7)]),
+    (3, 1, [(0, 3)]),
+])
+def test_layers_split_evenly_with_the_remainder_before_the_last_stage(layers, stages, want, monkeypatch):
+    monkeypatch.delenv("TANDEM_PP_LAYER_PARTITION", raising=False)
+    assert [pp_layer_range(layers, r, stages) for r in range(stages)] == want
+
+
+def test_the_partition_variable_overrides_and_is_checked(monkeypatch):
+    monkeypatch.setenv("TANDEM_PP_LAYER_PARTITION", "1,4")
+    assert [pp_layer_range(5, r, 2) for r in range(2)] == [(0, 1), (1, 5)]
+    with pytest.raises(ValueError, match="need 3 stage counts summing to the model's 5"):
+        pp_layer_range(5, 0, 3)
+    monkeypatch.setenv("TANDEM_PP_LAYER_PARTITION", "2,x")
+    with pytest.raises(ValueError, match="TANDEM_PP_LAYER_PARTITION='2,x'"):
+        pp_layer_range(5, 0, 2)
+    monkeypatch.delenv("TANDEM_PP_LAYER_PARTITION")
+    with pytest.raises(ValueError, match="pipeline_parallel_size 4 exceeds the model's 3"):
+        pp_layer_range(3, 0, 4)
+
+
+def _layout(rank, world, port, tp, pp, dp, ep):
+    from tandem.distributed import parallel_state as ps
+
+    info = ps.init_distributed(tp, dp, ep, pp_size=pp, rank=rank, world_size=world, master_port=port)
+    try:
+        return (info.dp_rank, info.pp_rank, info.tp_rank, info.ep_rank, info.is_driver, ps.get_tp_src_rank(),
+                ps.get_pp_ranks(), ps.get_dp_ranks())
+    finally:
+        ps.destroy_distributed()
+
+
+def test_process_groups_of_a_dp_pp_tp_world():
+    """DP=2 x PP=2 x TP=2 (8 ranks): rank = (dp * pp + pp_rank) * tp + tp_rank; a pipeline
+    is the ranks of one (dp, tp_rank); the driver is TP rank 0 of stage 0; EP spans a stage."""
+    out = run_ranks(_layout, 8, 2, 2, 2, True, timeout=120)
+    for r, (d, p, t, e, driver, src, pp_ranks, dp_ranks) in enumerate(out):
+        assert r == (d * 2 + p) * 2 + t
+        assert pp_ranks == tuple((d * 2 + q) * 2 + t for q in range(2))
+        assert dp_ranks == tuple((k * 2 + p) * 2 + t for k in range(2))
+        assert src == (d * 2 + p) * 2 and driver == (p == 0 and t == 0)
+        assert e == d * 2 + t
+
+
+def _stage(rank, world, port, family, tp, pp):
+    """One rank of a PP x TP split model: runs the parity steps; the last stage returns the
+    largest logit difference from transformers' over every step (None elsewhere)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    from tandem.attention.torch_backend import TorchAttentionBackend
+    from tandem.distributed import parallel_state as ps
+    from tandem.distributed.pipeline import IntermediateTensors
+    from tandem.models.llama import LlamaForCausalLM
+    from tests.models.paged_parity import random_hf_reference, step_metadata
+
+    cfg = (LlamaConfig(**COMMON, tie_word_embeddings=False) if family == "llama"
+           else Qwen2Config(**COMMON, tie_word_embeddings=True))
+    ref = random_hf_reference(cfg)
+    info = ps.init_distributed(tp, 1, pp_size=pp, rank=rank, world_size=world, master_port=port)
+    try:
+        model = LlamaForCausalLM(cfg, TorchAttentionBackend()).eval()
+        model.load_weights(ref.state_dict().items())
+        bs = 8
+        kv = [torch.zeros(2, 32, bs, cfg.num_key_value_heads // tp, model.spec.head_dim)
+              for _ in range(model.num_stage_layers)]
+        torch.manual_seed(1)
+        prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (13, 8, 21)]
+        tables = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+        seqs = [list(p) for p in prompts]
+        steps = [([len(p) for p in prompts], [0, 0, 0], [t for p in prompts for t in p],
+                  [i for p in prompts for i in range(len(p))])]
+        nxt = torch.randint(0, cfg.vocab_size, (2, 3)).tolist()  # teacher-forced decode tokens
+        worst = 0.0
+        with torch.no_grad():
+            for k in range(3):
+                q_lens, computed, ids, pos = steps[-1]
+                meta = step_metadata(q_lens, computed, tables, bs)
+                inter = None if info.is_first_stage else IntermediateTensors.recv(len(ids), cfg.hidden_size,
+                                                                                  torch.float32, torch.device("cpu"))
+                out = model(torch.tensor(ids), torch.tensor(pos), kv, meta, inter)
+                if not info.is_last_stage:
+                    assert isinstance(out, IntermediateTensors)
+                    out.send()
+                else:
+                    logits = model.compute_logits(out)
+                    ends = torch.tensor(q_lens).cumsum(0) - 1
+                    for i, s in enumerate(seqs):
+                        want = ref(torch.tensor([s])).logits[0, -1]
+                        worst = max(worst, (logits[ends[i]] - want).abs().max().item())
+                if k < 2:
+                    for s, t in zip(seqs, nxt[k]):
+                        s.append(t)
+                    computed = [len(s) - 1 for s in seqs]
+                    steps.append(([1, 1, 1], computed, nxt[k], computed))
+        return worst if info.is_last_stage else None
+    finally:
+        ps.destroy_distributed()
+
+
+@pytest.mark.parametrize("family,tp,pp", [("llama", 1, 2), ("qwen2", 1, 3), ("llama", 2, 2)],
+                         ids=["llama-pp2", "qwen2-tied-pp3", "llama-tp2-pp2"])
+def test_split_stages_give_transformers_logits(family, tp, pp):
+    results = run_ranks(_stage, tp * pp, family, tp, pp, timeout=180)
+    last = [r for r in results if r is not None]
+    assert len(last) == tp and max(last) < 1e-4, results
