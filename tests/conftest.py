@@ -21,18 +21,6 @@ def _unfreeze_heap_after_module():
     gc.unfreeze()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_deterministic_mode_after_module():
-    """An engine started with ``deterministic=True`` leaves the process-wide switch on
-    (tandem.layers.batch_invariant; every engine sets it at start): kernel tests of later
-    modules would run in deterministic mode."""
-    from tandem.layers import batch_invariant
-
-    before = batch_invariant.enabled()
-    yield
-    batch_invariant.set_enabled(before)
-
-
 _GUARDED_ENV_PREFIXES = ("TANDEM_", "TRITON_")
 
 
@@ -131,14 +119,3 @@ PROMPTS = [
     "The three primary colors are",
     "Q: What is the boiling point of water at sea level in Celsius?\nA:",
 ]
-
-
-@pytest.fixture
-def deterministic_mode():
-    """Batch-invariant execution (``--deterministic``) for the test, then as before."""
-    from tandem.layers import batch_invariant
-
-    before = batch_invariant.enabled()
-    batch_invariant.set_enabled(True)
-    yield
-    batch_invariant.set_enabled(before)

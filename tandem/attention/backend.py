@@ -22,9 +22,15 @@ class AttentionBackend(Protocol):
     A float8_e4m3fn cache (``--kv-cache-dtype fp8``) stores ``k / k_scale`` and ``v /
     v_scale`` (per-layer floats, vLLM's ``k_scale`` / ``v_scale``); attention reads them
     back times the scales.
+
+    ``deterministic`` (set when the backend is built, from ``ModelConfig.deterministic``):
+    a token's output must not depend on the batch or the phase it is computed in (the
+    batch-invariant mode of :mod:`tandem.layers.batch_invariant`); the model built over the
+    backend takes the same mode (:func:`tandem.model_loader.loader.build_model`).
     """
 
     name: str
+    deterministic: bool
 
     def forward(
         self,

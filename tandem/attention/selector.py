@@ -9,11 +9,13 @@ from tandem.attention.backend import AttentionBackend
 from tandem.attention.torch_backend import TorchAttentionBackend
 
 
-def get_attention_backend(device: torch.device, max_model_len: int | None = None) -> AttentionBackend:
-    """Torch backend on the CPU, Triton kernels on CUDA."""
+def get_attention_backend(device: torch.device, max_model_len: int | None = None,
+                          deterministic: bool = False) -> AttentionBackend:
+    """Torch backend on the CPU, Triton kernels on CUDA; batch-invariant with
+    ``deterministic`` (``ModelConfig.deterministic``)."""
     if device.type == "cuda":
         # Imported on use: Triton is optional on CPU-only installs.
         from tandem.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(max_model_len=max_model_len)
-    return TorchAttentionBackend()
+        return TritonAttentionBackend(max_model_len=max_model_len, deterministic=deterministic)
+    return TorchAttentionBackend(deterministic=deterministic)

@@ -16,7 +16,7 @@ element by element while ``index_select`` copies rows):
   buffer reused by every layer and step, grown when too small), and
   the query heads sharing a KV head are packed as that head's queries (``[num_decode,
   num_kv_heads, group, head_dim]``, as transformers' ``pack_gqa``), so no K/V head is
-  repeated. In deterministic mode (:mod:`tandem.layers.batch_invariant`) they go through
+  repeated. In deterministic mode (``deterministic=True``) they go through
   :func:`split_attention` too: a token's attention is then the same in decode and in
   prefill, alone or batched.
 * A single decode request (latency: one sequence) attends to exactly its ``seq_len`` keys
@@ -39,7 +39,6 @@ import torch.nn.functional as F
 
 from tandem.attention.backend import write_kv_cache_at
 from tandem.attention.metadata import AttentionMetadata
-from tandem.layers import batch_invariant
 
 KV_SPLIT = 128
 """Keys per split of :func:`split_attention`: fixed, whatever the batch or the phase."""
@@ -79,11 +78,13 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: in
 
 class TorchAttentionBackend:
     """Decode requests as one packed batch, each prefill (or chunk) on its own; see the
-    module docstring."""
+    module docstring. ``deterministic``: decode requests through :func:`split_attention`
+    too (batch-invariant mode, :mod:`tandem.layers.batch_invariant`)."""
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
         # Per-step inputs shared by every layer, built by the first layer of a step.
         self._step_meta: AttentionMetadata | None = None
         self._decode_mask: torch.Tensor | None = None
@@ -148,7 +149,7 @@ class TorchAttentionBackend:
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """``q [nd, Hq, D]`` of the leading ``nd`` decode requests -> ``[nd, Hq, D]``."""
         nd, hq, d = q.shape
-        if batch_invariant.enabled():
+        if self.deterministic:
             return self._decode_split(q, kv_cache, meta, scale)
         if nd == 1:
             return self._decode_one(q, kv_cache, meta, scale)

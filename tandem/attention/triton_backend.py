@@ -51,7 +51,6 @@ import triton.language as tl
 
 from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.triton_reshape_and_cache import reshape_and_cache
-from tandem.layers import batch_invariant
 from tandem.triton_utils import INTERPRET as _INTERPRET
 from tandem.triton_utils import dot as _dot
 from tandem.triton_utils import program_slots
@@ -368,6 +367,8 @@ class TritonAttentionBackend:
             head_dim (128 for head_dim <= 64, else 64).
         block_n: keys per inner iteration of both kernels (any block size works: keys
             are mapped to physical blocks one by one).
+        deterministic: batch-invariant mode (:mod:`tandem.layers.batch_invariant`): decode
+            requests run through the prefill kernel (see :meth:`forward`).
 
     Launch defaults were tuned on an H200 (bf16, 32 q / 8 kv heads; the figures reached
     are in benchmarks/RESULTS.md).
@@ -382,6 +383,7 @@ class TritonAttentionBackend:
         min_tokens_per_split: int = 256,
         prefill_block_m: int | None = None,
         block_n: int = 64,
+        deterministic: bool = False,
     ) -> None:
         for name, val in (("prefill_block_m", prefill_block_m), ("block_n", block_n)):
             if val is not None and (val < 16 or val & (val - 1)):
@@ -394,6 +396,7 @@ class TritonAttentionBackend:
         self.min_tokens_per_split = min_tokens_per_split
         self.prefill_block_m = prefill_block_m
         self.block_n = block_n
+        self.deterministic = deterministic
         # Launch overrides (None: heuristic), for tuning.
         self.prefill_num_warps: int | None = None
         self.prefill_num_stages: int | None = None
@@ -456,12 +459,12 @@ class TritonAttentionBackend:
         common = dict(PRECISION=precision, UPCAST=upcast,
                       F16_DOTS=kv_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16)
 
-        # Deterministic mode (:mod:`tandem.layers.batch_invariant`): decode requests go
+        # Deterministic mode (``self.deterministic``): decode requests go
         # through the prefill kernel as one-token queries, so that a token's keys are reduced
         # by the one kernel, tile by tile from position 0, whether it is computed in a
         # prefill, a chunk, after a prefix hit or as a decode; FMA contraction is off so
         # that a key tile gives the same bits in the unmasked and the causal loop.
-        deterministic = batch_invariant.enabled()
+        deterministic = self.deterministic
         nd = 0 if deterministic else meta.num_decode_reqs
         if nd > 0:
             block_h = max(16, triton.next_power_of_2(gqa))

@@ -57,7 +57,6 @@ import triton
 import triton.language as tl
 
 from tandem.attention.triton_backend import REDUCE_BLOCK_S, _decode_reduce_kernel
-from tandem.layers import batch_invariant
 from tandem.triton_utils import INTERPRET as _INTERPRET
 from tandem.triton_utils import dot as _dot
 from tandem.triton_utils import program_slots
@@ -299,6 +298,7 @@ def mla_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     maxnreg: int | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Absorbed-MLA decode attention over the paged latent cache (one query per request).
 
@@ -322,6 +322,9 @@ def mla_decode_attention(
             parameters (see :class:`MLADecodeLaunch`); ``None`` takes them from the row of
             :data:`DECODE_LAUNCH_TABLE` for ``nd`` (the split count then goes through
             :func:`mla_num_splits`; a given ``num_splits`` is used as is).
+        deterministic: batch-invariant mode (the caller's): the last row of
+            :data:`DECODE_LAUNCH_TABLE` whatever ``nd``, and one split unless
+            ``num_splits`` is given, so a request's reduction order does not follow the batch.
 
     Returns:
         ``[nd, H, R]`` attention output in the latent space (before ``W_uv``), q's dtype.
@@ -345,7 +348,7 @@ def mla_decode_attention(
         raise ValueError(f"unsupported dtypes q_lat={q_lat.dtype} q_pe={q_pe.dtype} kv_cache={kv_cache.dtype}")
     # Deterministic mode: one launch row whatever the batch, so a request's tiles, and with
     # them its reduction order, do not follow the batch size.
-    row = DECODE_LAUNCH_TABLE[-1] if batch_invariant.enabled() else decode_launch(nd)
+    row = DECODE_LAUNCH_TABLE[-1] if deterministic else decode_launch(nd)
     block_n = block_n or row.block_n
     min_tokens_per_split = min_tokens_per_split or row.min_tokens_per_split
     # A given block_h serves as many heads unless told otherwise.
@@ -371,7 +374,7 @@ def mla_decode_attention(
 
     cache = kv_cache[0, :, :, 0]  # [num_blocks, block_size, R + P]
     head_groups = -(-num_heads // heads_per_program)
-    if num_splits is None and batch_invariant.enabled():
+    if num_splits is None and deterministic:
         num_splits = 1  # deterministic mode: segment boundaries independent of the batch
     if num_splits is None:
         bound = block_tables.shape[1] * block_size

@@ -15,36 +15,50 @@ from the row count, the matmuls run a Triton GEMM instead
 operations (RMSNorm, SiLU, RoPE, softmax) already reduce each row alone in a fixed order.
 Not covered: FP8 GEMMs (their library kernels are kept).
 
-The mode is one process-wide switch, set by the worker from ``ModelConfig.deterministic``
-before the model is built (:func:`set_enabled`); kernels read it with :func:`enabled`.
+The mode belongs to a model, not to the process: it is decided once, from
+``ModelConfig.deterministic``, and handed over when the model is built. The attention
+backend takes it as a constructor argument (``deterministic``); the loader builds the
+model inside :func:`building` with its backend's mode
+(:func:`tandem.model_loader.loader.build_model`), and every layer that computes
+differently in the mode reads :func:`build_mode` once in its constructor and keeps it as
+its ``deterministic`` attribute. Nothing reads a mode at forward time, so two engines of
+one process may run in different modes.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 ROW_BLOCK = 16
 """Rows per GEMM call in deterministic mode (at least the 12 rows from which MKL's fp32
 kernel no longer changes with the row count; a multiple of the AVX-512 tiles)."""
 
-_enabled = False
+# A context variable, not a module flag: it is set only while a model is constructed, and
+# each thread (an engine's step thread) and asyncio task sees its own value.
+_build_mode: contextvars.ContextVar[bool] = contextvars.ContextVar("tandem_deterministic_build", default=False)
 
 
-def enabled() -> bool:
-    """Whether batch-invariant (deterministic) execution is on in this process."""
-    return _enabled
+@contextlib.contextmanager
+def building(deterministic: bool) -> Iterator[None]:
+    """Construct layers in (or out of) deterministic mode: each layer built inside the block
+    keeps ``deterministic`` as its own mode (:func:`build_mode`). The previous value is back
+    on exit; blocks nest."""
+    token = _build_mode.set(bool(deterministic))
+    try:
+        yield
+    finally:
+        _build_mode.reset(token)
 
 
-def set_enabled(on: bool) -> None:
-    """Switch batch-invariant execution on or off for the models run in this process."""
-    global _enabled
-    logger.info("Deterministic (batch-invariant) execution: %s", "on" if on else "off")
-    _enabled = bool(on)
+def build_mode() -> bool:
+    """The deterministic mode of the model under construction (the innermost
+    :func:`building` block of this thread; False outside any). For layer constructors:
+    a forward uses the layer's own ``deterministic`` attribute."""
+    return _build_mode.get()
 
 
 def row_blocked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -64,12 +78,14 @@ def row_blocked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out
     return out[:m].reshape(*lead, out_features)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; batch-invariant when the mode is on: on CUDA through
-    :func:`~tandem.layers.matmul_triton.matmul_batch_invariant` (fp16 / bf16 / fp32; it
-    raises ValueError for other dtypes), on the CPU through :func:`row_blocked`. Other
-    devices keep ``F.linear``."""
-    if not _enabled or x.shape[:-1].numel() == 0:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           deterministic: bool = True) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``x [..., K]``, ``weight [N, K]``, ``bias [N]`` ->
+    ``[..., N]``); batch-invariant when ``deterministic`` (a layer passes its own mode): on
+    CUDA through :func:`~tandem.layers.matmul_triton.matmul_batch_invariant` (fp16 / bf16 /
+    fp32; it raises ValueError for other dtypes), on the CPU through :func:`row_blocked`.
+    Other devices, and ``deterministic=False``, keep ``F.linear``."""
+    if not deterministic or x.shape[:-1].numel() == 0:
         return torch.nn.functional.linear(x, weight, bias)
     if x.is_cuda:
         from tandem.layers.matmul_triton import matmul_batch_invariant  # lazy: Triton is optional (CPU installs)

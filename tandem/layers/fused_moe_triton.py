@@ -64,7 +64,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.layers import batch_invariant
 from tandem.layers.fused_ops import silu_and_mul
 from tandem.triton_utils import INTERPRET as _INTERPRET
 from tandem.triton_utils import dot as _dot
@@ -105,12 +104,12 @@ _CONFIG_KEYS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_st
 DETERMINISTIC_TILE_CONFIG = TILE_CONFIGS[2][1:]
 
 
-def default_config(num_pairs: int, num_experts: int) -> dict[str, int]:
+def default_config(num_pairs: int, num_experts: int, deterministic: bool = False) -> dict[str, int]:
     """The launch configuration of :data:`TILE_CONFIGS` for ``num_pairs`` (token, expert)
     pairs over ``num_experts`` experts (host ints from shapes: no sync); in deterministic
-    mode (:mod:`tandem.layers.batch_invariant`) :data:`DETERMINISTIC_TILE_CONFIG` for any
-    count."""
-    if batch_invariant.enabled():
+    mode (``deterministic``, :mod:`tandem.layers.batch_invariant`)
+    :data:`DETERMINISTIC_TILE_CONFIG` for any count."""
+    if deterministic:
         return dict(zip(_CONFIG_KEYS, DETERMINISTIC_TILE_CONFIG))
     mean = num_pairs / max(1, num_experts)
     row = next(r for r in TILE_CONFIGS if mean <= r[0])
@@ -508,7 +507,7 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
                          w2: torch.Tensor, *, block_m: int | None = None, block_n: int | None = None,
                          block_k: int | None = None, group_m: int | None = None, num_warps: int | None = None,
                          num_stages: int | None = None, scales=None,
-                         addend: torch.Tensor | None = None) -> torch.Tensor:
+                         addend: torch.Tensor | None = None, deterministic: bool = False) -> torch.Tensor:
     """SwiGLU experts with the fused-MoE Triton kernel (contract of
     :func:`tandem.layers.moe.grouped_experts`).
 
@@ -522,7 +521,8 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
         block_n, block_k: output columns and reduction depth per program (powers of two
             >= 16), shared by both GEMMs.
         group_m: M tiles per swizzle group; num_warps, num_stages: launch settings.
-            Each launch setting left ``None`` comes from :func:`default_config`.
+            Each launch setting left ``None`` comes from :func:`default_config` (with
+            ``deterministic``: the one configuration of deterministic mode).
         scales: :class:`tandem.layers.moe.ExpertScales` of float8_e4m3fn ``w13``/``w2``
             (W8A16: weight tiles are converted to ``x.dtype`` in the kernel; per-channel
             scales multiply the accumulator in the epilogue, block scales each K tile's
@@ -558,7 +558,8 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     num_pairs = num_tokens * top_k
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m, num_warps=num_warps,
                  num_stages=num_stages)
-    cfg = {key: v if v is not None else default_config(num_pairs, num_experts)[key] for key, v in given.items()}
+    defaults = default_config(num_pairs, num_experts, deterministic)
+    cfg = {key: v if v is not None else defaults[key] for key, v in given.items()}
     sblock = None if scales is None else scales.block
     if sblock is not None:
         cfg["block_k"] = min(cfg["block_k"], sblock[1])

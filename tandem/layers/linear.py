@@ -8,7 +8,8 @@ projection; a SwiGLU MLP is a column-parallel gate/up and a row-parallel down pr
 one all-reduce per block.
 
 With ``tp_size == 1`` every layer is an ``nn.Linear`` (same parameter names ``weight`` /
-``bias``, same math). In deterministic mode the high-precision GEMMs run on fixed row blocks
+``bias``, same math). A layer built in deterministic mode (``deterministic``, the model's:
+:func:`tandem.layers.batch_invariant.build_mode`) runs its high-precision GEMMs batch-invariant
 (:func:`tandem.layers.batch_invariant.linear`), so a row's result does not depend on the batch.
 The TP size and rank default to :mod:`tandem.distributed.parallel_state`.
 
@@ -99,9 +100,14 @@ class _FP8Forward:
     # use_fast_accum of the FP8 GEMM (tandem.layers.quantization.fp8.fp8_linear), set after loading.
     fp8_fast_accum: bool = False
 
+    def __init__(self) -> None:
+        super().__init__()
+        # The model's mode, fixed at build time (tandem.layers.batch_invariant.building).
+        self.deterministic = batch_invariant.build_mode()
+
     def _matmul(self, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight.dtype != FP8_DTYPE:
-            return batch_invariant.linear(x, self.weight, bias)
+            return batch_invariant.linear(x, self.weight, bias, deterministic=self.deterministic)
         if self.weight_block is not None:
             return block_fp8_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
         return fp8_linear(x, self.weight, self.weight_scale, getattr(self, "input_scale", None), bias,

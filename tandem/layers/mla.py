@@ -44,23 +44,25 @@ Attention, as vLLM and FlashMLA split it:
   elsewhere (CPU) a plain-torch reference gathers the latents and runs one padded, masked
   ``scaled_dot_product_attention`` (``MLAAttention.decode_backend`` overrides the choice).
 
-Deterministic mode (:mod:`tandem.layers.batch_invariant`): both forms above
-depend on the batch. The prefill's decompressed form is other arithmetic than the decode's
-absorbed one (a token's bits changed between its prompt and a decode step), its masked SDPA
-reduces over the whole group's packed keys and blocks the queries by the chunk's size (a
-token changed when batched with other prompts, after a prefix-cache hit or chunked), and
-the decode's ``W_uk`` / ``W_uv`` bmms round a row by the batch's row count (MKL fp32).
-There every token, prefill or decode, therefore takes the absorbed form. On the torch
-path (:meth:`MLAAttention._attend_invariant`, the CPU): ``W_uk`` and ``W_uv`` applied per
-head on fixed blocks of :data:`~tandem.layers.batch_invariant.ROW_BLOCK` tokens, and the
-latent attention by :func:`tandem.attention.torch_backend.split_attention` (keys in fixed
-splits in order, GEMMs of at least ``MIN_GEMM_ROWS`` rows), as the dense models' torch
-backend does it. On the Triton path (:meth:`MLAAttention._attend_invariant_triton`, CUDA):
+Deterministic mode (``MLAAttention.deterministic``, the model's mode kept at build time,
+:mod:`tandem.layers.batch_invariant`): both forms above depend on the batch. The prefill's
+decompressed form is other arithmetic than the decode's absorbed one (a token's bits
+changed between its prompt and a decode step), its masked SDPA reduces over the whole
+group's packed keys and blocks the queries by the chunk's size (a token changed when
+batched with other prompts, after a prefix-cache hit or chunked), and the decode's
+``W_uk`` / ``W_uv`` bmms round a row by the batch's row count (MKL fp32). There every
+token, prefill or decode, therefore takes the absorbed form. On the torch path
+(:meth:`MLAAttention._attend_invariant`, the CPU): ``W_uk`` and ``W_uv`` applied per head
+on fixed blocks of :data:`~tandem.layers.batch_invariant.ROW_BLOCK` tokens, and the latent
+attention by :func:`tandem.attention.torch_backend.split_attention` (keys in fixed splits
+in order, GEMMs of at least ``MIN_GEMM_ROWS`` rows), as the dense models' torch backend
+does it. On the Triton path (:meth:`MLAAttention._attend_invariant_triton`, CUDA):
 ``W_uk`` / ``W_uv`` through the batch-invariant Triton GEMM per head, and each token as a
 one-query request of the paged decode kernel (one launch configuration, no KV split),
-whose context ends at its position. A token's output is then the same bits whatever the step holds: alone or batched,
-prefilled whole, chunked, on a cached prefix or decoded. The price is prefill attention
-in the latent space (``kv_lora_rank + rope`` per head and key instead of ``qk_head_dim``).
+whose context ends at its position. A token's output is then the same bits whatever the
+step holds: alone or batched, prefilled whole, chunked, on a cached prefix or decoded. The
+price is prefill attention in the latent space (``kv_lora_rank + rope`` per head and key
+instead of ``qk_head_dim``).
 
 New tokens: ``kv_a_layernorm``, RoPE of ``q_pe`` and ``k_pe``, the concat and the cache
 write are one kernel on CUDA (:func:`tandem.layers.mla_latent.write_latents`).
@@ -163,6 +165,8 @@ class MLAAttention(nn.Module):
         #: SDPA per group: the reference) or ``None``; ``TANDEM_MLA_PREFILL`` sets it.
         mode = envs.TANDEM_MLA_PREFILL
         self.prefill_backend: str | None = None if mode == "auto" else mode
+        #: Deterministic mode (module docstring), the model's, fixed at build time.
+        self.deterministic = batch_invariant.build_mode()
 
     @property
     def latent_dim(self) -> int:
@@ -197,7 +201,7 @@ class MLAAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if batch_invariant.enabled():
+        if self.deterministic:
             if self._decode_uses_triton(q_nope.device):
                 return self._attend_invariant_triton(q_nope, q_pe, kv_cache, meta)
             return self._attend_invariant(q_nope, q_pe, kv_cache, meta)
@@ -268,7 +272,7 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self._absorbed_weights()
         q_lat = absorb_per_head_triton(q_nope, w_uk)
         tables, seq_lens = per_token_contexts(meta, q_nope.shape[0])
-        o = mla_decode_attention(q_lat, q_pe, kv_cache, tables, seq_lens, self.scale)
+        o = mla_decode_attention(q_lat, q_pe, kv_cache, tables, seq_lens, self.scale, deterministic=True)
         return absorb_per_head_triton(o, w_uv.transpose(1, 2))
 
     def _gather_context(self, kv_cache: torch.Tensor, meta: AttentionMetadata, r0: int, r1: int,

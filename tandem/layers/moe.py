@@ -123,6 +123,9 @@ class TopKRouter(nn.Module):
         fp32_logits: compute the logits in fp32 with an fp32 ``weight`` (DeepSeek: as
             transformers, which keeps ``gate.weight`` in fp32), instead of the model dtype.
         renormalize: softmax_topk's renormalisation / DeepSeek's ``norm_topk_prob``.
+
+    The torch path's logits GEMM is batch-invariant in deterministic mode (the model's,
+    :func:`tandem.layers.batch_invariant.build_mode`, kept as ``deterministic``).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, method: str = "softmax_topk", *,
@@ -141,6 +144,7 @@ class TopKRouter(nn.Module):
         self.top_k, self.method, self.renormalize, self.fp32_logits = top_k, method, renormalize, fp32_logits
         self.topk_method, self.n_group, self.topk_group = topk_method, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        self.deterministic = batch_invariant.build_mode()
 
     def _use_triton(self, x: torch.Tensor) -> bool:
         impl = envs.TANDEM_MOE_ROUTER
@@ -151,8 +155,9 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._use_triton(x):
             return self._forward_triton(x)
-        logits = (batch_invariant.linear(x.float(), self.weight.float()) if self.fp32_logits
-                  else batch_invariant.linear(x, self.weight))
+        det = self.deterministic
+        logits = (batch_invariant.linear(x.float(), self.weight.float(), deterministic=det) if self.fp32_logits
+                  else batch_invariant.linear(x, self.weight, deterministic=det))
         if self.method == "softmax_topk":
             return softmax_topk(logits, self.top_k, self.renormalize)
         return deepseek_v2_topk(logits, self.top_k, self.topk_method, self.n_group, self.topk_group,
@@ -251,11 +256,13 @@ def _impl_from_env() -> str:
     return envs.TANDEM_MOE_IMPL
 
 
-def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0, fp8: bool = False) -> str:
+def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0, fp8: bool = False,
+                  deterministic: bool = False) -> str:
     """The expert-compute implementation for ``impl`` (``"auto"``: ``$TANDEM_MOE_IMPL`` if
     set, else resolved from the device, dtype and ``num_pairs`` = ``T*k``, a host int from
     shapes). FP8 experts (``fp8``) take the Triton kernel on every CUDA size (the others
-    would dequantize all local experts per call).
+    would dequantize all local experts per call); in deterministic mode (``deterministic``)
+    the loop on the CPU and the Triton kernel on CUDA, at every size.
 
     Raises:
         ValueError: ``$TANDEM_MOE_IMPL`` names no implementation.
@@ -264,9 +271,9 @@ def _resolve_impl(impl: str, x: torch.Tensor, num_pairs: int = 0, fp8: bool = Fa
         impl = _impl_from_env()
     if impl != "auto":
         return impl
-    if x.device.type == "cpu" and batch_invariant.enabled():
+    if x.device.type == "cpu" and deterministic:
         return "loop"  # deterministic mode: each expert's rows through the row-blocked GEMM
-    if x.device.type == "cuda" and batch_invariant.enabled() and _triton_available():
+    if x.device.type == "cuda" and deterministic and _triton_available():
         return "triton"  # deterministic mode: one tile configuration at every batch size
     if x.device.type == "cuda":
         grouped = grouped_mm_available(x.device, x.dtype)
@@ -317,7 +324,7 @@ class ExpertScales:
 
 def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                     w2: torch.Tensor, impl: str = "auto", scales: ExpertScales | None = None,
-                    addend: torch.Tensor | None = None) -> torch.Tensor:
+                    addend: torch.Tensor | None = None, deterministic: bool = False) -> torch.Tensor:
     """SwiGLU experts over sorted (token, expert) pairs with grouped GEMMs.
 
     Args:
@@ -335,6 +342,9 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
             the other implementations dequantize the local experts' weights per call.
         addend: optional ``[N, H]`` in ``x.dtype`` added to the result (``routed + addend``
             in ``x.dtype``; ``triton`` adds it inside its reduction kernel).
+        deterministic: batch-invariant mode (the layer's): ``auto`` resolves as the module
+            docstring says, ``triton`` takes one tile configuration and ``loop`` the
+            batch-invariant GEMM, so a token's result does not depend on the batch.
 
     Returns:
         ``[N, H]`` in ``x.dtype``: ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over
@@ -345,16 +355,17 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     Raises:
         ValueError: unknown ``impl``.
     """
-    impl = _resolve_impl(impl, x, topk_ids.numel(), fp8=scales is not None)
+    impl = _resolve_impl(impl, x, topk_ids.numel(), fp8=scales is not None, deterministic=deterministic)
     if scales is not None and impl != "triton":
         w13, w2 = (dequantize_weight(w13, scales.w13, scales.block, x.dtype),
                    dequantize_weight(w2, scales.w2, scales.block, x.dtype))
     if impl == "triton":
         from tandem.layers.fused_moe_triton import fused_experts_triton  # lazy: Triton is optional
 
-        return fused_experts_triton(x, topk_ids, topk_weights, w13, w2, scales=scales, addend=addend)
+        return fused_experts_triton(x, topk_ids, topk_weights, w13, w2, scales=scales, addend=addend,
+                                    deterministic=deterministic)
     if impl == "loop":
-        out = reference_experts(x, topk_ids, topk_weights, w13, w2)
+        out = reference_experts(x, topk_ids, topk_weights, w13, w2, deterministic)
     else:
         out = _grouped_rows(x, topk_ids, topk_weights, w13, w2, impl)
     return out if addend is None else out + addend
@@ -382,14 +393,16 @@ def _grouped_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 
 def reference_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                      w2: torch.Tensor) -> torch.Tensor:
-    """The per-expert Python loop (reference for :func:`grouped_experts`, same contract)."""
+                      w2: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
+    """The per-expert Python loop (reference for :func:`grouped_experts`, same contract);
+    with ``deterministic`` its GEMMs are batch-invariant (:func:`batch_invariant.linear`)."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for e in range(w13.shape[0]):
         tok, slot = torch.where(topk_ids == e)
         if tok.numel() == 0:
             continue
-        y = batch_invariant.linear(silu_and_mul(batch_invariant.linear(x[tok], w13[e])), w2[e])
+        h = silu_and_mul(batch_invariant.linear(x[tok], w13[e], deterministic=deterministic))
+        y = batch_invariant.linear(h, w2[e], deterministic=deterministic)
         out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
     return out.to(x.dtype)
 
@@ -422,6 +435,7 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.impl = impl
+        self.deterministic = batch_invariant.build_mode()  # the model's mode (grouped_experts)
         self.w13 = nn.Parameter(torch.empty(e_local, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(e_local, hidden_size, intermediate_size))
 
@@ -436,7 +450,8 @@ class FusedMoE(nn.Module):
         scales = None
         if self.w13.dtype == FP8_DTYPE:
             scales = ExpertScales(self.w13_weight_scale, self.w2_weight_scale, self.weight_block)
-        return grouped_experts(x, local_ids, weights, self.w13, self.w2, self.impl, scales, addend)
+        return grouped_experts(x, local_ids, weights, self.w13, self.w2, self.impl, scales, addend,
+                               self.deterministic)
 
     # ------------------------------------------------------------------- FP8
     weight_block: tuple[int, int] | None = None

@@ -26,6 +26,7 @@ from torch import nn
 
 from tandem.attention.backend import AttentionBackend
 from tandem.distributed import parallel_state as ps
+from tandem.layers import batch_invariant
 from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_scales, prepare_fp8_model,
                                               rename_checkpoint_scales)
 from tandem.layers.quantization.config import Fp8Config, GGUFQuantConfig
@@ -239,7 +240,8 @@ def instantiate_model(make: Callable[[], nn.Module], dtype: torch.dtype, device:
                       quant_config: Fp8Config | None = None) -> nn.Module:
     """``make()``'s model with its parameters created in ``dtype`` on ``device`` (FP8 layers
     prepared with ``quant_config``) and its floating-point buffers (RoPE tables) in fp32;
-    weights not loaded."""
+    weights not loaded. Its layers take the deterministic mode of the caller's
+    :func:`tandem.layers.batch_invariant.building` block (off outside one)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -260,7 +262,9 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
                 device: torch.device, max_positions: int, seed: int = 0,
                 quant_config: Fp8Config | GGUFQuantConfig | None = None, **model_kwargs) -> nn.Module:
     """Instantiate the model class of the config and load its weights; ``model_kwargs``
-    go to the model's constructor (e.g. ``all2all`` for MoE models). With an FP8
+    go to the model's constructor (e.g. ``all2all`` for MoE models). The model is built in
+    the deterministic mode of ``backend`` (``backend.deterministic``): each of its layers
+    keeps it (:func:`tandem.layers.batch_invariant.building`). With an FP8
     ``quant_config`` the linear and expert layers get FP8 weights
     (:mod:`tandem.layers.quantization.apply`); with a GGUF one the linear layers of 4-bit
     GGUF weights run them quantized (:mod:`tandem.layers.quantization.gguf`).
@@ -275,8 +279,9 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
     # One bar per deployment: the other ranks write the closing line only.
     with Progress("Loading model weights", logger, unit="tensors", show=ps.get_rank() == 0) as progress:
         progress.stage("building the model")
-        model = instantiate_model(lambda: cls(hf_config, backend, max_positions=max_positions, **model_kwargs),
-                                  dtype, device, quant_config)
+        with batch_invariant.building(backend.deterministic):
+            model = instantiate_model(lambda: cls(hf_config, backend, max_positions=max_positions, **model_kwargs),
+                                      dtype, device, quant_config)
         if load_format == "dummy":
             progress.stage("random weights")
             init_dummy_weights(model, seed)

@@ -243,6 +243,7 @@ class LlamaForCausalLM(nn.Module):
         # tandem.layers.quantization.gguf.quantize_gguf_linears); None: the dense weight.
         self.lm_head_quant: nn.Module | None = None
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.deterministic = batch_invariant.build_mode()  # the LM head's GEMM (compute_logits)
 
     @property
     def kv_cache_shape_per_block(self) -> tuple[int, int]:
@@ -277,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_quant is not None:
             return self.lm_head_quant(hidden).float()
         w = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        return batch_invariant.linear(hidden, w).float()
+        return batch_invariant.linear(hidden, w, deterministic=self.deterministic).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the fused parameters.

@@ -186,6 +186,7 @@ class MoECausalLM(nn.Module):
         self.embed_tokens = nn.utils.skip_init(nn.Embedding, vocab_size, hidden_size, device=torch.get_default_device())
         self.norm = RMSNorm(hidden_size, eps)
         self.tie_word_embeddings = tie_word_embeddings
+        self.deterministic = batch_invariant.build_mode()  # the LM head's GEMM (compute_logits)
         if not tie_word_embeddings:
             self.lm_head = nn.utils.skip_init(nn.Linear, hidden_size, vocab_size, bias=False,
                                               device=torch.get_default_device())
@@ -206,7 +207,7 @@ class MoECausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return batch_invariant.linear(hidden, w).float()
+        return batch_invariant.linear(hidden, w, deterministic=self.deterministic).float()
 
 
 def check_no_sliding_window(hf_config, max_positions: int) -> None:

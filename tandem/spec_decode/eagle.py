@@ -34,6 +34,7 @@ import torch
 
 from tandem.attention.backend import AttentionBackend
 from tandem.distributed.forward_context import ForwardContext, forward_context
+from tandem.layers import batch_invariant
 from tandem.model_loader.loader import (init_dummy_weights, instantiate_model, iterate_safetensors_weights,
                                         load_hf_config)
 from tandem.models.llama_eagle import HEADS, TargetParts, default_aux_hidden_state_layers
@@ -61,7 +62,8 @@ def load_eagle_head(method: str, path: str, target: torch.nn.Module, backend: At
     layers = check_eagle_head(method, hf, target, path)
     parts = TargetParts(target.embed_tokens, target.compute_logits)
     try:
-        head = instantiate_model(lambda: HEADS[method](hf, backend, parts, max_positions), dtype, device)
+        with batch_invariant.building(backend.deterministic):  # the head runs in its backend's mode
+            head = instantiate_model(lambda: HEADS[method](hf, backend, parts, max_positions), dtype, device)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     if load_format == "dummy":

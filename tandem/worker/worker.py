@@ -36,7 +36,6 @@ from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.selector import get_attention_backend
 from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
-from tandem.layers import batch_invariant
 from tandem.layers.quantization.config import get_gguf_config, get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.model_loader.loader import build_model, load_hf_config
@@ -100,8 +99,10 @@ class Worker:
 
     def _load_model(self) -> torch.nn.Module:
         cfg, model_cfg = self.config, self.config.model_config
-        batch_invariant.set_enabled(model_cfg.deterministic)
-        backend = get_attention_backend(self.device, model_cfg.max_model_len)
+        logger.info("Deterministic (batch-invariant) execution: %s", "on" if model_cfg.deterministic else "off")
+        # The one place the mode is handed over: the backend holds it, and every model built
+        # over the backend (build_model, the EAGLE head below) takes it from there.
+        backend = get_attention_backend(self.device, model_cfg.max_model_len, deterministic=model_cfg.deterministic)
         load_format = cfg.load_config.load_format
         self.quant_config = get_quantization_config(self.hf_config, model_cfg.quantization, load_format,
                                                     model_cfg.deterministic)

@@ -10,7 +10,7 @@ from tests.models.paged_parity import step_metadata
 
 
 def run_case(reqs, num_heads, num_kv_heads, head_dim=32, block_size=16, dtype=torch.float32, seed=0,
-             shuffled=True):
+             shuffled=True, deterministic=False):
     """``reqs[r] = (num_computed_tokens, query_len)``, decode requests (query_len 1) first;
     blocks shuffled over the cache (else consecutive). Returns (backend output, reference
     output)."""
@@ -29,7 +29,7 @@ def run_case(reqs, num_heads, num_kv_heads, head_dim=32, block_size=16, dtype=to
     k = torch.randn(t, num_kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(t, num_kv_heads, head_dim, generator=g).to(dtype)
     scale = head_dim**-0.5
-    out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, scale)
+    out = TorchAttentionBackend(deterministic).forward(q, k, v, kv_cache, meta, scale)
     return out, reference_attention(q, kv_cache, meta, scale)
 
 
@@ -109,10 +109,11 @@ class _Request:
         self.blocks = list(range(first_block, first_block + -(-length // block_size)))
 
 
-def _forward(cache: torch.Tensor, steps: list[list[tuple[_Request, int, int]]]) -> list[torch.Tensor]:
+def _forward(cache: torch.Tensor, steps: list[list[tuple[_Request, int, int]]],
+             deterministic: bool = False) -> list[torch.Tensor]:
     """Run ``steps`` (each a list of ``(request, computed, new)``; query-length-1 entries
     first) on one backend; returns each step's output."""
-    backend, outs = TorchAttentionBackend(), []
+    backend, outs = TorchAttentionBackend(deterministic), []
     for step in steps:
         meta = step_metadata([n for _, _, n in step], [c for _, c, _ in step], [r.blocks for r, _, _ in step], 16)
         cat = lambda name: torch.cat([getattr(r, name)[c:c + n] for r, c, n in step])  # noqa: E731
@@ -141,26 +142,26 @@ def test_prefill_bits_do_not_depend_on_chunks_or_cached_prefix(dtype, length):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_deterministic_decode_equals_prefill_alone_or_batched(deterministic_mode, dtype):
+def test_deterministic_decode_equals_prefill_alone_or_batched(dtype):
     """Deterministic mode: a token's attention is the same bits computed in its prompt's
     prefill, as a lone decode, or as a decode among others at any position."""
     length = 300
     req = _Request(length, dtype, 0, 1)
     others = [_Request(n, dtype, 2 + i, 40 + 20 * i) for i, n in enumerate((5, 290, 17))]
     cache = lambda: torch.zeros(2, 140, 16, HK, D, dtype=dtype)  # noqa: E731
-    whole = _forward(cache(), [[(req, 0, length)]])[0][-1]
-    alone = _forward(cache(), [[(req, 0, length - 1)], [(req, length - 1, 1)]])[1][0]
+    whole = _forward(cache(), [[(req, 0, length)]], True)[0][-1]
+    alone = _forward(cache(), [[(req, 0, length - 1)], [(req, length - 1, 1)]], True)[1][0]
     assert torch.equal(alone, whole)
     for pos in range(len(others) + 1):
         batch = [(o, 0, o.q.shape[0] - 1) for o in others] + [(req, 0, length - 1)]
         decode = [(o, o.q.shape[0] - 1, 1) for o in others]
         decode.insert(pos, (req, length - 1, 1))
-        assert torch.equal(_forward(cache(), [batch, decode])[1][pos], whole), pos
+        assert torch.equal(_forward(cache(), [batch, decode], True)[1][pos], whole), pos
 
 
 @pytest.mark.parametrize("case", ["mixed", "chunk_on_cached_prefix", "decode_only", "one_decode"])
-def test_deterministic_mode_matches_reference(deterministic_mode, case):
-    out, ref = run_case(CASES[case], 9, 3, block_size=4, seed=3)
+def test_deterministic_mode_matches_reference(case):
+    out, ref = run_case(CASES[case], 9, 3, block_size=4, seed=3, deterministic=True)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 

@@ -362,7 +362,7 @@ def _decode_step(seq_lens: list[int], tables: list[list[int]], q, k, v):
     return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), meta
 
 
-def test_deterministic_decode_row_does_not_depend_on_the_batch(deterministic_mode):
+def test_deterministic_decode_row_does_not_depend_on_the_batch():
     """A decode request's output is the same bits alone and among others at any position,
     one of them with a long context: the heuristic would split the target's 600 tokens in
     3 segments alone and in 5 beside a 1500-token context (the cap follows the batch's
@@ -375,7 +375,7 @@ def test_deterministic_decode_row_does_not_depend_on_the_batch(deterministic_mod
     cache = torch.randn(2, num_blocks, bs, hk, d, generator=g)
     target_len, target_blocks = 600, list(range(1, 39))
     tq, tk, tv = (torch.randn(1, h, d, generator=g) for h in (hq, hk, hk))
-    backend = TritonAttentionBackend()
+    backend = TritonAttentionBackend(deterministic=True)
 
     def run(others: list[tuple[int, list[int]]], pos: int) -> torch.Tensor:
         reqs = others[:pos] + [(target_len, target_blocks)] + others[pos:]
@@ -407,7 +407,7 @@ def _one_token_cases(seq_len: int, pos: int, chunk_sizes: tuple[int, ...], prefi
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_deterministic_token_is_the_same_bits_in_every_phase_and_batch(deterministic_mode, dtype):
+def test_deterministic_token_is_the_same_bits_in_every_phase_and_batch(dtype):
     """One token's attention output is the same bits computed in a whole prompt, in chunks of
     16 and 64, after a prefix-cache hit, as a decode, and each of those beside other requests
     (decodes and prompts of other lengths) at any position in the step."""
@@ -421,7 +421,7 @@ def test_deterministic_token_is_the_same_bits_in_every_phase_and_batch(determini
     cache = torch.zeros(2, num_blocks, bs, hk, d).to(dtype)
     q_all, k_all, v_all = (torch.randn(seq_len, h, d, generator=g).to(dtype) for h in (hq, hk, hk))
     table = list(range(1, 1 + -(-seq_len // bs)))
-    backend = TritonAttentionBackend()
+    backend = TritonAttentionBackend(deterministic=True)
     free = list(range(table[-1] + 1, num_blocks))
 
     def other_request(decode: bool) -> tuple[int, int, list[int], torch.Tensor]:

@@ -38,13 +38,16 @@ def gpu_kernels(monkeypatch):
 
     import tandem.worker.worker as worker
 
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not batch_invariant.enabled() or x.shape[:-1].numel() == 0:
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               deterministic: bool = True) -> torch.Tensor:
+        if not deterministic or x.shape[:-1].numel() == 0:
             return torch.nn.functional.linear(x, weight, bias)
         return matmul_batch_invariant(x, weight, bias)
 
-    monkeypatch.setattr(worker, "get_attention_backend", lambda device, max_model_len=None: TritonAttentionBackend(
-        max_model_len=max_model_len))
+    def backend(device, max_model_len=None, deterministic=False) -> TritonAttentionBackend:
+        return TritonAttentionBackend(max_model_len=max_model_len, deterministic=deterministic)
+
+    monkeypatch.setattr(worker, "get_attention_backend", backend)
     monkeypatch.setattr(batch_invariant, "linear", linear)
 
 
@@ -74,8 +77,9 @@ def test_batched_chunked_and_cached_equal_alone(gpu_kernels, tmp_path):
     rng = random.Random(5)
     llm = _llm(str(tmp_path))
     try:
-        backends = {type(m.backend) for m in llm.engine.core.runner.model.modules() if hasattr(m, "backend")}
-        assert backends == {TritonAttentionBackend}
+        backends = {(type(m.backend), m.backend.deterministic)
+                    for m in llm.engine.core.runner.model.modules() if hasattr(m, "backend")}
+        assert backends == {(TritonAttentionBackend, True)}
         alone = _bits(_run(llm, [TARGET])[0])
         for n in (3, 6):
             others = _others(rng, n - 1)

@@ -33,7 +33,7 @@ def _check_row_invariance(fn, row: torch.Tensor, sizes=(1, 2, 3, 5, 7, 11, 16, 1
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (64, 4096)])
-def test_linear_rows_do_not_depend_on_the_batch(deterministic_mode, dtype, shape):
+def test_linear_rows_do_not_depend_on_the_batch(dtype, shape):
     """Every row count from 1 (decode of one sequence) to 300 (a prefill), with a bias: MKL's
     fp32 GEMM alone gives other bits for 1-3, 5-7 and 9-11 rows than for 12 or more."""
     k, n = shape
@@ -42,7 +42,7 @@ def test_linear_rows_do_not_depend_on_the_batch(deterministic_mode, dtype, shape
     _check_row_invariance(lambda x: batch_invariant.linear(x, w, b), torch.randn(k, generator=g).to(dtype))
 
 
-def test_linear_equals_plain_linear_up_to_rounding_and_keeps_leading_dims(deterministic_mode):
+def test_linear_equals_plain_linear_up_to_rounding_and_keeps_leading_dims():
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(48, 32, generator=g), torch.randn(3, 7, 32, generator=g)
     out = batch_invariant.linear(x, w)
@@ -52,22 +52,47 @@ def test_linear_equals_plain_linear_up_to_rounding_and_keeps_leading_dims(determ
 
 
 def test_linear_off_is_plain_linear():
-    assert not batch_invariant.enabled()
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(48, 32, generator=g), torch.randn(5, 32, generator=g)
-    assert torch.equal(batch_invariant.linear(x, w), torch.nn.functional.linear(x, w))
+    assert torch.equal(batch_invariant.linear(x, w, deterministic=False), torch.nn.functional.linear(x, w))
 
 
-def test_linear_layers_use_the_mode(deterministic_mode, monkeypatch):
-    """The model's high-precision linear layers go through the row blocks."""
+def test_linear_layers_use_the_mode_they_were_built_in(monkeypatch):
+    """The model's high-precision linear layers go through the row blocks when built in
+    deterministic mode, and not otherwise, whatever is being built when they run."""
     from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear
 
+    def layers() -> tuple[torch.nn.Module, ...]:
+        return ColumnParallelLinear(32, 48, tp_size=1, tp_rank=0), RowParallelLinear(48, 32, tp_size=1, tp_rank=0)
+
+    with batch_invariant.building(True):
+        on = layers()
+    off = layers()
     calls = []
     monkeypatch.setattr(batch_invariant, "row_blocked", lambda fn, x, n: calls.append(x.shape) or fn(x))
-    for layer in (ColumnParallelLinear(32, 48, tp_size=1, tp_rank=0), RowParallelLinear(48, 32, tp_size=1, tp_rank=0)):
-        torch.nn.init.normal_(layer.weight)
-        layer(torch.randn(5, layer.weight.shape[1]))
+    with batch_invariant.building(True):  # a build in progress changes no existing layer
+        for layer in on + off:
+            torch.nn.init.normal_(layer.weight)
+            layer(torch.randn(5, layer.weight.shape[1]))
+    assert [layer.deterministic for layer in on + off] == [True, True, False, False]
     assert calls == [(5, 32), (5, 48)]
+
+
+def test_building_scopes_the_mode():
+    """The build mode is False outside a block, nests, is restored on exit (also when the
+    block raises) and belongs to the building thread (an engine builds on its step thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert not batch_invariant.build_mode()
+    with batch_invariant.building(True), ThreadPoolExecutor(1) as pool:
+        assert batch_invariant.build_mode()
+        assert not pool.submit(batch_invariant.build_mode).result()
+        with batch_invariant.building(False):
+            assert not batch_invariant.build_mode()
+        assert batch_invariant.build_mode()
+    with pytest.raises(RuntimeError), batch_invariant.building(True):
+        raise RuntimeError
+    assert not batch_invariant.build_mode()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

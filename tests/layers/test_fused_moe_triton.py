@@ -158,21 +158,25 @@ def test_auto_selection(monkeypatch):
         assert _resolve_impl("auto", g.float(), 16) != "triton"
 
 
-def test_deterministic_mode_takes_one_config_and_the_kernel_at_every_size(deterministic_mode):
+def test_deterministic_mode_takes_one_config_and_the_kernel_at_every_size(monkeypatch):
     """A token's expert sums must not depend on how many rows its expert got: one tile
     configuration for any pair count, and on CUDA the kernel at every size (the grouped GEMM
-    above TRITON_MAX_PAIRS picks its own kernels)."""
+    above TRITON_MAX_PAIRS picks its own kernels); on the CPU the row-blocked loop."""
     import tandem.layers.moe as moe
 
-    configs = {tuple(default_config(p, 64).values()) for p in (1, 6, 64 * 6, 1000 * 6, 10**6)}
+    monkeypatch.delenv("TANDEM_MOE_IMPL", raising=False)
+
+    configs = {tuple(default_config(p, 64, deterministic=True).values()) for p in (1, 6, 64 * 6, 1000 * 6, 10**6)}
     assert len(configs) == 1
+    assert _resolve_impl("auto", torch.zeros(1, 8), 16, deterministic=True) == "loop"
     if torch.cuda.is_available() and moe._triton_available():
         g = torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)
-        assert {_resolve_impl("auto", g, p) for p in (1, moe.TRITON_MAX_PAIRS + 1, 10**6)} == {"triton"}
+        impls = {_resolve_impl("auto", g, p, deterministic=True) for p in (1, moe.TRITON_MAX_PAIRS + 1, 10**6)}
+        assert impls == {"triton"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_deterministic_token_output_does_not_depend_on_the_batch(deterministic_mode, dtype):
+def test_deterministic_token_output_does_not_depend_on_the_batch(dtype):
     """A token's output is the same bits alone and among 2..40 other tokens at any position,
     whatever they route to (its experts' row counts and tiles change)."""
     import random
@@ -180,12 +184,12 @@ def test_deterministic_token_output_does_not_depend_on_the_batch(deterministic_m
     rng = random.Random(0)
     e, k, h, i = 8, 2, 64, 48
     x, ids, w, w13, w2 = _case(41, e, k, h, i, dtype, seed=5)
-    alone = fused_experts_triton(x[:1], ids[:1], w[:1], w13, w2)[0]
+    alone = fused_experts_triton(x[:1], ids[:1], w[:1], w13, w2, deterministic=True)[0]
     for n in (2, 5, 17, 40):
         pos = rng.randrange(n)
         order = [j for j in range(1, n)]
         order.insert(pos, 0)
-        got = fused_experts_triton(x[order], ids[order], w[order], w13, w2)
+        got = fused_experts_triton(x[order], ids[order], w[order], w13, w2, deterministic=True)
         assert torch.equal(got[pos], alone), (n, pos)
 
 

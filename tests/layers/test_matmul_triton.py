@@ -113,7 +113,7 @@ def test_value_errors(args, match):
         matmul_batch_invariant(*args(x, w, b))
 
 
-def test_linear_routes_cuda_rows_to_the_kernel(deterministic_mode, monkeypatch):
+def test_linear_routes_cuda_rows_to_the_kernel(monkeypatch):
     """In deterministic mode batch_invariant.linear sends CUDA tensors to the Triton GEMM
     (checked without a GPU by making the CPU input look like a CUDA one)."""
     import tandem.layers.matmul_triton as mt
@@ -139,7 +139,7 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k,dtype", [(6144, 4096, torch.bfloat16), (28672, 4096, torch.bfloat16),
                                        (64, 2048, torch.float32)])
-def test_cuda_linear_rows_do_not_depend_on_the_batch(deterministic_mode, n, k, dtype):
+def test_cuda_linear_rows_do_not_depend_on_the_batch(n, k, dtype):
     """Llama-3.1-8B qkv / gate_up in bf16 and an MoE router's fp32 logits, through
     batch_invariant.linear (cuBLAS need not give the same bits)."""
     g, rng = torch.Generator(device="cuda").manual_seed(7), random.Random(7)

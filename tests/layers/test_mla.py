@@ -390,11 +390,14 @@ class _Request:
         self.blocks = list(range(first_block, first_block + -(-length // block_size)))
 
 
-def _layer(num_heads: int, dtype: torch.dtype) -> MLAAttention:
+def _layer(num_heads: int, dtype: torch.dtype, deterministic: bool = True) -> MLAAttention:
+    """A random layer (the same weights for the same arguments), built in deterministic mode
+    unless told otherwise."""
     g = torch.Generator().manual_seed(4)
     cfg = DeepseekV2Config(hidden_size=64, num_attention_heads=num_heads, kv_lora_rank=32, q_lora_rank=24,
                            qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, max_position_embeddings=512)
-    attn = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 512))
+    with batch_invariant.building(deterministic):
+        attn = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 512))
     for p in attn.parameters():
         torch.nn.init.normal_(p, 0, 0.2, generator=g)
     return attn.to(dtype)
@@ -418,7 +421,7 @@ def _run_steps(attn: MLAAttention, steps: list[list[tuple[_Request, int, int]]],
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_heads", [4, 16])
-def test_deterministic_token_bits_do_not_depend_on_the_step(deterministic_mode, dtype, num_heads):
+def test_deterministic_token_bits_do_not_depend_on_the_step(dtype, num_heads):
     """Deterministic mode: a 150-token prompt's outputs (two key splits) are the same bits
     prefilled alone, beside other prompts at random places, in chunks of 16 or 64 (beside
     another prompt), after a 16- or 32-token prefix-cache hit; its last token the same bits
@@ -458,7 +461,7 @@ def test_deterministic_token_bits_do_not_depend_on_the_step(deterministic_mode, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_deterministic_triton_path_token_bits_do_not_depend_on_the_step(deterministic_mode, triton_decode_cpu, dtype):
+def test_deterministic_triton_path_token_bits_do_not_depend_on_the_step(triton_decode_cpu, dtype):
     """The Triton path of deterministic mode (CUDA's; here in the interpreter): every token
     through the paged decode kernel as a one-query request, the per-head GEMMs through the
     batch-invariant Triton GEMM. A 40-token prompt's outputs are the same bits prefilled
@@ -477,13 +480,14 @@ def test_deterministic_triton_path_token_bits_do_not_depend_on_the_step(determin
     decode = _run_steps(attn, [[(a, 0, 8), (b, 0, 20), (req, 0, length - 1)], [(a, 8, 1), (req, length - 1, 1),
                                                                                 (b, 20, 1)]])[1]
     assert torch.equal(decode[1], whole[-1])
-    batch_invariant.set_enabled(False)  # what the default paths compute, to the dtype's tolerance
+    default = _layer(4, dtype, deterministic=False)  # what the default paths compute, to the dtype's tolerance
+    default.decode_backend = "triton"
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(_run_steps(attn, [[(req, 0, length)]])[0].float(), whole.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(_run_steps(default, [[(req, 0, length)]])[0].float(), whole.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
-def test_deterministic_mode_matches_the_default_paths(deterministic_mode, cache_dtype):
+def test_deterministic_mode_matches_the_default_paths(cache_dtype):
     """The deterministic (absorbed, split) attention computes what the default paths do: a
     mixed step of decodes, chunks on cached prefixes, a request without queries and fresh
     prompts, over an fp32 or FP8 latent cache (fp32 model, 1e-5)."""
@@ -493,13 +497,12 @@ def test_deterministic_mode_matches_the_default_paths(deterministic_mode, cache_
     step = [(reqs[0], 39, 1), (reqs[1], 130, 1), (reqs[2], 1, 1), (reqs[3], 30, 40), (reqs[4], 20, 0),
             (reqs[5], 0, 9), (reqs[6], 0, 150)]
     got = _run_steps(attn, prefix + [step], cache_dtype)[1]
-    batch_invariant.set_enabled(False)
-    want = _run_steps(attn, prefix + [step], cache_dtype)[1]
+    want = _run_steps(_layer(4, torch.float32, deterministic=False), prefix + [step], cache_dtype)[1]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_absorb_per_head_rows_do_not_depend_on_the_token_count(deterministic_mode, dtype):
+def test_absorb_per_head_rows_do_not_depend_on_the_token_count(dtype):
     """Each token's per-head product is the same bits among 1 to 300 tokens at any place
     (one bmm over the tokens: other bits for 5, 8, 12 and 17 rows than for one in fp32)."""
     g, rng = torch.Generator().manual_seed(5), random.Random(5)
@@ -515,7 +518,7 @@ def test_absorb_per_head_rows_do_not_depend_on_the_token_count(deterministic_mod
     assert absorb_per_head(row[None][:0], w).shape == (0, 16, 512)
 
 
-def test_deterministic_deepseek_v2_end_to_end(deterministic_mode, tmp_path):
+def test_deterministic_deepseek_v2_end_to_end(tmp_path):
     """A tiny random DeepSeek-V2 through ``LLM(deterministic=True)``: one prompt's greedy
     token ids and logprobs are the same bits alone, among 2 to 9 other prompts at random
     places, after a prefix-cache hit, and with its prompt chunked at 16 tokens."""
