@@ -68,14 +68,16 @@ def _old_path() -> Iterator[None]:
 
 def build(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """The layer's pieces: post-attention RMSNorm, the MoE block (fp32 router weight) and
-    the router of the old path (the same weight in ``dtype``)."""
+    the router of the old path (the same weight in ``dtype``), built on the fused ops'
+    kernels (in the Triton interpreter on the CPU)."""
+    from tandem.layers import fused_ops
     from tandem.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter
     from tandem.layers.norm import RMSNorm
     from tandem.models.llama import MLP
 
     e, k, h, i, n_shared, scale, _ = PRESETS[preset]
     torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device(device), fused_ops.building("triton"):
         router = TopKRouter(h, e, k, "deepseek_v2", fp32_logits=True, routed_scaling_factor=scale)
         experts = FusedMoE(e, k, h, i, impl="triton")
         shared = MLP(h, i * n_shared)
@@ -209,19 +211,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
-    if device.type == "cuda":
-        run(args, device)
-        return
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel is defined
-    from tests.triton_interpreter import patch_interpreter_for_numpy_2_4
+    if device.type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel is defined
+        from tests.triton_interpreter import patch_interpreter_for_numpy_2_4
 
-    patch_interpreter_for_numpy_2_4()
-    from tandem.layers import fused_ops
-
-    # The fused ops' kernels in the interpreter, for this run only: an environment variable
-    # would outlive it in the calling process and in every process it later starts.
-    with fused_ops.mode("triton"):
-        run(args, device)
+        patch_interpreter_for_numpy_2_4()
+    run(args, device)
 
 
 def run(args: argparse.Namespace, device: torch.device) -> None:

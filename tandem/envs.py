@@ -15,8 +15,9 @@ TANDEM_MOE_IMPL                     auto       pins what the MoE expert compute'
 TANDEM_MOE_ROUTER                   auto       MoE routing (logits, softmax, top-k): auto (one
                                                Triton kernel on CUDA, torch on the CPU),
                                                triton, torch
-TANDEM_FUSED_OPS                    auto       fused norm/activation kernels: auto (Triton on
-                                               CUDA tensors), triton, torch
+TANDEM_FUSED_OPS                    auto       fused norm/activation/RoPE kernels: auto (Triton
+                                               on CUDA, torch on the CPU), triton, torch; read
+                                               when a model loads
 TANDEM_FP8_FUSED_QUANT              on         FP8 layers with dynamic per-token activation
                                                scales get their input quantized by the norm /
                                                SiLU-and-mul kernel producing it (on), or by a

@@ -31,24 +31,20 @@ def _guarded_env() -> dict[str, str]:
 @pytest.fixture(autouse=True)
 def _no_leaked_settings():
     """A test (or the code it runs in this process) that changes a Tandem or Triton
-    environment variable, or the fused-ops mode, without restoring it fails here, and the
-    setting is put back: every process started later inherits the environment (a leaked
+    environment variable without restoring it fails here, and the variable is put back:
+    every process started later inherits the environment (a leaked
     ``TANDEM_FUSED_OPS=triton`` once ran every later server's norms in the Triton
-    interpreter), and every later test in this process the mode."""
-    from tandem.layers import fused_ops
-
-    env, fused_mode = _guarded_env(), fused_ops.get_mode()
+    interpreter)."""
+    env = _guarded_env()
     yield
-    after, leaked_mode = _guarded_env(), fused_ops.get_mode()
+    after = _guarded_env()
     changed = {k: (env.get(k), after.get(k)) for k in env.keys() | after.keys() if env.get(k) != after.get(k)}
     for k, (before, _) in changed.items():
         if before is None:
             os.environ.pop(k)
         else:
             os.environ[k] = before
-    fused_ops.set_mode(fused_mode)
     assert not changed, f"the test left environment variables changed (before, after): {changed}"
-    assert leaked_mode == fused_mode, f"the test left the fused-ops mode {leaked_mode!r} (was {fused_mode!r})"
 
 
 if not torch.cuda.is_available():

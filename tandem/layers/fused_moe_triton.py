@@ -77,8 +77,8 @@ ALIGN_BLOCK = 1024  # pairs per program (per loop step of the single-program ker
 # --parts whose figures were not recorded (benchmarks/RESULTS.md, "Session 8, unrecorded").
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048
 # The first GEMM applies SiLU-and-mul in its epilogue (writes h [T*k, I], no [T*k, 2I]
-# round trip, one kernel less); False: GEMM then tandem.layers.fused_ops.silu_and_mul
-# (the path before, kept for benchmarks/moe_layer.py's comparison).
+# round trip, one kernel less); False: GEMM then tandem.layers.fused_ops.silu_and_mul's
+# kernel (the path before, kept for benchmarks/moe_layer.py's comparison).
 FUSE_SILU_MUL = True
 
 # Launch configurations by mean rows per expert (``T*k / E``): (upper bound of the mean,
@@ -593,7 +593,9 @@ def fused_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
         gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
         _gemm(x, w13, gate_up, None, sorted_ids, tile_experts, num_padded, num_pairs, top_k, **cfg, scale=s13,
               scale_block=sblock)
-        h = silu_and_mul(gate_up)
+        # The op's kernel in any fused-ops mode: this whole function is the Triton path, and
+        # the epilogue above (the default) ignores the mode too.
+        h = silu_and_mul(gate_up, mode="triton")
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     w_flat = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _gemm(h, w2, y, w_flat, sorted_ids, tile_experts, num_padded, num_pairs, 1, **cfg, scale=s2, scale_block=sblock)

@@ -26,12 +26,20 @@ semantics) and a Triton kernel doing the same arithmetic in one launch:
   of the head rotated, Llama/Qwen) or ``interleaved`` (adjacent pairs ``(x[2i], x[2i+1])``,
   the GPT-J / DeepSeek-V2 layout).
 
-Dispatch (:func:`use_triton`): the kernel runs when the tensor is on CUDA, the torch code
-otherwise (the CPU path is the reference). ``TANDEM_FUSED_OPS=torch`` (or
-:func:`set_mode` / :func:`mode`) keeps the torch code on CUDA too; ``TANDEM_FUSED_OPS=triton``
-runs the kernels on any device, which on the CPU needs the Triton interpreter
-(``TRITON_INTERPRET=1`` set before the first kernel call: kernels are ``triton.jit``-ed
-lazily on first use, because the interpreter is chosen at decoration time).
+Dispatch (:func:`use_triton`): every op takes its caller's fused-ops ``mode``. ``auto`` (the
+default) runs the kernel when the tensor is on CUDA and the torch code otherwise (the CPU
+path is the reference); ``torch`` keeps the torch code on CUDA too; ``triton`` runs the
+kernels on any device, which on the CPU needs the Triton interpreter (``TRITON_INTERPRET=1``
+set before the first kernel call: kernels are ``triton.jit``-ed lazily on first use,
+because the interpreter is chosen at decoration time).
+
+The mode belongs to a model, not to the process. The worker decides it once, from
+``TANDEM_FUSED_OPS`` and its device (:func:`resolve_mode`: ``auto`` becomes ``triton`` on
+CUDA, ``torch`` elsewhere), and the loader builds the model inside :func:`building`
+(:func:`tandem.model_loader.loader.build_model`); every layer that calls a fused op (RMSNorm,
+RoPE, the SwiGLU MLP, MLA's latent write) reads :func:`build_mode` once in its constructor,
+keeps it as its ``fused_ops_mode`` attribute and passes it to each call. Nothing reads a
+mode at forward time, so two engines of one process may run in different modes.
 
 The kernels make no host sync and size their grid from tensor shapes only, so they can be
 captured in a CUDA graph; constexpr specialisations depend on the feature sizes, head
@@ -43,6 +51,7 @@ views of a fused projection); math is fp32 and storage fp32/fp16/bf16.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Iterator
 
@@ -66,46 +75,75 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_ROW = 65536  # one program holds a whole row in registers (norms, fused quantization)
 
 
-def _mode_from_env() -> str:
-    return envs.TANDEM_FUSED_OPS
+# A context variable, not a module flag: it is set only while a model is constructed, and
+# each thread (an engine's step thread) and asyncio task sees its own value.
+_build_mode: contextvars.ContextVar[str] = contextvars.ContextVar("tandem_fused_ops_build", default="auto")
 
 
-_mode = _mode_from_env()
+_NO_TRITON = "fused-ops mode 'triton' (TANDEM_FUSED_OPS) but Triton is not installed"
 
 
-def get_mode() -> str:
-    return _mode
+def _check_mode(mode: str) -> None:
+    if mode not in _MODES:
+        raise ValueError(f"fused-ops mode {mode!r}: expected one of {_MODES}")
 
 
-def set_mode(m: str) -> None:
-    """``auto`` (Triton on CUDA tensors, torch elsewhere), ``triton`` (always the kernels) or
-    ``torch`` (always the reference code)."""
-    global _mode
-    if m not in _MODES:
-        raise ValueError(f"fused-ops mode {m!r}: expected one of {_MODES}")
-    _mode = m
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """The mode (``triton`` or ``torch``) that ``mode`` means for a model on ``device``:
+    ``auto`` is the kernels on CUDA (with Triton installed) and the torch code elsewhere, as
+    :func:`use_triton` decides it for a tensor on ``device``.
+
+    Raises:
+        ValueError: ``mode`` is not ``auto``, ``triton`` or ``torch``.
+        RuntimeError: ``triton`` without Triton installed.
+    """
+    _check_mode(mode)
+    if mode == "auto":
+        return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
+    if mode == "triton" and not HAS_TRITON:
+        raise RuntimeError(_NO_TRITON)
+    return mode
 
 
 @contextlib.contextmanager
-def mode(m: str) -> Iterator[None]:
-    """Context manager form of :func:`set_mode`."""
-    prev = _mode
-    set_mode(m)
+def building(mode: str) -> Iterator[None]:
+    """Construct layers in fused-ops ``mode`` (``auto``, ``triton`` or ``torch``): each
+    layer built inside the block keeps it (:func:`build_mode`). The previous mode is back on
+    exit; blocks nest.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    _check_mode(mode)
+    token = _build_mode.set(mode)
     try:
         yield
     finally:
-        set_mode(prev)
+        _build_mode.reset(token)
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the ops run their Triton kernel for a tensor on ``x``'s device."""
-    if _mode == "torch":
+def build_mode() -> str:
+    """The fused-ops mode of the model under construction (the innermost :func:`building`
+    block of this thread; ``auto`` outside any). For layer constructors: a forward passes
+    the layer's own ``fused_ops_mode`` to the ops."""
+    return _build_mode.get()
+
+
+def use_triton(x: torch.Tensor, mode: str = "auto") -> bool:
+    """Whether an op called in ``mode`` runs its Triton kernel for a tensor on ``x``'s device.
+
+    Raises:
+        ValueError: an unknown mode.
+        RuntimeError: ``triton`` without Triton installed.
+    """
+    if mode == "auto":
+        return HAS_TRITON and x.is_cuda
+    if mode == "torch":
         return False
-    if _mode == "triton":
-        if not HAS_TRITON:
-            raise RuntimeError("TANDEM_FUSED_OPS=triton but Triton is not installed")
-        return True
-    return HAS_TRITON and x.is_cuda
+    _check_mode(mode)
+    if not HAS_TRITON:
+        raise RuntimeError(_NO_TRITON)
+    return True
 
 
 # ---------------------------------------------------------------- torch references
@@ -446,46 +484,48 @@ def _norm_launch(x: torch.Tensor | UnscaledProduct, residual: torch.Tensor | Non
     return out, res_out, scale
 
 
-def _norm_input(x: torch.Tensor | UnscaledProduct) -> tuple[torch.Tensor | UnscaledProduct, bool]:
+def _norm_input(x: torch.Tensor | UnscaledProduct, mode: str) -> tuple[torch.Tensor | UnscaledProduct, bool]:
     """(``x``, whether the kernel runs), ``x`` with its scales applied where the torch code runs."""
-    triton_path = use_triton(x.acc if isinstance(x, UnscaledProduct) else x)
+    triton_path = use_triton(x.acc if isinstance(x, UnscaledProduct) else x, mode)
     if isinstance(x, UnscaledProduct) and not triton_path:
         return x.apply_scales(), False
     return x, triton_path
 
 
-def rms_norm(x: torch.Tensor | UnscaledProduct, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor | UnscaledProduct, weight: torch.Tensor, eps: float, *,
+             mode: str = "auto") -> torch.Tensor:
     """RMSNorm over the last dim of ``x [..., N]`` (new contiguous tensor, dtype of
     ``weight * x``); leading dims may be strided. ``x`` may be an ``[M, N]``
-    :class:`~tandem.layers.quantization.fp8.UnscaledProduct` (module docstring).
+    :class:`~tandem.layers.quantization.fp8.UnscaledProduct` (module docstring). ``mode``:
+    the caller's fused-ops mode (:func:`use_triton`), as for every op here.
 
     Raises:
         ValueError: (Triton path) an unsupported dtype, a non-contiguous last dim, a weight
-            that is not ``[N]``, or a malformed UnscaledProduct.
+            that is not ``[N]``, or a malformed UnscaledProduct; an unknown ``mode``.
     """
-    x, triton_path = _norm_input(x)
+    x, triton_path = _norm_input(x, mode)
     if not triton_path:
         return rms_norm_ref(x, weight, eps)
     return _norm_launch(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm(x: torch.Tensor | UnscaledProduct, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, *, mode: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``r = x + residual; return rms_norm(r, weight, eps), r`` in one pass (new tensors);
     ``x`` as :func:`rms_norm` (an UnscaledProduct has its scales applied before the add).
 
     Raises:
         ValueError: (Triton path) as :func:`rms_norm`, or a residual of another shape.
     """
-    x, triton_path = _norm_input(x)
+    x, triton_path = _norm_input(x, mode)
     if not triton_path:
         return fused_add_rms_norm_ref(x, residual, weight, eps)
     return _norm_launch(x, residual, weight, eps)[:2]
 
 
 def rms_norm_dynamic_per_token_quant(
-        x: torch.Tensor | UnscaledProduct, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        x: torch.Tensor | UnscaledProduct, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+        *, mode: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`rms_norm` (or, with ``residual``, :func:`fused_add_rms_norm`) quantized to FP8
     with dynamic per-token scales in the same pass (vLLM's ``rms_norm_dynamic_per_token_quant``).
 
@@ -494,6 +534,7 @@ def rms_norm_dynamic_per_token_quant(
             :class:`~tandem.layers.quantization.fp8.UnscaledProduct`.
         weight: ``[N]``.
         residual: ``[..., N]`` or None.
+        mode: the caller's fused-ops mode (:func:`use_triton`).
 
     Returns:
         ``(q [..., N] float8_e4m3fn, scale [..., 1] fp32, new residual x + residual or None)``:
@@ -503,16 +544,22 @@ def rms_norm_dynamic_per_token_quant(
     Raises:
         ValueError: (Triton path) as :func:`rms_norm`.
     """
-    x, triton_path = _norm_input(x)
+    x, triton_path = _norm_input(x, mode)
     if not triton_path:
         return rms_norm_dynamic_per_token_quant_ref(x, weight, eps, residual)
     q, new_residual, scale = _norm_launch(x, residual, weight, eps, fp8_out=True)
     return q, scale, new_residual
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gate_up [..., 2I]`` (gate = first half) -> ``[..., I]``."""
-    if not use_triton(gate_up):
+def silu_and_mul(gate_up: torch.Tensor, *, mode: str = "auto") -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [..., 2I]`` (gate = first half) -> ``[..., I]``, in
+    the caller's fused-ops ``mode`` (:func:`use_triton`).
+
+    Raises:
+        ValueError: (Triton path) an odd last dim, an unsupported dtype or a non-contiguous
+            last dim; an unknown ``mode``.
+    """
+    if not use_triton(gate_up, mode):
         return silu_and_mul_ref(gate_up)
     _check("silu_and_mul input", gate_up)
     two_i = gate_up.shape[-1]
@@ -531,12 +578,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_and_mul_dynamic_per_token_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_dynamic_per_token_quant(gate_up: torch.Tensor, *, mode: str = "auto"
+                                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`silu_and_mul` quantized to FP8 with dynamic per-token scales in the same pass.
 
     Args:
         gate_up: ``[..., 2I]`` fp32/fp16/bf16 (gate = first half), last dim contiguous,
             ``I`` up to 65,536 (one program holds a whole row).
+        mode: the caller's fused-ops mode (:func:`use_triton`).
 
     Returns:
         ``(q [..., I] float8_e4m3fn, scale [..., 1] fp32)`` ``== quantize_per_token(silu_and_mul(gate_up))``
@@ -544,9 +593,9 @@ def silu_and_mul_dynamic_per_token_quant(gate_up: torch.Tensor) -> tuple[torch.T
 
     Raises:
         ValueError: (Triton path) an odd last dim, ``I`` > 65,536, an unsupported dtype or a
-            non-contiguous last dim.
+            non-contiguous last dim; an unknown ``mode``.
     """
-    if not use_triton(gate_up):
+    if not use_triton(gate_up, mode):
         return silu_and_mul_dynamic_per_token_quant_ref(gate_up)
     _check("silu_and_mul input", gate_up)
     two_i = gate_up.shape[-1]
@@ -570,7 +619,8 @@ def silu_and_mul_dynamic_per_token_quant(gate_up: torch.Tensor) -> tuple[torch.T
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                 inplace: bool = False, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 inplace: bool = False, interleaved: bool = False, *, mode: str = "auto"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE (Su et al. 2021, RoFormer) of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at
     ``positions [T]`` with the tables ``cos``/``sin [P, D/2]`` (any float dtype; math in
     fp32, results in q/k's dtype). NeoX layout (dims ``i`` and ``i + D/2`` form a pair) or,
@@ -578,13 +628,14 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
     Out of place the results are new contiguous tensors; ``inplace=True`` writes into q and
     k (which may be strided views) and returns them. Positions must lie in ``[0, P)``: the
-    kernel does not check (that would need a host sync).
+    kernel does not check (that would need a host sync). ``mode``: the caller's fused-ops
+    mode (:func:`use_triton`).
 
     Raises:
         ValueError: (Triton path) mismatched shapes or dtypes, an unsupported dtype, or a
-            last dim that is not contiguous.
+            last dim that is not contiguous; an unknown ``mode``.
     """
-    if not use_triton(q):
+    if not use_triton(q, mode):
         rq, rk = apply_rotary_ref(q, k, cos, sin, positions, interleaved)
         if not inplace:
             return rq, rk

@@ -65,7 +65,8 @@ price is prefill attention in the latent space (``kv_lora_rank + rope`` per head
 instead of ``qk_head_dim``).
 
 New tokens: ``kv_a_layernorm``, RoPE of ``q_pe`` and ``k_pe``, the concat and the cache
-write are one kernel on CUDA (:func:`tandem.layers.mla_latent.write_latents`).
+write are one kernel on CUDA (:func:`tandem.layers.mla_latent.write_latents`, in the
+model's fused-ops mode, kept as ``MLAAttention.fused_ops_mode``).
 
 RoPE: transformers' DeepSeek-V2 rotates *interleaved* pairs ``(x[2i], x[2i+1])`` (complex
 multiplication), not the NeoX halves; the softmax scale is ``qk_head_dim**-0.5`` times
@@ -85,7 +86,7 @@ from tandem import envs
 from tandem.attention.selector import get_attention_backend
 from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.torch_backend import KV_SPLIT, MIN_GEMM_ROWS, split_attention
-from tandem.layers import batch_invariant
+from tandem.layers import batch_invariant, fused_ops
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.layers.mla_latent import write_latents
 from tandem.layers.norm import RMSNorm
@@ -167,6 +168,8 @@ class MLAAttention(nn.Module):
         self.prefill_backend: str | None = None if mode == "auto" else mode
         #: Deterministic mode (module docstring), the model's, fixed at build time.
         self.deterministic = batch_invariant.build_mode()
+        #: The fused-ops mode of the latent write, the model's, fixed at build time.
+        self.fused_ops_mode = fused_ops.build_mode()
 
     @property
     def latent_dim(self) -> int:
@@ -181,7 +184,7 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.view(t, self.num_heads, self.qk_dim).split([self.nope, self.rope], dim=-1)
         # kv_a_layernorm, RoPE of q_pe and k_pe, concat and cache write: one launch on CUDA.
         q_pe = write_latents(q_pe, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm, self.rotary.cos, self.rotary.sin,
-                             positions, kv_cache, meta.slot_mapping)
+                             positions, kv_cache, meta.slot_mapping, mode=self.fused_ops_mode)
         o = self._attend(q_nope, q_pe, kv_cache, meta)
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
 

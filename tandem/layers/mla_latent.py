@@ -11,10 +11,11 @@ For each new token ``t`` at ``positions[t]``, from the ``kv_a_proj_with_mqa`` ou
 
 :func:`write_latents` runs this as one Triton kernel (one program per token; ``q_pe`` is
 rotated in place, so a view of the ``q_proj`` output needs no copy) where the fused ops run
-their kernels (:func:`tandem.layers.fused_ops.use_triton`: CUDA by default), and otherwise
-as the separate torch ops it replaces (RMSNorm, RoPE, concat, ``index_copy_``): the
-reference. vLLM splits the same work into its rotary-embedding and ``concat_and_cache_mla``
-kernels. No host sync; the grid is the token count (CUDA-graph safe).
+their kernels in the caller's fused-ops mode (:func:`tandem.layers.fused_ops.use_triton`:
+CUDA under ``auto``), and otherwise as the separate torch ops it replaces (RMSNorm, RoPE,
+concat, ``index_copy_``): the reference. vLLM splits the same work into its
+rotary-embedding and ``concat_and_cache_mla`` kernels. No host sync; the grid is the token
+count (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from tandem.attention.backend import quantize_kv
 from tandem.layers import fused_ops
-from tandem.layers.fused_ops import apply_rotary
+from tandem.layers.fused_ops import apply_rotary_ref, rms_norm_ref
 from tandem.layers.norm import RMSNorm
 
 try:
@@ -124,7 +125,7 @@ def write_latent_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mappin
 
 def write_latents(q_pe: torch.Tensor, kv: torch.Tensor, kv_a_layernorm: RMSNorm, cos: torch.Tensor,
                   sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> torch.Tensor:
+                  slot_mapping: torch.Tensor, *, mode: str = "auto") -> torch.Tensor:
     """Normalise, rotate and cache the new tokens' latents; rotate their ``q_pe``.
 
     Args:
@@ -138,18 +139,24 @@ def write_latents(q_pe: torch.Tensor, kv: torch.Tensor, kv_a_layernorm: RMSNorm,
         kv_cache: ``[1, num_blocks, block_size, 1, kv_lora_rank + rope]`` contiguous, q_pe's
             dtype or ``float8_e4m3fn``.
         slot_mapping: ``[T]`` cache slots, -1 for padding tokens.
+        mode: the caller's fused-ops mode (:func:`tandem.layers.fused_ops.use_triton` of
+            ``kv``): the kernel or the torch reference.
 
     Returns:
         The rotated ``q_pe`` (``q_pe`` itself on the kernel path, a new tensor otherwise).
 
     Raises:
-        ValueError: (kernel path) shapes, dtypes or strides the kernel does not take.
+        ValueError: (kernel path) shapes, dtypes or strides the kernel does not take; an
+            unknown ``mode``.
     """
     rank = kv_a_layernorm.weight.shape[0]
-    if not fused_ops.use_triton(kv):
+    if not fused_ops.use_triton(kv, mode):
+        # The ops' torch references: in a mode and on a device where this kernel does not run,
+        # neither do theirs.
         c_kv, k_pe = kv.split([rank, kv.shape[-1] - rank], dim=-1)
-        q_pe, k_pe = apply_rotary(q_pe, k_pe[:, None], cos, sin, positions, interleaved=True)
-        write_latent_cache(torch.cat((kv_a_layernorm(c_kv), k_pe[:, 0]), dim=-1), kv_cache, slot_mapping)
+        q_pe, k_pe = apply_rotary_ref(q_pe, k_pe[:, None], cos, sin, positions, interleaved=True)
+        c_kv = rms_norm_ref(c_kv, kv_a_layernorm.weight, kv_a_layernorm.eps)
+        write_latent_cache(torch.cat((c_kv, k_pe[:, 0]), dim=-1), kv_cache, slot_mapping)
         return q_pe
     t, heads, rope = q_pe.shape
     if (kv.shape != (t, rank + rope) or kv_cache.shape[-1] != rank + rope or rope % 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.layers import fused_ops
 from tandem.layers.fused_ops import apply_rotary, use_triton
 
 
@@ -44,7 +45,8 @@ class RotaryEmbedding(nn.Module):
 
     cos/sin ``[max_positions, D/2]`` are precomputed in fp32; the rotation is computed in
     fp32 and cast to the input dtype, as one fused kernel on CUDA (outputs are new
-    contiguous tensors; see :func:`tandem.layers.fused_ops.apply_rotary`).
+    contiguous tensors; see :func:`tandem.layers.fused_ops.apply_rotary`), in the fused-ops
+    mode of the model it is built in (kept as ``fused_ops_mode``).
 
     On the CPU (torch ops, one kernel each) the rotation takes the full-width tables
     ``[cos, cos]`` and ``[-sin, sin]`` at the step's positions, gathered once per forward
@@ -63,18 +65,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
         # begin_step's positions and their [T, 1, D] tables (CPU path).
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # The model's mode, fixed at build time (tandem.layers.fused_ops.building).
+        self.fused_ops_mode = fused_ops.build_mode()
 
     def begin_step(self, positions: torch.Tensor) -> None:
         """Gather the CPU path's tables for a forward at ``positions [T]`` (CUDA: nothing)."""
-        self._step = None if use_triton(positions) or positions.is_cuda else (positions, *self._tables(positions))
+        self._step = (None if use_triton(positions, self.fused_ops_mode) or positions.is_cuda
+                      else (positions, *self._tables(positions)))
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c, s = self.cos[positions], self.sin[positions]
         return torch.cat([c, c], -1).unsqueeze(1), torch.cat([-s, s], -1).unsqueeze(1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if use_triton(q) or q.is_cuda:
-            return apply_rotary(q, k, self.cos, self.sin, positions)
+        if use_triton(q, self.fused_ops_mode) or q.is_cuda:
+            return apply_rotary(q, k, self.cos, self.sin, positions, mode=self.fused_ops_mode)
         cos2, sin2 = self._step_tables(positions)
         return _rotate_neox(q, cos2, sin2), _rotate_neox(k, cos2, sin2)
 
@@ -84,9 +89,9 @@ class RotaryEmbedding(nn.Module):
         first, e.g. a view of the fused q/k/v projection): returns (q ``[T, Hq, D]``, k
         ``[T, Hk, D]``), the same bits. On the CPU both are rotated by one set of ops (5
         instead of 10 dispatched per layer)."""
-        if use_triton(qk) or qk.is_cuda:
+        if use_triton(qk, self.fused_ops_mode) or qk.is_cuda:
             q, k = qk.split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)
-            return apply_rotary(q, k, self.cos, self.sin, positions)
+            return apply_rotary(q, k, self.cos, self.sin, positions, mode=self.fused_ops_mode)
         cos2, sin2 = self._step_tables(positions)
         return _rotate_neox(qk, cos2, sin2).split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)
 

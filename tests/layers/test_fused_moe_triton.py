@@ -314,10 +314,13 @@ def test_silu_mul_epilogue_equals_gemm_then_op(case, monkeypatch):
         w13, w2, s13, s2 = _fp8_experts(w13, w2, block)
         scales = ExpertScales(s13, s2, block)
     got = {}
-    with fused_ops.mode("triton"):  # the op's kernel, as on CUDA
-        for fuse in (True, False):
-            monkeypatch.setattr(fmt, "FUSE_SILU_MUL", fuse)
-            got[fuse] = fused_experts_triton(x, ids, w, w13, w2, scales=scales)
+    launched = []
+    kernel = fused_ops._kernel
+    monkeypatch.setattr(fused_ops, "_kernel", lambda name: launched.append(name) or kernel(name))
+    for fuse in (True, False):
+        monkeypatch.setattr(fmt, "FUSE_SILU_MUL", fuse)
+        got[fuse] = fused_experts_triton(x, ids, w, w13, w2, scales=scales)
+    assert launched == ["_silu_and_mul_kernel"]  # the op's kernel, on the CPU too (as on CUDA)
     if dtype == torch.bfloat16:
         assert torch.equal(got[True], got[False])
     else:  # the interpreter's fp32 dot is a BLAS matmul: its summation order follows the tile width

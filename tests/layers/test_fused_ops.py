@@ -1,6 +1,7 @@
 """Fused Triton ops (RMSNorm, add + RMSNorm, SiLU-and-mul, RoPE, the FP8-quantizing norm
-and SiLU-and-mul) vs their torch references, and a whole tiny model with the fused ops
-forced on vs the torch path, in bf16/fp32 and in FP8 with the quantization fused or not.
+and SiLU-and-mul) vs their torch references, and a whole tiny model built with the fused ops
+forced on vs the same model built on the torch path, in bf16/fp32 and in FP8 with the
+quantization fused or not; models built in different modes keep their own.
 
 Without CUDA the kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` is set here,
 before any kernel is decorated: :mod:`tandem.layers.fused_ops` jits them on first use).
@@ -39,12 +40,6 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True)
-def _triton():
-    with fused_ops.mode("triton"):
-        yield
-
-
 def _close(got, want, dtype):
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
@@ -61,7 +56,7 @@ def _rand(*shape, dtype, seed=0):
 def test_rms_norm(t, hidden, dtype):
     x = _rand(t, hidden, dtype=dtype) * 3
     w = _rand(hidden, dtype=dtype, seed=1)
-    _close(fused_ops.rms_norm(x, w, 1e-6), fused_ops.rms_norm_ref(x, w, 1e-6), dtype)
+    _close(fused_ops.rms_norm(x, w, 1e-6, mode="triton"), fused_ops.rms_norm_ref(x, w, 1e-6), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -84,7 +79,7 @@ def test_fused_add_rms_norm(t, hidden, dtype):
     x = _rand(t, hidden, dtype=dtype)
     res = _rand(t, hidden, dtype=dtype, seed=1) * 4
     w = _rand(hidden, dtype=dtype, seed=2)
-    out, new_res = fused_ops.fused_add_rms_norm(x, res, w, 1e-5)
+    out, new_res = fused_ops.fused_add_rms_norm(x, res, w, 1e-5, mode="triton")
     want_out, want_res = fused_ops.fused_add_rms_norm_ref(x, res, w, 1e-5)
     torch.testing.assert_close(new_res, want_res, atol=0, rtol=0)  # same single rounding as ``x + res``
     _close(out, want_out, dtype)
@@ -98,13 +93,13 @@ def test_rms_norm_strided_heads_and_dtypes():
     qkv = _rand(5, 9 * 64 + 2 * 3 * 64, dtype=torch.float32)
     q = qkv[:, : 9 * 64].view(5, 9, 64)
     w = _rand(64, dtype=torch.float32, seed=3)
-    _close(fused_ops.rms_norm(q, w, 1e-6), fused_ops.rms_norm_ref(q, w, 1e-6), torch.float32)
+    _close(fused_ops.rms_norm(q, w, 1e-6, mode="triton"), fused_ops.rms_norm_ref(q, w, 1e-6), torch.float32)
     x16 = _rand(7, 576, dtype=torch.float16)
     w16 = _rand(576, dtype=torch.float16, seed=4)
-    _close(fused_ops.rms_norm(x16, w16, 1e-6), fused_ops.rms_norm_ref(x16, w16, 1e-6), torch.float16)
+    _close(fused_ops.rms_norm(x16, w16, 1e-6, mode="triton"), fused_ops.rms_norm_ref(x16, w16, 1e-6), torch.float16)
     xb = _rand(7, 64, dtype=torch.bfloat16)
     wf = _rand(64, dtype=torch.float32, seed=5)
-    _close(fused_ops.rms_norm(xb, wf, 1e-6), fused_ops.rms_norm_ref(xb, wf, 1e-6), torch.bfloat16)
+    _close(fused_ops.rms_norm(xb, wf, 1e-6, mode="triton"), fused_ops.rms_norm_ref(xb, wf, 1e-6), torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -114,7 +109,7 @@ def test_silu_and_mul(t, inter, dtype):
     if t == 256 and inter == 1536 and INTERPRET:
         t = 31
     x = _rand(t, 2 * inter, dtype=dtype) * 3
-    _close(fused_ops.silu_and_mul(x), fused_ops.silu_and_mul_ref(x), dtype)
+    _close(fused_ops.silu_and_mul(x, mode="triton"), fused_ops.silu_and_mul_ref(x), dtype)
 
 
 def _same_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
@@ -145,14 +140,14 @@ def test_rms_norm_dynamic_per_token_quant(t, hidden, dtype, residual):
     x[t // 2:t // 2 + 1] = 0  # an all-zero row (without residual): the minimum scale
     res = _rand(t, hidden, dtype=dtype, seed=1) * 4 if residual else None
     w = _rand(hidden, dtype=dtype, seed=2)
-    q, s, new_res = fused_ops.rms_norm_dynamic_per_token_quant(x, w, 1e-6, res)
+    q, s, new_res = fused_ops.rms_norm_dynamic_per_token_quant(x, w, 1e-6, res, mode="triton")
     # Fused == the unfused kernels (norm in the activation dtype, then quantize_per_token).
     if residual:
-        out, want_res = fused_ops.fused_add_rms_norm(x, res, w, 1e-6)
+        out, want_res = fused_ops.fused_add_rms_norm(x, res, w, 1e-6, mode="triton")
         torch.testing.assert_close(new_res, want_res, atol=0, rtol=0)
         torch.testing.assert_close(new_res, x + res, atol=0, rtol=0)
     else:
-        out = fused_ops.rms_norm(x, w, 1e-6)
+        out = fused_ops.rms_norm(x, w, 1e-6, mode="triton")
         assert new_res is None
     # An fp32 row wider than one warp's share is summed across warps, and the fused and the
     # plain norm kernel are compiled separately: on the H200 their fp32 outputs (so the amax)
@@ -188,16 +183,15 @@ def test_norms_apply_the_scales_of_an_unscaled_product(t, dtype, op):
     res = _rand(t, 96, dtype=dtype, seed=1) * 4
     w = _rand(96, dtype=dtype, seed=2)
 
-    def run(inp):
+    def run(inp, mode):
         if op == "rms_norm":
-            return (fused_ops.rms_norm(inp, w, 1e-6),)
+            return (fused_ops.rms_norm(inp, w, 1e-6, mode=mode),)
         if op == "add":
-            return fused_ops.fused_add_rms_norm(inp, res, w, 1e-6)
-        return fused_ops.rms_norm_dynamic_per_token_quant(inp, w, 1e-6, res if op == "add_quant" else None)
+            return fused_ops.fused_add_rms_norm(inp, res, w, 1e-6, mode=mode)
+        return fused_ops.rms_norm_dynamic_per_token_quant(inp, w, 1e-6, res if op == "add_quant" else None, mode=mode)
 
     for mode in ("triton", "torch"):
-        with fused_ops.mode(mode):
-            got, want = run(x), run(x.apply_scales())
+        got, want = run(x, mode), run(x.apply_scales(), mode)
         fma = mode == "triton" and dtype == torch.float32 and DEVICE.type == "cuda"
         for g, e in zip(got, want):
             assert (g is None) == (e is None)
@@ -220,7 +214,7 @@ def test_norms_reject_a_malformed_unscaled_product():
                 UnscaledProduct(x.acc, x.row_scale[:3], x.col_scale, x.dtype),
                 UnscaledProduct(x.acc, x.row_scale, x.col_scale[:16], x.dtype)):
         with pytest.raises(ValueError, match="UnscaledProduct"):
-            fused_ops.rms_norm(bad, w, 1e-6)
+            fused_ops.rms_norm(bad, w, 1e-6, mode="triton")
 
 
 def test_rms_norm_dynamic_per_token_quant_strided_and_promoted():
@@ -229,12 +223,12 @@ def test_rms_norm_dynamic_per_token_quant_strided_and_promoted():
     big = _rand(9, 200, dtype=torch.bfloat16)
     x = big[:, :128]
     w = _rand(128, dtype=torch.bfloat16, seed=1)
-    _same_fp8(fused_ops.rms_norm_dynamic_per_token_quant(x, w, 1e-5)[:2],
-              quantize_per_token(fused_ops.rms_norm(x, w, 1e-5)))
+    _same_fp8(fused_ops.rms_norm_dynamic_per_token_quant(x, w, 1e-5, mode="triton")[:2],
+              quantize_per_token(fused_ops.rms_norm(x, w, 1e-5, mode="triton")))
     wf = _rand(128, dtype=torch.float32, seed=2)
-    assert fused_ops.rms_norm(x, wf, 1e-5).dtype == torch.float32
-    _same_fp8(fused_ops.rms_norm_dynamic_per_token_quant(x, wf, 1e-5)[:2],
-              quantize_per_token(fused_ops.rms_norm(x, wf, 1e-5)))
+    assert fused_ops.rms_norm(x, wf, 1e-5, mode="triton").dtype == torch.float32
+    _same_fp8(fused_ops.rms_norm_dynamic_per_token_quant(x, wf, 1e-5, mode="triton")[:2],
+              quantize_per_token(fused_ops.rms_norm(x, wf, 1e-5, mode="triton")))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -244,8 +238,8 @@ def test_silu_and_mul_dynamic_per_token_quant(t, inter, dtype):
     x = _rand(t, 2 * inter, dtype=dtype) * 3
     if t > 1:
         x[1, inter:] = 0  # up == 0: an all-zero row
-    q, s = fused_ops.silu_and_mul_dynamic_per_token_quant(x)
-    _same_fp8((q, s), quantize_per_token(fused_ops.silu_and_mul(x)))
+    q, s = fused_ops.silu_and_mul_dynamic_per_token_quant(x, mode="triton")
+    _same_fp8((q, s), quantize_per_token(fused_ops.silu_and_mul(x, mode="triton")))
     _, ws = fused_ops.silu_and_mul_dynamic_per_token_quant_ref(x)
     torch.testing.assert_close(s, ws, atol=0, rtol=TOL[dtype])
     _near_fp8(q, s, fused_ops.silu_and_mul_ref(x), dtype)
@@ -256,11 +250,11 @@ def test_silu_and_mul_dynamic_per_token_quant(t, inter, dtype):
 def test_fp8_quant_ops_reject_what_the_kernels_cannot_do():
     x = _rand(64, 8, dtype=torch.float32).t()  # last-dim stride 8
     with pytest.raises(ValueError, match="last dim must be contiguous"):
-        fused_ops.rms_norm_dynamic_per_token_quant(x, _rand(64, dtype=torch.float32), 1e-6)
+        fused_ops.rms_norm_dynamic_per_token_quant(x, _rand(64, dtype=torch.float32), 1e-6, mode="triton")
     with pytest.raises(ValueError, match="last dim must be contiguous"):
-        fused_ops.silu_and_mul_dynamic_per_token_quant(x)
+        fused_ops.silu_and_mul_dynamic_per_token_quant(x, mode="triton")
     with pytest.raises(ValueError, match="odd"):
-        fused_ops.silu_and_mul_dynamic_per_token_quant(_rand(2, 7, dtype=torch.float32))
+        fused_ops.silu_and_mul_dynamic_per_token_quant(_rand(2, 7, dtype=torch.float32), mode="triton")
 
 
 def _rope_tables(head_dim, max_pos=512, scaled=False):
@@ -288,13 +282,13 @@ def test_apply_rotary(t, shape, dtype):
     k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
     pos = torch.randint(0, cos.shape[0], (t,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     want_q, want_k = fused_ops.apply_rotary_ref(q, k, cos, sin, pos)
-    got_q, got_k = fused_ops.apply_rotary(q, k, cos, sin, pos)
+    got_q, got_k = fused_ops.apply_rotary(q, k, cos, sin, pos, mode="triton")
     assert got_q.is_contiguous() and got_k.is_contiguous()
     _close(got_q, want_q, dtype)
     _close(got_k, want_k, dtype)
     # In place: writes through the views, leaves v alone.
     v_before = qkv[:, (hq + hk) * d :].clone()
-    rq, rk = fused_ops.apply_rotary(q, k, cos, sin, pos.to(torch.int32), inplace=True)
+    rq, rk = fused_ops.apply_rotary(q, k, cos, sin, pos.to(torch.int32), inplace=True, mode="triton")
     assert rq.data_ptr() == q.data_ptr() and rk.data_ptr() == k.data_ptr()
     _close(q, want_q, dtype)
     _close(k, want_k, dtype)
@@ -319,30 +313,31 @@ def test_apply_rotary_interleaved_deepseek_layout(t, dtype):
                                 * torch.complex(c, s_)).flatten(-2).to(dtype)
     want_k = torch.view_as_real(torch.view_as_complex(k_pe.float().unflatten(-1, (-1, 2)).contiguous())
                                 * torch.complex(c, s_)).flatten(-2).to(dtype)
-    got_q, got_k = fused_ops.apply_rotary(q_pe, k_pe, cos, sin, pos, interleaved=True)
+    got_q, got_k = fused_ops.apply_rotary(q_pe, k_pe, cos, sin, pos, interleaved=True, mode="triton")
     _close(got_q, want_q, dtype)
     _close(got_k, want_k, dtype)
     nope_before = q[..., :nope].clone()
-    fused_ops.apply_rotary(q_pe, k_pe, cos, sin, pos, inplace=True, interleaved=True)
+    fused_ops.apply_rotary(q_pe, k_pe, cos, sin, pos, inplace=True, interleaved=True, mode="triton")
     _close(q_pe, want_q, dtype)
     _close(k_pe, want_k, dtype)
     torch.testing.assert_close(q[..., :nope], nope_before, atol=0, rtol=0)
     # The NeoX layout rotates other pairs: the flag matters.
     if t:
-        neox_q, _ = fused_ops.apply_rotary(q_pe.clone(), k_pe.clone(), cos, sin, pos)
+        neox_q, _ = fused_ops.apply_rotary(q_pe.clone(), k_pe.clone(), cos, sin, pos, mode="triton")
         assert not torch.allclose(neox_q.float(), fused_ops.apply_rotary(q_pe.clone(), k_pe.clone(), cos, sin, pos,
-                                                                         interleaved=True)[0].float())
+                                                                         interleaved=True, mode="triton")[0].float())
 
 
 def test_rotary_module_matches_reference():
-    cos, sin = _rope_tables(64)
     cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=512)
-    rot = RotaryEmbedding(cfg, 64, 512).to(DEVICE)
+    rots = {}
+    for mode in ("triton", "torch"):
+        with fused_ops.building(mode):
+            rots[mode] = RotaryEmbedding(cfg, 64, 512).to(DEVICE)
     q, k = _rand(7, 9, 64, dtype=torch.float32), _rand(7, 3, 64, dtype=torch.float32, seed=1)
     pos = torch.tensor([0, 5, 511, 3, 3, 100, 7], device=DEVICE)
-    got = rot(pos, q, k)
-    with fused_ops.mode("torch"):
-        want = rot(pos, q, k)
+    got = rots["triton"](pos, q, k)
+    want = rots["torch"](pos, q, k)
     for g, w in zip(got, want):
         _close(g, w, torch.float32)
 
@@ -351,28 +346,55 @@ def test_non_contiguous_last_dim_is_rejected():
     x = _rand(64, 8, dtype=torch.float32).t()  # [8, 64], last-dim stride 8
     w = _rand(64, dtype=torch.float32)
     with pytest.raises(ValueError, match="last dim must be contiguous"):
-        fused_ops.rms_norm(x, w, 1e-6)
+        fused_ops.rms_norm(x, w, 1e-6, mode="triton")
     with pytest.raises(ValueError, match="last dim must be contiguous"):
-        fused_ops.fused_add_rms_norm(x, x, w, 1e-6)
+        fused_ops.fused_add_rms_norm(x, x, w, 1e-6, mode="triton")
     with pytest.raises(ValueError, match="last dim must be contiguous"):
-        fused_ops.silu_and_mul(x)
+        fused_ops.silu_and_mul(x, mode="triton")
     q = _rand(4, 64, 2, dtype=torch.float32).transpose(1, 2)  # [4, 2, 64], last-dim stride 2
     cos, sin = _rope_tables(64)
     with pytest.raises(ValueError, match="last dim must be contiguous"):
-        fused_ops.apply_rotary(q, q, cos, sin, torch.zeros(4, dtype=torch.long, device=DEVICE))
+        fused_ops.apply_rotary(q, q, cos, sin, torch.zeros(4, dtype=torch.long, device=DEVICE), mode="triton")
 
 
 def test_dispatch():
     x = torch.randn(2, 8)
-    with fused_ops.mode("auto"):
-        assert fused_ops.use_triton(x) is False  # CPU tensors: torch reference
-        if torch.cuda.is_available():
-            assert fused_ops.use_triton(x.cuda()) is True
-    with fused_ops.mode("torch"):
-        assert fused_ops.use_triton(x) is False
-    assert fused_ops.use_triton(x) is True  # forced by the fixture
-    with pytest.raises(ValueError):
-        fused_ops.set_mode("fast")
+    assert fused_ops.use_triton(x, "auto") is False  # CPU tensors: torch reference
+    if torch.cuda.is_available():
+        assert fused_ops.use_triton(x.cuda(), "auto") is True
+        assert fused_ops.use_triton(x.cuda(), "torch") is False
+    assert fused_ops.use_triton(x, "torch") is False
+    assert fused_ops.use_triton(x, "triton") is True
+    with pytest.raises(ValueError, match="fast"):
+        fused_ops.use_triton(x, "fast")
+    with pytest.raises(ValueError, match="fast"):
+        fused_ops.rms_norm(x, x[0], 1e-6, mode="fast")
+    with pytest.raises(ValueError, match="fast"):
+        fused_ops.resolve_mode("fast", x.device)
+    with pytest.raises(ValueError, match="fast"), fused_ops.building("fast"):
+        pass
+
+
+def test_auto_resolves_once_per_device_as_it_dispatches_per_tensor():
+    """The worker's decision (resolve_mode) is what ``auto`` does for a tensor there."""
+    cpu = torch.device("cpu")
+    assert fused_ops.resolve_mode("auto", cpu) == "torch"
+    assert fused_ops.resolve_mode("auto", torch.device("cuda", 0)) == ("triton" if fused_ops.HAS_TRITON else "torch")
+    for m in ("triton", "torch"):
+        assert fused_ops.resolve_mode(m, cpu) == m
+
+
+def test_a_build_block_sets_the_mode_of_the_layers_built_in_it():
+    cfg = LlamaConfig(**COMMON)
+    assert fused_ops.build_mode() == "auto"  # outside any block
+    with fused_ops.building("torch"):
+        with fused_ops.building("triton"):  # blocks nest
+            inner = RotaryEmbedding(cfg, 16, 64)
+        outer = RotaryEmbedding(cfg, 16, 64)
+        assert fused_ops.build_mode() == "torch"
+    assert fused_ops.build_mode() == "auto"
+    assert (inner.fused_ops_mode, outer.fused_ops_mode) == ("triton", "torch")
+    assert RotaryEmbedding(cfg, 16, 64).fused_ops_mode == "auto"
 
 
 # Compiles the kernels for sm_90 (Triton's bundled ptxas, no GPU needed) as a launch on
@@ -439,13 +461,13 @@ def test_cuda_fp8_quant_ops_equal_the_unfused_kernels(t):
     x = _rand(t, 4096, dtype=torch.bfloat16) * 3
     res = _rand(t, 4096, dtype=torch.bfloat16, seed=1) * 30
     w = _rand(4096, dtype=torch.bfloat16, seed=2)
-    out, _ = fused_ops.fused_add_rms_norm(x, res, w, 1e-5)
-    q, s, _ = fused_ops.rms_norm_dynamic_per_token_quant(x, w, 1e-5, res)
+    out, _ = fused_ops.fused_add_rms_norm(x, res, w, 1e-5, mode="triton")
+    q, s, _ = fused_ops.rms_norm_dynamic_per_token_quant(x, w, 1e-5, res, mode="triton")
     _same_fp8((q, s), quantize_per_token(out))
     _same_fp8((q, s), quantize_per_token_triton(out))
     gate_up = _rand(t, 2 * 14336, dtype=torch.bfloat16, seed=3) * 4
-    h = fused_ops.silu_and_mul(gate_up)
-    q, s = fused_ops.silu_and_mul_dynamic_per_token_quant(gate_up)
+    h = fused_ops.silu_and_mul(gate_up, mode="triton")
+    q, s = fused_ops.silu_and_mul_dynamic_per_token_quant(gate_up, mode="triton")
     _same_fp8((q, s), quantize_per_token(h))
     _same_fp8((q, s), quantize_per_token_triton(h))
 
@@ -480,36 +502,64 @@ def _run(model, cfg, dtype):
     return torch.cat(out)
 
 
+def _tiny(name: str, dtype: torch.dtype, mode: str) -> tuple[LlamaForCausalLM, LlamaConfig]:
+    """The tiny Llama (or Qwen3) built in fused-ops ``mode``, random weights the same in
+    every mode."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**COMMON) if name == "llama" else Qwen3Config(**COMMON, head_dim=32)
+    with fused_ops.building(mode):
+        model = LlamaForCausalLM(cfg, TorchAttentionBackend())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model.to(device=DEVICE, dtype=dtype).eval(), cfg
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 @pytest.mark.parametrize("name,dtype,tol", [("llama", torch.float32, 1e-4), ("qwen3", torch.float32, 1e-4),
                                             ("llama", torch.bfloat16, 5e-2)])
 def test_model_fused_matches_unfused(name, dtype, tol):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**COMMON) if name == "llama" else Qwen3Config(**COMMON, head_dim=32)
-    model = LlamaForCausalLM(cfg, TorchAttentionBackend())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    model = model.to(device=DEVICE, dtype=dtype).eval()
+    model, cfg = _tiny(name, dtype, "triton")
+    unfused, _ = _tiny(name, dtype, "torch")
+    assert _same_weights(model, unfused)
     with torch.no_grad():
         fused = _run(model, cfg, dtype)
-        with fused_ops.mode("torch"):
-            ref = _run(model, cfg, dtype)
+        ref = _run(unfused, cfg, dtype)
     torch.testing.assert_close(fused, ref, atol=tol, rtol=0)
 
 
-def _fp8_llama(monkeypatch, fused: str, deferred_rows: str = "256"):
-    """The tiny Llama in bf16, its linear layers quantized online (``--quantization fp8``)
-    with the norm / SiLU-and-mul quantization fused or not (``TANDEM_FP8_FUSED_QUANT``), and
-    the scales of o_proj / down_proj deferred to the norms up to ``deferred_rows`` rows."""
+def test_models_built_in_different_modes_keep_their_own(monkeypatch):
+    """Two models of one process, one built on the kernels and one on the torch code, run
+    interleaved: each forward launches the kernels of its own model's mode only (before: one
+    process-wide mode, read at every call)."""
+    models = {mode: _tiny("llama", torch.float32, mode) for mode in ("triton", "torch")}
+    for mode, (model, _) in models.items():
+        assert {m.fused_ops_mode for m in model.modules() if hasattr(m, "fused_ops_mode")} == {mode}
+    launched: list[str] = []
+    kernel = fused_ops._kernel
+    monkeypatch.setattr(fused_ops, "_kernel", lambda name: launched.append(name) or kernel(name))
+    seen: dict[str, set[str]] = {}
+    with torch.no_grad():
+        for mode in ("triton", "torch", "triton", "torch"):
+            launched.clear()
+            model, cfg = models[mode]
+            _run(model, cfg, torch.float32)
+            seen.setdefault(mode, set()).update(launched)
+    assert seen == {"triton": {"_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel"}, "torch": set()}
+
+
+def _fp8_llama(monkeypatch, fused: str, deferred_rows: str = "256", mode: str = "triton"):
+    """The tiny Llama in bf16 built in fused-ops ``mode``, its linear layers quantized
+    online (``--quantization fp8``) with the norm / SiLU-and-mul quantization fused or not
+    (``TANDEM_FP8_FUSED_QUANT``), and the scales of o_proj / down_proj deferred to the norms
+    up to ``deferred_rows`` rows; the same weights in every mode."""
     monkeypatch.setenv("TANDEM_FP8_FUSED_QUANT", fused)
     monkeypatch.setenv("TANDEM_FP8_DEFERRED_SCALES_MAX_ROWS", deferred_rows)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**COMMON)
-    model = LlamaForCausalLM(cfg, TorchAttentionBackend())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    model = model.to(device=DEVICE, dtype=torch.bfloat16).eval()
+    model, cfg = _tiny("llama", torch.bfloat16, mode)
     finish_fp8_model(model, Fp8Config(), torch.bfloat16)
     linears = [m for m in model.modules() if isinstance(m, (ColumnShardedLinear, RowParallelLinear))]
     assert linears and all(m.weight.dtype == FP8_DTYPE for m in linears)
@@ -523,12 +573,14 @@ def test_fp8_model_fused_quant_matches_unfused(monkeypatch):
     GEMMs), in a prefill and two decode steps; and the torch reference path too."""
     fused, cfg = _fp8_llama(monkeypatch, "on")
     unfused, _ = _fp8_llama(monkeypatch, "off")
+    fused_ref, _ = _fp8_llama(monkeypatch, "on", mode="torch")
+    unfused_ref, _ = _fp8_llama(monkeypatch, "off", mode="torch")
+    assert _same_weights(fused, fused_ref) and _same_weights(unfused, unfused_ref)
     with torch.no_grad():
         got = _run(fused, cfg, torch.bfloat16)
         want = _run(unfused, cfg, torch.bfloat16)
-        with fused_ops.mode("torch"):
-            ref = _run(fused, cfg, torch.bfloat16)
-            ref_unfused = _run(unfused, cfg, torch.bfloat16)
+        ref = _run(fused_ref, cfg, torch.bfloat16)
+        ref_unfused = _run(unfused_ref, cfg, torch.bfloat16)
     assert torch.equal(got, want)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert torch.equal(ref, ref_unfused)
@@ -541,15 +593,14 @@ def test_fp8_model_deferred_scales_match_the_scaled_gemms(monkeypatch):
     every step here: at most 42 rows) vs the same model with the scaled GEMMs: the same
     logits up to the order of the two fp32 scalings (a bf16 ulp in a few activations), in
     the kernels and in the torch path; only o_proj and down_proj defer."""
-    deferred, cfg = _fp8_llama(monkeypatch, "on")
-    scaled, _ = _fp8_llama(monkeypatch, "on", deferred_rows="0")
-    layer = deferred.layers[0]
-    assert layer.self_attn.o_proj.deferred_scales_max_rows == layer.mlp.down_proj.deferred_scales_max_rows == 256
-    assert not hasattr(layer.self_attn.qkv_proj, "deferred_scales_max_rows")
-    assert all(m.deferred_scales_max_rows == 0 for m in scaled.modules() if isinstance(m, RowParallelLinear))
-    with torch.no_grad():
-        for mode in ("triton", "torch"):
-            with fused_ops.mode(mode):
-                got, want = _run(deferred, cfg, torch.bfloat16), _run(scaled, cfg, torch.bfloat16)
-            torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
-            assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+    for mode in ("triton", "torch"):
+        deferred, cfg = _fp8_llama(monkeypatch, "on", mode=mode)
+        scaled, _ = _fp8_llama(monkeypatch, "on", deferred_rows="0", mode=mode)
+        layer = deferred.layers[0]
+        assert layer.self_attn.o_proj.deferred_scales_max_rows == layer.mlp.down_proj.deferred_scales_max_rows == 256
+        assert not hasattr(layer.self_attn.qkv_proj, "deferred_scales_max_rows")
+        assert all(m.deferred_scales_max_rows == 0 for m in scaled.modules() if isinstance(m, RowParallelLinear))
+        with torch.no_grad():
+            got, want = _run(deferred, cfg, torch.bfloat16), _run(scaled, cfg, torch.bfloat16)
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95

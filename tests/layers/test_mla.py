@@ -253,10 +253,16 @@ def test_layer_triton_equals_torch(dtype, triton_prefill):
     torch.manual_seed(1)
     cfg = DeepseekV2Config(hidden_size=80, num_attention_heads=5, kv_lora_rank=64, q_lora_rank=24, qk_rope_head_dim=16,
                            qk_nope_head_dim=32, v_head_dim=24, max_position_embeddings=256)
-    attn = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 256)).to(DEVICE)
-    for p in attn.parameters():
+    layers = {}
+    for backend in BACKENDS:  # the same weights, the fused ops built on each path
+        with fused_ops.building(backend):
+            layers[backend] = MLAAttention(cfg, RotaryEmbedding(cfg, 16, 256)).to(DEVICE)
+    for p in layers["torch"].parameters():
         torch.nn.init.normal_(p, 0, 0.2)
-    attn = attn.to(dtype)
+    layers["triton"].load_state_dict(layers["torch"].state_dict())
+    for backend, attn in layers.items():
+        attn.decode_backend = attn.prefill_backend = backend
+        attn.to(dtype)
     bs, nblocks = 16, 40
     perm = (torch.randperm(nblocks - 1) + 1).tolist()
     computed, q_lens = [31, 0, 47, 100, 20, 0], [1, 1, 1, 1, 7, 9]
@@ -271,11 +277,9 @@ def test_layer_triton_equals_torch(dtype, triton_prefill):
     pos = torch.tensor([p for c, q in zip(computed, q_lens) for p in range(c, c + q)], device=DEVICE)
     outs, caches = {}, {}
     with torch.no_grad():
-        for backend in BACKENDS:
-            attn.decode_backend = attn.prefill_backend = backend
+        for backend, attn in layers.items():
             caches[backend] = cache.clone()
-            with fused_ops.mode(backend):
-                outs[backend] = attn(x, pos, caches[backend], meta)
+            outs[backend] = attn(x, pos, caches[backend], meta)
     assert meta.num_decode_reqs == 4
     tol = (1e-5 if INTERPRET else 1e-4) if dtype == torch.float32 else 3e-2
     # The latents agree to the rounding of the kernels' fp32 sums (bf16: one ulp).
@@ -323,7 +327,8 @@ def test_model_with_triton_kernels_matches_transformers(triton_prefill_cpu):
                            num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                            kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=24)
     ref = random_hf_reference(cfg)
-    model = get_model_class(cfg)(cfg).eval()
+    with fused_ops.building("triton"):
+        model = get_model_class(cfg)(cfg).eval()
     model.load_weights(ref.state_dict().items())
     mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
     assert len(mla) == 2
@@ -331,8 +336,7 @@ def test_model_with_triton_kernels_matches_transformers(triton_prefill_cpu):
         m.decode_backend = m.prefill_backend = "triton"
     bs = 8
     kv = [torch.zeros(1, 64, bs, 1, 32 + 16) for _ in range(2)]
-    with fused_ops.mode("triton"):
-        assert_paged_parity(model, ref, cfg.vocab_size, kv, bs, decode_steps=2)
+    assert_paged_parity(model, ref, cfg.vocab_size, kv, bs, decode_steps=2)
 
 
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (compiled kernels)")

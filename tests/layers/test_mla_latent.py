@@ -20,7 +20,7 @@ from tests.triton_interpreter import triton_test_setup
 # The interpreter truncates fp32 -> bf16 / e4m3; GPUs round to nearest even.
 DEVICE, INTERPRET = triton_test_setup(bf16_rounding=True, fp8_rounding=True)
 
-from tandem.layers import fused_ops, mla_latent  # noqa: E402
+from tandem.layers import mla_latent  # noqa: E402
 from tandem.layers.mla_latent import write_latents  # noqa: E402
 from tandem.layers.norm import RMSNorm  # noqa: E402
 
@@ -50,8 +50,7 @@ def make_case(t: int, heads: int, rank: int, rope: int, dtype: torch.dtype, cach
 def run(mode: str, case):
     q, nope, kv, norm, cos, sin, positions, slots, cache = case
     q, cache = q.clone(), cache.clone()
-    with fused_ops.mode(mode):
-        q_pe = write_latents(q[..., nope:], kv, norm, cos, sin, positions, cache, slots)
+    q_pe = write_latents(q[..., nope:], kv, norm, cos, sin, positions, cache, slots, mode=mode)
     return q, q_pe, cache
 
 
@@ -94,13 +93,12 @@ def test_fp8_saturates():
 
 def test_rejects_bad_inputs():
     q, nope, kv, norm, cos, sin, positions, slots, cache = make_case(3, 2, 32, 16, torch.float32, torch.float32)
-    with fused_ops.mode("triton"):
-        with pytest.raises(ValueError, match="kv_lora_rank"):
-            write_latents(q[..., nope:], kv[:, :40], norm, cos, sin, positions, cache, slots)
-        with pytest.raises(ValueError, match="dtypes"):
-            write_latents(q[..., nope:], kv.double(), norm, cos, sin, positions, cache, slots)
-        with pytest.raises(ValueError, match="unit last stride"):
-            write_latents(q[..., nope:], kv, norm, cos, sin, positions, cache.transpose(1, 2), slots)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        write_latents(q[..., nope:], kv[:, :40], norm, cos, sin, positions, cache, slots, mode="triton")
+    with pytest.raises(ValueError, match="dtypes"):
+        write_latents(q[..., nope:], kv.double(), norm, cos, sin, positions, cache, slots, mode="triton")
+    with pytest.raises(ValueError, match="unit last stride"):
+        write_latents(q[..., nope:], kv, norm, cos, sin, positions, cache.transpose(1, 2), slots, mode="triton")
 
 
 _COMPILE_SM90 = textwrap.dedent("""

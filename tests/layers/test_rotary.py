@@ -12,9 +12,11 @@ from tandem.layers.rotary import RotaryEmbedding
 
 
 def _rotary(head_dim: int = 64, max_pos: int = 512) -> RotaryEmbedding:
+    """A RoPE layer built on the torch code (the CPU path under test)."""
     cfg = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, max_position_embeddings=max_pos,
                       rope_theta=100000.0)
-    return RotaryEmbedding(cfg, head_dim, max_pos)
+    with fused_ops.building("torch"):
+        return RotaryEmbedding(cfg, head_dim, max_pos)
 
 
 def _qk(t: int, dtype: torch.dtype, hq: int = 9, hk: int = 3, d: int = 64, seed: int = 0):
@@ -30,11 +32,10 @@ def test_cpu_rotation_equals_the_reference_bit_for_bit(t, dtype, begin_step):
     rot = _rotary()
     q, k = _qk(t, dtype)
     pos = torch.randint(0, 512, (t,), generator=torch.Generator().manual_seed(t))
-    with fused_ops.mode("torch"):
-        if begin_step:
-            rot.begin_step(pos)
-        got_q, got_k = rot(pos, q, k)
-        want_q, want_k = fused_ops.apply_rotary_ref(q, k, rot.cos, rot.sin, pos)
+    if begin_step:
+        rot.begin_step(pos)
+    got_q, got_k = rot(pos, q, k)
+    want_q, want_k = fused_ops.apply_rotary_ref(q, k, rot.cos, rot.sin, pos)
     assert got_q.dtype == dtype and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
@@ -46,10 +47,9 @@ def test_q_and_k_rotated_as_one_tensor_equal_the_reference_bit_for_bit(t, dtype)
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=torch.Generator().manual_seed(1)).to(dtype)
     qk = qkv[:, : (hq + hk) * d].view(t, hq + hk, d)  # a strided view, as the model's
     pos = torch.randint(0, 512, (t,), generator=torch.Generator().manual_seed(t))
-    with fused_ops.mode("torch"):
-        rot.begin_step(pos)
-        got_q, got_k = rot.forward_qk(pos, qk, hq)
-        want_q, want_k = fused_ops.apply_rotary_ref(qk[:, :hq], qk[:, hq:], rot.cos, rot.sin, pos)
+    rot.begin_step(pos)
+    got_q, got_k = rot.forward_qk(pos, qk, hq)
+    want_q, want_k = fused_ops.apply_rotary_ref(qk[:, :hq], qk[:, hq:], rot.cos, rot.sin, pos)
     assert got_q.shape == (t, hq, d) and got_k.shape == (t, hk, d)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
@@ -58,9 +58,8 @@ def test_tables_of_a_step_serve_only_its_positions():
     """Another positions tensor (even one of the same shape) is rotated at its own positions."""
     rot = _rotary()
     q, k = _qk(4, torch.float32)
-    with fused_ops.mode("torch"):
-        rot.begin_step(torch.tensor([0, 1, 2, 3]))
-        other = torch.tensor([7, 100, 3, 511])
-        got_q, got_k = rot(other, q, k)
-        want_q, want_k = fused_ops.apply_rotary_ref(q, k, rot.cos, rot.sin, other)
+    rot.begin_step(torch.tensor([0, 1, 2, 3]))
+    other = torch.tensor([7, 100, 3, 511])
+    got_q, got_k = rot(other, q, k)
+    want_q, want_k = fused_ops.apply_rotary_ref(q, k, rot.cos, rot.sin, other)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
