@@ -48,14 +48,29 @@ class EngineConfig:
             raise ValueError("simulated_ep_rank_experts needs all2all_backend='simulated'.")
         if self.speculative_config is not None:
             self._resolve_speculative()
+        if self.parallel_config.pipeline_parallel_size > 1:
+            self._resolve_pipeline()
+
+    def _resolve_pipeline(self) -> None:
+        """Refuse, or turn off with a warning (as vLLM did for PP), what pipeline parallelism
+        does not cover yet: dual-batch overlap; asynchronous output processing and CUDA
+        graphs (each step runs through the stages before the next is scheduled)."""
+        if self.dbo_config.enable_dbo:
+            raise ValueError("pipeline_parallel_size > 1 does not support enable_dbo yet.")
+        if self.scheduler_config.async_output_proc:
+            logger.warning("pipeline parallelism does not overlap output processing yet: async_output_proc off")
+            self.scheduler_config.async_output_proc = False
+        if not self.model_config.enforce_eager:
+            logger.warning("pipeline parallelism does not capture CUDA graphs yet: enforce_eager on")
+            self.model_config.enforce_eager = True
 
     def _resolve_speculative(self) -> None:
         """Refuse what speculative decoding does not cover yet. (Asynchronous output
         processing stays as configured: the engine core runs a step with drafts
         synchronously and the others one step ahead, :meth:`EngineCore.step`.)"""
         par = self.parallel_config
-        if par.tensor_parallel_size > 1 or par.data_parallel_size > 1 or par.enable_expert_parallel:
-            raise ValueError("speculative_config does not support tensor, data or expert parallelism yet.")
+        if par.world_size > 1 or par.enable_expert_parallel:
+            raise ValueError("speculative_config does not support tensor, pipeline, data or expert parallelism yet.")
         if self.dbo_config.enable_dbo:
             raise ValueError("speculative_config does not support enable_dbo yet.")
 

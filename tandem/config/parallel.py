@@ -1,4 +1,4 @@
-"""Tensor, data and expert parallelism (vLLM's ``ParallelConfig``)."""
+"""Tensor, pipeline, data and expert parallelism (vLLM's ``ParallelConfig``)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,17 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Ranks sharding each layer's heads and MLP (Megatron-style TP)."""
 
+    pipeline_parallel_size: int = 1
+    """Stages the decoder layers are split into, one after another (each stage TP-sharded;
+    the split: tandem.distributed.pipeline)."""
+
     data_parallel_size: int = 1
     """Engine replicas, each with its own scheduler and KV cache (data-parallel attention);
-    tensor_parallel_size x data_parallel_size processes are launched (or taken from torchrun's
-    environment)."""
+    tensor_parallel_size x pipeline_parallel_size x data_parallel_size processes are launched
+    (or taken from torchrun's environment)."""
 
     enable_expert_parallel: bool = False
-    """Shard MoE experts over all DP x TP ranks."""
+    """Shard MoE experts over the DP x TP ranks (of each pipeline stage)."""
 
     all2all_backend: All2AllBackend = "auto"
     """MoE dispatch/combine: local (EP=1), simulated (EP=1 data plus a modeled link delay:
@@ -55,9 +59,10 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size and data_parallel_size must be >= 1, got "
-                             f"{self.tensor_parallel_size} and {self.data_parallel_size}.")
+        if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size) < 1:
+            raise ValueError(f"tensor_parallel_size, pipeline_parallel_size and data_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}, {self.pipeline_parallel_size} and "
+                             f"{self.data_parallel_size}.")
         for name in ("master_port", "data_parallel_rpc_port"):
             port = getattr(self, name)
             if port is not None and not 0 < port < 65536:
@@ -103,13 +108,17 @@ class ParallelConfig:
         return self.data_parallel_local_size < self.data_parallel_size
 
     @property
+    def replica_size(self) -> int:
+        """Processes of one DP replica: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def local_ranks(self) -> range:
-        """The global ranks of this host's processes: its replicas' TP ranks."""
-        tp = self.tensor_parallel_size
-        first = self.data_parallel_start_rank * tp
-        return range(first, first + self.data_parallel_local_size * tp)
+        """The global ranks of this host's processes: its replicas' stages and TP ranks."""
+        first = self.data_parallel_start_rank * self.replica_size
+        return range(first, first + self.data_parallel_local_size * self.replica_size)
 
     @property
     def world_size(self) -> int:
-        """Processes of the deployment: ``tensor_parallel_size * data_parallel_size``."""
-        return self.tensor_parallel_size * self.data_parallel_size
+        """Processes of the deployment: ``replica_size * data_parallel_size``."""
+        return self.replica_size * self.data_parallel_size

@@ -13,7 +13,11 @@ return None):
   the driver's per-step ``SchedulerOutput`` broadcast to the other TP ranks.
 * **PP group** (``get_pp_group``, device backend): the ranks with this ``tp_rank`` in every
   stage of this rank's pipeline, by stage; the stage-to-stage sends of hidden states
-  (:mod:`tandem.distributed.pipeline`).
+  (:mod:`tandem.distributed.pipeline`). ``get_pp_cpu_group`` (gloo, same ranks) carries the
+  last stage's step results back to the driver.
+* **Replica group** (``get_replica_cpu_group``, gloo): every rank of this DP replica (its
+  stages and their TP ranks; the TP group's gloo group without PP): the driver's per-step
+  ``SchedulerOutput`` broadcast and the agreement on the KV cache size (:func:`replica_min`).
 * **DP group** (``get_dp_group``, **gloo**): the ranks with this ``(pp_rank, tp_rank)`` in
   every DP replica; the model runner's per-step :func:`~tandem.worker.step_plan.agree_across_dp`
   (CPU tensors, no GPU sync). ``get_dp_control_group`` (gloo, same ranks) is the engine
@@ -65,6 +69,11 @@ class ParallelInfo:
         return self.tp_rank == 0 and self.pp_rank == 0
 
     @property
+    def has_followers(self) -> bool:
+        """The replica has ranks besides its driver (TP or PP), which run its steps too."""
+        return self.tp_size * self.pp_size > 1
+
+    @property
     def is_first_stage(self) -> bool:
         """Holds the embedding (pipeline stage 0)."""
         return self.pp_rank == 0
@@ -86,7 +95,10 @@ class _State:
     dp_control_group: dist.ProcessGroup | None = None
     dp_ranks: tuple[int, ...] = (0,)
     pp_group: dist.ProcessGroup | None = None
+    pp_cpu_group: dist.ProcessGroup | None = None
     pp_ranks: tuple[int, ...] = (0,)
+    replica_cpu_group: dist.ProcessGroup | None = None
+    replica_ranks: tuple[int, ...] = (0,)
     ep_group: dist.ProcessGroup | None = None
     owns_process_group: bool = False
 
@@ -204,8 +216,17 @@ def init_distributed(tp_size: int = 1, dp_size: int = 1, enable_expert_parallel:
             ranks = [at(d, p, t) for p in range(pp_size)]
             if pp_size > 1:
                 g = dist.new_group(ranks, backend=backend, timeout=timeout)
+                gc = dist.new_group(ranks, backend="gloo", timeout=long)
                 if (d, t) == (dp_rank, tp_rank):
-                    state.pp_group, state.pp_ranks = g, tuple(ranks)
+                    state.pp_group, state.pp_cpu_group, state.pp_ranks = g, gc, tuple(ranks)
+    for d in range(dp_size):
+        ranks = list(range(d * replica, (d + 1) * replica))
+        if pp_size > 1:
+            gc = dist.new_group(ranks, backend="gloo", timeout=long)
+            if d == dp_rank:
+                state.replica_cpu_group = gc
+        if d == dp_rank:
+            state.replica_ranks = tuple(ranks)
     if info.ep_size > 1:
         for p in range(pp_size):
             g = dist.new_group([at(d, p, t) for d in range(dp_size) for t in range(tp_size)], backend=backend,
@@ -218,6 +239,7 @@ def init_distributed(tp_size: int = 1, dp_size: int = 1, enable_expert_parallel:
         state.dp_ranks = (rank,)
     if pp_size == 1:
         state.pp_ranks = (rank,)
+        state.replica_cpu_group = state.tp_cpu_group
     _STATE = state
     logger.info("rank %d/%d: dp %d/%d, pp %d/%d, tp %d/%d, ep %d/%d (%s)", rank, world_size, info.dp_rank, dp_size,
                 info.pp_rank, pp_size, info.tp_rank, tp_size, info.ep_rank, info.ep_size, backend)
@@ -312,6 +334,11 @@ def get_pp_group() -> dist.ProcessGroup | None:
     return _STATE.pp_group
 
 
+def get_pp_cpu_group() -> dist.ProcessGroup | None:
+    """gloo group over the same ranks as :func:`get_pp_group` (step results to the driver)."""
+    return _STATE.pp_cpu_group
+
+
 def get_pp_size() -> int:
     return _STATE.info.pp_size
 
@@ -323,6 +350,28 @@ def get_pp_rank() -> int:
 def get_pp_ranks() -> tuple[int, ...]:
     """Global ranks of this rank's PP group, by stage."""
     return _STATE.pp_ranks
+
+
+# ------------------------------------------------------------------------- replica
+def get_replica_cpu_group() -> dist.ProcessGroup | None:
+    """gloo group of every rank of this DP replica (None on a replica of one rank)."""
+    return _STATE.replica_cpu_group
+
+
+def get_driver_rank() -> int:
+    """Global rank of this replica's driver (TP rank 0 of pipeline stage 0)."""
+    return _STATE.replica_ranks[0]
+
+
+def replica_min(value: int) -> int:
+    """Smallest ``value`` over the ranks of this DP replica (gloo; ``value`` itself on a
+    replica of one rank): what every stage and shard of it can hold."""
+    g = _STATE.replica_cpu_group
+    if g is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
+    return int(t.item())
 
 
 # ------------------------------------------------------------------------------ DP
@@ -367,5 +416,6 @@ def get_ep_rank() -> int:
 
 __all__ = ["ParallelInfo", "destroy_distributed", "env_rendezvous", "get_dp_control_group", "get_dp_group",
            "get_dp_rank", "get_dp_ranks", "get_dp_size", "get_ep_group", "get_ep_rank", "get_ep_size",
-           "forward_min", "get_parallel_info", "get_pp_group", "get_pp_rank", "get_pp_ranks", "get_pp_size", "get_rank", "get_tp_cpu_group", "get_tp_group", "get_tp_rank", "get_tp_size",
+           "forward_min", "get_driver_rank", "get_parallel_info", "get_pp_cpu_group", "get_pp_group", "get_pp_rank",
+           "get_pp_ranks", "get_pp_size", "get_rank", "get_replica_cpu_group", "replica_min", "get_tp_cpu_group", "get_tp_group", "get_tp_rank", "get_tp_size",
            "get_tp_src_rank", "get_world_size", "init_distributed", "is_distributed", "tp_all_reduce", "tp_min"]

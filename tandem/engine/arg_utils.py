@@ -28,7 +28,7 @@ from tandem.config.utils import literal_choices, unwrap_optional
 from tandem.layers.quantization.config import QuantizationMethods
 
 # Short forms kept from vLLM's CLI.
-_FLAG_ALIASES = {"quantization": ("-q",)}
+_FLAG_ALIASES = {"quantization": ("-q",), "tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
 
 
 @dataclass
@@ -64,6 +64,7 @@ class EngineArgs:
     async_output_proc: bool = SchedulerConfig.async_output_proc
     # ParallelConfig
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
     data_parallel_size: int = ParallelConfig.data_parallel_size
     enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
     all2all_backend: All2AllBackend = ParallelConfig.all2all_backend

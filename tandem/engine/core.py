@@ -59,7 +59,8 @@ class EngineCore:
         model_cfg, cache_cfg, sched_cfg = config.model_config, config.cache_config, config.scheduler_config
         world_size = config.parallel_config.world_size
         if world_size != ps.get_world_size():
-            raise ValueError(f"tensor_parallel_size x data_parallel_size = {world_size} ranks, but this process "
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {world_size} ranks, "
+                             f"but this process "
                              f"is not one of them: build the engine through tandem.entrypoints.llm.LLM or "
                              f"tandem.engine.core_client (they launch the ranks)")
         self.hf_config = load_hf_config(model_cfg.model)
@@ -68,8 +69,9 @@ class EngineCore:
         # The worker owns this rank's world: the model, the KV cache tensors, the runner.
         self.worker = Worker(config, self.hf_config)
         self.model = self.worker.load_model()
-        # The TP ranks of one replica share the driver's block ids: agree on the smallest cache.
-        self.num_kv_blocks = ps.tp_min(self.worker.determine_num_kv_blocks())
+        # The ranks of one replica (its stages and shards) share the driver's block ids:
+        # agree on the smallest cache.
+        self.num_kv_blocks = ps.replica_min(self.worker.determine_num_kv_blocks())
         self.runner = self.worker.initialize_kv_cache(self.num_kv_blocks)  # may lower max_model_len
         self.kv_manager = KVCacheManager(self.num_kv_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.eos_token_ids = self._eos_token_ids()

@@ -1,14 +1,15 @@
-"""A rank of a data/tensor-parallel deployment: joining it and building its engine core, and
-the tensor-parallel driver and followers.
+"""A rank of a data/pipeline/tensor-parallel deployment: joining it and building its engine
+core, and the driver and followers of a replica.
 
-Layout (:mod:`tandem.distributed.parallel_state`): ``dp_size`` replicas x ``tp_size`` shards.
-In every replica the **driver** (TP rank 0) owns an :class:`EngineCore` (scheduler, KV
-cache); before running a step it broadcasts the step's ``SchedulerOutput`` over the TP
-group's gloo group (``EngineCore.step_broadcast``, :class:`TPStepChannel`), and the other TP
-ranks (**followers**) run the same step on their shards (the all-reduces after row-parallel
-layers pair up).
-Sampling runs on every TP rank on identical logits with the same seed; only the driver's
-tokens are emitted. Used by both launchers: Tandem's own (:mod:`tandem.engine.core_proc`)
+Layout (:mod:`tandem.distributed.parallel_state`): ``dp_size`` replicas x ``pp_size`` stages
+x ``tp_size`` shards. In every replica the **driver** (TP rank 0 of stage 0) owns an
+:class:`EngineCore` (scheduler, KV cache); before running a step it broadcasts the step's
+``SchedulerOutput`` over the replica's gloo group (``EngineCore.step_broadcast``,
+:class:`TPStepChannel`), and the other ranks (**followers**) run the same step on their
+stage and shard (the all-reduces after row-parallel layers pair up, and each stage passes its
+hidden states on to the next). Sampling runs on every TP rank of the last stage on identical
+logits with the same seed; the driver emits the tokens of that stage's TP rank 0 (its own
+without PP; sent back to it with PP: :class:`tandem.worker.pipeline_stage.PipelineStage`). Used by both launchers: Tandem's own (:mod:`tandem.engine.core_proc`)
 and the external launchers' (torchrun: :mod:`tandem.engine.external_launcher`).
 """
 
@@ -47,8 +48,8 @@ def _decode_tensor(type_: type, obj: Any) -> Any:
 
 
 class TPStepChannel:
-    """The driver's step messages to the other ranks of its TP group, over the group's gloo
-    group: a ``SchedulerOutput`` per step (None to stop) and, for a step with constrained
+    """The driver's step messages to the other ranks of its replica (its TP group without
+    PP), over the replica's gloo group: a ``SchedulerOutput`` per step (None to stop) and, for a step with constrained
     sequences, its ``GrammarBitmask``. Typed msgpack (msgspec) of array-like structs, not
     pickle: a decode step of 1024 sequences encodes ~12x faster than pickling the same
     structs and ~8x faster in all (encode + decode) than the pickled dataclasses before; a
@@ -59,7 +60,7 @@ class TPStepChannel:
     """
 
     def __init__(self) -> None:
-        self.group, self.src = ps.get_tp_cpu_group(), ps.get_tp_src_rank()
+        self.group, self.src = ps.get_replica_cpu_group(), ps.get_driver_rank()
         self._enc = msgspec.msgpack.Encoder(enc_hook=_encode_tensor)
         self._steps = msgspec.msgpack.Decoder(SchedulerOutput | None, dec_hook=_decode_tensor)
         self._bitmasks = msgspec.msgpack.Decoder(GrammarBitmask | None, dec_hook=_decode_tensor)
@@ -92,7 +93,7 @@ class TPStepChannel:
 
 def make_tp_broadcaster() -> Callable[[SchedulerOutput | GrammarBitmask | None], None]:
     """The driver's ``EngineCore.step_broadcast``: sends a ``SchedulerOutput`` (or None to
-    stop), or a step's ``GrammarBitmask``, to the other ranks of its TP group."""
+    stop), or a step's ``GrammarBitmask``, to the other ranks of its replica."""
     return TPStepChannel().send
 
 
@@ -139,10 +140,10 @@ def build_rank_core(config: EngineConfig, rank: int | None, world_size: int | No
     elif device.torch_device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(parallel.local_ranks)))
     info = ps.init_distributed(parallel.tensor_parallel_size, parallel.data_parallel_size, parallel.enable_expert_parallel,
-                               rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr,
+                               pp_size=parallel.pipeline_parallel_size, rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr,
                                master_port=master_port, device=device.torch_device, store_hosted=store_hosted)
     core = EngineCore(config, engine_index=info.dp_rank)
     dist.barrier()  # every rank built its core
-    if info.is_driver and info.tp_size > 1:
+    if info.is_driver and info.has_followers:
         core.step_broadcast = make_tp_broadcaster()
     return core, info

@@ -19,6 +19,7 @@ import glob
 import json
 import logging
 import os
+import zlib
 from collections.abc import Callable, Iterator
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 
 from tandem.attention.backend import AttentionBackend
 from tandem.distributed import parallel_state as ps
-from tandem.layers import batch_invariant
+from tandem.layers import batch_invariant, fused_ops
 from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_scales, prepare_fp8_model,
                                               rename_checkpoint_scales)
 from tandem.layers.quantization.config import Fp8Config, GGUFQuantConfig
@@ -218,11 +219,14 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
     A parameter sharded over tensor- or expert-parallel ranks (attributes ``full_shape``
     and ``shard``, see :mod:`tandem.layers.linear`) is drawn at its full shape and sliced,
-    so that every rank of every parallel layout holds a slice of the same model.
+    and each parameter from a generator seeded by ``seed`` and its name, so that every rank
+    of every parallel layout (a pipeline stage holds only some of the parameters) holds a
+    part of the same model.
     """
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    device = next(model.parameters()).device
     with torch.no_grad():
         for name, p in model.named_parameters():
+            gen = torch.Generator(device=device).manual_seed(seed << 32 | zlib.crc32(name.encode()))
             full_shape = getattr(p, "full_shape", None)
             if p.dim() == 1 and "norm" in name:
                 p.fill_(1.0)
@@ -241,7 +245,8 @@ def instantiate_model(make: Callable[[], nn.Module], dtype: torch.dtype, device:
     """``make()``'s model with its parameters created in ``dtype`` on ``device`` (FP8 layers
     prepared with ``quant_config``) and its floating-point buffers (RoPE tables) in fp32;
     weights not loaded. Its layers take the deterministic mode of the caller's
-    :func:`tandem.layers.batch_invariant.building` block (off outside one)."""
+    :func:`tandem.layers.batch_invariant.building` block (off outside one) and the fused-ops
+    mode of its :func:`tandem.layers.fused_ops.building` block (``auto`` outside one)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -260,18 +265,22 @@ def instantiate_model(make: Callable[[], nn.Module], dtype: torch.dtype, device:
 
 def build_model(hf_config, model_path: str, load_format: str, backend: AttentionBackend, dtype: torch.dtype,
                 device: torch.device, max_positions: int, seed: int = 0,
-                quant_config: Fp8Config | GGUFQuantConfig | None = None, **model_kwargs) -> nn.Module:
+                quant_config: Fp8Config | GGUFQuantConfig | None = None, fused_ops_mode: str = "auto",
+                **model_kwargs) -> nn.Module:
     """Instantiate the model class of the config and load its weights; ``model_kwargs``
     go to the model's constructor (e.g. ``all2all`` for MoE models). The model is built in
-    the deterministic mode of ``backend`` (``backend.deterministic``): each of its layers
-    keeps it (:func:`tandem.layers.batch_invariant.building`). With an FP8
-    ``quant_config`` the linear and expert layers get FP8 weights
+    the deterministic mode of ``backend`` (``backend.deterministic``) and in fused-ops mode
+    ``fused_ops_mode`` (the worker's, :func:`tandem.layers.fused_ops.resolve_mode`; ``auto``
+    decides per tensor), which each of its layers keeps
+    (:func:`tandem.layers.batch_invariant.building`, :func:`tandem.layers.fused_ops.building`).
+    With an FP8 ``quant_config`` the linear and expert layers get FP8 weights
     (:mod:`tandem.layers.quantization.apply`); with a GGUF one the linear layers of 4-bit
     GGUF weights run them quantized (:mod:`tandem.layers.quantization.gguf`).
 
     Raises:
         ValueError: unknown architecture, unknown load format, weights not matching, an
-            FP8 checkpoint lacking scales, or a GGUF one on several ranks.
+            FP8 checkpoint lacking scales, a GGUF one on several ranks, or an unknown
+            ``fused_ops_mode``.
     """
     cls = get_model_class(hf_config)
     gguf_config = quant_config if isinstance(quant_config, GGUFQuantConfig) else None
@@ -279,16 +288,16 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
     # One bar per deployment: the other ranks write the closing line only.
     with Progress("Loading model weights", logger, unit="tensors", show=ps.get_rank() == 0) as progress:
         progress.stage("building the model")
-        with batch_invariant.building(backend.deterministic):
+        with batch_invariant.building(backend.deterministic), fused_ops.building(fused_ops_mode):
             model = instantiate_model(lambda: cls(hf_config, backend, max_positions=max_positions, **model_kwargs),
                                       dtype, device, quant_config)
         if load_format == "dummy":
             progress.stage("random weights")
             init_dummy_weights(model, seed)
         elif is_gguf(model_path):
-            if gguf_config is not None and (ps.get_tp_size() != 1 or ps.get_ep_size() != 1):
-                raise ValueError("quantization='gguf' runs on one rank; use quantization='none' with tensor/expert "
-                                 "parallelism")
+            if gguf_config is not None and (ps.get_tp_size() != 1 or ps.get_ep_size() != 1 or ps.get_pp_size() != 1):
+                raise ValueError("quantization='gguf' runs on one rank; use quantization='none' with tensor/pipeline/"
+                                 "expert parallelism")
             load_gguf_weights(model, model_path, hf_config, dtype, cache_parameters=quant_config is None,
                               int4=gguf_config is not None, progress=progress)
         elif os.path.isdir(model_path):

@@ -31,7 +31,7 @@ from tandem.distributed import parallel_state as ps
 from tandem.distributed.pipeline import IntermediateTensors, PPMissingLayer, pp_layer_range
 from tandem.layers.fused_ops import silu_and_mul, silu_and_mul_dynamic_per_token_quant
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tandem.layers import batch_invariant
+from tandem.layers import batch_invariant, fused_ops
 from tandem.layers.norm import RMSNorm
 from tandem.layers.quantization.fp8 import QuantizedActivation, UnscaledProduct
 from tandem.layers.rotary import RotaryEmbedding
@@ -128,13 +128,14 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, reduce_results=reduce_results)
+        self.fused_ops_mode = fused_ops.build_mode()  # the model's, for the SiLU-and-mul (tandem.layers.fused_ops)
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor | UnscaledProduct:
         gate_up = self.gate_up_proj(x)
         if self.down_proj.takes_quantized_input:
-            q, scale = silu_and_mul_dynamic_per_token_quant(gate_up)
+            q, scale = silu_and_mul_dynamic_per_token_quant(gate_up, mode=self.fused_ops_mode)
             return self.down_proj(QuantizedActivation(q, scale, gate_up.dtype))
-        return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up, mode=self.fused_ops_mode))
 
 
 def _norm_for(norm: RMSNorm, consumer: nn.Module, x: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None
@@ -216,6 +217,9 @@ class LlamaForCausalLM(nn.Module):
     layers (the residual stream ``hidden + residual``), concatenated along the last dim, so
     that the step's one output tensor (a CUDA graph's included) carries them.
     """
+
+    # Built per pipeline stage (the registry refuses other models under PP).
+    supports_pp = True
 
     def __init__(self, hf_config, backend: AttentionBackend, max_positions: int | None = None) -> None:
         super().__init__()

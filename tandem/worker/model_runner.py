@@ -67,6 +67,7 @@ import torch.distributed as dist
 from tandem import envs
 from tandem.core.sched_output import ScheduledSequence, SchedulerOutput
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
+from tandem.distributed.pipeline import IntermediateTensors
 from tandem.outputs import ModelRunnerOutput
 from tandem.models.llama import split_aux_hidden_states
 from tandem.spec_decode.draft_model import DraftModelProposer, DraftStep
@@ -75,6 +76,7 @@ from tandem.step_timing import WallClockEvent
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
 from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
 from tandem.worker.input_batch import InputBatch
+from tandem.worker.pipeline_stage import PipelineStage
 from tandem.worker.sampler import SamplerOutput, SamplingBatch, repeat_rows, sample, target_distribution
 from tandem.worker.step_plan import CPU_MIN_PROMPT_TOKENS, DBOPolicy, StepMode, StepPlan, StepPlanner, ubatch_slices
 from tandem.worker.step_results import PromptLogprobTensors, RowLogprobs, SampledLogprobTensors, StepResultTensors
@@ -182,13 +184,16 @@ class ModelRunner:
             drafts; None: none.
         step_thread: the single-thread executor CPU steps run on (module docstring; the
             runner shuts it down); None: steps run inline.
+        stage: this rank's pipeline stage (:class:`~tandem.worker.pipeline_stage.PipelineStage`);
+            None without pipeline parallelism.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, vocab_size: int,
                  max_num_seqs: int, device: torch.device, max_model_len: int = 2048, enforce_eager: bool = True,
                  dbo: DBOPolicy | None = None, drafter: DraftModelProposer | None = None,
-                 step_thread: ThreadPoolExecutor | None = None) -> None:
+                 step_thread: ThreadPoolExecutor | None = None, stage: PipelineStage | None = None) -> None:
         self.model = model
+        self.stage = stage
         self.drafter = drafter
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -273,7 +278,7 @@ class ModelRunner:
                 return None
             return AsyncModelRunnerOutput(self._executor.submit(self._run_to_host, so).result)
         out = self._execute(so)
-        if isinstance(out, _ForwardedStep):
+        if so.structured_output_seq_ids:  # a stage before the last defers its handle alike
             self._deferred = out
             return None
         return out
@@ -285,8 +290,13 @@ class ModelRunner:
         fwd, self._deferred = self._deferred, None
         if self._executor is not None:
             return AsyncModelRunnerOutput(
-                self._executor.submit(lambda: self._sample_step(fwd.result(), grammar).result()).result)
-        return self._sample_step(fwd, grammar)
+                self._executor.submit(lambda: self._sample_deferred(fwd.result(), grammar).result()).result)
+        return self._sample_deferred(fwd, grammar)
+
+    def _sample_deferred(self, fwd: _ForwardedStep | AsyncModelRunnerOutput, grammar: GrammarBitmask
+                         ) -> AsyncModelRunnerOutput:
+        # A pipeline stage before the last deferred its step's handle: the last stage samples.
+        return self._sample_step(fwd, grammar) if isinstance(fwd, _ForwardedStep) else fwd
 
     def _run_to_host(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self._execute(so).result()
@@ -331,7 +341,11 @@ class ModelRunner:
         input_ids = self._input_ids(inputs)
         if sampling.spec is not None:
             sampling.spec.draft_ids = input_ids[sampling.spec.draft_at]
-        hidden, aux = split_aux_hidden_states(self.model, self._forward(inputs, input_ids, plan))
+        out = self._forward(inputs, input_ids, plan)
+        if isinstance(out, IntermediateTensors):  # a pipeline stage before the last
+            out.send()
+            return AsyncModelRunnerOutput(self.stage.collect) if self.stage.is_driver else _empty_output()
+        hidden, aux = split_aux_hidden_states(self.model, out)
         target_hidden = hidden if aux is None else aux
         fwd = self._logits(so.step_id, seqs, sampling, inputs, hidden, t_prep, timing,
                            generated if self._phase_layers else None)
@@ -428,8 +442,10 @@ class ModelRunner:
         return input_ids
 
     # ----------------------------------------------------------------- 4. forward
-    def _forward(self, inputs: StepInputs, input_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """The forward of a step as ``plan`` says. Returns ``[num_tokens, H]``."""
+    def _forward(self, inputs: StepInputs, input_ids: torch.Tensor, plan: StepPlan
+                 ) -> torch.Tensor | IntermediateTensors:
+        """The forward of a step as ``plan`` says. Returns ``[num_tokens, H]``; on a pipeline
+        stage before the last, the residual stream of the ``plan.padded_tokens`` tokens."""
         n = inputs.num_tokens
         if plan.mode is StepMode.GRAPH:
             return self.cuda_graphs.run(inputs.num_reqs, input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
@@ -446,8 +462,10 @@ class ModelRunner:
 
         generated = full.generated_mask() if self._phase_layers else None
         phases = None if generated is None else lambda start, stop: RowPhases.from_mask(generated[start:stop], self.device)
-        return forward_step(self.model, self.kv_caches, input_ids, positions, padded, plan.ubatches, metadata,
-                            phases)[:n]
+        intermediate = None if self.stage is None else self.stage.receive(padded)
+        out = forward_step(self.model, self.kv_caches, input_ids, positions, padded, plan.ubatches, metadata, phases,
+                           intermediate)
+        return out if isinstance(out, IntermediateTensors) else out[:n]
 
     def _run_padding(self, plan: StepPlan) -> None:
         """An idle data-parallel rank's share of the step: padding tokens only."""
@@ -603,7 +621,10 @@ class ModelRunner:
             self.step_events.append((ev_start, self._timing_event(), num_reqs, decode_only, context))
         if self.step_times is not None:
             self.step_times.add(fwd.step_id, "prepare", fwd.t_prep)
-        return self._copy_to_host(seq_ids, res, accepted, accepted_lp, num_drafts)
+        handle = self._copy_to_host(seq_ids, res, accepted, accepted_lp, num_drafts)
+        if self.stage is not None and self.stage.reports:
+            return AsyncModelRunnerOutput(lambda: self.stage.report(handle.result()))
+        return handle
 
     def _verify_drafts(self, spec: _SpecVerify, logits: torch.Tensor, first_row: int) -> tuple[
             torch.Tensor, dict[int, list[int]], dict[int, list[tuple[list[int], list[float], int]]]]:

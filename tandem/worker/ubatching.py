@@ -24,6 +24,7 @@ import torch
 
 from tandem.attention.metadata import AttentionMetadata
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
+from tandem.distributed.pipeline import IntermediateTensors
 from tandem.worker.step_plan import UBatchSlice
 
 
@@ -196,7 +197,8 @@ def run_ubatches(first: Generator, second: Generator,
 def forward_step(model, kv_caches: list[torch.Tensor], input_ids: torch.Tensor, positions: torch.Tensor,
                  padded_tokens: int, ubatches: tuple[UBatchSlice, UBatchSlice] | None,
                  metadata: Callable[[int, int], AttentionMetadata],
-                 row_phases: Callable[[int, int], RowPhases | None] | None = None) -> torch.Tensor:
+                 row_phases: Callable[[int, int], RowPhases | None] | None = None,
+                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
     """Run the model over ``padded_tokens`` tokens, whole or as two overlapped ubatches.
 
     Args:
@@ -207,15 +209,21 @@ def forward_step(model, kv_caches: list[torch.Tensor], input_ids: torch.Tensor, 
         metadata: ``(start, stop) -> AttentionMetadata`` of tokens ``[start, stop)``.
         row_phases: ``(start, stop) ->`` the :class:`RowPhases` of tokens ``[start,
             stop)``, set in their forward context; None: not known.
+        intermediate: on a pipeline stage after the first, the previous stage's residual
+            stream (not with ``ubatches``).
 
     Returns:
-        hidden states ``[padded_tokens, hidden]``. Multi-rank exchanges pad to the largest
-        forward (or ubatch) of the step, which every rank runs alike.
+        hidden states ``[padded_tokens, hidden]`` (a pipeline stage before the last: its
+        :class:`~tandem.distributed.pipeline.IntermediateTensors`). Multi-rank exchanges pad
+        to the largest forward (or ubatch) of the step, which every rank runs alike.
     """
     phases = row_phases or (lambda start, stop: None)
     if ubatches is None:
+        # Only a split model takes the previous stage's tensors (the others have no such argument).
+        stage_in = {} if intermediate is None else {"intermediate": intermediate}
         with forward_context(ForwardContext(padded_tokens, row_phases=phases(0, padded_tokens))):
-            return model(input_ids[:padded_tokens], positions[:padded_tokens], kv_caches, metadata(0, padded_tokens))
+            return model(input_ids[:padded_tokens], positions[:padded_tokens], kv_caches, metadata(0, padded_tokens),
+                         **stage_in)
     size = max(u.num_tokens for u in ubatches)
     gens = [model.forward_steps(input_ids[u.token_start:u.token_stop], positions[u.token_start:u.token_stop], kv_caches,
                                 metadata(u.token_start, u.token_stop)) for u in ubatches]

@@ -32,10 +32,13 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from tandem import envs
 from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.selector import get_attention_backend
 from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
+from tandem.distributed.pipeline import IntermediateTensors
+from tandem.layers import fused_ops
 from tandem.layers.quantization.config import get_gguf_config, get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.model_loader.loader import build_model, load_hf_config
@@ -44,6 +47,7 @@ from tandem.spec_decode.draft_model import DraftModelProposer, check_draft_model
 from tandem.spec_decode.eagle import EagleProposer, load_eagle_head
 from tandem.worker.kv_cache import allocate_kv_caches
 from tandem.worker.model_runner import ModelRunner, cpu_step_thread
+from tandem.worker.pipeline_stage import PipelineStage
 from tandem.worker.step_plan import DBOPolicy
 
 logger = logging.getLogger(__name__)
@@ -103,6 +107,10 @@ class Worker:
         # The one place the mode is handed over: the backend holds it, and every model built
         # over the backend (build_model, the EAGLE head below) takes it from there.
         backend = get_attention_backend(self.device, model_cfg.max_model_len, deterministic=model_cfg.deterministic)
+        # Likewise the fused-ops mode, decided once for this device: every model built below
+        # (the target, a draft model, an EAGLE head) keeps it in its layers.
+        fused_mode = fused_ops.resolve_mode(envs.TANDEM_FUSED_OPS, self.device)
+        logger.info("Fused ops: %s", fused_mode)
         load_format = cfg.load_config.load_format
         self.quant_config = get_quantization_config(self.hf_config, model_cfg.quantization, load_format,
                                                     model_cfg.deterministic)
@@ -115,7 +123,7 @@ class Worker:
             check_fp8_supported(self.device, f"kv_cache_dtype={cfg.cache_config.kv_cache_dtype!r}")
         self.model = build_model(self.hf_config, model_cfg.model, cfg.load_config.load_format, backend, self.dtype,
                                  self.device, max_positions=model_cfg.max_model_len, seed=model_cfg.seed,
-                                 quant_config=self.quant_config, **self._moe_kwargs())
+                                 quant_config=self.quant_config, fused_ops_mode=fused_mode, **self._moe_kwargs())
         spec = cfg.speculative_config
         if spec is not None:
             limit = spec.disable_by_batch_size
@@ -123,16 +131,19 @@ class Worker:
                         spec.num_speculative_tokens, "at any batch size" if limit is None else
                         f"while at most {limit} request{'s are' if limit > 1 else ' is'} running")
         if spec is not None and spec.method == "draft_model":
-            self.draft_model = self._load_draft_model(spec.model, backend)
+            self.draft_model = self._load_draft_model(spec.model, backend, fused_mode)
         elif spec is not None and spec.uses_model:
-            self.draft_model = load_eagle_head(spec.method, spec.model, self.model, backend, self.dtype, self.device,
-                                               model_cfg.max_model_len, cfg.load_config.load_format, model_cfg.seed)
+            with fused_ops.building(fused_mode):  # load_eagle_head builds in the caller's fused-ops mode
+                self.draft_model = load_eagle_head(spec.method, spec.model, self.model, backend, self.dtype,
+                                                   self.device, model_cfg.max_model_len, cfg.load_config.load_format,
+                                                   model_cfg.seed)
         torch.manual_seed(model_cfg.seed)
         return self.model
 
-    def _load_draft_model(self, path: str, backend) -> torch.nn.Module:
-        """The draft model at ``path``, in the target's dtype and load format; a GGUF file
-        runs quantized as a GGUF target does by default (dequantized with ``quantization="none"``).
+    def _load_draft_model(self, path: str, backend, fused_ops_mode: str) -> torch.nn.Module:
+        """The draft model at ``path``, in the target's dtype, load format and fused-ops mode;
+        a GGUF file runs quantized as a GGUF target does by default (dequantized with
+        ``quantization="none"``).
 
         Raises:
             ValueError: its vocabulary or context is not the target's (:func:`check_draft_model`).
@@ -147,7 +158,8 @@ class Worker:
         quant_config = get_gguf_config(path, "none" if model_cfg.quantization == "none" else None, self.device.type, load_format, model_cfg.dtype,
                                        model_cfg.deterministic)
         return build_model(draft_hf, path, load_format, backend, self.dtype, self.device,
-                           max_positions=model_cfg.max_model_len, seed=model_cfg.seed, quant_config=quant_config)
+                           max_positions=model_cfg.max_model_len, seed=model_cfg.seed, quant_config=quant_config,
+                           fused_ops_mode=fused_ops_mode)
 
     def _moe_kwargs(self) -> dict:
         """The dispatch/combine backend of MoE layers (dense models take none)."""
@@ -244,15 +256,25 @@ class Worker:
 
         # Every rank profiles the same t tokens: expert-parallel exchanges pair up.
         positions = torch.cat([torch.arange(n, device=device) for n in meta.seq_lens_cpu])
+        # A pipeline stage profiles alone: a stand-in for the previous stage's tensors.
+        info = ps.get_parallel_info()
+        stage_in = {} if info.is_first_stage else {"intermediate": IntermediateTensors(
+            *torch.zeros(2, t, self.hf_config.hidden_size, dtype=self.dtype, device=device))}
         with forward_context(ForwardContext(max_tokens_per_rank=t)):
-            out = model(torch.zeros(t, dtype=torch.long, device=device), positions, caches, meta)
+            out = model(torch.zeros(t, dtype=torch.long, device=device), positions, caches, meta, **stage_in)
+        if not info.is_last_stage:  # no logits here
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - base
+            del caches, out, stage_in
+            torch.cuda.empty_cache()
+            return peak
         rows = min(cfg.scheduler_config.max_num_seqs, t)
         hidden, _ = split_aux_hidden_states(model, out)
         logits = model.compute_logits(hidden[:rows])
         logits.sort(dim=-1)  # top-k/top-p sort, the sampler's largest temporary
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
-        del caches, out, hidden, logits
+        del caches, out, hidden, logits, stage_in
         torch.cuda.empty_cache()
         # Softmax, noise and logprob copies of the logits beside the sort.
         return peak + 4 * rows * self.vocab_size * 4
@@ -312,7 +334,9 @@ class Worker:
         runner = ModelRunner(self.model, kv_caches, cfg.cache_config.block_size, self.vocab_size,
                              sched_cfg.max_num_seqs, self.device, max_model_len=model_cfg.max_model_len,
                              enforce_eager=model_cfg.enforce_eager, dbo=dbo, drafter=drafter,
-                             step_thread=self.step_thread)
+                             step_thread=self.step_thread,
+                             stage=PipelineStage(self.hf_config.hidden_size, self.dtype, self.device)
+                             if ps.get_pp_size() > 1 else None)
         if ps.get_ep_size() > 1:
             # Expert parallelism: every DP rank's forward takes part in the EP collectives, so
             # the runner agrees on each step (and runs dummy batches) over the DP group.
@@ -330,7 +354,9 @@ class Worker:
 
 def _cache_geometry(model: torch.nn.Module) -> tuple[int, int, int, int]:
     num_kv_heads, head_dim = model.kv_cache_shape_per_block
-    return len(model.layers), getattr(model, "kv_cache_num_planes", 2), num_kv_heads, head_dim
+    # A pipeline stage caches its own layers only.
+    layers = getattr(model, "num_stage_layers", len(model.layers))
+    return layers, getattr(model, "kv_cache_num_planes", 2), num_kv_heads, head_dim
 
 
 def profile_step_metadata(num_tokens: int, max_model_len: int, block_size: int,

@@ -72,6 +72,11 @@ def word_tokenizer(tmp_path_factory) -> str:
 
 def generate_ids(llm, prompts, params=GREEDY, timeout: float = 180.0) -> list[list[int]]:
     """Greedy token ids of each prompt; kills the deployment and fails on a hang."""
+    return [o.outputs[0].token_ids for o in generate_outputs(llm, prompts, params, timeout)]
+
+
+def generate_outputs(llm, prompts, params=GREEDY, timeout: float = 180.0) -> list:
+    """``llm.generate``'s outputs; kills the deployment and fails on a hang."""
     box: dict = {}
 
     def run():
@@ -90,7 +95,7 @@ def generate_ids(llm, prompts, params=GREEDY, timeout: float = 180.0) -> list[li
         pytest.fail(f"generate did not finish within {timeout}s (hang)")
     if "err" in box:
         raise box["err"]
-    return [o.outputs[0].token_ids for o in box["out"]]
+    return box["out"]
 
 
 def single_process_ids(model: str, prompts=PROMPTS, params=GREEDY, **kwargs) -> list[list[int]]:

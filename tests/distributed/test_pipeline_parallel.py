@@ -123,3 +123,109 @@ def test_split_stages_give_transformers_logits(family, tp, pp):
     results = run_ranks(_stage, tp * pp, family, tp, pp, timeout=180)
     last = [r for r in results if r is not None]
     assert len(last) == tp and max(last) < 1e-4, results
+
+
+# ----------------------------------------------------------------------------- the engine
+@pytest.fixture
+def deep_llama(tmp_path):
+    """The tests' tiny random Llama (dummy weights) with 4 layers, so that 3 stages split it."""
+    import json
+
+    from tests.distributed.conftest import CONFIGS
+
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIGS["llama"], "num_hidden_layers": 4}))
+    return str(tmp_path)
+
+
+def _tokens_and_logprobs(outputs) -> list[tuple[list[int], list[dict[int, float]]]]:
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
+            for o in outputs]
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (3, 1), (2, 2)], ids=["pp2", "pp3", "pp2-tp2"])
+def test_an_engine_of_stages_gives_the_tokens_and_logprobs_of_one_process(deep_llama, pp, tp):
+    """Greedy tokens equal, logprobs (top 2 of each position) within fp32 tolerance, for a
+    batch of mixed-length prompts (chunked prefills, then decodes), and again after idling."""
+    from tandem.sampling_params import SamplingParams
+    from tests.distributed.conftest import PROMPTS, generate_outputs, make_llm
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    one = make_llm(deep_llama)
+    try:
+        want = _tokens_and_logprobs(generate_outputs(one, PROMPTS, params))
+    finally:
+        one.engine.shutdown()
+    llm = make_llm(deep_llama, pipeline_parallel_size=pp, tensor_parallel_size=tp)
+    try:
+        info = llm.engine.rank0_info["parallel"]
+        assert (info.pp_size, info.tp_size, info.pp_rank) == (pp, tp, 0)
+        got = _tokens_and_logprobs(generate_outputs(llm, PROMPTS, params))
+        again = _tokens_and_logprobs(generate_outputs(llm, PROMPTS[:1], params))
+    finally:
+        llm.engine.shutdown()
+    for (ids, lps), (want_ids, want_lps) in zip(got + again, want + want[:1]):
+        assert ids == want_ids
+        for pos, want_pos in zip(lps, want_lps):
+            assert pos.keys() == want_pos.keys()
+            assert all(abs(pos[t] - want_pos[t]) < 1e-4 for t in pos), (pos, want_pos)
+
+
+def test_constrained_requests_sample_on_the_last_stage(model_dir, word_tokenizer):
+    """The driver's bitmask reaches the last stage, which samples: PP=2 gives one process's
+    tokens for constrained requests beside free ones."""
+    from tandem.sampling_params import SamplingParams
+    from tandem.structured_output import StructuredOutputsParams
+    from tests.distributed.conftest import PROMPTS, generate_ids, make_llm, single_process_ids
+
+    model = model_dir("llama")
+    constrained = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(regex="(t3|t4|t5)+t9"))
+    params = [constrained if i % 2 else SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    want = single_process_ids(model, PROMPTS, params, tokenizer=word_tokenizer)
+    llm = make_llm(model, pipeline_parallel_size=2, tokenizer=word_tokenizer)
+    try:
+        got = generate_ids(llm, PROMPTS, params)
+    finally:
+        llm.engine.shutdown()
+    assert got == want and any(9 in ids for ids in got[1::2])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(enable_dbo=True), "pipeline_parallel_size > 1 does not support enable_dbo yet"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative_config does not support tensor, pipeline, data or expert parallelism yet"),
+])
+def test_what_stages_do_not_cover_yet_is_refused_with_one_line(kwargs, message):
+    from tandem.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(pipeline_parallel_size=2, **kwargs).create_engine_config()
+
+
+def test_stages_turn_off_output_overlap_and_cuda_graphs():
+    from tandem.engine.arg_utils import EngineArgs
+
+    cfg = EngineArgs(pipeline_parallel_size=2).create_engine_config()
+    assert (cfg.parallel_config.world_size, cfg.scheduler_config.async_output_proc,
+            cfg.model_config.enforce_eager) == (2, False, True)
+
+
+def _moe_stage(rank, world, port, model):
+    from tandem.distributed import parallel_state as ps
+    from tandem.model_loader.loader import load_hf_config
+    from tandem.models.registry import get_model_class
+
+    ps.init_distributed(1, 1, pp_size=2, rank=rank, world_size=world, master_port=port)
+    try:
+        get_model_class(load_hf_config(model))
+    except ValueError as e:
+        return str(e)
+    finally:
+        ps.destroy_distributed()
+
+
+def test_a_model_without_stages_is_refused_by_every_rank(model_dir):
+    msgs = run_ranks(_moe_stage, 2, model_dir("qwen3_moe"), timeout=120)
+    assert all(m is not None and "does not support model_type 'qwen3_moe' yet; it does: llama, qwen2, qwen3" in m
+               for m in msgs), msgs

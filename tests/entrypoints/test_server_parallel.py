@@ -1,7 +1,7 @@
 """``tandem serve`` with several engine cores over gloo (tiny random-weight models, CPU):
 greedy completions through the ``openai`` client equal the single-process offline ones for
 DP=2 (a dense Llama; a Qwen3-MoE with expert parallelism and dual-batch overlap, whose
-replicas step in lockstep) and TP=2; streamed text equals the non-streamed text;
+replicas step in lockstep), TP=2, PP=2 and DP=2 x PP=2; streamed text equals the non-streamed text;
 requests are spread over both replicas; streams cut mid-way give every replica's KV
 blocks back."""
 
@@ -24,6 +24,8 @@ LAYOUTS = {
                                            "--all2all-backend", "all_to_all", "--dbo-decode-token-threshold", "2",
                                            "--dbo-prefill-token-threshold", "8"]),
     "tp2-llama": ("llama", ["--tensor-parallel-size", "2"]),
+    "pp2-llama": ("llama", ["--pipeline-parallel-size", "2"]),
+    "dp2-pp2-llama": ("llama", ["--data-parallel-size", "2", "-pp", "2"]),
 }
 
 
