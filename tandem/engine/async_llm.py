@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tandem.config import EngineConfig
-from tandem.engine.core_client import AsyncMPClient, EngineClientConfig, EngineDeadError
+from tandem.engine.core_client import AsyncMPClient, EngineDeadError
+from tandem.engine.launch import CoreProcManager, EngineClientConfig
 from tandem.engine.messages import EngineCoreOutputs
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.processor import Processor
@@ -232,6 +233,7 @@ class AsyncLLM:
 
     Raises:
         EngineDeadError: a core failed to start.
+        ProcessLookupError: a core of ``client_config`` is gone already.
         ValueError: the configuration is invalid.
     """
 
@@ -241,7 +243,8 @@ class AsyncLLM:
         # The tokenizer loads here while the cores load the model.
         with ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer-load") as pool:
             tok = pool.submit(load_tokenizer, config.model_config.tokenizer or config.model_config.model)
-            self.client = AsyncMPClient(config, attach=client_config)
+            self.client = AsyncMPClient(config, CoreProcManager.attach(client_config)
+                                        if client_config is not None else None)
             self.tokenizer = tok.result()
         ready = self.client.ready
         self.config = EngineConfig.from_dict(ready.config)

@@ -5,28 +5,30 @@ As vLLM V1's ``EngineCoreClient``:
 
 * :class:`InprocClient`: the core in this process; ``get_output()`` runs one step
   (offline ``LLM`` default: no serialization at all).
-* :class:`SyncMPClient` / :class:`AsyncMPClient`: ``data_parallel_size *
-  tensor_parallel_size`` rank processes spawned on this machine
-  (:func:`tandem.engine.core_proc.run_engine_core`); one input socket per data-parallel
-  replica, one output socket for all. A new request goes to the replica with the fewest
-  outstanding sequences (then the lowest KV cache usage reported); its ``n`` sequences stay
-  together (shared prompt blocks). The async client is for an asyncio front end (the server).
+* :class:`SyncMPClient` / :class:`AsyncMPClient`: the cores of ``data_parallel_size *
+  tensor_parallel_size`` rank processes, over zmq; one input socket per data-parallel
+  replica, one output socket for all. Starting, watching and stopping those processes is
+  :class:`tandem.engine.launch.CoreProcManager`'s (spawned here by default, another
+  process's, or torchrun's); the client keeps the protocol, the load balancing and the
+  failure reporting. A new request goes to the replica with the fewest outstanding sequences
+  (then the lowest KV cache usage reported); its ``n`` sequences stay together (shared
+  prompt blocks). The async client is for an asyncio front end (the server).
 
 Several API-server processes (``tandem serve --api-server-count N``, vLLM's layout): the
 launching process spawns the cores with sockets for ``N + 1`` clients
-(``api_server_count=N``; it is the last client: it waits for the cores, watches them and
-stops them), and each API server attaches an :class:`AsyncMPClient` to its own sockets
-(:class:`EngineClientConfig`). A core sends a request's outputs to the client that sent it,
+(``CoreProcManager.launch(config, api_server_count=N)``; it is the last client: it waits for
+the cores, watches them and stops them), and each API server attaches an
+:class:`AsyncMPClient` to its own sockets (``CoreProcManager.attach`` of an
+``EngineClientConfig``). A core sends a request's outputs to the client that sent it,
 and its scheduler stats after every step to all of them. An attached client balances on
 those stats: a replica's load is its running + waiting sequences at its last report, plus
 what this client sent it since (each client sees every replica's load and its own recent
 sends; vLLM gets the same from a coordinator process that publishes the cores' queue
 lengths, which the per-step reports make unnecessary here).
 
-A rank process that dies is detected (its process sentinel; an attached client opens a
-pidfd on it) and reported as :class:`EngineDeadError` to every caller; the launching client
-then kills the others. Rank processes are daemonic and also exit on their own when the
-launching process is gone.
+A rank process that dies is detected (its process sentinel, or the pidfd an attached
+client's manager opens on it) and reported as :class:`EngineDeadError` to every caller; the
+launching client then kills the others.
 """
 
 from __future__ import annotations
@@ -35,21 +37,16 @@ import asyncio
 import atexit
 import itertools
 import logging
-import os
-import select
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from multiprocessing.connection import wait as wait_sentinels
 
 import zmq
 import zmq.asyncio
 
 from tandem import envs
 from tandem.config import EngineConfig
+from tandem.engine.launch import CoreProcManager
 from tandem.engine.messages import (CoreMessage, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                     EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder)
 
@@ -111,124 +108,38 @@ class InprocClient:
         self.core.shutdown()
 
 
-@dataclass(frozen=True)
-class EngineZmqAddresses:
-    """The zmq endpoints between the front ends (clients) and the engine cores (vLLM's name).
-
-    Client ``c`` binds ``inputs[c][e]`` (PUSH; replica ``e``'s driver connects a PULL) and
-    ``outputs[c]`` (PULL; every driver connects a PUSH).
-    """
-
-    inputs: list[list[str]]
-    outputs: list[str]
-
-    @classmethod
-    def in_dir(cls, ipc_dir: str, num_clients: int, dp_size: int) -> "EngineZmqAddresses":
-        """Unix sockets in ``ipc_dir`` (every core on this host)."""
-        return cls([[f"ipc://{ipc_dir}/input{c}_{e}" for e in range(dp_size)] for c in range(num_clients)],
-                   [f"ipc://{ipc_dir}/output{c}" for c in range(num_clients)])
-
-    @classmethod
-    def over_tcp(cls, host: str, num_clients: int, dp_size: int) -> "EngineZmqAddresses":
-        """TCP ports of ``host`` free now (cores on several hosts)."""
-        from tandem.distributed.launch import free_port
-
-        def addr() -> str:
-            return f"tcp://{host}:{free_port(host)}"
-
-        return cls([[addr() for _ in range(dp_size)] for _ in range(num_clients)], [addr() for _ in range(num_clients)])
-
-
-@dataclass(frozen=True)
-class EngineClientConfig:
-    """What an API-server process needs to attach to cores launched by another process
-    (vLLM's ``client_config``): the endpoints, its client index, the rank processes' pids."""
-
-    addresses: EngineZmqAddresses
-    client_index: int
-    core_pids: list[int]
-
-
-class _ForeignProcess:
-    """A rank process launched by another process, watched through a pidfd (Linux >= 5.3):
-    the subset of ``multiprocessing.Process`` the clients use. It is not ours to kill."""
-
-    exitcode = None  # only the launching process can read it
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        try:
-            self.sentinel = os.pidfd_open(pid)
-        except ProcessLookupError:
-            raise EngineDeadError(f"engine core process {pid} is gone") from None
-
-    def is_alive(self) -> bool:
-        return not select.select([self.sentinel], [], [], 0)[0]
-
-    def join(self, timeout: float | None = None) -> None:
-        select.select([self.sentinel], [], [], timeout)
-
-    def kill(self) -> None:
-        pass
-
-
 class MPClient:
-    """Spawns the rank processes and owns the sockets (base of the two clients below).
+    """Owns the sockets to the engine cores and speaks the protocol (base of the two clients
+    below); their processes are :class:`tandem.engine.launch.CoreProcManager`'s.
 
     Args:
-        config: engine configuration (``world_size`` processes are spawned).
+        config: engine configuration.
+        cores: the cores to talk to, as this client's slot among them; None: spawn
+            ``world_size`` rank processes for this client alone
+            (:meth:`CoreProcManager.launch`).
         startup_timeout: seconds for every rank to load the model (default:
             ``TANDEM_STARTUP_TIMEOUT_S``, else 1800).
-        api_server_count: API-server processes that will attach to the cores
-            (:meth:`api_server_configs`); this client is then the last of
-            ``api_server_count + 1`` and only launches, watches and stops the cores.
-        attach: attach to cores launched by another process instead of spawning them.
         wait_ready: wait for the cores' handshakes here; False: the caller calls
             :meth:`wait_ready` (the launcher of API servers starts them meanwhile).
-        external: the sockets of cores that another launcher started (torchrun: every rank
-            is a process of its own); this client binds them, and stops the cores at shutdown.
 
     Raises:
-        ValueError: the model path is none the loader reads (before any rank starts).
+        ValueError: the model path is none the loader reads (before any rank starts); the
+            other errors of :meth:`CoreProcManager.launch` too, when ``cores`` is None.
         EngineConfigError: a rank failed to start on bad input (its message).
         EngineDeadError: a rank failed to start otherwise (its traceback is in the message).
     """
 
-    def __init__(self, config: EngineConfig, startup_timeout: float | None = None, asyncio_mode: bool = False,
-                 api_server_count: int = 0, attach: EngineClientConfig | None = None, wait_ready: bool = True,
-                 external: EngineZmqAddresses | None = None) -> None:
+    def __init__(self, config: EngineConfig, cores: CoreProcManager | None = None,
+                 startup_timeout: float | None = None, asyncio_mode: bool = False, wait_ready: bool = True) -> None:
         self.config = config
         self.dp_size = config.parallel_config.data_parallel_size
         self.lockstep = self.dp_size > 1 and config.parallel_config.enable_expert_parallel
-        self.owns_cores = attach is None
-        parallel = config.parallel_config
-        self.multi_host = parallel.multi_host
-        self._dir = None
-        if attach is not None or external is not None:
-            self.addresses = attach.addresses if attach is not None else external
-        elif self.multi_host:
-            self.addresses = EngineZmqAddresses.over_tcp(parallel.data_parallel_address or "127.0.0.1",
-                                                         api_server_count + 1, self.dp_size)
-        else:
-            self._dir = tempfile.mkdtemp(prefix="tandem-ipc-")
-            self.addresses = EngineZmqAddresses.in_dir(self._dir, api_server_count + 1, self.dp_size)
-        # Several hosts: the handshake with the headless hosts and their heartbeats (launcher only).
-        self.hosts = None
-        self.client_index = attach.client_index if attach is not None else api_server_count
+        self.cores = cores if cores is not None else CoreProcManager.launch(config)
+        self.client_index = self.cores.client_index
         # Cores shared with other clients: balance on the load they report.
-        self.shared = len(self.addresses.outputs) > 1
+        self.shared = len(self.cores.addresses.outputs) > 1
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(CoreMessage)
-        self.ctx = zmq.Context(io_threads=1)
-        self.inputs = []
-        for addr in self.addresses.inputs[self.client_index]:
-            s = self.ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.SNDHWM, 0)  # a busy core never blocks the front end's event loop
-            s.bind(addr)
-            self.inputs.append(s)
-        self.actx = zmq.asyncio.Context.shadow(self.ctx) if asyncio_mode else None
-        self.output = (self.actx or self.ctx).socket(zmq.PULL)
-        self.output.bind(self.addresses.outputs[self.client_index])
         self.dead_error: EngineDeadError | None = None
         self._closed = False
         self._stopping = False
@@ -242,14 +153,20 @@ class MPClient:
         self.reported_load = [0] * self.dp_size
         self.sent_since_report = [0] * self.dp_size
         self._call_ids = itertools.count()
-        self._store = None
-        self.procs: list = []
+        self.ctx = zmq.Context(io_threads=1)
+        self.actx = zmq.asyncio.Context.shadow(self.ctx) if asyncio_mode else None
+        self.inputs = []
+        self.output = None
         atexit.register(self.shutdown)
         try:
-            if attach is not None:
-                self.procs = [_ForeignProcess(pid) for pid in attach.core_pids]
-            elif external is None:
-                self.procs = self._spawn(config)
+            addresses = self.cores.addresses
+            for addr in addresses.inputs[self.client_index]:
+                s = self.ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.SNDHWM, 0)  # a busy core never blocks the front end's event loop
+                s.bind(addr)
+                self.inputs.append(s)
+            self.output = (self.actx or self.ctx).socket(zmq.PULL)
+            self.output.bind(addresses.outputs[self.client_index])
         except BaseException:
             self._kill()
             raise
@@ -257,52 +174,22 @@ class MPClient:
             self.wait_ready(startup_timeout)
 
     def wait_ready(self, startup_timeout: float | None = None) -> None:
-        """Wait for every replica's handshake (``readies``, ``ready``).
+        """Wait for every replica's handshake (``readies``, ``ready``), and first for every
+        ``--headless`` host of a deployment on several hosts.
 
         Raises:
             EngineConfigError: a rank failed to start on bad input.
             EngineDeadError: a rank failed to start otherwise, or not within the timeout.
+            HostRefusedError: a ``--headless`` host was refused, lost, or missing.
         """
         try:
-            if self.hosts is not None:
-                self.hosts.wait_for_hosts(check=self._check_procs)
+            self.cores.wait_for_hosts(check=self._check_procs)
             self.readies = self._wait_ready(envs.TANDEM_STARTUP_TIMEOUT_S if startup_timeout is None
                                             else startup_timeout)
         except BaseException:
             self._kill()
             raise
         self.ready = self.readies[0]
-
-    def _spawn(self, config: EngineConfig) -> list:
-        from tandem.model_loader.loader import check_model_path
-        from tandem.distributed.launch import host_store, resolve_rendezvous, spawn_ranks
-        from tandem.engine.core_proc import launcher_log_level, run_engine_core
-
-        # A missing model fails here, in one line, not after the ranks start.
-        check_model_path(config.model_config.model)
-        parallel = config.parallel_config
-        rdv = None
-        if parallel.world_size > 1:
-            rdv = resolve_rendezvous(parallel.master_addr or (parallel.data_parallel_address if self.multi_host else None),
-                                     parallel.master_port)
-        # Served from here until every rank has exited (see host_store).
-        self._store = host_store(rdv, parallel.world_size) if rdv is not None else None
-        addrs = self.addresses
-        if self.multi_host:
-            from tandem.engine.host_handshake import HeadHandshake, HostWelcome
-
-            parallel.check_host_role(headless=False)
-            self.hosts = HeadHandshake(config, HostWelcome(addrs.inputs, addrs.outputs, rdv.master_addr,
-                                                           rdv.master_port))
-        first = parallel.local_ranks.start
-        return spawn_ranks(run_engine_core, parallel.local_ranks, lambda r: (
-            config, r, parallel.world_size, rdv and rdv.master_addr, rdv and rdv.master_port, addrs.inputs,
-            addrs.outputs, os.getpid(), r - first, launcher_log_level()))
-
-    def api_server_configs(self) -> list[EngineClientConfig]:
-        """What each API server needs to attach (``api_server_count`` of them)."""
-        pids = [p.pid for p in self.procs]
-        return [EngineClientConfig(self.addresses, c, pids) for c in range(self.client_index)]
 
     # ------------------------------------------------------------------ startup
     def _recv_sync(self, timeout_s: float) -> CoreMessage | None:
@@ -329,12 +216,15 @@ class MPClient:
         return [readies[i] for i in range(self.dp_size)]
 
     def _check_procs(self) -> None:
-        if self.hosts is not None and self.hosts.lost is not None and not self._closed:
-            self._fail(self.hosts.lost)
-        dead = [i for i, p in enumerate(self.procs) if not p.is_alive() and (p.exitcode != 0 or not self._stopping)]
+        """Fail (:meth:`_fail`) when a ``--headless`` host is lost or a rank process exited
+        (once stopping, only one that exited on an error)."""
+        if self.cores.lost_host is not None and not self._closed:
+            self._fail(self.cores.lost_host)
+        dead = self.cores.dead(count_clean_exits=not self._stopping)
         if dead and not self._closed:
-            self._fail(f"engine core process(es) {dead} exited (pids {[self.procs[i].pid for i in dead]}, "
-                       f"codes {[self.procs[i].exitcode for i in dead]})")
+            procs = self.cores.procs
+            self._fail(f"engine core process(es) {dead} exited (pids {[procs[i].pid for i in dead]}, "
+                       f"codes {[procs[i].exitcode for i in dead]})")
 
     def _fail(self, message: str) -> None:
         if self.dead_error is None:
@@ -350,13 +240,8 @@ class MPClient:
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         # zmq may still accept a send to a core that exited (its pipe outlives the peer for a
-        # while), so look at the processes first: one non-blocking select on every sentinel.
-        # A sentinel is ready a moment before its process can be reaped: wait for the code.
-        ready = select.select([p.sentinel for p in self.procs], [], [], 0)[0]
-        if ready:
-            for p in self.procs:
-                if p.sentinel in ready:
-                    p.join(timeout=5)
+        # while), so look at the processes first.
+        if self.cores.poll_exited():
             self._check_procs()
         frames = (kind.value, self.encoder.encode(payload))
         while True:
@@ -433,7 +318,7 @@ class MPClient:
         if self._closed:
             return
         self._stopping = True
-        if not self.owns_cores:
+        if not self.cores.owner:
             if self.dead_error is None and self.engine_of:
                 try:
                     self.abort_requests(list(self.engine_of))
@@ -449,35 +334,24 @@ class MPClient:
                     except zmq.Again:
                         pass  # nothing connected: that core already exited (a lockstep peer stopping)
                 deadline = time.monotonic() + timeout
-                while self.final_stats is None and time.monotonic() < deadline and \
-                        any(p.is_alive() for p in self.procs):
+                while self.final_stats is None and time.monotonic() < deadline and self.cores.any_alive():
                     msg = self._recv_sync(0.2)
                     if isinstance(msg, EngineCoreOutputs):
                         self._account(msg)
             except (EngineDeadError, zmq.ZMQError) as e:
                 logger.warning("engine core shutdown: %s", e)
-        for p in self.procs:
-            p.join(timeout=max(1.0, timeout / 4) if self.dead_error is None else 0.1)
+        self.cores.join(max(1.0, timeout / 4) if self.dead_error is None else 0.1)
         self._kill()
 
     def _kill(self, linger_ms: int = 0) -> None:
         if self._closed:
             return
         self._closed = True
-        if self.hosts is not None:
-            self.hosts.close(None if self.dead_error is None else str(self.dead_error).splitlines()[0])
-        if self.owns_cores:
-            for p in self.procs:
-                if p.is_alive():
-                    p.kill()
-            for p in self.procs:
-                p.join(timeout=5)
+        self.cores.close(None if self.dead_error is None else str(self.dead_error).splitlines()[0])
         for s in [*self.inputs, self.output]:
-            s.close(linger=linger_ms)
+            if s is not None:
+                s.close(linger=linger_ms)
         self.ctx.term()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-        self._store = None  # every rank is gone: the rendezvous store may close
         atexit.unregister(self.shutdown)
 
 
@@ -492,10 +366,9 @@ def _one_line(message: str) -> str:
 class SyncMPClient(MPClient):
     """Blocking client of spawned cores (offline ``LLM`` with several ranks)."""
 
-    def __init__(self, config: EngineConfig, startup_timeout: float | None = None, api_server_count: int = 0,
-                 wait_ready: bool = True, external: EngineZmqAddresses | None = None) -> None:
-        super().__init__(config, startup_timeout, api_server_count=api_server_count, wait_ready=wait_ready,
-                         external=external)
+    def __init__(self, config: EngineConfig, cores: CoreProcManager | None = None,
+                 startup_timeout: float | None = None, wait_ready: bool = True) -> None:
+        super().__init__(config, cores, startup_timeout, wait_ready=wait_ready)
         self._backlog: list[EngineCoreOutputs] = []
 
     def get_output(self) -> EngineCoreOutputs:
@@ -548,13 +421,13 @@ class AsyncMPClient(MPClient):
     output loop on the running event loop: ``on_outputs(msg)`` for every core message with
     outputs or stats, ``on_dead(error)`` once when a core dies."""
 
-    def __init__(self, config: EngineConfig, startup_timeout: float | None = None,
-                 attach: EngineClientConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig, cores: CoreProcManager | None = None,
+                 startup_timeout: float | None = None) -> None:
         self._task: asyncio.Task | None = None
         self._dead_reported = False
         self._calls: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        super().__init__(config, startup_timeout, asyncio_mode=True, attach=attach)
+        super().__init__(config, cores, startup_timeout, asyncio_mode=True)
 
     def start(self, on_outputs: Callable[[EngineCoreOutputs], None], on_dead: Callable[[BaseException], None]) -> None:
         """Run the output loop on the running event loop (again, if an earlier loop ended)."""
@@ -571,13 +444,9 @@ class AsyncMPClient(MPClient):
     def _monitor(self) -> None:
         """Wait on the rank processes' sentinels (and the loss of a host); report the first
         that exits unasked."""
-        ready = wait_sentinels([p.sentinel for p in self.procs] + ([self.hosts.lost_r] if self.hosts else []))
+        self.cores.wait_for_exit()
         if self._stopping:
             return
-        # A sentinel is closed before its process can be reaped: wait for the exit code.
-        for p in self.procs:
-            if p.sentinel in ready:
-                p.join(timeout=5)
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._dead_from_monitor)
@@ -672,5 +541,5 @@ def make_client(config: EngineConfig, asyncio_mode: bool = False):
     return InprocClient(config)
 
 
-__all__ = ["AsyncMPClient", "EngineClientConfig", "EngineConfigError", "EngineDeadError", "EngineZmqAddresses",
-           "InprocClient", "MPClient", "SyncMPClient", "make_client"]
+__all__ = ["AsyncMPClient", "EngineConfigError", "EngineDeadError", "InprocClient", "MPClient", "SyncMPClient",
+           "make_client"]

@@ -36,12 +36,16 @@ import threading
 import time
 import traceback
 
+from typing import TYPE_CHECKING
+
 import zmq
 
 from tandem import envs
-from tandem.config import EngineConfig
 from tandem.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, MsgpackDecoder,
                                     MsgpackEncoder, UtilityOutput)
+
+if TYPE_CHECKING:
+    from tandem.engine.launch import CoreLaunch
 
 logger = logging.getLogger(__name__)
 
@@ -271,11 +275,11 @@ class EngineCoreProc:
 
 
 def serve(proc: EngineCoreProc, info) -> None:
-    """A driver's loop until SHUTDOWN; then its TP followers are told to stop."""
+    """A driver's loop until SHUTDOWN; then its followers (TP ranks, later pipeline stages) are told to stop."""
     try:
         proc.run()
     finally:
-        if info.tp_size > 1:
+        if info.has_followers:
             proc.core.step_broadcast(None)
 
 
@@ -293,26 +297,15 @@ def commit_kv_cache(core) -> None:
                 time.perf_counter() - t0)
 
 
-def launcher_log_level() -> str:
-    """The root log level of this process, for the rank processes it spawns: their load
-    progress and stats lines then reach the log ``tandem serve`` writes (INFO) and stay out
-    of an offline run's output (WARNING), as the launcher's own lines do."""
-    return logging.getLevelName(logging.getLogger().getEffectiveLevel())
+def run_engine_core(launch: CoreLaunch) -> None:
+    """Entry of a spawned rank process (:mod:`tandem.engine.launch`): build the core, then
+    serve (driver) or follow (TP).
 
-
-def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_addr: str | None,
-                    master_port: int | None, input_addrs: list[list[str]], output_addrs: list[str],
-                    parent_pid: int, local_rank: int | None = None, log_level: str = "WARNING") -> None:
-    """Entry of a spawned rank process: build the core, then serve (driver) or follow (TP).
-
-    ``input_addrs[c][dp_rank]`` is front end ``c``'s input socket of each replica's driver;
-    ``output_addrs[c]`` its output socket (``ipc://`` on one host, ``tcp://`` across hosts).
-    ``local_rank``: the rank's index on its host (its GPU; default ``rank``). ``log_level``:
-    the launching process's (:func:`launcher_log_level`), unless ``TANDEM_LOGGING_LEVEL`` says
-    otherwise.
+    ``launch.addresses.inputs[c][dp_rank]`` is front end ``c``'s input socket of each
+    replica's driver; ``launch.addresses.outputs[c]`` its output socket.
     """
     limit_malloc_arenas()
-    exit_with_parent(parent_pid)
+    exit_with_parent(launch.parent_pid)
     # Ctrl-C in a terminal (and SIGTERM from `timeout`, `kill -- -PGID`, systemd's default
     # KillMode) reaches every process of the group: the front end alone handles it (it
     # stops the cores); a rank interrupted mid-collective would print a traceback, and one
@@ -327,12 +320,14 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
     from tandem.engine.rank_core import build_rank_core, run_tp_follower
     from tandem.logging_config import configure_logging
 
-    configure_logging(default_level=log_level)
+    configure_logging(default_level=launch.log_level)
+    config, rank, output_addrs = launch.config, launch.rank, launch.addresses.outputs
     proc = core = None
     try:
-        if world_size > 1:
-            core, info = build_rank_core(config, rank, world_size, rank if local_rank is None else local_rank,
-                                         master_addr, master_port, store_hosted=True)
+        if launch.world_size > 1:
+            core, info = build_rank_core(config, rank, launch.world_size,
+                                         rank if launch.local_rank is None else launch.local_rank,
+                                         launch.master_addr, launch.master_port, store_hosted=True)
         else:
             from tandem.engine.core import EngineCore
 
@@ -341,7 +336,7 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
         if not info.is_driver:
             run_tp_follower(core)
             return
-        proc = EngineCoreProc.for_rank(core, info, input_addrs, output_addrs)
+        proc = EngineCoreProc.for_rank(core, info, launch.addresses.inputs, output_addrs)
         try:
             serve(proc, info)
         except Exception:  # noqa: BLE001 - its traceback went to the front ends (engine_dead), which log it
@@ -380,4 +375,4 @@ def run_engine_core(config: EngineConfig, rank: int, world_size: int, master_add
 
 
 __all__ = ["EngineCoreProc", "IDLE_TRIM_S", "LOCKSTEP_IDLE_POLL_MS", "commit_kv_cache", "exit_with_parent",
-           "idle_wait_ms", "launcher_log_level", "limit_malloc_arenas", "release_free_heap", "run_engine_core", "serve"]
+           "idle_wait_ms", "limit_malloc_arenas", "release_free_heap", "run_engine_core", "serve"]

@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
-from tandem.engine.core_client import EngineZmqAddresses, SyncMPClient
+from tandem.engine.core_client import SyncMPClient
 from tandem.engine.core_proc import EngineCoreProc, serve
+from tandem.engine.launch import CoreProcManager, EngineZmqAddresses
 
 
 def _share_addresses(addresses, info):
@@ -86,7 +87,7 @@ class RankZeroClient(SyncMPClient):
     stops every core, then leaves the deployment."""
 
     def __init__(self, config: EngineConfig, core, info, addresses: EngineZmqAddresses) -> None:
-        super().__init__(config, wait_ready=False, external=addresses)
+        super().__init__(config, CoreProcManager.external(addresses), wait_ready=False)
         self._core, self._left = core, False
         self._proc = EngineCoreProc.for_rank(core, info, addresses.inputs, addresses.outputs)
         self._thread = threading.Thread(target=serve, args=(self._proc, info), name="tandem-engine-core", daemon=True)

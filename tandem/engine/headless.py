@@ -3,7 +3,8 @@
 
 It joins the head (:class:`tandem.engine.host_handshake.HeadLink`), spawns its ranks
 (``data_parallel_size_local`` replicas from ``data_parallel_start_rank``, times the TP size)
-as core processes connected to the head's API servers over TCP, and watches both sides:
+as core processes connected to the head's API servers over TCP
+(:meth:`tandem.engine.launch.CoreProcManager.spawn`), and watches both sides:
 
 * the head stops normally (it sent SHUTDOWN to every core, then :class:`HostStop`): the
   cores exit on their own; exit 0;
@@ -20,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 
 from tandem.config import EngineConfig
 
@@ -38,9 +38,8 @@ def run_headless(config: EngineConfig) -> None:
             ``HostRefusedError``: the head refused this host or did not answer (one line naming why).
         SystemExit: 1 when the head or a core was lost.
     """
-    from tandem.distributed.launch import spawn_ranks
-    from tandem.engine.core_proc import launcher_log_level, run_engine_core
     from tandem.engine.host_handshake import HeadLink
+    from tandem.engine.launch import CoreLaunch, CoreProcManager, EngineZmqAddresses, launcher_log_level
     from tandem.model_loader.model_path import check_model_path
 
     parallel = config.parallel_config
@@ -48,23 +47,23 @@ def run_headless(config: EngineConfig) -> None:
     check_model_path(config.model_config.model)
     link = HeadLink(config)
     w = link.welcome
-    first = parallel.local_ranks.start
     dp_ranks = range(parallel.data_parallel_start_rank, parallel.data_parallel_start_rank + parallel.data_parallel_local_size)
     logger.info("joined the head at %s: DP ranks %s (global ranks %s)", link.addr, list(dp_ranks),
                 list(parallel.local_ranks))
-    procs = spawn_ranks(run_engine_core, parallel.local_ranks, lambda r: (
-        config, r, parallel.world_size, w.master_addr, w.master_port, w.inputs, w.outputs, os.getpid(), r - first,
-        launcher_log_level()))
+    cores = CoreProcManager.spawn(CoreLaunch(config, EngineZmqAddresses(w.inputs, w.outputs), os.getpid(),
+                                             world_size=parallel.world_size, master_addr=w.master_addr,
+                                             master_port=w.master_port, log_level=launcher_log_level()),
+                                  parallel.local_ranks)
     try:
-        code = _supervise(link, procs)
+        code = _supervise(link, cores)
     finally:
-        _stop_cores(procs)
+        cores.kill()
         link.close()
     if code:
         raise SystemExit(code)
 
 
-def _supervise(link, procs) -> int:
+def _supervise(link, cores) -> int:
     stop: list[int] = []
     old = {sig: signal.signal(sig, lambda signum, _f: stop.append(signum)) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -72,18 +71,18 @@ def _supervise(link, procs) -> int:
             gone = link.poll(0.5)
             if gone == "":
                 logger.info("the head stopped: waiting for the engine cores")
-                _wait(procs, CORE_STOP_TIMEOUT_S)
+                cores.join(CORE_STOP_TIMEOUT_S)
                 return 0
             if gone is not None:
                 logger.error("%s: stopping this host's engine cores", gone)
                 return 1
-            failed = [p for p in procs if not p.is_alive() and p.exitcode != 0]
+            failed = [cores.procs[i] for i in cores.dead(count_clean_exits=False)]
             if failed:
                 why = ", ".join(f"{p.name} (pid {p.pid}) exited with {p.exitcode}" for p in failed)
                 logger.error("engine core %s: stopping this host", why)
                 link.stop(f"engine core {why}")
                 return 1
-            if not any(p.is_alive() for p in procs):
+            if not cores.any_alive():
                 logger.info("the engine cores stopped (the head shut them down)")
                 return 0  # the head's SHUTDOWN reached the cores before its HostStop
         logger.info("signal %d: stopping this host", stop[0])
@@ -92,19 +91,6 @@ def _supervise(link, procs) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-
-
-def _wait(procs, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-
-
-def _stop_cores(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    _wait(procs, 5.0)
 
 
 __all__ = ["run_headless"]

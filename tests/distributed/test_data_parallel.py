@@ -157,7 +157,7 @@ def test_a_gone_core_never_blocks_sends_or_shutdown(model_dir):
 
     llm = make_llm(model_dir("llama"), DPLLM, data_parallel_size=2, **DP_ENGINE)
     client = llm.engine.client
-    gone = client.procs[1]
+    gone = client.cores.procs[1]
     gone.kill()
     gone.join(10)
     with pytest.raises(EngineDeadError, match="exited"):

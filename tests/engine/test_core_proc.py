@@ -9,6 +9,7 @@ import zmq
 
 from tandem.engine.arg_utils import EngineArgs
 from tandem.engine.core_proc import run_engine_core
+from tandem.engine.launch import CoreLaunch, EngineZmqAddresses
 from tandem.engine.messages import CoreMessage, EngineCoreOutputs, MsgpackDecoder
 
 
@@ -25,7 +26,8 @@ def test_bad_input_at_load_is_reported_and_leaves_no_traceback(tmp_path, capfd):
     front.bind(addr)
     try:
         proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, 0, 1, None, None, [[f"ipc://{tmp_path}/in"]], [addr], os.getpid()))
+            target=run_engine_core,
+            args=(CoreLaunch(config, EngineZmqAddresses([[f"ipc://{tmp_path}/in"]], [addr]), os.getpid()),))
         proc.start()
         assert front.poll(120_000), "no message from the failed rank"
         msg = MsgpackDecoder(CoreMessage).decode(front.recv())

@@ -105,32 +105,6 @@ def test_engine_core_sleeps_when_idle(llm):
     assert before == after  # no steps without work (the core blocks on its input socket)
 
 
-def test_death_found_by_a_liveness_check_fails_live_requests():
-    """Whichever path notices a dead core first (here a liveness check; the sentinel
-    monitor is switched off), every live request ends with ``EngineDeadError``."""
-    own = AsyncLLM(EngineArgs(num_kv_blocks=256, max_model_len=1024, device="cpu").create_engine_config())
-    own.client._monitor = lambda: None
-    try:
-        async def main():
-            stream = await own.add_request("long", [42] * 4, SamplingParams(
-                max_tokens=1000, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
-            await stream.__anext__()
-            proc = own.client.procs[0]
-            proc.kill()
-            proc.join(10)
-            assert not own.is_running
-
-            async def drain():
-                async for _ in stream:
-                    pass
-            with pytest.raises(EngineDeadError, match="exited"):
-                await asyncio.wait_for(drain(), 10)
-
-        asyncio.run(main())
-    finally:
-        own.shutdown()
-
-
 class _Owner:
     """What a ``RequestStream`` needs of its ``AsyncLLM``: listeners and the abort hook."""
 

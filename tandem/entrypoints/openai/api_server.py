@@ -643,18 +643,15 @@ def _stop_loading(thread: threading.Thread) -> None:
     until the loading thread ends: it may spawn them late), so that the loading thread sees
     them gone and cleans up; its error is the stop, not a fault. An API server attached to
     another process's cores spawned none: its loading thread ends with the process."""
-    import multiprocessing
+    from tandem.engine.launch import kill_spawned
 
     core_log = logging.getLogger("tandem.engine.core_client")
     core_log.disabled = True  # it would log the cores' deaths as a failure
     start = time.monotonic()
     try:
         while thread.is_alive() and time.monotonic() < start + ENGINE_STOP_TIMEOUT_S + 3.0:
-            children = multiprocessing.active_children()
-            if not children and time.monotonic() > start + 0.5:
+            if not kill_spawned() and time.monotonic() > start + 0.5:
                 return  # none spawned here (attached), or none left
-            for p in children:
-                p.kill()
             thread.join(0.1)
     finally:
         core_log.disabled = False

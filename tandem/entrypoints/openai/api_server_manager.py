@@ -12,7 +12,8 @@ process:
    to its backlog per wake-up), so one process would take most of a benchmark's
    connections. All N sockets listen from the start, so none misses the first connections;
 2. spawns the engine cores with a client slot per API server plus its own
-   (:class:`tandem.engine.core_client.SyncMPClient` with ``api_server_count``);
+   (:meth:`tandem.engine.launch.CoreProcManager.launch` with ``api_server_count``, under a
+   :class:`tandem.engine.core_client.SyncMPClient`);
 3. spawns the API servers (:func:`run_api_server_worker`) while the cores load, each with
    its socket and an ``AsyncLLM`` attached to the cores (its own processor, detokenizer and
    output processor; it waits for the cores' handshakes itself); Prometheus metrics go to a
@@ -41,7 +42,8 @@ import time
 from multiprocessing.connection import wait as wait_sentinels
 
 from tandem.config import EngineConfig
-from tandem.engine.core_client import EngineClientConfig, EngineDeadError, SyncMPClient
+from tandem.engine.core_client import EngineDeadError, SyncMPClient
+from tandem.engine.launch import CoreProcManager, EngineClientConfig
 from tandem.entrypoints.openai.api_server import (ABORT_SIGNAL, DEAD_ENGINE_EXIT_DELAY_S, ENGINE_STOP_TIMEOUT_S,
                                                    bind_socket)
 
@@ -182,7 +184,7 @@ class _StopSignals:
 
 def _supervise(client: SyncMPClient, servers: APIServerProcessManager, stop: list[int], drain_s: int) -> int:
     """Watch the cores and the API servers until a signal lands in ``stop`` (0) or a death (1)."""
-    sentinels = servers.sentinels + [p.sentinel for p in client.procs]
+    sentinels = servers.sentinels + client.cores.sentinels
     while not stop:
         wait_sentinels(sentinels, SUPERVISE_POLL_S)
         try:
@@ -222,14 +224,14 @@ def run_multi_api_server(args: argparse.Namespace, cfg: EngineConfig) -> None:
     code = 1
     try:
         logger.info("loading %s", cfg.model_config.model)
-        client = SyncMPClient(cfg, api_server_count=n, wait_ready=False)
+        client = SyncMPClient(cfg, CoreProcManager.launch(cfg, api_server_count=n), wait_ready=False)
         try:
-            servers = APIServerProcessManager(args, socks, client.api_server_configs(), metrics_dir)
+            servers = APIServerProcessManager(args, socks, client.cores.api_server_configs(), metrics_dir)
             for s in socks:
                 s.close()  # the API servers hold them now
             client.wait_ready()
             logger.info("engine cores ready (pids %s); %d API servers on http://%s:%d (pids %s)",
-                        [p.pid for p in client.procs], n, host, port, [p.pid for p in servers.procs])
+                        client.cores.pids, n, host, port, [p.pid for p in servers.procs])
             signals = _StopSignals(servers)
             signals.install()
             code = _supervise(client, servers, signals.received, args.shutdown_timeout)
