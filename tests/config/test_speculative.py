@@ -94,9 +94,10 @@ def test_speculation_keeps_async_output_processing_and_a_batch_size_limit():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"tensor_parallel_size": 2}, "tensor, data or expert parallelism"),
-    ({"data_parallel_size": 2}, "tensor, data or expert parallelism"),
-    ({"enable_expert_parallel": True}, "tensor, data or expert parallelism"),
+    ({"tensor_parallel_size": 2}, "tensor, pipeline, data or expert parallelism"),
+    ({"data_parallel_size": 2}, "tensor, pipeline, data or expert parallelism"),
+    ({"enable_expert_parallel": True}, "tensor, pipeline, data or expert parallelism"),
+    ({"pipeline_parallel_size": 2}, "tensor, pipeline, data or expert parallelism"),
     ({"enable_dbo": True}, "enable_dbo"),
 ])
 def test_what_stage_one_does_not_cover_is_refused(kwargs, message):
