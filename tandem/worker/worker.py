@@ -6,7 +6,7 @@ and nano-vllm's ``ModelRunner``: the engine core builds a :class:`Worker` and ca
 1. :meth:`Worker.load_model`: the MoE dispatch/combine backend, the weights (and a
    speculative config's draft model);
 2. :meth:`Worker.determine_num_kv_blocks`: the KV cache's size in blocks (profiled on CUDA);
-   the TP ranks of a replica then agree on the smallest (the core does, :func:`ps.tp_min`);
+   the ranks of a replica (its stages and TP ranks) then agree on the smallest (the core does, :func:`ps.replica_min`);
 3. :meth:`Worker.initialize_kv_cache`: the cache tensors and the :class:`ModelRunner`.
 
 The core keeps the scheduler, the KV block manager and the grammars; the worker knows

@@ -30,14 +30,14 @@ def _core(model: str, tokenizer: str, **kw) -> EngineCore:
     return EngineCore(EngineArgs(**{**args, **kw}).create_engine_config())
 
 
-def test_core_runs_on_the_block_count_the_tp_ranks_agreed_on(tiny_llama, embedded_model_path, monkeypatch):
-    """The worker sizes its cache (30 blocks); the TP agreement (the smallest over the ranks,
-    here 12) sizes the tensors, the block manager and the scheduler's context (11 blocks of
+def test_core_runs_on_the_block_count_the_replica_ranks_agreed_on(tiny_llama, embedded_model_path, monkeypatch):
+    """The worker sizes its cache (30 blocks); the replica's agreement (the smallest over its
+    stages and TP ranks, here 12) sizes the tensors, the block manager and the scheduler's context (11 blocks of
     8 = 88 tokens < 128), and greedy requests run to the end with every block freed."""
     from tandem.distributed import parallel_state as ps
 
     asked = []
-    monkeypatch.setattr(ps, "tp_min", lambda n: asked.append(n) or 12)
+    monkeypatch.setattr(ps, "replica_min", lambda n: asked.append(n) or 12)
     core = _core(tiny_llama, embedded_model_path, num_kv_blocks=30)
     try:
         assert asked == [30]
