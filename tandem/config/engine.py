@@ -61,7 +61,7 @@ class EngineConfig:
             logger.warning("pipeline parallelism does not overlap output processing yet: async_output_proc off")
             self.scheduler_config.async_output_proc = False
         if not self.model_config.enforce_eager:
-            logger.warning("pipeline parallelism does not capture CUDA graphs yet: enforce_eager on")
+            logger.info("pipeline parallelism does not capture CUDA graphs yet: enforce_eager on")
             self.model_config.enforce_eager = True
 
     def _resolve_speculative(self) -> None:

@@ -108,6 +108,12 @@ class ParallelConfig:
         return self.data_parallel_local_size < self.data_parallel_size
 
     @property
+    def model_on_one_rank(self) -> bool:
+        """Every rank holds the whole model: no tensor or pipeline split, no experts sharded
+        over replicas."""
+        return self.replica_size == 1 and not (self.enable_expert_parallel and self.data_parallel_size > 1)
+
+    @property
     def replica_size(self) -> int:
         """Processes of one DP replica: ``tensor_parallel_size * pipeline_parallel_size``."""
         return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -146,11 +146,13 @@ def load_gguf_weights(model: nn.Module, path: str, hf_config, dtype: torch.dtype
     parameter cache of its converted folder when that holds them, else loaded from the
     folder's fp32 checkpoint (where :func:`~tandem.model_loader.gguf_cache.checkpoint_folder`
     wrote one) or the file, and then cached (with ``cache_parameters``). Sharded (tensor-
-    or expert-parallel) models are never cached: their parameters depend on the layout; nor
+    or expert-parallel) models and pipeline stages are never cached: their parameters
+    depend on the layout; nor
     are FP8 ones (pass ``cache_parameters=False``): theirs are rewritten after loading.
     ``progress`` counts the tensors loaded."""
     folder = converted_folder(path)
-    cacheable = cache_parameters and folder is not None and ps.get_tp_size() == 1 and ps.get_ep_size() == 1
+    cacheable = (cache_parameters and folder is not None and ps.get_tp_size() == 1 and ps.get_ep_size() == 1
+                 and ps.get_pp_size() == 1)
     built = model_spec(model)
     if cacheable:
         if progress is not None:
@@ -279,8 +281,7 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
 
     Raises:
         ValueError: unknown architecture, unknown load format, weights not matching, an
-            FP8 checkpoint lacking scales, a GGUF one on several ranks, or an unknown
-            ``fused_ops_mode``.
+            FP8 checkpoint lacking scales, or an unknown ``fused_ops_mode``.
     """
     cls = get_model_class(hf_config)
     gguf_config = quant_config if isinstance(quant_config, GGUFQuantConfig) else None
@@ -295,9 +296,6 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
             progress.stage("random weights")
             init_dummy_weights(model, seed)
         elif is_gguf(model_path):
-            if gguf_config is not None and (ps.get_tp_size() != 1 or ps.get_ep_size() != 1 or ps.get_pp_size() != 1):
-                raise ValueError("quantization='gguf' runs on one rank; use quantization='none' with tensor/pipeline/"
-                                 "expert parallelism")
             load_gguf_weights(model, model_path, hf_config, dtype, cache_parameters=quant_config is None,
                               int4=gguf_config is not None, progress=progress)
         elif os.path.isdir(model_path):

@@ -118,7 +118,8 @@ class Worker:
             check_fp8_supported(self.device, f"quantization={self.quant_config.method!r}")
         else:
             self.quant_config = get_gguf_config(model_cfg.model, model_cfg.quantization, self.device.type, load_format,
-                                                model_cfg.dtype, model_cfg.deterministic)
+                                                model_cfg.dtype, model_cfg.deterministic,
+                                                cfg.parallel_config.model_on_one_rank)
         if self.kv_dtype != self.dtype:
             check_fp8_supported(self.device, f"kv_cache_dtype={cfg.cache_config.kv_cache_dtype!r}")
         self.model = build_model(self.hf_config, model_cfg.model, cfg.load_config.load_format, backend, self.dtype,

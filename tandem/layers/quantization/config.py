@@ -48,22 +48,23 @@ class GGUFQuantConfig:
 
 
 def get_gguf_config(model: str | None, quantization: str | None, device_type: str, load_format: str = "auto",
-                    dtype: str = "auto", deterministic: bool = False) -> GGUFQuantConfig | None:
+                    dtype: str = "auto", deterministic: bool = False, one_rank: bool = True) -> GGUFQuantConfig | None:
     """The GGUF scheme of a run, or None (any other scheme, or ``quantization="none"``).
 
     ``quantization`` None takes ``"gguf"`` for a GGUF file on the CPU (real weights) at
     ``dtype="auto"``, not in deterministic mode; an explicit ``dtype`` keeps the dequantized
     path in that dtype (as before GGUF ran quantized: exact fp32 comparisons stay exact),
     and so does ``deterministic`` (its batch-invariant GEMMs; the int4 layers switch
-    kernels with the row count).
+    kernels with the row count), and a model split over ranks (not ``one_rank``:
+    ``ParallelConfig.model_on_one_rank``; the int4 layers are not sharded).
 
     Raises:
         ValueError: ``quantization="gguf"`` for a model that is not a GGUF file, dummy
-            weights, a device other than the CPU, or with ``deterministic``.
+            weights, a device other than the CPU, with ``deterministic``, or split over ranks.
     """
     is_gguf = model is not None and model.endswith(".gguf") and load_format != "dummy"
     if quantization is None:
-        default = is_gguf and device_type == "cpu" and dtype == "auto" and not deterministic
+        default = is_gguf and device_type == "cpu" and dtype == "auto" and not deterministic and one_rank
         return GGUFQuantConfig(model) if default else None
     if quantization != "gguf":
         return None
@@ -76,6 +77,9 @@ def get_gguf_config(model: str | None, quantization: str | None, device_type: st
     if device_type != "cpu":
         raise ValueError(f"quantization='gguf' runs on the CPU (device {device_type!r}); use quantization='none' "
                          f"to dequantize the GGUF's weights")
+    if not one_rank:
+        raise ValueError("quantization='gguf' runs on one rank; use quantization='none' with tensor/pipeline/"
+                         "expert parallelism")
     return GGUFQuantConfig(model)
 
 
@@ -91,7 +95,8 @@ def weights_mode(config) -> str:
     m = config.model_config
     dtype = str(config.torch_dtype).removeprefix("torch.")
     if get_gguf_config(m.model, m.quantization, config.device_config.torch_device.type,
-                       config.load_config.load_format, m.dtype, m.deterministic) is not None:
+                       config.load_config.load_format, m.dtype, m.deterministic,
+                       config.parallel_config.model_on_one_rank) is not None:
         return f"gguf int4 + {dtype}"
     if m.quantization in _FP8_METHODS:
         return m.quantization

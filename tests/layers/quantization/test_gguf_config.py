@@ -23,6 +23,7 @@ def test_default_is_gguf_for_a_gguf_on_the_cpu_at_dtype_auto():
     assert get_gguf_config(GGUF, "none", "cpu") is None
     assert get_gguf_config(GGUF, "fp8", "cpu") is None
     assert get_gguf_config(GGUF, None, "cpu", deterministic=True) is None
+    assert get_gguf_config(GGUF, None, "cpu", one_rank=False) is None  # tensor / pipeline / expert parallel
 
 
 def test_gguf_where_it_cannot_run_is_a_value_error():
@@ -34,6 +35,8 @@ def test_gguf_where_it_cannot_run_is_a_value_error():
         get_gguf_config(GGUF, "gguf", "cuda")
     with pytest.raises(ValueError, match="not batch-invariant"):
         get_gguf_config(GGUF, "gguf", "cpu", deterministic=True)
+    with pytest.raises(ValueError, match="runs on one rank; use quantization='none' with tensor/pipeline/expert"):
+        get_gguf_config(GGUF, "gguf", "cpu", one_rank=False)
 
 
 def test_gguf_and_none_are_not_fp8_schemes():
