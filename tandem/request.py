@@ -55,7 +55,9 @@ class Request:
       * ``spec_token_ids`` = the draft tokens of the step in flight (speculative decoding);
       * ``draft_token_ids`` = the draft model's proposals for its next step;
       * ``num_device_drafts`` = drafts the model runner proposes after the sequence's
-        step in flight, kept on the device for its next step.
+        step in flight, kept on the device for its next step;
+      * ``virtual_engine`` = which of the scheduler's concurrent batches the sequence runs
+        in (pipeline parallelism, vLLM V0's virtual engines; set when it is admitted).
     """
 
     request_id: str
@@ -76,6 +78,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
     num_device_drafts: int = 0
+    virtual_engine: int = 0
     # The grammar of a request with ``sampling_params.structured_outputs``.
     structured_output: "StructuredOutputRequest | None" = None
 

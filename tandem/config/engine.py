@@ -52,17 +52,21 @@ class EngineConfig:
             self._resolve_pipeline()
 
     def _resolve_pipeline(self) -> None:
-        """Refuse, or turn off with a warning (as vLLM did for PP), what pipeline parallelism
-        does not cover yet: dual-batch overlap; asynchronous output processing and CUDA
-        graphs (each step runs through the stages before the next is scheduled)."""
+        """Refuse, or turn off (as vLLM did for PP), what pipeline parallelism does not
+        cover yet: dual-batch overlap; CUDA graphs (logged)."""
         if self.dbo_config.enable_dbo:
             raise ValueError("pipeline_parallel_size > 1 does not support enable_dbo yet.")
-        if self.scheduler_config.async_output_proc:
-            logger.warning("pipeline parallelism does not overlap output processing yet: async_output_proc off")
-            self.scheduler_config.async_output_proc = False
         if not self.model_config.enforce_eager:
             logger.info("pipeline parallelism does not capture CUDA graphs yet: enforce_eager on")
             self.model_config.enforce_eager = True
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches in flight at once (vLLM V1's name): one per pipeline stage with
+        asynchronous output processing, so that no stage waits for the others; else 1
+        (the engine core's one-step-ahead loop, or a synchronous one)."""
+        pp = self.parallel_config.pipeline_parallel_size
+        return pp if pp > 1 and self.scheduler_config.async_output_proc else 1
 
     def _resolve_speculative(self) -> None:
         """Refuse what speculative decoding does not cover yet. (Asynchronous output

@@ -35,6 +35,14 @@ Where drafts come from:
   drafts its last output carried (``ModelRunnerOutput.draft_token_ids``). A constrained
   sequence's drafts must be checked against its grammar on the host: while one runs,
   every step is taken in before the next is scheduled.
+
+Several batches in flight (pipeline parallelism: one per stage, vLLM V1's
+``max_concurrent_batches``): each sequence is admitted into one of
+``max_concurrent_batches`` *virtual engines* (vLLM V0's name), the one being scheduled, while
+it holds fewer than its even share of the sequences; :meth:`Scheduler.schedule` of a virtual
+engine batches only its sequences. The engine core schedules a virtual engine only once its
+previous batch has been taken in, so a sequence is never in two batches in flight and its
+input tokens are on the host when it is scheduled.
 """
 
 from __future__ import annotations
@@ -72,14 +80,17 @@ class Scheduler:
             runner proposes), its number of drafts per step ``K``; 0: none.
         disable_by_batch_size: speculate only while at most this many sequences run (None:
             always).
+        max_concurrent_batches: virtual engines, each with its own batches (module
+            docstring); 1: every sequence in every step.
     """
 
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
                  structured_output_manager: "StructuredOutputManager | None" = None,
                  proposer: "NgramProposer | None" = None, num_lookahead_tokens: int = 0,
-                 disable_by_batch_size: int | None = None) -> None:
+                 disable_by_batch_size: int | None = None, max_concurrent_batches: int = 1) -> None:
         self.kv = kv_manager
+        self.max_concurrent_batches = max_concurrent_batches
         self.structured_output_manager = structured_output_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -217,8 +228,9 @@ class Scheduler:
             return False
         return self.proposer is not None or any(r.structured_output is not None for r in self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        """Decide the next step. Never blocks; may return an empty step."""
+    def schedule(self, virtual_engine: int = 0) -> SchedulerOutput:
+        """Decide the next step: of ``virtual_engine``'s sequences, and the waiting ones it
+        admits (module docstring). Never blocks; may return an empty step."""
         speculate = self.wants_drafts()
         propose = speculate and self.num_lookahead_tokens > 0
         budget = self.max_num_batched_tokens
@@ -230,6 +242,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.virtual_engine != virtual_engine:
+                i += 1
+                continue
             num_output = len(req.output_token_ids)
             num_tokens = len(req.prompt_token_ids) + num_output
             placeholders = req.num_output_placeholders
@@ -266,7 +281,8 @@ class Scheduler:
         if not preempted:
             # Requests whose grammar is still compiling wait without holding up the others.
             compiling: list[Request] = []
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            room = self._admission_room(virtual_engine)
+            while self.waiting and budget > 0 and room > 0:
                 req = self.waiting[0]
                 if req.num_output_placeholders:
                     break  # a preempted sequence whose last sample is still in flight
@@ -288,6 +304,8 @@ class Scheduler:
                     req.num_cached_tokens = num_hit
                     self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 req.status = RequestStatus.RUNNING
+                req.virtual_engine = virtual_engine
+                room -= 1
                 self.running.append(req)
                 seq = self._schedule_seq(req, num_new, req.num_tokens, so_seq_ids, propose_drafts=propose)
                 seq.new_request = NewRequestData.from_request(req)
@@ -307,6 +325,18 @@ class Scheduler:
         )
         self._finished_since_last_step = []
         return out
+
+    def _admission_room(self, virtual_engine: int) -> int:
+        """How many waiting sequences ``virtual_engine`` may admit now: within
+        ``max_num_seqs`` and, with several virtual engines, up to its even share of the
+        sequences there are (running and waiting, at most ``max_num_seqs``), so that a
+        few requests spread over the engines too."""
+        room = self.max_num_seqs - len(self.running)
+        n = self.max_concurrent_batches
+        if n > 1:
+            share = -(-min(self.max_num_seqs, len(self.running) + len(self.waiting)) // n)
+            room = min(room, share - sum(1 for r in self.running if r.virtual_engine == virtual_engine))
+        return room
 
     def advance_grammars(self, result: ModelRunnerOutput) -> None:
         """Advance the grammars of ``result``'s live constrained sequences by their sampled

@@ -8,6 +8,10 @@ logprobs, token-id finishes). Text never reaches it: detokenization, stop string
 With ``async_output_proc`` (vLLM PR #7049, vLLM V1 async scheduling), step N+1 is scheduled
 and launched before step N's sampled ids are taken in, so the core's output handling and the
 front end's detokenization of step N overlap the model's execution of step N+1 (docs/architecture.md).
+With several batches in flight (pipeline parallelism, ``EngineConfig.max_concurrent_batches``)
+the loop is vLLM V1's ``step_with_batch_queue``: a batch is scheduled and launched while
+others run through the stages, and the oldest is taken in once the queue is full
+(:meth:`EngineCore.step`).
 The core runs in the front end's process (:class:`tandem.engine.core_client.InprocClient`)
 or in its own (:mod:`tandem.engine.core_proc`).
 """
@@ -18,6 +22,7 @@ import gc
 import logging
 import socket
 import time
+from collections import deque
 from typing import Any
 
 from tandem import envs
@@ -84,8 +89,17 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_manager, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
                                    model_cfg.max_model_len, sched_cfg.enable_chunked_prefill, self.structured_output,
                                    _make_proposer(config), _num_lookahead_tokens(config),
-                                   _disable_by_batch_size(config))
+                                   _disable_by_batch_size(config), config.max_concurrent_batches)
         self._inflight: tuple[SchedulerOutput, object] | None = None
+        # Several batches in flight: (step, handle) oldest first, and the virtual engine
+        # scheduled next (Scheduler, "several batches in flight").
+        self.max_concurrent_batches = config.max_concurrent_batches
+        self._batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput, int]] = deque()
+        self._next_engine = 0
+        # Finished and preempted sequence ids of steps not launched (empty), for the next one.
+        self._unsent: tuple[list[int], list[int]] = ([], [])
+        # Steps launched while another batch was in flight.
+        self.num_overlapped_steps = 0
         self.async_output_proc = sched_cfg.async_output_proc
         # Live sequences by request id (the front end's per-sequence id).
         self._seq_ids: dict[str, int] = {}
@@ -144,7 +158,8 @@ class EngineCore:
                 self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._pending)
+        return (self.scheduler.has_unfinished() or self._inflight is not None or bool(self._batch_queue)
+                or bool(self._pending))
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[EngineCoreOutput]:
@@ -156,6 +171,8 @@ class EngineCore:
                 blocks freed, an "abort" output with ``error`` queued for the next call);
                 the core stays usable for the others and for new ones.
         """
+        if self.max_concurrent_batches > 1:
+            return self._step_with_batch_queue()
         outputs, self._pending = self._pending + self._fail_uncompiled(), []
         if self._inflight is not None and self.scheduler.needs_outputs_to_draft():
             # Host-side drafts follow a sequence's last token: the step in flight is taken in first.
@@ -212,6 +229,78 @@ class EngineCore:
             self._pending = outputs
             self._abort_steps(failed, [h for h in (handle, prev[1] if prev is not None else None) if h is not None], e)
             raise
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """One iteration with several batches in flight (vLLM V1's ``step_with_batch_queue``):
+        while fewer than ``max_concurrent_batches`` run, schedule a virtual engine with none
+        in flight and launch its batch; once the queue is full, or nothing could be
+        launched, wait for the oldest batch and take in its outputs. Failures as :meth:`step`."""
+        outputs, self._pending = self._pending + self._fail_uncompiled(), []
+        launched = False
+        if len(self._batch_queue) < self.max_concurrent_batches:
+            so, engine = self._schedule_free_engine()
+            if so is not None:
+                try:
+                    self._launch_batch(so, engine)
+                    launched = True
+                except Exception as e:
+                    self._fail_batches(outputs, [so], e)
+                    raise
+        if self._batch_queue and (not launched or len(self._batch_queue) == self.max_concurrent_batches):
+            so, handle, _ = self._batch_queue[0]
+            try:
+                result = handle.result()
+            except Exception as e:
+                self._fail_batches(outputs, [], e)
+                raise
+            self._batch_queue.popleft()
+            self._advance_grammars(so, result)
+            outputs += self._take(so, result, grammars_advanced=True)
+        return outputs
+
+    def _schedule_free_engine(self) -> tuple[SchedulerOutput | None, int]:
+        """The step of the first virtual engine (round robin) with no batch in flight and
+        sequences to run, and that engine; (None, -1) if none has. The finished and
+        preempted sequences of empty steps go with the next step launched: an empty step
+        is never launched, as a stage waiting for it could hold up a batch in flight."""
+        busy = {engine for _, _, engine in self._batch_queue}
+        for i in range(self.max_concurrent_batches):
+            engine = (self._next_engine + i) % self.max_concurrent_batches
+            if engine in busy:
+                continue
+            t0 = time.perf_counter()
+            so = self.scheduler.schedule(engine)
+            if self.step_times is not None:
+                self.step_times.add(so.step_id, "schedule", time.perf_counter() - t0)
+            finished, preempted = self._unsent
+            so.finished_seq_ids, so.preempted_seq_ids = finished + so.finished_seq_ids, preempted + so.preempted_seq_ids
+            if so.scheduled:
+                self._unsent = ([], [])
+                self._next_engine = engine + 1
+                return so, engine
+            self._unsent = (so.finished_seq_ids, so.preempted_seq_ids)
+        return None, -1
+
+    def _launch_batch(self, so: SchedulerOutput, engine: int) -> None:
+        """Send ``so`` to the replica's other ranks, launch it and queue it."""
+        if self.step_broadcast is not None:
+            self.step_broadcast(so)
+        self.num_steps += 1
+        handle = self.runner.execute_model(so)
+        self._bitmask_owed = handle is None and self.step_broadcast is not None
+        handle = handle or self._sample_constrained(so)
+        if self._batch_queue:
+            self.num_overlapped_steps += 1
+        self._batch_queue.append((so, handle, engine))
+
+    def _fail_batches(self, outputs: list[EngineCoreOutput], launching: list[SchedulerOutput], err: Exception) -> None:
+        """A batch failed: abort the requests of ``launching`` and of every batch in flight."""
+        if self._bitmask_owed:
+            self._bitmask_owed = False
+            self.step_broadcast(None)  # the followers abandon the step too
+        self._pending = outputs
+        queued, self._batch_queue = list(self._batch_queue), deque()
+        self._abort_steps(launching + [so for so, _, _ in queued], [h for _, h, _ in queued], err)
 
     def _finish_inflight(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight and take in its outputs (on failure its requests
@@ -322,11 +411,13 @@ class EngineCore:
         gauges and counters (spec_decode_num_drafts, spec_decode_num_draft_tokens,
         spec_decode_num_accepted_tokens included; spec_decode_num_accepted_tokens_per_pos: a
         list, the accepted tokens at each draft position) plus num_unfinished_seqs,
-        num_seqs_with_blocks, num_steps, num_dbo_steps."""
+        num_seqs_with_blocks, num_steps, num_overlapped_steps (steps launched while another
+        batch was in flight: several batches in flight), num_dbo_steps."""
         st = self.scheduler_stats()
         s = {f: getattr(st, f) for f in st.__struct_fields__}
         s.update(num_unfinished_seqs=len(self.scheduler.requests), num_seqs_with_blocks=len(self.kv_manager.req_blocks),
-                 num_steps=self.num_steps, num_dbo_steps=getattr(self.runner, "num_dbo_steps", 0))
+                 num_steps=self.num_steps, num_overlapped_steps=self.num_overlapped_steps,
+                 num_dbo_steps=getattr(self.runner, "num_dbo_steps", 0))
         return s
 
 

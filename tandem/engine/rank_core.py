@@ -16,6 +16,7 @@ and the external launchers' (torchrun: :mod:`tandem.engine.external_launcher`).
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -104,25 +105,26 @@ def run_tp_follower(core, channel: TPStepChannel | None = None) -> None:
     step N+1 is launched before step N's result is waited for, so this GPU, like the
     driver's, has its next step queued while the host receives and prepares the one after;
     waiting first would leave it idle for that host work every step, and the driver's
-    all-reduces would wait for it."""
+    all-reduces would wait for it. With several batches in flight (pipeline parallelism) it
+    waits for a step only once the driver has sent every batch it launches before taking
+    that step in: the driver's broadcast of a later batch must not wait for a stage that
+    waits for the driver."""
     channel = channel or TPStepChannel()
-    prev = None
+    in_flight = max(core.max_concurrent_batches, 2 if core.async_output_proc else 1)
+    pending: deque = deque()
     while (so := channel.recv_step()) is not None:
         handle = core.runner.execute_model(so)
-        if prev is not None:
-            prev.result()
         if handle is None:  # constrained sequences: the driver sends their bitmask next
             if (bitmask := channel.recv_bitmask()) is None:
-                prev = None
-                continue
+                continue  # the driver's step failed before sampling: abandoned here too
             handle = core.runner.sample_tokens(bitmask)
-        if core.async_output_proc and not so.is_empty:
-            prev = handle
-        else:
-            prev = None
-            handle.result()
-    if prev is not None:
-        prev.result()
+        pending.append(handle)
+        # The driver waits for an empty step at once (an idle DP rank's dummy batch).
+        keep = 1 if so.is_empty and core.max_concurrent_batches == 1 else in_flight
+        while len(pending) >= keep:
+            pending.popleft().result()
+    while pending:
+        pending.popleft().result()
 
 
 # ----------------------------------------------------------------------------- ranks

@@ -211,7 +211,7 @@ class ModelRunner:
         self.prev_rejected: list[int] | None = None
         self._prev_drafts_at = (0, 0)  # (first index, drafts per row)
         # A step waiting for sample_tokens (a Future of it on the CPU worker thread).
-        self._deferred: _ForwardedStep | Future | None = None
+        self._deferred: _ForwardedStep | Future | AsyncModelRunnerOutput | None = None
         self._is_cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._is_cuda else None
         self._executor = step_thread
@@ -272,31 +272,47 @@ class ModelRunner:
         Steps run in submission order; ``result()`` of step N may be called after step
         N+1 was launched.
         """
-        if self._executor is not None:
+        if self.stage is not None and not self.stage.is_last:
+            handle = self._launch_stage(so)
+        elif self._executor is not None:
             if so.structured_output_seq_ids:
                 self._deferred = self._executor.submit(self._execute, so)
                 return None
-            return AsyncModelRunnerOutput(self._executor.submit(self._run_to_host, so).result)
-        out = self._execute(so)
-        if so.structured_output_seq_ids:  # a stage before the last defers its handle alike
-            self._deferred = out
+            handle = AsyncModelRunnerOutput(self._executor.submit(self._run_to_host, so).result)
+        else:
+            handle = self._execute(so)
+        if so.structured_output_seq_ids:
+            self._deferred = handle
             return None
-        return out
+        return handle
+
+    def _launch_stage(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """A pipeline stage before the last: its forward sends the residual stream on (on
+        the step thread, which then goes on with the next batch); the driver's handle
+        receives the step's results from the last stage on the caller's thread."""
+        if self._executor is not None:
+            forward = self._executor.submit(self._execute, so).result
+        else:
+            self._execute(so)
+            forward = _empty_output().result
+        collect = self.stage.is_driver and not so.is_empty
+
+        def resolve() -> ModelRunnerOutput:
+            out = forward()
+            return self.stage.collect() if collect else out
+
+        return AsyncModelRunnerOutput(resolve)
 
     def sample_tokens(self, grammar: GrammarBitmask) -> AsyncModelRunnerOutput:
         """Sample the step whose :meth:`execute_model` returned None (it had constrained
         sequences), with their grammar bitmask applied to the logits first. Returns what
         :meth:`execute_model` returns for other steps."""
         fwd, self._deferred = self._deferred, None
+        if isinstance(fwd, AsyncModelRunnerOutput):  # a stage before the last: the last one samples
+            return fwd
         if self._executor is not None:
-            return AsyncModelRunnerOutput(
-                self._executor.submit(lambda: self._sample_deferred(fwd.result(), grammar).result()).result)
-        return self._sample_deferred(fwd, grammar)
-
-    def _sample_deferred(self, fwd: _ForwardedStep | AsyncModelRunnerOutput, grammar: GrammarBitmask
-                         ) -> AsyncModelRunnerOutput:
-        # A pipeline stage before the last deferred its step's handle: the last stage samples.
-        return self._sample_step(fwd, grammar) if isinstance(fwd, _ForwardedStep) else fwd
+            return AsyncModelRunnerOutput(self._executor.submit(lambda: self._sample_step(fwd.result(), grammar).result()).result)
+        return self._sample_step(fwd, grammar)
 
     def _run_to_host(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self._execute(so).result()
@@ -344,7 +360,7 @@ class ModelRunner:
         out = self._forward(inputs, input_ids, plan)
         if isinstance(out, IntermediateTensors):  # a pipeline stage before the last
             out.send()
-            return AsyncModelRunnerOutput(self.stage.collect) if self.stage.is_driver else _empty_output()
+            return _empty_output()
         hidden, aux = split_aux_hidden_states(self.model, out)
         target_hidden = hidden if aux is None else aux
         fwd = self._logits(so.step_id, seqs, sampling, inputs, hidden, t_prep, timing,

@@ -233,3 +233,50 @@ def test_grammars_advanced_first_are_not_advanced_again():
     outs = s.update_from_output(result, grammars_advanced=True)
     assert manager.calls == [[("a", 3)]] and a.structured_output.accepted == [3]
     assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([3], None)]
+
+
+# ------------------------------------------------------------------ virtual engines (pipeline parallelism)
+def _ve_sched(max_seqs=8, engines=2):
+    return Scheduler(KVCacheManager(64, 4), max_seqs, 64, 1024, True, max_concurrent_batches=engines)
+
+
+def _take(s, so, tok=7):
+    from tandem.outputs import ModelRunnerOutput
+
+    ids = [seq.seq_id for seq in so.scheduled if seq.sample]
+    return s.update_from_output(ModelRunnerOutput(ids, [tok] * len(ids)))
+
+
+def test_virtual_engines_batch_disjoint_halves_of_the_sequences_in_turn():
+    """Two batches in flight hold different sequences, half each; an engine's next batch
+    continues its own sequences from host-known tokens (never a placeholder)."""
+    s = _ve_sched()
+    reqs = [_req(5) for _ in range(4)]
+    for r in reqs:
+        s.add_request(r)
+    a, b = s.schedule(0), s.schedule(1)
+    ids_a, ids_b = {q.seq_id for q in a.scheduled}, {q.seq_id for q in b.scheduled}
+    assert len(ids_a) == len(ids_b) == 2 and ids_a | ids_b == {r.seq_id for r in reqs}
+    assert [r.virtual_engine for r in reqs] == [0, 0, 1, 1]
+    _take(s, a)
+    again = s.schedule(0)
+    assert {q.seq_id for q in again.scheduled} == ids_a
+    assert all(not q.uses_prev_sample and q.token_ids == [7] for q in again.scheduled)
+
+
+def test_virtual_engines_share_max_num_seqs_and_admit_late_requests_where_there_is_room():
+    s = _ve_sched(max_seqs=4)
+    reqs = [_req(3) for _ in range(10)]
+    for r in reqs:
+        s.add_request(r)
+    assert [len(s.schedule(e).scheduled) for e in (0, 1)] == [2, 2]
+    assert len(s.waiting) == 6
+    one = _ve_sched()
+    first = _req(3)
+    one.add_request(first)
+    _take(one, one.schedule(0))
+    late = _req(3)
+    one.add_request(late)
+    # Engine 0 holds its share (1 of 2): it runs its sequence; engine 1 admits the late one.
+    assert [q.seq_id for q in one.schedule(0).scheduled] == [first.seq_id]
+    assert [q.seq_id for q in one.schedule(1).scheduled] == [late.seq_id] and late.virtual_engine == 1

@@ -142,10 +142,12 @@ def _tokens_and_logprobs(outputs) -> list[tuple[list[int], list[dict[int, float]
             for o in outputs]
 
 
-@pytest.mark.parametrize("pp,tp", [(2, 1), (3, 1), (2, 2)], ids=["pp2", "pp3", "pp2-tp2"])
-def test_an_engine_of_stages_gives_the_tokens_and_logprobs_of_one_process(deep_llama, pp, tp):
+@pytest.mark.parametrize("pp,tp,overlap", [(2, 1, True), (3, 1, True), (2, 2, True), (2, 1, False)],
+                         ids=["pp2", "pp3", "pp2-tp2", "pp2-sync"])
+def test_an_engine_of_stages_gives_the_tokens_and_logprobs_of_one_process(deep_llama, pp, tp, overlap):
     """Greedy tokens equal, logprobs (top 2 of each position) within fp32 tolerance, for a
-    batch of mixed-length prompts (chunked prefills, then decodes), and again after idling."""
+    batch of mixed-length prompts (chunked prefills, then decodes), and again after idling;
+    with asynchronous output processing (the default) several batches were in flight at once."""
     from tandem.sampling_params import SamplingParams
     from tests.distributed.conftest import PROMPTS, generate_outputs, make_llm
 
@@ -155,14 +157,16 @@ def test_an_engine_of_stages_gives_the_tokens_and_logprobs_of_one_process(deep_l
         want = _tokens_and_logprobs(generate_outputs(one, PROMPTS, params))
     finally:
         one.engine.shutdown()
-    llm = make_llm(deep_llama, pipeline_parallel_size=pp, tensor_parallel_size=tp)
+    llm = make_llm(deep_llama, pipeline_parallel_size=pp, tensor_parallel_size=tp, async_output_proc=overlap)
     try:
         info = llm.engine.rank0_info["parallel"]
         assert (info.pp_size, info.tp_size, info.pp_rank) == (pp, tp, 0)
         got = _tokens_and_logprobs(generate_outputs(llm, PROMPTS, params))
         again = _tokens_and_logprobs(generate_outputs(llm, PROMPTS[:1], params))
+        stats = llm.engine.client.debug_stats()[0]
     finally:
         llm.engine.shutdown()
+    assert (stats["num_overlapped_steps"] > 0) == overlap, stats
     for (ids, lps), (want_ids, want_lps) in zip(got + again, want + want[:1]):
         assert ids == want_ids
         for pos, want_pos in zip(lps, want_lps):
@@ -203,12 +207,14 @@ def test_what_stages_do_not_cover_yet_is_refused_with_one_line(kwargs, message):
         EngineArgs(pipeline_parallel_size=2, **kwargs).create_engine_config()
 
 
-def test_stages_turn_off_output_overlap_and_cuda_graphs():
+def test_stages_keep_output_overlap_with_a_batch_per_stage_in_flight_and_turn_off_cuda_graphs():
     from tandem.engine.arg_utils import EngineArgs
 
-    cfg = EngineArgs(pipeline_parallel_size=2).create_engine_config()
-    assert (cfg.parallel_config.world_size, cfg.scheduler_config.async_output_proc,
-            cfg.model_config.enforce_eager) == (2, False, True)
+    cfg = EngineArgs(pipeline_parallel_size=3).create_engine_config()
+    assert (cfg.parallel_config.world_size, cfg.scheduler_config.async_output_proc, cfg.max_concurrent_batches,
+            cfg.model_config.enforce_eager) == (3, True, 3, True)
+    off = EngineArgs(pipeline_parallel_size=3, async_output_proc=False).create_engine_config()
+    assert off.max_concurrent_batches == 1
 
 
 def _moe_stage(rank, world, port, model):

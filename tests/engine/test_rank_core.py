@@ -53,10 +53,11 @@ class _Channel:
         return msg
 
 
-def _follow(broadcasts: list, async_output_proc: bool, constrained=()) -> list:
+def _follow(broadcasts: list, async_output_proc: bool, constrained=(), max_concurrent_batches: int = 1) -> list:
     """Run the follower on ``broadcasts``; its call log."""
     log = []
-    core = type("Core", (), {"runner": _Runner(log, set(constrained)), "async_output_proc": async_output_proc})()
+    core = type("Core", (), {"runner": _Runner(log, set(constrained)), "async_output_proc": async_output_proc,
+                             "max_concurrent_batches": max_concurrent_batches})()
     rank_core.run_tp_follower(core, _Channel(broadcasts))
     return log
 
@@ -73,17 +74,27 @@ def test_follower_order_matches_the_driver(async_output_proc):
                        "launch 4", "result 4"]
 
 
-def test_constrained_step_samples_after_the_previous_result():
-    """The driver advances grammars with step N's tokens before it sends N+1's bitmask."""
+def test_constrained_step_takes_its_bitmask_before_waiting_for_earlier_steps():
+    """The bitmask follows its step on the channel: taken at once, so that a driver with
+    several batches in flight never waits for a follower that waits for the driver."""
     log = _follow([_Step("1"), _Step("2"), "mask2", None], True, constrained={"2"})
-    assert log == ["launch 1", "launch 2", "result 1", "sample mask2", "result mask2"]
+    assert log == ["launch 1", "launch 2", "sample mask2", "result 1", "result mask2"]
+
+
+def test_with_a_batch_per_stage_in_flight_a_stage_waits_only_for_the_oldest():
+    """Pipeline parallelism, 3 batches in flight: the driver sends batch N+2 before it takes
+    in batch N, so a stage waits for N only after receiving N+2; empty steps are not special."""
+    log = _follow([_Step("1"), _Step("2"), _Step("3"), _Step("4", empty=True), _Step("5"), None], True,
+                  max_concurrent_batches=3)
+    assert log == ["launch 1", "launch 2", "launch 3", "result 1", "launch 4", "result 2", "launch 5", "result 3",
+                   "result 4", "result 5"]
 
 
 def test_abandoned_constrained_step_is_skipped(monkeypatch):
     """The driver's step failed before its bitmask (None in its place): the follower does
     not sample it and goes on with the next step."""
     log = _follow([_Step("1"), _Step("2"), None, _Step("3"), None], True, constrained={"2"})
-    assert log == ["launch 1", "launch 2", "result 1", "launch 3", "result 3"]
+    assert log == ["launch 1", "launch 2", "launch 3", "result 1", "result 3"]
 
 
 @pytest.fixture
