@@ -104,3 +104,5 @@ class ModelRunnerOutput:
     accepted_logprobs: dict[int, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     num_draft_tokens: dict[int, int] = field(default_factory=dict)
     draft_token_ids: list[list[int]] | None = None
+    # Pipeline parallelism: each stage's host seconds busy with the step (PipelineStage).
+    stage_busy_s: list[float] | None = None

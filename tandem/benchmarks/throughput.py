@@ -71,6 +71,9 @@ class ThroughputResult:
     spec_decode_draft_tokens: int | None = None
     spec_decode_accepted_tokens: int | None = None
     spec_decode_per_position_acceptance_rates: list[float] | None = None
+    # Pipeline parallelism: per stage, the fraction of the timed wall time it was not busy
+    # with a step (its host time per step, tandem.worker.pipeline_stage; replica 0).
+    pp_stage_idle_fractions: list[float] | None = None
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -113,6 +116,7 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     # Host time per step: recorded by an in-process engine core only.
     host_timing = hasattr(llm.engine, "start_host_timing") and llm.engine.start_host_timing() is not None
     spec_before = _spec_decode_counts(llm)
+    busy_before = _stage_busy_s(llm)
     with record_jit_compiles() as compiled:
         start = time.perf_counter()
         outs = generate_with_progress(llm.engine, prompts, params, output_len)
@@ -127,6 +131,9 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     if spec_before is not None:
         for key, value in (spec_decode_result(_spec_decode_counts(llm) - spec_before) or {}).items():
             setattr(res, key, value)
+    if busy_before is not None:
+        busy = [b - a for a, b in zip(busy_before, _stage_busy_s(llm))]
+        res.pp_stage_idle_fractions = [max(0.0, 1 - b / elapsed) for b in busy]
     if host_timing:
         _host_step_stats(llm.engine.stop_host_timing(), res)
     if runner is not None and runner.step_events:
@@ -260,6 +267,9 @@ def main(args: argparse.Namespace) -> None:
         names = sorted({r.split("(", 1)[0] for r in res.jit_compiles_timed})
         print(f"Triton kernel variants built inside the timed run (the warm-up missed them): "
               f"{len(res.jit_compiles_timed)} ({', '.join(names)})")
+    if res.pp_stage_idle_fractions is not None:
+        print("Pipeline stages idle (host time not in a step, replica 0): "
+              + ", ".join(f"stage {i} {100 * f:.1f}%" for i, f in enumerate(res.pp_stage_idle_fractions)))
     if res.gpu_idle_fraction is not None:
         # Without decode-only steps (e.g. --output-len 1) the decode statistics are None.
         device = "GPU" if llm.engine.config.device_config.torch_device.type == "cuda" else "Step thread"
@@ -299,6 +309,13 @@ def _spec_decode_counts(llm) -> SpecDecodingStats | None:
     if core is None:
         return None
     return SpecDecodingStats.from_stats(msgspec.structs.asdict(core.scheduler_stats()))
+
+
+def _stage_busy_s(llm) -> list[float] | None:
+    """Replica 0's busy seconds so far per pipeline stage; None without pipeline parallelism."""
+    if llm.engine.config.parallel_config.pipeline_parallel_size == 1:
+        return None
+    return llm.engine.client.debug_stats()[0]["pp_stage_busy_s"]
 
 
 def _preemptions(llm) -> int | None:

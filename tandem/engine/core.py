@@ -100,6 +100,8 @@ class EngineCore:
         self._unsent: tuple[list[int], list[int]] = ([], [])
         # Steps launched while another batch was in flight.
         self.num_overlapped_steps = 0
+        # Pipeline parallelism: each stage's host seconds busy with steps (PipelineStage).
+        self.stage_busy_s = [0.0] * config.parallel_config.pipeline_parallel_size
         self.async_output_proc = sched_cfg.async_output_proc
         # Live sequences by request id (the front end's per-sequence id).
         self._seq_ids: dict[str, int] = {}
@@ -349,6 +351,8 @@ class EngineCore:
 
     def _take(self, so: SchedulerOutput, result, grammars_advanced: bool = False) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
+        if result.stage_busy_s is not None:
+            self.stage_busy_s = [a + b for a, b in zip(self.stage_busy_s, result.stage_busy_s)]
         outs = self.scheduler.update_from_output(result, grammars_advanced)
         for o in outs:
             if o.finish_reason is not None:
@@ -412,11 +416,14 @@ class EngineCore:
         spec_decode_num_accepted_tokens included; spec_decode_num_accepted_tokens_per_pos: a
         list, the accepted tokens at each draft position) plus num_unfinished_seqs,
         num_seqs_with_blocks, num_steps, num_overlapped_steps (steps launched while another
-        batch was in flight: several batches in flight), num_dbo_steps."""
+        batch was in flight: several batches in flight), pp_stage_busy_s (per pipeline
+        stage, its host seconds busy with steps: :mod:`tandem.worker.pipeline_stage`),
+        num_dbo_steps."""
         st = self.scheduler_stats()
         s = {f: getattr(st, f) for f in st.__struct_fields__}
         s.update(num_unfinished_seqs=len(self.scheduler.requests), num_seqs_with_blocks=len(self.kv_manager.req_blocks),
                  num_steps=self.num_steps, num_overlapped_steps=self.num_overlapped_steps,
+                 pp_stage_busy_s=list(self.stage_busy_s),
                  num_dbo_steps=getattr(self.runner, "num_dbo_steps", 0))
         return s
 

@@ -350,6 +350,8 @@ class ModelRunner:
             # Idle data-parallel rank: a dummy batch keeps the MoE collectives matched.
             self._run_padding(plan)
             return _empty_output()
+        if self.stage is not None:
+            self.stage.begin_step()
         timing = None
         if self.step_events is not None:
             ev_start = wall_start or self._timing_event()
@@ -359,7 +361,7 @@ class ModelRunner:
             sampling.spec.draft_ids = input_ids[sampling.spec.draft_at]
         out = self._forward(inputs, input_ids, plan)
         if isinstance(out, IntermediateTensors):  # a pipeline stage before the last
-            out.send()
+            self.stage.send(out)
             return _empty_output()
         hidden, aux = split_aux_hidden_states(self.model, out)
         target_hidden = hidden if aux is None else aux

@@ -10,9 +10,19 @@ computes logits and samples, and its TP rank 0 sends the step's ``ModelRunnerOut
 (msgpack) to the driver over the pipeline's gloo group, where the driver's step handle
 receives it. The other ranks' handles give an empty output, as a TP follower's result is
 never read.
+
+Each stage also times its part of every step: the host time from the step's start to its
+send (the last stage: to its report), less the time it waited to receive. The stages' times
+travel with the step (float64 over the gloo twin, after the residual stream) and reach the
+driver in ``ModelRunnerOutput.stage_busy_s``, one per stage, which the engine core sums for
+each stage's idle fraction (``tandem bench throughput``). On the CPU step thread, where a
+stage's kernels run synchronously, that is its compute; on a GPU it is the host's time
+launching the stage (its kernels run asynchronously).
 """
 
 from __future__ import annotations
+
+import time
 
 import msgspec
 import torch
@@ -40,20 +50,50 @@ class PipelineStage:
         self.reports = info.is_last_stage and info.tp_rank == 0
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self._group = ps.get_pp_cpu_group()
-        ranks = ps.get_pp_ranks()
+        self._ranks = ranks = ps.get_pp_ranks()
         self._driver, self._last = ranks[0], ranks[-1]
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(ModelRunnerOutput)
+        self.index = info.pp_rank
+        # This step's start, the time it waited to receive, and the earlier stages' busy times.
+        self._start = 0.0
+        self._waited = 0.0
+        self._before: list[float] = []
+
+    def begin_step(self) -> None:
+        """A step with tokens starts on this stage (its busy time counts from here)."""
+        self._start, self._waited = time.perf_counter(), 0.0
+
+    def _busy(self) -> list[float]:
+        return self._before + [time.perf_counter() - self._start - self._waited]
 
     def receive(self, num_tokens: int) -> IntermediateTensors | None:
         """The previous stage's residual stream for a forward of ``num_tokens`` tokens
         (blocking); None on the first stage."""
         if self.is_first:
             return None
-        return IntermediateTensors.recv(num_tokens, self.hidden_size, self.dtype, self.device)
+        t0 = time.perf_counter()
+        received = IntermediateTensors.recv(num_tokens, self.hidden_size, self.dtype, self.device)
+        before = torch.empty(self.index, dtype=torch.float64)
+        dist.recv(before, src=self._neighbour(-1), group=self._group)
+        self._before = before.tolist()
+        self._waited += time.perf_counter() - t0
+        return received
+
+    def send(self, out: IntermediateTensors) -> None:
+        """Send a step's residual stream to the next stage, then the busy times of this
+        stage and those before it (blocking)."""
+        busy = torch.tensor(self._busy(), dtype=torch.float64)
+        out.send()
+        dist.send(busy, dst=self._neighbour(+1), group=self._group)
+
+    def _neighbour(self, step: int) -> int:
+        return self._ranks[self.index + step]
 
     def report(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
-        """Last stage, TP rank 0: send a step's results to the driver; returns them."""
+        """Last stage, TP rank 0: send a step's results, with every stage's busy time, to
+        the driver; returns them."""
+        out.stage_busy_s = self._busy()
         data = torch.frombuffer(bytearray(self._enc.encode(out)), dtype=torch.uint8)
         dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=self._driver, group=self._group)
         dist.send(data, dst=self._driver, group=self._group)

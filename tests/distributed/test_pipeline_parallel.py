@@ -167,6 +167,7 @@ def test_an_engine_of_stages_gives_the_tokens_and_logprobs_of_one_process(deep_l
     finally:
         llm.engine.shutdown()
     assert (stats["num_overlapped_steps"] > 0) == overlap, stats
+    assert len(stats["pp_stage_busy_s"]) == pp and all(b > 0 for b in stats["pp_stage_busy_s"]), stats
     for (ids, lps), (want_ids, want_lps) in zip(got + again, want + want[:1]):
         assert ids == want_ids
         for pos, want_pos in zip(lps, want_lps):
