@@ -17,10 +17,14 @@ parts:
 * ``tp_parity`` / ``tp_bench``: ``--tensor-parallel-size 2`` against TP=1: greedy tokens,
   and the seed workload's throughput at TP=1 (one GPU) and TP=2 side by side, at
   ``--max-num-seqs 256`` and at the engine's defaults;
+* ``pp_parity`` / ``pp_bench`` (issue 50): ``--pipeline-parallel-size 2`` against one GPU:
+  greedy tokens, and the seed workload at one GPU, PP=2 (one batch per stage in flight, the
+  default), PP=2 with ``--no-async-output-proc`` (one batch at a time) and TP=2 side by
+  side, with each stage's idle fraction (``pp_stage_idle_fractions``);
 * ``ar_timing``: one TP all-reduce per primitive (NCCL, symmetric-memory one-shot and
   two-shot) and message size, in CUDA graphs (``tp_all_reduce.py``, two processes).
 
-    python benchmarks/multi_gpu.py --out DIR [--data-parallel-size 8] [--parts ds_parity,ds_parity_dbo,ds_bench,ep_timing,tp_parity,tp_bench,ar_timing]
+    python benchmarks/multi_gpu.py --out DIR [--data-parallel-size 8] [--parts ds_parity,ds_parity_dbo,ds_bench,ep_timing,tp_parity,tp_bench,pp_parity,pp_bench,ar_timing]
 
 Results: ``DIR/multi_gpu_dp{N}.json`` (merged over calls with the same N, so the parts can
 run in several calls) and one JSON file per run.
@@ -41,7 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PARITY_LENS = [5, 37, 128, 11, 64, 3, 90, 23]
 
 
-PARTS = ("ds_parity", "ds_parity_dbo", "ds_bench", "ep_timing", "tp_parity", "tp_bench", "ar_timing")
+PARTS = ("ds_parity", "ds_parity_dbo", "ds_bench", "ep_timing", "tp_parity", "tp_bench", "pp_parity", "pp_bench",
+         "ar_timing")
 DS_PARTS = ("ds_parity", "ds_parity_dbo", "ds_bench", "ep_timing")  # use --data-parallel-size GPUs
 DP_SIZES = (2, 4, 8)
 
@@ -143,6 +148,25 @@ def tp_bench(out: str, model: str, limit: float) -> dict:
     return res
 
 
+PP_RUNS = (("gpu1", [], {"CUDA_VISIBLE_DEVICES": "0"}),
+           ("pp2", ["--pipeline-parallel-size", "2"], None),
+           ("pp2_one_batch", ["--pipeline-parallel-size", "2", "--no-async-output-proc"], None),
+           ("tp2", ["--tensor-parallel-size", "2"], None))
+
+
+def pp_bench(out: str, model: str, limit: float) -> dict:
+    """The seed workload on one GPU, PP=2 (several batches in flight and one at a time) and
+    TP=2, side by side at the engine's defaults: ``{run: result}`` plus each run's ratio to
+    one GPU (PP=2 runs eager: its CUDA graphs are not captured yet)."""
+    res = {name: bench(out, name, model, limit, flags, env, None) for name, flags, env in PP_RUNS}
+    one = res["gpu1"]
+    res["ratio_to_gpu1"] = {name: r["requests_per_s"] / one["requests_per_s"]
+                            for name, r in res.items() if one and r and name != "gpu1"}
+    print(f"pp_bench: ratios to one GPU {res['ratio_to_gpu1']}; stage idle "
+          f"{ {n: (res[n] or {}).get('pp_stage_idle_fractions') for n in ('pp2', 'pp2_one_batch')} }", flush=True)
+    return res
+
+
 def all_reduce_timing_cmd(out: str, nproc: int = 2) -> list[str]:
     """``torchrun`` of tp_all_reduce.py on ``nproc`` ranks with this interpreter."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -216,6 +240,10 @@ def main(argv: list[str] | None = None) -> None:
             results[part] = parity(args.out, part, llama, args.limit, dict(tensor_parallel_size=2))
         elif part == "tp_bench":
             results[part] = tp_bench(args.out, llama, args.limit)
+        elif part == "pp_parity":
+            results[part] = parity(args.out, part, llama, args.limit, dict(pipeline_parallel_size=2))
+        elif part == "pp_bench":
+            results[part] = pp_bench(args.out, llama, args.limit)
         elif part == "ar_timing":
             path = os.path.join(args.out, "tp_all_reduce_tp2.json")
             ok = run(all_reduce_timing_cmd(path), args.limit)
@@ -227,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [(f"DeepSeek-V2-Lite DP={dp} EP={dp} all_to_all, DBO off", ds_bench.get("dbo_off")),
             (f"DeepSeek-V2-Lite DP={dp} EP={dp} all_to_all, DBO on", ds_bench.get("dbo_on")),
             *((f"Llama-3.1-8B TP={tp} ({setting})", (r or {}).get(f"tp{tp}"))
-              for setting, r in (results.get("tp_bench") or {}).items() for tp in (1, 2))]
+              for setting, r in (results.get("tp_bench") or {}).items() for tp in (1, 2)),
+            *((f"Llama-3.1-8B {name} (defaults)", (results.get("pp_bench") or {}).get(name)) for name, _, _ in PP_RUNS)]
     for name, r in rows:
         if r:
             print(f"| {name} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} |")

@@ -75,6 +75,33 @@ def test_tp_bench_runs_tp1_and_tp2_side_by_side(multi_gpu, tmp_path, monkeypatch
     assert "--max-num-seqs" not in one_d and "--max-num-seqs" not in two_d
 
 
+def test_pp_bench_runs_one_gpu_pp2_both_ways_and_tp2_side_by_side(multi_gpu, tmp_path, monkeypatch):
+    """One GPU, PP=2 (batches in flight, then one at a time) and TP=2 at the defaults, with
+    each run's ratio to one GPU and the stages' idle fractions kept."""
+    calls = []
+
+    def fake_run(cmd, limit, env=None):
+        calls.append((cmd, env))
+        out = cmd[cmd.index("--output-json") + 1]
+        parallel = "--pipeline-parallel-size" in cmd or "--tensor-parallel-size" in cmd
+        json.dump({"requests_per_s": 3.0 if parallel else 2.0, "output_tokens_per_s": 1,
+                   "pp_stage_idle_fractions": [0.1, 0.2] if "--pipeline-parallel-size" in cmd else None},
+                  open(out, "w"))
+        return True
+
+    monkeypatch.setattr(multi_gpu, "run", fake_run)
+    import model_shapes
+
+    monkeypatch.setattr(model_shapes, "tokenizer_dir", lambda: "tok")
+    got = multi_gpu.pp_bench(str(tmp_path), "llama", 10)
+    assert got["ratio_to_gpu1"] == {"pp2": 1.5, "pp2_one_batch": 1.5, "tp2": 1.5}
+    assert got["pp2"]["pp_stage_idle_fractions"] == [0.1, 0.2]
+    (one, env1), (pp2, env2), (pp2_sync, _), (tp2, _) = calls
+    assert env1 == {"CUDA_VISIBLE_DEVICES": "0"} and env2 is None
+    assert "--no-async-output-proc" in pp2_sync and "--no-async-output-proc" not in pp2
+    assert all("--max-num-seqs" not in c for c, _ in calls)
+
+
 def test_data_parallel_size_reaches_every_deepseek_part(multi_gpu, tmp_path, monkeypatch):
     """``--data-parallel-size 8``: both parity runs, the DBO off / on seed workload pair and
     the EP timing get 8 ranks (nothing is run: ``run`` records the commands)."""

@@ -175,6 +175,25 @@ def test_an_engine_of_stages_gives_the_tokens_and_logprobs_of_one_process(deep_l
             assert all(abs(pos[t] - want_pos[t]) < 1e-4 for t in pos), (pos, want_pos)
 
 
+def test_preemption_with_a_batch_per_stage_in_flight_gives_one_process_tokens(deep_llama):
+    """A cache too small for every sequence: virtual engines preempt each other's sequences
+    (some with a batch in flight), and the tokens stay those of one process."""
+    from tandem.sampling_params import SamplingParams
+    from tests.distributed.conftest import PROMPTS, generate_ids, make_llm, single_process_ids
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    small = dict(num_kv_blocks=16)
+    want = single_process_ids(deep_llama, PROMPTS, params, **small)
+    llm = make_llm(deep_llama, pipeline_parallel_size=2, **small)
+    try:
+        got = generate_ids(llm, PROMPTS, params)
+        stats = llm.engine.client.debug_stats()[0]
+    finally:
+        llm.engine.shutdown()
+    assert stats["num_preemptions"] > 0 and stats["num_overlapped_steps"] > 0, stats
+    assert got == want
+
+
 def test_constrained_requests_sample_on_the_last_stage(model_dir, word_tokenizer):
     """The driver's bitmask reaches the last stage, which samples: PP=2 gives one process's
     tokens for constrained requests beside free ones."""
