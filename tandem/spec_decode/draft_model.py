@@ -163,7 +163,7 @@ class DraftModelProposer:
         catch_up = StepInputs(np.zeros(total, dtype=np.int64), positions,
                               self._slots(d.block_table_np[row_of_token], positions), qsl, step.num_computed,
                               step.num_computed + q_lens, d.block_table, [], [], step.prompt_lens)
-        hidden = self._forward(catch_up, ids)
+        hidden = self._catch_up(catch_up, ids)
         if not len(emit_seqs):
             return None
         first = self.model.compute_logits(hidden[self._h2d(emit_at)]).argmax(dim=-1)
@@ -187,6 +187,16 @@ class DraftModelProposer:
             ids = self.model.compute_logits(out).argmax(dim=-1)
             drafts.append(ids)
         return torch.stack(drafts, dim=1)
+
+    def _catch_up(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, H]``: the catch-up forward; as a captured one-token graph when every
+        sequence has one generated token in it (a step without drafts, as while
+        ``disable_by_batch_size`` holds speculation off), else eager."""
+        num = inputs.num_reqs
+        generated = inputs.generated_mask()
+        size = (self.cuda_graphs.size_for(num) if self.cuda_graphs is not None and inputs.num_tokens == num
+                and (generated is None or generated.all()) else None)
+        return self._forward(inputs, ids) if size is None else self._replay(inputs, ids, None, size)[0]
 
     def _run(self, inputs: StepInputs, ids: torch.Tensor, hidden: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -53,3 +53,39 @@ def _count_replays(drafter) -> list[int]:
 
     drafter._replay = replay
     return sizes
+
+
+def test_catch_up_of_steps_without_drafts_replays_the_draft_graphs(tiny, embedded_model_path):  # noqa: F811
+    """While ``disable_by_batch_size`` holds speculation off, the draft model's catch-up on
+    each step's one token per sequence is one graph replay; its cache is the eager one's:
+    once a sequence runs alone and drafts again, acceptance matches the eager drafter's and
+    greedy output equals no speculation."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 16, 24, 40)]
+    spec = {"method": "draft_model", "model": tiny[1], "num_speculative_tokens": 3, "disable_by_batch_size": 1}
+    prompts = TOKEN_PROMPTS[:4]
+    plain = _tiny_llm(tiny[0], embedded_model_path, None, enforce_eager=False, num_kv_blocks=256)
+    want = _ids(plain, prompts, params)
+    plain.engine.shutdown()
+    accepted = []
+    for eager in (True, False):
+        llm = _tiny_llm(tiny[0], embedded_model_path, None, enforce_eager=eager, num_kv_blocks=256,
+                        speculative_config=spec)
+        drafter = llm.engine.core.runner.drafter
+        replays, per_plain_step, inner = _count_replays(drafter), [], drafter.propose
+
+        def propose(d, inner=inner, replays=replays, per_plain_step=per_plain_step):
+            before = len(replays)
+            out = inner(d)
+            if not d.propose:
+                per_plain_step.append(len(replays) - before)
+            return out
+
+        drafter.propose = propose
+        assert _ids(llm, prompts, params) == want, eager
+        st = llm.engine.core.debug_stats()
+        accepted.append((st["spec_decode_num_drafts"], st["spec_decode_num_accepted_tokens"]))
+        llm.engine.shutdown()
+        assert per_plain_step and set(per_plain_step) <= ({0} if eager else {0, 1}), per_plain_step
+        if not eager:
+            assert per_plain_step.count(1) >= 8, per_plain_step  # the decode steps of 2+ sequences
+    assert accepted[0][0] > 0 and abs(accepted[0][1] - accepted[1][1]) <= 2, accepted
