@@ -48,6 +48,14 @@ class ParallelConfig:
     """The first replica's data-parallel rank on this host (0 on the head; a --headless host
     takes the ranks from here to here + data_parallel_size_local - 1)."""
 
+    pipeline_parallel_size_local: int | None = None
+    """Pipeline stages on this host, of its one replica (several hosts: the stages of a
+    replica spread over hosts; --data-parallel-size-local must then be 1). None: all."""
+
+    pipeline_parallel_start_rank: int = 0
+    """The first stage on this host (0 on the head; a --headless host runs stages from here
+    to here + pipeline_parallel_size_local - 1 of its replica)."""
+
     data_parallel_address: str | None = None
     """The head host's address, reachable from every host: its handshake port, the engine
     cores' sockets and the torch.distributed rendezvous listen there. Needed with several
@@ -77,9 +85,25 @@ class ParallelConfig:
             given = "" if self.data_parallel_size_local is not None else ", its default"
             raise ValueError(f"data_parallel_start_rank ({start}) + data_parallel_size_local ({local}{given}) must "
                              f"not exceed data_parallel_size ({size}).")
+        self._check_stage_hosts()
         if self.multi_host and self.data_parallel_rpc_port is None:
             raise ValueError("data_parallel_rpc_port is required when data_parallel_size_local < "
-                             "data_parallel_size (several hosts): the head's handshake port.")
+                             "data_parallel_size or pipeline_parallel_size_local < pipeline_parallel_size (several "
+                             "hosts): the head's handshake port.")
+
+    def _check_stage_hosts(self) -> None:
+        local, start, size = self.pipeline_parallel_local_size, self.pipeline_parallel_start_rank, \
+            self.pipeline_parallel_size
+        if local < 1 or local > size:
+            raise ValueError(f"pipeline_parallel_size_local must be in 1..pipeline_parallel_size ({size}), got {local}.")
+        if start < 0 or start + local > size:
+            given = "" if self.pipeline_parallel_size_local is not None else ", its default"
+            raise ValueError(f"pipeline_parallel_start_rank ({start}) + pipeline_parallel_size_local ({local}{given}) "
+                             f"must not exceed pipeline_parallel_size ({size}).")
+        if local < size and self.data_parallel_local_size != 1:
+            raise ValueError(f"a host with some of the pipeline stages (pipeline_parallel_size_local {local} < "
+                             f"{size}) holds them for one replica: data_parallel_size_local must be 1, got "
+                             f"{self.data_parallel_local_size}.")
 
     def check_host_role(self, headless: bool) -> None:
         """Refuse flags that do not fit this host's role (``headless``: ``tandem serve
@@ -91,11 +115,16 @@ class ParallelConfig:
         """
         if headless and not self.multi_host:
             raise ValueError("--headless runs some of the replicas of a head on another host: it needs "
-                             "--data-parallel-size-local < --data-parallel-size, --data-parallel-start-rank, "
-                             "--data-parallel-address and --data-parallel-rpc-port of the head.")
+                             "--data-parallel-size-local < --data-parallel-size, --data-parallel-start-rank (or "
+                             "--pipeline-parallel-size-local < --pipeline-parallel-size, "
+                             "--pipeline-parallel-start-rank), --data-parallel-address and --data-parallel-rpc-port "
+                             "of the head.")
         if not headless and self.multi_host and self.data_parallel_start_rank != 0:
             raise ValueError(f"data_parallel_start_rank must be 0 on the head (the host with the API server), got "
                              f"{self.data_parallel_start_rank}; the other hosts run with --headless.")
+        if not headless and self.pipeline_parallel_start_rank != 0:
+            raise ValueError(f"pipeline_parallel_start_rank must be 0 on the head (its replica's first stage), got "
+                             f"{self.pipeline_parallel_start_rank}; the hosts of later stages run with --headless.")
 
     @property
     def data_parallel_local_size(self) -> int:
@@ -103,9 +132,25 @@ class ParallelConfig:
         return self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
 
     @property
+    def pipeline_parallel_local_size(self) -> int:
+        """Stages on this host (``pipeline_parallel_size_local``, default all)."""
+        return self.pipeline_parallel_size if self.pipeline_parallel_size_local is None \
+            else self.pipeline_parallel_size_local
+
+    @property
     def multi_host(self) -> bool:
-        """The replicas span several hosts (this one runs only some of them)."""
-        return self.data_parallel_local_size < self.data_parallel_size
+        """The deployment spans several hosts (this one runs only some of its replicas, or
+        some stages of its replica)."""
+        return (self.data_parallel_local_size < self.data_parallel_size
+                or self.pipeline_parallel_local_size < self.pipeline_parallel_size)
+
+    @property
+    def local_stages(self) -> set[tuple[int, int]]:
+        """This host's ``(DP rank, pipeline stage)`` pairs."""
+        pp_start = self.pipeline_parallel_start_rank
+        return {(d, s) for d in range(self.data_parallel_start_rank,
+                                      self.data_parallel_start_rank + self.data_parallel_local_size)
+                for s in range(pp_start, pp_start + self.pipeline_parallel_local_size)}
 
     @property
     def model_on_one_rank(self) -> bool:
@@ -120,9 +165,12 @@ class ParallelConfig:
 
     @property
     def local_ranks(self) -> range:
-        """The global ranks of this host's processes: its replicas' stages and TP ranks."""
-        first = self.data_parallel_start_rank * self.replica_size
-        return range(first, first + self.data_parallel_local_size * self.replica_size)
+        """The global ranks of this host's processes: its replicas' stages and TP ranks
+        (rank ``(dp * pp + stage) * tp + tp_rank``: consecutive for a host's replicas, or for
+        its stages of one replica)."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        first = (self.data_parallel_start_rank * pp + self.pipeline_parallel_start_rank) * tp
+        return range(first, first + self.data_parallel_local_size * self.pipeline_parallel_local_size * tp)
 
     @property
     def world_size(self) -> int:

@@ -72,6 +72,8 @@ class EngineArgs:
     master_port: int | None = ParallelConfig.master_port
     data_parallel_size_local: int | None = ParallelConfig.data_parallel_size_local
     data_parallel_start_rank: int = ParallelConfig.data_parallel_start_rank
+    pipeline_parallel_size_local: int | None = ParallelConfig.pipeline_parallel_size_local
+    pipeline_parallel_start_rank: int = ParallelConfig.pipeline_parallel_start_rank
     data_parallel_address: str | None = ParallelConfig.data_parallel_address
     data_parallel_rpc_port: int | None = ParallelConfig.data_parallel_rpc_port
     # DBOConfig

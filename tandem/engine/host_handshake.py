@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 # Seconds between two heartbeats of either side.
 HEARTBEAT_INTERVAL_S = 1.0
 # Fields that differ from host to host by design (not compared in the handshake).
-_PER_HOST_FIELDS = frozenset({"data_parallel_size_local", "data_parallel_start_rank", "master_addr", "master_port"})
+_PER_HOST_FIELDS = frozenset({"data_parallel_size_local", "data_parallel_start_rank", "pipeline_parallel_size_local",
+                              "pipeline_parallel_start_rank", "master_addr", "master_port"})
 
 
 class HostHello(msgspec.Struct, tag=True):
@@ -49,6 +50,9 @@ class HostHello(msgspec.Struct, tag=True):
     start_rank: int
     local_size: int
     config: dict[str, Any]
+    # The host's pipeline stages of its replica (all of them unless stages span hosts).
+    stage_start: int = 0
+    num_stages: int = 1
 
 
 class HostWelcome(msgspec.Struct, tag=True):
@@ -107,6 +111,26 @@ def _ranks(start: int, size: int) -> str:
     return f"{start}" if size == 1 else f"{start}-{start + size - 1}"
 
 
+def _slots(hello: HostHello) -> set[tuple[int, int]]:
+    """A host's ``(DP rank, stage)`` pairs."""
+    return {(d, s) for d in range(hello.start_rank, hello.start_rank + hello.local_size)
+            for s in range(hello.stage_start, hello.stage_start + hello.num_stages)}
+
+
+def _label(hello: HostHello, pp: int) -> str:
+    """``DP ranks 1`` (whole replicas), or ``DP ranks 0, stages 1-2``."""
+    dp = f"DP ranks {_ranks(hello.start_rank, hello.local_size)}"
+    return dp if hello.num_stages == pp else f"{dp}, stages {_ranks(hello.stage_start, hello.num_stages)}"
+
+
+def _missing(slots: set[tuple[int, int]], pp: int) -> str:
+    """What ``slots`` lack a host for: whole replicas by DP rank, else stages per replica."""
+    dps = sorted({d for d, _ in slots})
+    if all((d, s) in slots for d in dps for s in range(pp)):
+        return f"data-parallel ranks {dps}"
+    return "; ".join(f"pipeline stages {sorted(s for e, s in slots if e == d)} of data-parallel rank {d}" for d in dps)
+
+
 class HeadHandshake:
     """The head's side: waits for the headless hosts, then watches them (one thread owns the
     socket).
@@ -126,9 +150,11 @@ class HeadHandshake:
         self.version = tandem_version()
         self.config = comparable_config(config)
         self.welcome = welcome
-        mine = range(parallel.data_parallel_start_rank, parallel.data_parallel_start_rank + parallel.data_parallel_local_size)
-        self.missing = set(range(parallel.data_parallel_size)) - set(mine)
-        self.hosts: dict[bytes, tuple[str, int, int]] = {}  # identity -> (name, start, size)
+        self.pp = parallel.pipeline_parallel_size
+        # (DP rank, stage) pairs no host has joined for yet.
+        self.missing = {(d, st) for d in range(parallel.data_parallel_size) for st in range(self.pp)} \
+            - parallel.local_stages
+        self.hosts: dict[bytes, tuple[str, str]] = {}  # identity -> (name, what it runs)
         self.last_seen: dict[bytes, float] = {}
         self.joined = threading.Event()
         self.lost: str | None = None
@@ -158,19 +184,19 @@ class HeadHandshake:
         """
         timeout = envs.TANDEM_HOST_JOIN_TIMEOUT_S if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        logger.info("waiting up to %.0f s for the hosts of DP ranks %s to join on %s", timeout, sorted(self.missing),
-                    self.addr)
+        logger.info("waiting up to %.0f s for the hosts of %s to join on %s", timeout,
+                    _missing(self.missing, self.pp), self.addr)
         while not self.joined.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
             if check is not None:
                 check()
             if time.monotonic() >= deadline:
                 break
         if not self.joined.is_set() or self.lost is not None:
-            missing = sorted(self.missing)
-            raise HostRefusedError(self.lost or f"data-parallel ranks {missing} did not join within {timeout:.0f} s "
-                                   f"(start their --headless hosts with --data-parallel-start-rank {missing[0]})")
-        logger.info("every host joined: %s", ", ".join(f"{n} (DP ranks {_ranks(s, k)})" for n, s, k in
-                                                        self.hosts.values()))
+            dp, stage = min(self.missing)
+            flags = f"--data-parallel-start-rank {dp}" + (f" --pipeline-parallel-start-rank {stage}" if stage else "")
+            raise HostRefusedError(self.lost or f"{_missing(self.missing, self.pp)} did not join within {timeout:.0f} s "
+                                   f"(start their --headless hosts with {flags})")
+        logger.info("every host joined: %s", ", ".join(f"{n} ({what})" for n, what in self.hosts.values()))
 
     def _check(self, hello: HostHello) -> str | None:
         if hello.version != self.version:
@@ -178,10 +204,10 @@ class HeadHandshake:
         diff = config_difference(self.config, hello.config)
         if diff is not None:
             return f"engine configuration differs: {diff}"
-        ranks = set(range(hello.start_rank, hello.start_rank + hello.local_size))
-        if not ranks <= self.missing:
-            return (f"data-parallel ranks {_ranks(hello.start_rank, hello.local_size)} are taken or outside the "
-                    f"deployment (still free: {sorted(self.missing) or 'none'})")
+        if not _slots(hello) <= self.missing:
+            free = _missing(self.missing, self.pp) if self.missing else "none"
+            what = _label(hello, self.pp).replace("DP ranks", "data-parallel ranks", 1)
+            return f"{what} are taken or outside the deployment (still free: {free.removeprefix('data-parallel ranks ')})"
         return None
 
     def _on_hello(self, ident: bytes, hello: HostHello, enc: msgspec.msgpack.Encoder) -> None:
@@ -190,12 +216,11 @@ class HeadHandshake:
             logger.error("refused host %s (pid %d): %s", hello.hostname, hello.pid, reason)
             self.sock.send_multipart([ident, enc.encode(HostRefused(reason))])
             return
-        self.missing -= set(range(hello.start_rank, hello.start_rank + hello.local_size))
-        self.hosts[ident] = (hello.hostname, hello.start_rank, hello.local_size)
+        self.missing -= _slots(hello)
+        self.hosts[ident] = (hello.hostname, _label(hello, self.pp))
         self.last_seen[ident] = time.monotonic()
         self.sock.send_multipart([ident, enc.encode(self.welcome)])
-        logger.info("host %s (pid %d) joined: DP ranks %s", hello.hostname, hello.pid,
-                    _ranks(hello.start_rank, hello.local_size))
+        logger.info("host %s (pid %d) joined: %s", hello.hostname, hello.pid, _label(hello, self.pp))
         if not self.missing:
             self.joined.set()
 
@@ -231,13 +256,13 @@ class HeadHandshake:
                 elif ident in self.hosts:
                     self.last_seen[ident] = time.monotonic()
                     if isinstance(msg, HostStop):
-                        name, start, size = self.hosts.pop(ident)
-                        self._lose(f"host {name} (DP ranks {_ranks(start, size)}) stopped: {msg.error or 'shut down'}")
+                        name, what = self.hosts.pop(ident)
+                        self._lose(f"host {name} ({what}) stopped: {msg.error or 'shut down'}")
             now = time.monotonic()
-            for ident, (name, start, size) in list(self.hosts.items()):
+            for ident, (name, what) in list(self.hosts.items()):
                 if now - self.last_seen[ident] > limit:
                     del self.hosts[ident]
-                    self._lose(f"host {name} (DP ranks {_ranks(start, size)}) is gone: no heartbeat for {limit:g} s")
+                    self._lose(f"host {name} ({what}) is gone: no heartbeat for {limit:g} s")
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_INTERVAL_S
                 for ident in self.hosts:
@@ -282,7 +307,8 @@ class HeadLink:
         self.sock.connect(self.addr)
         logger.info("joining the head at %s (waiting up to %.0f s for it)", self.addr, envs.TANDEM_HOST_JOIN_TIMEOUT_S)
         hello = HostHello(tandem_version(), socket.gethostname(), os.getpid(), parallel.data_parallel_start_rank,
-                          parallel.data_parallel_local_size, comparable_config(config))
+                          parallel.data_parallel_local_size, comparable_config(config),
+                          parallel.pipeline_parallel_start_rank, parallel.pipeline_parallel_local_size)
         self.sock.send(self.enc.encode(hello))
         timeout = envs.TANDEM_HOST_JOIN_TIMEOUT_S
         if not self.sock.poll(int(timeout * 1000)):

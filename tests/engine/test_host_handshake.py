@@ -47,7 +47,7 @@ def test_matching_hosts_are_welcomed_and_beat(head, monkeypatch):
     try:
         assert all(link.welcome == WELCOME for link in links)
         hs.wait_for_hosts(timeout=5)
-        assert sorted((s, k) for _, s, k in hs.hosts.values()) == [(1, 1), (2, 1)]
+        assert sorted(what for _, what in hs.hosts.values()) == ["DP ranks 1", "DP ranks 2"]
         for _ in range(3):
             assert all(link.poll(0.4) is None for link in links)
         assert hs.lost is None
@@ -151,6 +151,62 @@ def test_flags_that_do_not_fit_the_host_role_are_refused():
                    data_parallel_rpc_port=1234).create_engine_config()
     with pytest.raises(ValueError, match=r"data_parallel_size_local \(2, its default\)"):
         EngineArgs(data_parallel_size=2, data_parallel_start_rank=1).create_engine_config()
+
+
+def _stage_config(port: int, start: int, local: int = 1, pp: int = 3):
+    from tandem.engine.arg_utils import EngineArgs
+
+    return EngineArgs(pipeline_parallel_size=pp, pipeline_parallel_size_local=local, pipeline_parallel_start_rank=start,
+                      data_parallel_address="127.0.0.1", data_parallel_rpc_port=port).create_engine_config()
+
+
+def test_hosts_of_a_replicas_later_stages_join_and_missing_stages_are_named():
+    """Pipeline stages over hosts: the head holds stage 0, hosts join with stages 1 and 2;
+    a stage taken twice is refused, and one never joined is named with its flags."""
+    port = free_port()
+    hs = HeadHandshake(_stage_config(port, 0), WELCOME)
+    links = []
+    try:
+        links.append(HeadLink(_stage_config(port, 1)))
+        with pytest.raises(HostRefusedError, match=r"data-parallel ranks 0, stages 1 are taken or outside the "
+                                                   r"deployment \(still free: pipeline stages \[2\] of data-parallel rank 0\)"):
+            HeadLink(_stage_config(port, 1))
+        with pytest.raises(HostRefusedError, match=r"pipeline stages \[2\] of data-parallel rank 0 did not join "
+                                                   r"within 1 s .*--data-parallel-start-rank 0 "
+                                                   r"--pipeline-parallel-start-rank 2"):
+            hs.wait_for_hosts(timeout=1)
+        links.append(HeadLink(_stage_config(port, 2)))
+        hs.wait_for_hosts(timeout=5)
+        assert sorted(what for _, what in hs.hosts.values()) == ["DP ranks 0, stages 1", "DP ranks 0, stages 2"]
+    finally:
+        for link in links:
+            link.close()
+        hs.close()
+
+
+def test_stage_hosts_config_and_their_ranks():
+    from tandem.engine.arg_utils import EngineArgs
+
+    later = EngineArgs(pipeline_parallel_size=4, tensor_parallel_size=2, pipeline_parallel_size_local=2,
+                       pipeline_parallel_start_rank=2, data_parallel_address="127.0.0.1",
+                       data_parallel_rpc_port=1234).create_engine_config().parallel_config
+    assert later.multi_host and later.local_ranks == range(4, 8) and later.local_stages == {(0, 2), (0, 3)}
+    later.check_host_role(headless=True)
+    with pytest.raises(ValueError, match="pipeline_parallel_start_rank must be 0 on the head"):
+        later.check_host_role(headless=False)
+    with pytest.raises(ValueError, match="data_parallel_size_local must be 1"):
+        EngineArgs(pipeline_parallel_size=2, pipeline_parallel_size_local=1, data_parallel_size=2,
+                   data_parallel_rpc_port=1234).create_engine_config()
+    with pytest.raises(ValueError, match=r"pipeline_parallel_start_rank \(2\) \+ pipeline_parallel_size_local \(1\) must "
+                                         r"not exceed pipeline_parallel_size \(2\)"):
+        EngineArgs(pipeline_parallel_size=2, pipeline_parallel_size_local=1, pipeline_parallel_start_rank=2,
+                   data_parallel_rpc_port=1234).create_engine_config()
+    with pytest.raises(ValueError, match="data_parallel_rpc_port is required"):
+        EngineArgs(pipeline_parallel_size=2, pipeline_parallel_size_local=1).create_engine_config()
+    # DP x PP with whole replicas per host, as before: replica 1's ranks.
+    dp = EngineArgs(pipeline_parallel_size=2, data_parallel_size=2, data_parallel_size_local=1,
+                    data_parallel_start_rank=1, data_parallel_rpc_port=1234).create_engine_config().parallel_config
+    assert dp.local_ranks == range(2, 4)
 
 
 def test_stray_messages_on_the_handshake_port_are_ignored(head):

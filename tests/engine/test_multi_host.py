@@ -230,3 +230,69 @@ def test_a_core_that_dies_while_the_head_waits_for_hosts_is_reported(tmp_path):
         assert head.proc.returncode != 0 and "engine core process" in head.text(), head.text()[-2000:]
     finally:
         head.close()
+
+
+def test_pipeline_stages_on_two_hosts_serve_the_single_process_tokens_and_a_lost_stage_host_stops_the_head(tmp_path):
+    """``-pp 2`` with stage 0 on the head and stage 1 on a ``--headless`` host: concurrent
+    requests give the single-process tokens, with batches in flight on both stages; a
+    ``kill -9`` of the stage host fails the requests in flight and brings the head down
+    non-zero, with no process of either tree left."""
+    from tandem.config import embedded_default_model
+
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIGS["llama"]))
+    port, rpc = free_port(), free_port()
+    args = [str(model), "--tokenizer", embedded_default_model(), "--load-format", "dummy", "--block-size", "8",
+            "--num-kv-blocks", "256", "--max-model-len", str(ENGINE["max_model_len"]), "--dtype", "float32",
+            "--device", "cpu", "--pipeline-parallel-size", "2", "--pipeline-parallel-size-local", "1",
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]
+    head = Host([*args, "--host", "127.0.0.1", "--port", str(port)])
+    headless = Host([*args, "--headless", "--pipeline-parallel-start-rank", "1"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, [head, headless])
+        want = [w[0] for w in _offline(str(model), PROMPTS)]
+        name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+
+        async def concurrent() -> list[str]:
+            ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
+            res = await asyncio.gather(*(ac.completions.create(model=name, prompt=p, max_tokens=MAX_TOKENS,
+                                                               temperature=0, extra_body={"ignore_eos": True})
+                                         for p in PROMPTS))
+            return [r.choices[0].text for r in res]
+
+        assert asyncio.run(concurrent()) == want
+        (replica,) = _stats(url)["replicas"]
+        assert replica["num_overlapped_steps"] > 0 and len(replica["pp_stage_busy_s"]) == 2, replica
+
+        started = threading.Event()
+        results: list[tuple[int, list[str]]] = []  # (HTTP status, SSE lines) per request
+
+        def long_stream() -> None:
+            body = {"prompt": [7, 8, 9], "max_tokens": 120, "stream": True, "ignore_eos": True, "model": name}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+                results.append((r.status_code, lines))
+
+        threads = [threading.Thread(target=long_stream) for _ in range(8)]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        headless.kill9()
+        for t in threads:
+            t.join(60)
+        assert head.wait_gone(EXIT_WITHIN_S + 5) <= EXIT_WITHIN_S + 5, head.text()[-3000:]
+        assert head.proc.returncode != 0
+        assert len(results) == len(threads)
+        for status, lines in results:  # each ends with an error (a stream's error event, then [DONE])
+            events = [line for line in lines if line.startswith("data: ")]
+            assert (status == 200 and events[-1] == "data: [DONE]" and '"error"' in events[-2]) or \
+                (status == 500 and '"error"' in lines[0]), (status, lines[-3:])
+        headless.wait_gone(5)
+    finally:
+        head.close()
+        headless.close()
