@@ -53,9 +53,15 @@ class EngineConfig:
 
     def _resolve_pipeline(self) -> None:
         """Refuse, or turn off (as vLLM did for PP), what pipeline parallelism does not
-        cover yet: dual-batch overlap; CUDA graphs (logged)."""
+        cover yet: dual-batch overlap; expert parallelism across data-parallel replicas (its
+        replicas step in lockstep, idle ones with dummy batches, which a batch queue
+        does not run); CUDA graphs (logged)."""
         if self.dbo_config.enable_dbo:
             raise ValueError("pipeline_parallel_size > 1 does not support enable_dbo yet.")
+        par = self.parallel_config
+        if par.enable_expert_parallel and par.data_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size > 1 does not support enable_expert_parallel with "
+                             "data_parallel_size > 1 yet (expert parallelism over a stage's TP ranks does).")
         if not self.model_config.enforce_eager:
             logger.info("pipeline parallelism does not capture CUDA graphs yet: enforce_eager on")
             self.model_config.enforce_eager = True

@@ -83,10 +83,10 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         c = self.hf_config = hf_config
         max_positions = max_positions or c.max_position_embeddings
         rotary = RotaryEmbedding(c, c.qk_rope_head_dim, max_positions)
-        self._init_common(c.vocab_size, c.hidden_size, c.rms_norm_eps, bool(getattr(c, "tie_word_embeddings", False)))
-        self.layers = nn.ModuleList(
-            MoEDecoderLayer(ParallelMLAAttention(c, rotary), self._make_mlp(i, all2all, moe_impl), c.hidden_size, c.rms_norm_eps)
-            for i in range(c.num_hidden_layers))
+        self._init_common(c.vocab_size, c.hidden_size, c.rms_norm_eps, bool(getattr(c, "tie_word_embeddings", False)),
+                          c.num_hidden_layers)
+        self.layers = self._stage_layers(c.num_hidden_layers, lambda i: MoEDecoderLayer(
+            ParallelMLAAttention(c, rotary), self._make_mlp(i, all2all, moe_impl), c.hidden_size, c.rms_norm_eps))
 
     def is_moe_layer(self, i: int) -> bool:
         c = self.hf_config

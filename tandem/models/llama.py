@@ -218,9 +218,6 @@ class LlamaForCausalLM(nn.Module):
     that the step's one output tensor (a CUDA graph's included) carries them.
     """
 
-    # Built per pipeline stage (the registry refuses other models under PP).
-    supports_pp = True
-
     def __init__(self, hf_config, backend: AttentionBackend, max_positions: int | None = None) -> None:
         super().__init__()
         spec = DecoderSpec.from_hf_config(hf_config)

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from tandem.attention.metadata import AttentionMetadata
+from tandem.distributed import parallel_state as ps
 from tandem.distributed.all2all import All2AllBackend
+from tandem.distributed.pipeline import IntermediateTensors, PPMissingLayer, pp_layer_range
 from tandem.layers.linear import RowParallelLinear
 from tandem.layers.moe import FusedMoE, SparseMoeBlock, drain
 from tandem.layers import batch_invariant
@@ -50,7 +52,7 @@ def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
     loaded: set[str] = set()
     for name, tensor in weights:
         name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
-        if "rotary_emb" in name or (name == "lm_head.weight" and tie_word_embeddings):
+        if "rotary_emb" in name or (name == "lm_head.weight" and tie_word_embeddings) or not _on_stage(model, name):
             continue
         m = _EXPERT_RE.match(name)
         if m:
@@ -173,37 +175,77 @@ class MoEDecoderLayer(nn.Module):
         return drain(self.forward_steps(hidden, residual, positions, kv_cache, meta))
 
 
+def _on_stage(model: nn.Module, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` (``model.`` removed) belongs to ``model``'s pipeline stage."""
+    head, _, rest = name.partition(".")
+    if head == "layers":
+        return model.start_layer <= int(rest.split(".")[0]) < model.end_layer
+    return not isinstance(getattr(model, head, None), PPMissingLayer)
+
+
 class MoECausalLM(nn.Module):
     """Embedding -> decoder layers -> norm -> LM head over a paged KV cache; the base of
-    Tandem's MoE models. Subclasses build ``self.layers`` and define weight loading.
+    Tandem's MoE models. Subclasses build ``self.layers`` (:meth:`_stage_layers`) and define
+    weight loading.
 
-    ``forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer), meta)
-    -> hidden [T, hidden_size]``; ``compute_logits(hidden [N, H]) -> [N, vocab]`` fp32.
+    ``forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer of this
+    stage), meta, intermediate=None) -> hidden [T, hidden_size]``; ``compute_logits(hidden
+    [N, H]) -> [N, vocab]`` fp32. Under pipeline parallelism as
+    :class:`tandem.models.llama.LlamaForCausalLM`: the stage's layers (``PPMissingLayer`` in
+    the others' places), the embedding on the first stage (and the last, tied), norm and LM
+    head on the last; a stage after the first takes ``intermediate``, one before the last
+    returns :class:`~tandem.distributed.pipeline.IntermediateTensors`. Its MoE layers
+    exchange tokens over the stage's expert-parallel group.
     """
 
-    def _init_common(self, vocab_size: int, hidden_size: int, eps: float, tie_word_embeddings: bool) -> None:
+    def _init_common(self, vocab_size: int, hidden_size: int, eps: float, tie_word_embeddings: bool,
+                     num_layers: int) -> None:
+        info = ps.get_parallel_info()
+        self.is_first_stage, self.is_last_stage = info.is_first_stage, info.is_last_stage
+        self.start_layer, self.end_layer = pp_layer_range(num_layers, info.pp_rank, info.pp_size)
         # Uninitialised, as in tandem.models.llama: loading overwrites them.
-        self.embed_tokens = nn.utils.skip_init(nn.Embedding, vocab_size, hidden_size, device=torch.get_default_device())
-        self.norm = RMSNorm(hidden_size, eps)
+        self.embed_tokens = (nn.utils.skip_init(nn.Embedding, vocab_size, hidden_size, device=torch.get_default_device())
+                             if self.is_first_stage or self.is_last_stage and tie_word_embeddings else PPMissingLayer())
+        self.norm = RMSNorm(hidden_size, eps) if self.is_last_stage else PPMissingLayer()
         self.tie_word_embeddings = tie_word_embeddings
         self.deterministic = batch_invariant.build_mode()  # the LM head's GEMM (compute_logits)
         if not tie_word_embeddings:
-            self.lm_head = nn.utils.skip_init(nn.Linear, hidden_size, vocab_size, bias=False,
-                                              device=torch.get_default_device())
+            self.lm_head = (nn.utils.skip_init(nn.Linear, hidden_size, vocab_size, bias=False,
+                                               device=torch.get_default_device())
+                            if self.is_last_stage else PPMissingLayer())
+
+    def _stage_layers(self, num_layers: int, build: Callable[[int], nn.Module]) -> nn.ModuleList:
+        """``build(i)`` for this stage's layers, ``PPMissingLayer`` for the others'."""
+        return nn.ModuleList(build(i) if self.start_layer <= i < self.end_layer else PPMissingLayer()
+                             for i in range(num_layers))
+
+    @property
+    def num_stage_layers(self) -> int:
+        """Decoder layers on this pipeline stage (each needs a KV cache)."""
+        return self.end_layer - self.start_layer
 
     def forward_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                      meta: AttentionMetadata) -> Generator[str, None, torch.Tensor]:
+                      meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                      ) -> Generator[str, None, torch.Tensor | IntermediateTensors]:
         """The forward as a generator that yields at every MoE layer's dispatch and combine
         launch, for dual-batch overlap (``tandem.worker.ubatching.run_ubatches``)."""
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer, cache in zip(self.layers, kv_caches):
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
+        for layer, cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches):
             hidden, residual = yield from layer.forward_steps(hidden, residual, positions, cache, meta)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden.apply_scales() if isinstance(hidden, UnscaledProduct) else hidden,
+                                       residual)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        return drain(self.forward_steps(input_ids, positions, kv_caches, meta))
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        return drain(self.forward_steps(input_ids, positions, kv_caches, meta, intermediate))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

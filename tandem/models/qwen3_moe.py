@@ -56,11 +56,10 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         max_positions = max_positions or spec.max_position_embeddings
         check_no_sliding_window(hf_config, max_positions)
         rotary = RotaryEmbedding(hf_config, spec.head_dim, max_positions)
-        self._init_common(spec.vocab_size, spec.hidden_size, spec.rms_norm_eps, spec.tie_word_embeddings)
-        self.layers = nn.ModuleList(
-            MoEDecoderLayer(Attention(spec, rotary, backend), self._make_mlp(i, all2all, moe_impl), spec.hidden_size,
-                            spec.rms_norm_eps)
-            for i in range(spec.num_layers))
+        self._init_common(spec.vocab_size, spec.hidden_size, spec.rms_norm_eps, spec.tie_word_embeddings,
+                          spec.num_layers)
+        self.layers = self._stage_layers(spec.num_layers, lambda i: MoEDecoderLayer(
+            Attention(spec, rotary, backend), self._make_mlp(i, all2all, moe_impl), spec.hidden_size, spec.rms_norm_eps))
 
     # -------------------------------------------------------------- family hooks
     def is_moe_layer(self, i: int) -> bool:
@@ -91,7 +90,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
     @property
     def kv_cache_shape_per_block(self) -> tuple[int, int]:
         """(num_kv_heads of this TP rank, head_dim) of every layer's cache."""
-        return self.layers[0].self_attn.num_kv_heads, self.spec.head_dim
+        return self.layers[self.start_layer].self_attn.num_kv_heads, self.spec.head_dim
 
     # ---------------------------------------------------------------- weights
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib
 
-from tandem.distributed import parallel_state as ps
-
 _MODELS = {
     "llama": ("tandem.models.llama", "LlamaForCausalLM"),
     "qwen2": ("tandem.models.llama", "LlamaForCausalLM"),
@@ -21,19 +19,10 @@ def supported_model_types() -> list[str]:
 
 
 def get_model_class(hf_config) -> type:
-    """Raises ValueError for a model type Tandem does not implement, or one that cannot be
-    split into pipeline stages when this rank is one (its class lacks ``supports_pp``)."""
+    """Raises ValueError for a model type Tandem does not implement. (Every class builds per
+    pipeline stage: :mod:`tandem.distributed.pipeline`.)"""
     mt = getattr(hf_config, "model_type", None)
     if mt not in _MODELS:
         raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(supported_model_types())}")
-    cls = _class(mt)
-    if ps.get_pp_size() > 1 and not getattr(cls, "supports_pp", False):
-        staged = [t for t in supported_model_types() if getattr(_class(t), "supports_pp", False)]
-        raise ValueError(f"pipeline_parallel_size > 1 does not support model_type {mt!r} yet; it does: "
-                         f"{', '.join(staged)}")
-    return cls
-
-
-def _class(model_type: str) -> type:
-    module, name = _MODELS[model_type]
+    module, name = _MODELS[mt]
     return getattr(importlib.import_module(module), name)

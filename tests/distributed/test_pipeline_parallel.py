@@ -219,6 +219,8 @@ def test_constrained_requests_sample_on_the_last_stage(model_dir, word_tokenizer
     (dict(enable_dbo=True), "pipeline_parallel_size > 1 does not support enable_dbo yet"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "speculative_config does not support tensor, pipeline, data or expert parallelism yet"),
+    (dict(enable_expert_parallel=True, data_parallel_size=2),
+     "does not support enable_expert_parallel with data_parallel_size > 1 yet"),
 ])
 def test_what_stages_do_not_cover_yet_is_refused_with_one_line(kwargs, message):
     from tandem.engine.arg_utils import EngineArgs
@@ -237,21 +239,46 @@ def test_stages_keep_output_overlap_with_a_batch_per_stage_in_flight_and_turn_of
     assert off.max_concurrent_batches == 1
 
 
-def _moe_stage(rank, world, port, model):
-    from tandem.distributed import parallel_state as ps
-    from tandem.model_loader.loader import load_hf_config
-    from tandem.models.registry import get_model_class
+@pytest.fixture
+def deep_moe(tmp_path):
+    """``deep_moe(family)``: the tests' tiny random MoE model of ``family`` with 4 layers."""
+    import json
 
-    ps.init_distributed(1, 1, pp_size=2, rank=rank, world_size=world, master_port=port)
+    from tests.distributed.conftest import CONFIGS
+
+    def make(family: str) -> str:
+        d = tmp_path / family
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**CONFIGS[family], "num_hidden_layers": 4}))
+        return str(d)
+
+    return make
+
+
+@pytest.mark.parametrize("family,tp,ep", [("qwen3_moe", 1, False), ("deepseek_v2", 1, False),
+                                          ("qwen3_moe", 2, True)], ids=["qwen3_moe", "deepseek_v2", "qwen3_moe-tp2-ep"])
+def test_moe_models_split_into_stages_give_one_process_tokens_and_logprobs(deep_moe, family, tp, ep):
+    """MoE decoders per stage (DeepSeek-V2's first layer dense, MLA caches): PP=2 gives one
+    process's greedy tokens and logprobs; with TP=2 and expert parallelism each stage's
+    experts are sharded over its two ranks."""
+    from tandem.sampling_params import SamplingParams
+    from tests.distributed.conftest import PROMPTS, generate_outputs, make_llm
+
+    model = deep_moe(family)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    one = make_llm(model)
     try:
-        get_model_class(load_hf_config(model))
-    except ValueError as e:
-        return str(e)
+        want = _tokens_and_logprobs(generate_outputs(one, PROMPTS, params))
     finally:
-        ps.destroy_distributed()
-
-
-def test_a_model_without_stages_is_refused_by_every_rank(model_dir):
-    msgs = run_ranks(_moe_stage, 2, model_dir("qwen3_moe"), timeout=120)
-    assert all(m is not None and "does not support model_type 'qwen3_moe' yet; it does: llama, qwen2, qwen3" in m
-               for m in msgs), msgs
+        one.engine.shutdown()
+    extra = dict(tensor_parallel_size=tp, enable_expert_parallel=True, all2all_backend="all_to_all") if ep else {}
+    llm = make_llm(model, pipeline_parallel_size=2, **extra)
+    try:
+        got = _tokens_and_logprobs(generate_outputs(llm, PROMPTS, params))
+    finally:
+        llm.engine.shutdown()
+    for (ids, lps), (want_ids, want_lps) in zip(got, want):
+        assert ids == want_ids
+        for pos, want_pos in zip(lps, want_lps):
+            assert pos.keys() == want_pos.keys()
+            assert all(abs(pos[t] - want_pos[t]) < 1e-4 for t in pos), (pos, want_pos)
