@@ -194,6 +194,29 @@ def test_preemption_with_a_batch_per_stage_in_flight_gives_one_process_tokens(de
     assert got == want
 
 
+def test_penalties_seeded_sampling_and_prefix_hits_as_in_one_process(deep_llama):
+    """Penalties and seeded random sampling on the last stage, and prefix-cache hits (each
+    stage's cache holds its layers' K/V of a shared prefix): PP=2 with batches in flight gives
+    one process's tokens."""
+    from tandem.sampling_params import SamplingParams
+    from tests.distributed.conftest import generate_ids, make_llm
+
+    shared = list(range(40, 72))  # 4 full blocks of 8
+    prompts = [shared + [100 + i, 7, 9 + i] for i in range(6)]
+    params = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=12, ignore_eos=True, frequency_penalty=0.5,
+                             repetition_penalty=1.2, presence_penalty=0.3 * (i % 2)) for i in range(6)]
+    runs = []
+    for pp in (1, 2):  # the prefix first, then the prompts that hit it
+        llm = make_llm(deep_llama, pipeline_parallel_size=pp)
+        try:
+            runs.append(generate_ids(llm, prompts[:1], params[:1]) + generate_ids(llm, prompts[1:], params[1:]))
+            stats = llm.engine.client.debug_stats()[0]
+        finally:
+            llm.engine.shutdown()
+    assert stats["prefix_cache_hits"] > 0 and stats["num_overlapped_steps"] > 0, stats
+    assert runs[1] == runs[0]
+
+
 def test_constrained_requests_sample_on_the_last_stage(model_dir, word_tokenizer):
     """The driver's bitmask reaches the last stage, which samples: PP=2 gives one process's
     tokens for constrained requests beside free ones."""
