@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from tandem.config.utils import check_choices
@@ -12,7 +12,9 @@ All2AllBackend = Literal["auto", "local", "simulated", "allgather_reducescatter"
 
 @dataclass
 class ParallelConfig:
-    """The ranks of the deployment and how MoE layers exchange tokens between them."""
+    """The ranks of the deployment and how MoE layers exchange tokens between them. Fields
+    whose metadata says ``per_host`` differ from host to host by design (the multi-host
+    handshake does not compare them)."""
 
     tensor_parallel_size: int = 1
     """Ranks sharding each layer's heads and MLP (Megatron-style TP)."""
@@ -34,25 +36,25 @@ class ParallelConfig:
     SimulatedLinkConfig), allgather_reducescatter or all_to_all (EP > 1, over
     torch.distributed); auto: local without EP, allgather_reducescatter with EP."""
 
-    master_addr: str | None = None
+    master_addr: str | None = field(default=None, metadata={"per_host": True})
     """Rendezvous address of the ranks. None: MASTER_ADDR from the environment, else 127.0.0.1."""
 
-    master_port: int | None = None
+    master_port: int | None = field(default=None, metadata={"per_host": True})
     """Rendezvous port of the ranks. None: MASTER_PORT from the environment, else a free port."""
 
-    data_parallel_size_local: int | None = None
+    data_parallel_size_local: int | None = field(default=None, metadata={"per_host": True})
     """Replicas on this host (several hosts: each runs data_parallel_size_local of the
     data_parallel_size replicas, TP inside the host). None: all of them."""
 
-    data_parallel_start_rank: int = 0
+    data_parallel_start_rank: int = field(default=0, metadata={"per_host": True})
     """The first replica's data-parallel rank on this host (0 on the head; a --headless host
     takes the ranks from here to here + data_parallel_size_local - 1)."""
 
-    pipeline_parallel_size_local: int | None = None
+    pipeline_parallel_size_local: int | None = field(default=None, metadata={"per_host": True})
     """Pipeline stages on this host, of its one replica (several hosts: the stages of a
     replica spread over hosts; --data-parallel-size-local must then be 1). None: all."""
 
-    pipeline_parallel_start_rank: int = 0
+    pipeline_parallel_start_rank: int = field(default=0, metadata={"per_host": True})
     """The first stage on this host (0 on the head; a --headless host runs stages from here
     to here + pipeline_parallel_size_local - 1 of its replica)."""
 

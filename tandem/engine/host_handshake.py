@@ -24,7 +24,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from collections.abc import Callable
 from typing import Any
 
@@ -38,9 +38,6 @@ logger = logging.getLogger(__name__)
 
 # Seconds between two heartbeats of either side.
 HEARTBEAT_INTERVAL_S = 1.0
-# Fields that differ from host to host by design (not compared in the handshake).
-_PER_HOST_FIELDS = frozenset({"data_parallel_size_local", "data_parallel_start_rank", "pipeline_parallel_size_local",
-                              "pipeline_parallel_start_rank", "master_addr", "master_port"})
 
 
 class HostHello(msgspec.Struct, tag=True):
@@ -88,15 +85,18 @@ class HostRefusedError(ValueError):
 
 
 def comparable_config(config: EngineConfig) -> dict[str, Any]:
-    """``config`` as flat ``group.field`` values, without the fields that are per host."""
+    """``config`` as flat ``group.field`` values, without the fields declared per host
+    (``metadata={"per_host": True}``)."""
     flat = {}
-    for group, values in asdict(config).items():
-        if values is None:  # an optional group that is off
-            flat[group] = None
+    for f in fields(config):
+        group = getattr(config, f.name)
+        if group is None:  # an optional group that is off
+            flat[f.name] = None
             continue
-        for name, value in values.items():
-            if name not in _PER_HOST_FIELDS:
-                flat[f"{group}.{name}"] = value
+        values = asdict(group)
+        for g in fields(group):
+            if not g.metadata.get("per_host", False):
+                flat[f"{f.name}.{g.name}"] = values[g.name]
     return flat
 
 
