@@ -16,6 +16,9 @@ filling this step's bitmask) and ``bitmask`` (the runner's copy and application 
 bitmask to the logits: on a GPU the launch, on the CPU the kernel itself). They are
 reported beside the three phases, not in their sum: on a GPU both overlap the step's
 forward.
+
+:class:`StepSpan` is the other side: a step's span on the device (the GPU's stream, or the
+CPU step thread), from which ``tandem bench throughput`` takes the idle time between steps.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +49,27 @@ class WallClockEvent:
         """Milliseconds from this event to ``end``."""
         return (end.t - self.t) * 1e3
 
+
 GRAMMAR_PHASES = ("grammar", "bitmask")
+
+
+@dataclass
+class StepSpan:
+    """One model step's span on the device while a benchmark times steps (the model
+    runner's ``step_events``): ``start`` / ``end`` are ``torch.cuda.Event``s on the GPU's
+    stream or :class:`WallClockEvent`s of the CPU step thread (``end`` is recorded once the
+    step has sampled); ``num_reqs`` its sequences, ``decode_only`` whether each had one new
+    token, ``context_tokens`` the tokens its attention reads (sum of sequence lengths)."""
+
+    start: Any
+    num_reqs: int
+    decode_only: bool
+    context_tokens: int
+    end: Any = None
+
+    def elapsed_ms(self) -> float:
+        """Milliseconds from ``start`` to ``end`` (events synchronized by the caller)."""
+        return self.start.elapsed_time(self.end)
 
 
 @dataclass

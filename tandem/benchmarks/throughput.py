@@ -17,6 +17,7 @@ from tandem.benchmarks.serve import spec_decode_result
 from tandem.engine.stat_logger import SpecDecodingStats
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
+from tandem.step_timing import StepSpan
 from tandem.structured_output.params import StructuredOutputsParams
 from tandem.triton_utils import record_jit_compiles
 
@@ -221,24 +222,22 @@ def _host_step_stats(times, res: ThroughputResult) -> None:
     res.host_bitmask_ms_median = summary.get("bitmask_median_ms")
 
 
-def _gpu_step_stats(events, res: ThroughputResult) -> None:
-    """Idle gaps between consecutive steps and decode-step durations, from CUDA events."""
-    gaps = [max(0.0, events[i - 1][1].elapsed_time(events[i][0])) for i in range(1, len(events))]
-    span = events[0][0].elapsed_time(events[-1][1])
-    res.gpu_idle_fraction = sum(gaps) / span
-    decode_gaps = [g for g, e in zip(gaps, events[1:]) if e[3]]
-    decode_time = sum(e[0].elapsed_time(e[1]) for e in events[1:] if e[3]) + sum(decode_gaps)
+def _gpu_step_stats(spans: list[StepSpan], res: ThroughputResult) -> None:
+    """Idle gaps between consecutive steps and decode-step durations, from the steps' spans."""
+    gaps = [max(0.0, spans[i - 1].end.elapsed_time(spans[i].start)) for i in range(1, len(spans))]
+    res.gpu_idle_fraction = sum(gaps) / spans[0].start.elapsed_time(spans[-1].end)
+    decode_gaps = [g for g, e in zip(gaps, spans[1:]) if e.decode_only]
+    decode_time = sum(e.elapsed_ms() for e in spans[1:] if e.decode_only) + sum(decode_gaps)
     res.gpu_idle_fraction_decode = sum(decode_gaps) / decode_time if decode_time else None
-    decodes = [e for e in events if e[3]]
-    res.num_decode_steps, res.num_prefill_steps = len(decodes), len(events) - len(decodes)
-    res.decode_steps_s = sum(e[0].elapsed_time(e[1]) for e in decodes) * 1e-3
-    res.prefill_steps_s = sum(e[0].elapsed_time(e[1]) for e in events if not e[3]) * 1e-3
+    decodes = [e for e in spans if e.decode_only]
+    res.num_decode_steps, res.num_prefill_steps = len(decodes), len(spans) - len(decodes)
+    res.decode_steps_s = sum(e.elapsed_ms() for e in decodes) * 1e-3
+    res.prefill_steps_s = sum(e.elapsed_ms() for e in spans if not e.decode_only) * 1e-3
     if decodes:
-        res.max_decode_batch = max(e[2] for e in decodes)
-        at_max = [e for e in decodes if e[2] == res.max_decode_batch]
-        durations = sorted(e[0].elapsed_time(e[1]) for e in at_max)
-        res.decode_step_ms_at_max_batch = durations[len(durations) // 2]
-        res.max_batch_context_tokens = at_max[len(at_max) // 2][4]
+        res.max_decode_batch = max(e.num_reqs for e in decodes)
+        at_max = [e for e in decodes if e.num_reqs == res.max_decode_batch]
+        res.decode_step_ms_at_max_batch = sorted(e.elapsed_ms() for e in at_max)[len(at_max) // 2]
+        res.max_batch_context_tokens = at_max[len(at_max) // 2].context_tokens
 
 
 def main(args: argparse.Namespace) -> None:

@@ -72,7 +72,7 @@ from tandem.outputs import ModelRunnerOutput
 from tandem.models.llama import split_aux_hidden_states
 from tandem.spec_decode.draft_model import DraftModelProposer, DraftStep
 from tandem.spec_decode.rejection_sampler import rejection_sample
-from tandem.step_timing import WallClockEvent
+from tandem.step_timing import StepSpan, WallClockEvent
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
 from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
 from tandem.worker.input_batch import InputBatch
@@ -156,8 +156,8 @@ class _ForwardedStep:
     draft: _DraftInputs | None  # with a draft model
     results: StepResultTensors  # its prompt logprobs so far; sampling adds the rest
     t_prep: float  # host seconds spent building the step's inputs
-    # (start event, sequences, all decode?, context tokens) when step timing is on.
-    timing: tuple[torch.cuda.Event | WallClockEvent, int, bool, int] | None
+    # The step's span, its end not recorded yet, when step timing is on.
+    timing: StepSpan | None
 
 
 def cpu_step_thread(device: torch.device) -> bool:
@@ -230,11 +230,9 @@ class ModelRunner:
         self._phase_layers = any(getattr(m, "uses_row_phases", False) for net in models for m in net.modules())
         self._track_prompt_lens = self._phase_layers or self.planner.min_prompt_tokens > 0
         self.num_dbo_steps = 0
-        # Per step, when timing is on: (start event, end event, sequences, all decode?,
-        # total context tokens read by attention); CUDA events, or on the step thread
-        # host-clock ones.
-        self.step_events: list[tuple[torch.cuda.Event | WallClockEvent, torch.cuda.Event | WallClockEvent,
-                                     int, bool, int]] | None = None
+        # Per step, when a benchmark times steps: its span on the device (CUDA events, or
+        # on the step thread host-clock ones).
+        self.step_events: list[StepSpan] | None = None
         # Host time of each step's input building, when timing is on (tandem.step_timing).
         self.step_times = None
 
@@ -355,7 +353,7 @@ class ModelRunner:
         timing = None
         if self.step_events is not None:
             ev_start = wall_start or self._timing_event()
-            timing = (ev_start, inputs.num_reqs, decode_only, int(inputs.seq_lens.sum()))
+            timing = StepSpan(ev_start, inputs.num_reqs, decode_only, int(inputs.seq_lens.sum()))
         input_ids = self._input_ids(inputs)
         if sampling.spec is not None:
             sampling.spec.draft_ids = input_ids[sampling.spec.draft_at]
@@ -562,7 +560,7 @@ class ModelRunner:
         return replace(batch, bias=tuple(torch.cat(p) for p in zip(*parts)))
 
     def _logits(self, step_id: int, seqs: list[ScheduledSequence], sampling: _StepSampling, inputs: StepInputs,
-                hidden: torch.Tensor, t_prep: float, timing: tuple | None,
+                hidden: torch.Tensor, t_prep: float, timing: StepSpan | None,
                 generated: np.ndarray | None) -> _ForwardedStep:
         """Logits of the sampling sequences, and prompt logprobs. ``generated [num_tokens]``:
         the step's token phases for a quantized LM head (None: not needed)."""
@@ -635,8 +633,8 @@ class ModelRunner:
             self.prev_sampled = torch.cat([last, drafts.reshape(-1)])
             self._prev_drafts_at = (len(seq_ids), drafts.shape[1])
         if fwd.timing is not None:
-            ev_start, num_reqs, decode_only, context = fwd.timing
-            self.step_events.append((ev_start, self._timing_event(), num_reqs, decode_only, context))
+            fwd.timing.end = self._timing_event()
+            self.step_events.append(fwd.timing)
         if self.step_times is not None:
             self.step_times.add(fwd.step_id, "prepare", fwd.t_prep)
         handle = self._copy_to_host(seq_ids, res, accepted, accepted_lp, num_drafts)

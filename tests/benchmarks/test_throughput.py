@@ -1,10 +1,11 @@
-"""Step statistics of ``tandem bench throughput`` from (start, end) event pairs."""
+"""Step statistics of ``tandem bench throughput`` from the steps' spans."""
 
 from __future__ import annotations
 
 import pytest
 
 from tandem.benchmarks.throughput import ThroughputResult, _gpu_step_stats
+from tandem.step_timing import StepSpan
 
 
 class _Event:
@@ -21,7 +22,7 @@ def test_step_stats_split_decode_and_prefill_time():
     # (start ms, end ms, sequences, decode-only?, context tokens)
     steps = [(0, 10, 4, False, 40), (11, 14, 4, True, 44), (14, 17, 4, True, 48), (20, 30, 6, False, 60),
              (30, 34, 6, True, 66), (34, 38, 6, True, 72)]
-    events = [(_Event(a), _Event(b), n, d, c) for a, b, n, d, c in steps]
+    events = [StepSpan(_Event(a), n, d, c, _Event(b)) for a, b, n, d, c in steps]
     res = ThroughputResult(1, 1, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 0)
     _gpu_step_stats(events, res)
     assert (res.num_decode_steps, res.num_prefill_steps) == (4, 2)
@@ -32,7 +33,7 @@ def test_step_stats_split_decode_and_prefill_time():
 
 def test_step_stats_without_decode_steps():
     """``--output-len 1``: every step has prefill tokens; the decode statistics stay None."""
-    events = [(_Event(a), _Event(b), 4, False, 40) for a, b in ((0, 10), (12, 20))]
+    events = [StepSpan(_Event(a), 4, False, 40, _Event(b)) for a, b in ((0, 10), (12, 20))]
     res = ThroughputResult(1, 1, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 0)
     _gpu_step_stats(events, res)
     assert (res.num_decode_steps, res.num_prefill_steps) == (0, 2) and res.decode_steps_s == 0
