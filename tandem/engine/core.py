@@ -392,6 +392,16 @@ class EngineCore:
                                                           error=f"model step failed: {err!r}"))
         self.kv_manager.pool.evict_idle_cached_blocks()
 
+    def drain_in_flight(self) -> None:
+        """Wait out the steps in flight, their outputs dropped (the engine stops): a
+        pipeline's last stage reports each one to the driver before it can stop."""
+        while self._batch_queue:
+            self._batch_queue.popleft()[1].result()
+        if self._inflight is not None:
+            _, handle = self._inflight
+            self._inflight = None
+            handle.result()
+
     def shutdown(self) -> None:
         self.runner.shutdown()
         self.structured_output.shutdown()

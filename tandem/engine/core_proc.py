@@ -261,6 +261,7 @@ class EngineCoreProc:
                 elif last_step is not None and time.monotonic() - last_step >= IDLE_TRIM_S:
                     release_free_heap()
                     last_step = None
+            core.drain_in_flight()
         except Exception:
             self.send(EngineCoreOutputs(core.engine_index, engine_dead=True, error=traceback.format_exc()))
             raise

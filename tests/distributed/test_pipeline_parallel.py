@@ -217,6 +217,31 @@ def test_penalties_seeded_sampling_and_prefix_hits_as_in_one_process(deep_llama)
     assert runs[1] == runs[0]
 
 
+def test_a_shutdown_with_batches_in_flight_stops_every_stage_at_once(deep_llama):
+    """Shut down while both stages run batches: the driver takes in what is in flight, so the
+    last stage is not left reporting to no one; every rank exits well within the timeout."""
+    import time
+
+    import psutil
+
+    from tandem.sampling_params import SamplingParams
+    from tests.distributed.conftest import PROMPTS, make_llm
+
+    llm = make_llm(deep_llama, pipeline_parallel_size=2)
+    ranks = [p for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        llm.engine.add_request(str(i), p, params)
+    deadline = time.monotonic() + 60
+    while not any(o.outputs[0].token_ids for o in llm.engine.step()) and time.monotonic() < deadline:
+        pass
+    t0 = time.monotonic()
+    llm.engine.shutdown()
+    assert time.monotonic() - t0 < 15
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+
+
 def test_constrained_requests_sample_on_the_last_stage(model_dir, word_tokenizer):
     """The driver's bitmask reaches the last stage, which samples: PP=2 gives one process's
     tokens for constrained requests beside free ones."""
