@@ -80,32 +80,30 @@ class ParallelConfig:
         self._check_hosts()
 
     def _check_hosts(self) -> None:
-        local, start, size = self.data_parallel_local_size, self.data_parallel_start_rank, self.data_parallel_size
-        if local < 1 or local > size:
-            raise ValueError(f"data_parallel_size_local must be in 1..data_parallel_size ({size}), got {local}.")
-        if start < 0 or start + local > size:
-            given = "" if self.data_parallel_size_local is not None else ", its default"
-            raise ValueError(f"data_parallel_start_rank ({start}) + data_parallel_size_local ({local}{given}) must "
-                             f"not exceed data_parallel_size ({size}).")
-        self._check_stage_hosts()
+        self._check_local_range("data_parallel")
+        self._check_local_range("pipeline_parallel")
+        local, size = self.pipeline_parallel_local_size, self.pipeline_parallel_size
+        if local < size and self.data_parallel_local_size != 1:
+            raise ValueError(f"a host with some of the pipeline stages (pipeline_parallel_size_local {local} < "
+                             f"{size}) holds them for one replica: data_parallel_size_local must be 1, got "
+                             f"{self.data_parallel_local_size}.")
         if self.multi_host and self.data_parallel_rpc_port is None:
             raise ValueError("data_parallel_rpc_port is required when data_parallel_size_local < "
                              "data_parallel_size or pipeline_parallel_size_local < pipeline_parallel_size (several "
                              "hosts): the head's handshake port.")
 
-    def _check_stage_hosts(self) -> None:
-        local, start, size = self.pipeline_parallel_local_size, self.pipeline_parallel_start_rank, \
-            self.pipeline_parallel_size
+    def _check_local_range(self, kind: str) -> None:
+        """``{kind}_start_rank`` + ``{kind}_size_local`` within ``{kind}_size`` (``kind``:
+        data_parallel or pipeline_parallel: this host's replicas, or its stages)."""
+        size, start = getattr(self, f"{kind}_size"), getattr(self, f"{kind}_start_rank")
+        given = getattr(self, f"{kind}_size_local")
+        local = size if given is None else given
         if local < 1 or local > size:
-            raise ValueError(f"pipeline_parallel_size_local must be in 1..pipeline_parallel_size ({size}), got {local}.")
+            raise ValueError(f"{kind}_size_local must be in 1..{kind}_size ({size}), got {local}.")
         if start < 0 or start + local > size:
-            given = "" if self.pipeline_parallel_size_local is not None else ", its default"
-            raise ValueError(f"pipeline_parallel_start_rank ({start}) + pipeline_parallel_size_local ({local}{given}) "
-                             f"must not exceed pipeline_parallel_size ({size}).")
-        if local < size and self.data_parallel_local_size != 1:
-            raise ValueError(f"a host with some of the pipeline stages (pipeline_parallel_size_local {local} < "
-                             f"{size}) holds them for one replica: data_parallel_size_local must be 1, got "
-                             f"{self.data_parallel_local_size}.")
+            default = "" if given is not None else ", its default"
+            raise ValueError(f"{kind}_start_rank ({start}) + {kind}_size_local ({local}{default}) must not exceed "
+                             f"{kind}_size ({size}).")
 
     def check_host_role(self, headless: bool) -> None:
         """Refuse flags that do not fit this host's role (``headless``: ``tandem serve

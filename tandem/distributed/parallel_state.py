@@ -303,14 +303,18 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def tp_min(value: int) -> int:
-    """Smallest ``value`` over the TP group (gloo; ``value`` itself when ``tp_size == 1``)."""
-    g = _STATE.tp_cpu_group
-    if g is None:
+def _group_min(value: int, group: dist.ProcessGroup | None) -> int:
+    """Smallest ``value`` over ``group`` (``value`` itself without one)."""
+    if group is None:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
+
+
+def tp_min(value: int) -> int:
+    """Smallest ``value`` over the TP group (gloo; ``value`` itself when ``tp_size == 1``)."""
+    return _group_min(value, _STATE.tp_cpu_group)
 
 
 def forward_min(value: int) -> int:
@@ -318,13 +322,7 @@ def forward_min(value: int) -> int:
     TP group, and with expert parallelism all DP replicas too (gloo; ``value`` itself on
     one rank). For choices that change a forward's collectives (e.g. split or plain CUDA
     graph of a size), which must then be the same everywhere."""
-    v = tp_min(value)
-    g = _STATE.dp_group
-    if g is None or _STATE.info.ep_size == 1:
-        return v
-    t = torch.tensor([v], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
-    return int(t.item())
+    return _group_min(tp_min(value), _STATE.dp_group if _STATE.info.ep_size > 1 else None)
 
 
 # ------------------------------------------------------------------------------ PP
@@ -366,12 +364,7 @@ def get_driver_rank() -> int:
 def replica_min(value: int) -> int:
     """Smallest ``value`` over the ranks of this DP replica (gloo; ``value`` itself on a
     replica of one rank): what every stage and shard of it can hold."""
-    g = _STATE.replica_cpu_group
-    if g is None:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g)
-    return int(t.item())
+    return _group_min(value, _STATE.replica_cpu_group)
 
 
 # ------------------------------------------------------------------------------ DP

@@ -98,6 +98,17 @@ def generate_outputs(llm, prompts, params=GREEDY, timeout: float = 180.0) -> lis
     return box["out"]
 
 
+def constrained_mix() -> list[SamplingParams]:
+    """Greedy, 10 tokens, for each of ``PROMPTS``: every other one constrained to the regex
+    ``(t3|t4|t5)+t9`` (the word tokenizer's ids), the rest free."""
+    from tandem.structured_output import StructuredOutputsParams
+
+    free = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(regex="(t3|t4|t5)+t9"))
+    return [constrained if i % 2 else free for i in range(len(PROMPTS))]
+
+
 def single_process_ids(model: str, prompts=PROMPTS, params=GREEDY, **kwargs) -> list[list[int]]:
     llm = make_llm(model, **kwargs)
     try:

@@ -137,6 +137,15 @@ def deep_llama(tmp_path):
     return str(tmp_path)
 
 
+def _assert_same_tokens_and_logprobs(got, want) -> None:
+    """Greedy tokens equal; each position's top logprobs the same ids, within fp32 tolerance."""
+    for (ids, lps), (want_ids, want_lps) in zip(got, want, strict=True):
+        assert ids == want_ids
+        for pos, want_pos in zip(lps, want_lps):
+            assert pos.keys() == want_pos.keys()
+            assert all(abs(pos[t] - want_pos[t]) < 1e-4 for t in pos), (pos, want_pos)
+
+
 def _tokens_and_logprobs(outputs) -> list[tuple[list[int], list[dict[int, float]]]]:
     return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
             for o in outputs]
@@ -168,11 +177,7 @@ def test_an_engine_of_stages_gives_the_tokens_and_logprobs_of_one_process(deep_l
         llm.engine.shutdown()
     assert (stats["num_overlapped_steps"] > 0) == overlap, stats
     assert len(stats["pp_stage_busy_s"]) == pp and all(b > 0 for b in stats["pp_stage_busy_s"]), stats
-    for (ids, lps), (want_ids, want_lps) in zip(got + again, want + want[:1]):
-        assert ids == want_ids
-        for pos, want_pos in zip(lps, want_lps):
-            assert pos.keys() == want_pos.keys()
-            assert all(abs(pos[t] - want_pos[t]) < 1e-4 for t in pos), (pos, want_pos)
+    _assert_same_tokens_and_logprobs(got + again, want + want[:1])
 
 
 def test_preemption_with_a_batch_per_stage_in_flight_gives_one_process_tokens(deep_llama):
@@ -245,15 +250,10 @@ def test_a_shutdown_with_batches_in_flight_stops_every_stage_at_once(deep_llama)
 def test_constrained_requests_sample_on_the_last_stage(model_dir, word_tokenizer):
     """The driver's bitmask reaches the last stage, which samples: PP=2 gives one process's
     tokens for constrained requests beside free ones."""
-    from tandem.sampling_params import SamplingParams
-    from tandem.structured_output import StructuredOutputsParams
-    from tests.distributed.conftest import PROMPTS, generate_ids, make_llm, single_process_ids
+    from tests.distributed.conftest import PROMPTS, constrained_mix, generate_ids, make_llm, single_process_ids
 
     model = model_dir("llama")
-    constrained = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
-                                 structured_outputs=StructuredOutputsParams(regex="(t3|t4|t5)+t9"))
-    params = [constrained if i % 2 else SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    params = constrained_mix()
     want = single_process_ids(model, PROMPTS, params, tokenizer=word_tokenizer)
     llm = make_llm(model, pipeline_parallel_size=2, tokenizer=word_tokenizer)
     try:
@@ -325,8 +325,4 @@ def test_moe_models_split_into_stages_give_one_process_tokens_and_logprobs(deep_
         got = _tokens_and_logprobs(generate_outputs(llm, PROMPTS, params))
     finally:
         llm.engine.shutdown()
-    for (ids, lps), (want_ids, want_lps) in zip(got, want):
-        assert ids == want_ids
-        for pos, want_pos in zip(lps, want_lps):
-            assert pos.keys() == want_pos.keys()
-            assert all(abs(pos[t] - want_pos[t]) < 1e-4 for t in pos), (pos, want_pos)
+    _assert_same_tokens_and_logprobs(got, want)

@@ -30,14 +30,10 @@ def test_tp2_equals_tp1(model_dir, family):
 def test_tp2_constrained_equals_tp1(model_dir, word_tokenizer):
     """Constrained sequences sample after the driver sends their bitmask to the follower:
     TP=2 gives TP=1's tokens, each matching the grammar, in a batch with free requests."""
-    from tandem.sampling_params import SamplingParams
-    from tandem.structured_output import StructuredOutputsParams
+    from tests.distributed.conftest import constrained_mix
 
     model = model_dir("llama")
-    constrained = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
-                                 structured_outputs=StructuredOutputsParams(regex="(t3|t4|t5)+t9"))
-    params = [constrained if i % 2 else SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    params = constrained_mix()
     want = single_process_ids(model, PROMPTS, params, tokenizer=word_tokenizer)
     llm = make_llm(model, tensor_parallel_size=2, tokenizer=word_tokenizer)
     try:

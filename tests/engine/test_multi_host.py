@@ -128,14 +128,14 @@ def test_two_hosts_serve_the_single_process_tokens(two_hosts, family):
     assert all('host="' in line and 'host=""' not in line for line in series), series
 
 
-def test_a_lost_headless_host_fails_requests_and_stops_the_head(two_hosts):
-    url, head, headless, _ = two_hosts("deepseek_v2", dp=2, local=1, extra=DBO)
-    name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+def _start_long_streams(url: str, model: str, n: int) -> tuple[list[threading.Thread], list[tuple[int, list[str]]]]:
+    """``n`` streamed completions of 120 tokens, running once this returns (one has sent a
+    first line); their threads, and each one's (HTTP status, SSE lines) once it ends."""
     started = threading.Event()
-    results: list[tuple[int, list[str]]] = []  # (HTTP status, SSE lines) per request
+    results: list[tuple[int, list[str]]] = []
 
     def long_stream() -> None:
-        body = {"prompt": [7, 8, 9], "max_tokens": 120, "stream": True, "ignore_eos": True, "model": name}
+        body = {"prompt": [7, 8, 9], "max_tokens": 120, "stream": True, "ignore_eos": True, "model": model}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             lines = []
             for line in r.iter_lines():
@@ -143,10 +143,28 @@ def test_a_lost_headless_host_fails_requests_and_stops_the_head(two_hosts):
                 started.set()
             results.append((r.status_code, lines))
 
-    threads = [threading.Thread(target=long_stream) for _ in range(4)]
+    threads = [threading.Thread(target=long_stream) for _ in range(n)]
     for t in threads:
         t.start()
     assert started.wait(60)
+    return threads, results
+
+
+def _assert_each_ended_in_error(results: list[tuple[int, list[str]]]) -> None:
+    """A stream: its error event (one line), then [DONE]; a request not yet streaming: HTTP 500."""
+    for status, lines in results:
+        if status == 200:
+            events = [line for line in lines if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
+            assert "\\n" not in events[-2], events[-2]
+        else:
+            assert status == 500 and '"error"' in lines[0], (status, lines)
+
+
+def test_a_lost_headless_host_fails_requests_and_stops_the_head(two_hosts):
+    url, head, headless, _ = two_hosts("deepseek_v2", dp=2, local=1, extra=DBO)
+    name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    threads, results = _start_long_streams(url, name, 4)
     headless.kill9()
     t0 = time.monotonic()
     health = []
@@ -163,15 +181,8 @@ def test_a_lost_headless_host_fails_requests_and_stops_the_head(two_hosts):
     assert head.proc.returncode != 0
     assert 503 in health, health
     assert len(results) == len(threads)
-    streamed = [lines for status, lines in results if status == 200]
-    assert streamed, results  # in flight when the host was lost
-    for status, lines in results:
-        if status == 200:  # the stream's error event (one line), then [DONE]
-            events = [line for line in lines if line.startswith("data: ")]
-            assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
-            assert "\\n" not in events[-2], events[-2]
-        else:
-            assert status == 500 and '"error"' in lines[0], (status, lines)
+    assert any(status == 200 for status, _ in results), results  # in flight when the host was lost
+    _assert_each_ended_in_error(results)
     headless.wait_gone(5)
 
 
@@ -266,32 +277,14 @@ def test_pipeline_stages_on_two_hosts_serve_the_single_process_tokens_and_a_lost
         (replica,) = _stats(url)["replicas"]
         assert replica["num_overlapped_steps"] > 0 and len(replica["pp_stage_busy_s"]) == 2, replica
 
-        started = threading.Event()
-        results: list[tuple[int, list[str]]] = []  # (HTTP status, SSE lines) per request
-
-        def long_stream() -> None:
-            body = {"prompt": [7, 8, 9], "max_tokens": 120, "stream": True, "ignore_eos": True, "model": name}
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-                lines = []
-                for line in r.iter_lines():
-                    lines.append(line)
-                    started.set()
-                results.append((r.status_code, lines))
-
-        threads = [threading.Thread(target=long_stream) for _ in range(8)]
-        for t in threads:
-            t.start()
-        assert started.wait(60)
+        threads, results = _start_long_streams(url, name, 8)
         headless.kill9()
         for t in threads:
             t.join(60)
         assert head.wait_gone(EXIT_WITHIN_S + 5) <= EXIT_WITHIN_S + 5, head.text()[-3000:]
         assert head.proc.returncode != 0
         assert len(results) == len(threads)
-        for status, lines in results:  # each ends with an error (a stream's error event, then [DONE])
-            events = [line for line in lines if line.startswith("data: ")]
-            assert (status == 200 and events[-1] == "data: [DONE]" and '"error"' in events[-2]) or \
-                (status == 500 and '"error"' in lines[0]), (status, lines[-3:])
+        _assert_each_ended_in_error(results)
         headless.wait_gone(5)
     finally:
         head.close()
