@@ -15,6 +15,7 @@ or dict, and one flag (``--speculative-config '{...}'``), as in vLLM.
 from __future__ import annotations
 
 import argparse
+import re
 import typing
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any
@@ -128,6 +129,17 @@ class EngineArgs:
         if getattr(args, "model_pos", None):
             kwargs["model"] = args.model_pos
         return cls(**kwargs)
+
+
+def with_flag_names(message: str) -> str:
+    """``message`` (a config error, which names fields as ``LLM(...)`` takes them) with each
+    engine field of several words (``data_parallel_rpc_port``) named as its flag
+    (``--data-parallel-rpc-port``), for a command-line user; one-word names (``model``,
+    ``dtype``) are left as they are: they are also plain words."""
+    names = sorted({f.name for group in EngineConfig.group_types().values() for f in flag_fields(group)
+                    if "_" in f.name}, key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")\b")
+    return pattern.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def flag_fields(group: type) -> list[Field]:

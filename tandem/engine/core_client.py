@@ -46,7 +46,7 @@ import zmq.asyncio
 
 from tandem import envs
 from tandem.config import EngineConfig
-from tandem.engine.launch import CoreProcManager
+from tandem.engine.launch import CoreProcManager, exit_reason
 from tandem.engine.messages import (CoreMessage, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                     EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder)
 
@@ -223,8 +223,8 @@ class MPClient:
         dead = self.cores.dead(count_clean_exits=not self._stopping)
         if dead and not self._closed:
             procs = self.cores.procs
-            self._fail(f"engine core process(es) {dead} exited (pids {[procs[i].pid for i in dead]}, "
-                       f"codes {[procs[i].exitcode for i in dead]})")
+            self._fail("engine core process(es) exited: " + ", ".join(
+                f"{i} (pid {procs[i].pid}, {exit_reason(procs[i].exitcode)})" for i in dead))
 
     def _fail(self, message: str) -> None:
         if self.dead_error is None:

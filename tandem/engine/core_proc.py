@@ -262,8 +262,13 @@ class EngineCoreProc:
                     release_free_heap()
                     last_step = None
             core.drain_in_flight()
-        except Exception:
-            self.send(EngineCoreOutputs(core.engine_index, engine_dead=True, error=traceback.format_exc()))
+        except Exception as e:
+            from tandem.distributed.peer_loss import lost_peer_reason
+
+            # The front end shows the last line: a lost peer rank says so instead of the transport's text.
+            reason = lost_peer_reason(e)
+            error = traceback.format_exc() + (f"\n{reason}" if reason else "")
+            self.send(EngineCoreOutputs(core.engine_index, engine_dead=True, error=error))
             raise
         self.send(EngineCoreOutputs(core.engine_index, utility_output=UtilityOutput(
             -1, {"num_steps": core.num_steps, "num_dbo_steps": getattr(core.runner, "num_dbo_steps", 0)})))

@@ -64,6 +64,8 @@ def run_headless(config: EngineConfig) -> None:
 
 
 def _supervise(link, cores) -> int:
+    from tandem.engine.launch import exit_reason
+
     stop: list[int] = []
     old = {sig: signal.signal(sig, lambda signum, _f: stop.append(signum)) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -78,7 +80,7 @@ def _supervise(link, cores) -> int:
                 return 1
             failed = [cores.procs[i] for i in cores.dead(count_clean_exits=False)]
             if failed:
-                why = ", ".join(f"{p.name} (pid {p.pid}) exited with {p.exitcode}" for p in failed)
+                why = ", ".join(f"{p.name} (pid {p.pid}) exited: {exit_reason(p.exitcode)}" for p in failed)
                 logger.error("engine core %s: stopping this host", why)
                 link.stop(f"engine core {why}")
                 return 1

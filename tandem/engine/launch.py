@@ -27,6 +27,7 @@ import logging
 import os
 import select
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -102,6 +103,24 @@ def rank_launches(base: CoreLaunch, ranks: Sequence[int]) -> list[CoreLaunch]:
     """Each rank's launch of this host's ``ranks`` (consecutive global ranks): ``base`` with
     its global rank and its index on this host."""
     return [dataclasses.replace(base, rank=r, local_rank=i) for i, r in enumerate(ranks)]
+
+
+def exit_reason(exitcode: int | None) -> str:
+    """How a process ended, for the line that reports it: ``"exit code 1"``, ``"signal 9
+    (SIGKILL: the kernel's out-of-memory killer, or kill -9)"``, or ``"exit code unknown"``
+    (another process's child). ``exitcode`` as ``multiprocessing.Process.exitcode`` gives it
+    (minus the signal number when a signal ended it)."""
+    if exitcode is None:
+        return "exit code unknown"
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = "unknown signal"
+    why = {signal.SIGKILL: ": the kernel's out-of-memory killer, or kill -9",
+           signal.SIGSEGV: ": a crash in native code", signal.SIGABRT: ": aborted in native code"}.get(-exitcode, "")
+    return f"signal {-exitcode} ({name}{why})"
 
 
 def launcher_log_level() -> str:

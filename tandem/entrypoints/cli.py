@@ -264,8 +264,10 @@ def main(argv: list[str] | None = None) -> None:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:
         # Bad input (a flag value, a model path, a prompt over the context): the message,
-        # not a traceback.
-        _exit(2, f"{prog}: error: {e}")
+        # not a traceback, naming the flags the user typed rather than the config's fields.
+        from tandem.engine.arg_utils import with_flag_names
+
+        _exit(2, f"{prog}: error: {with_flag_names(str(e))}")
     except ConnectionError as e:  # no server at --base-url, a port in use
         _exit(1, f"{prog}: error: {e}")
     except KeyboardInterrupt:

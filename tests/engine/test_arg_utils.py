@@ -14,7 +14,7 @@ from dataclasses import MISSING, asdict, fields
 import pytest
 
 from tandem.config import EngineConfig, get_attr_docs
-from tandem.engine.arg_utils import EngineArgs, flag_fields
+from tandem.engine.arg_utils import EngineArgs, flag_fields, with_flag_names
 
 
 def _parser(model_positional: bool = False) -> argparse.ArgumentParser:
@@ -116,6 +116,18 @@ def test_unknown_llm_keyword_is_a_type_error():
         LLM(max_num_seq=4)
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLM(max_num_seqs=0)
+
+
+def test_a_config_error_names_the_flags_on_the_command_line():
+    """Every multi-word flag field is renamed, only as a whole name; plain words stay."""
+    for _, f, _ in _group_fields():
+        if "_" in f.name:
+            flag = "--" + f.name.replace("_", "-")
+            assert with_flag_names(f"{f.name} must be set, got {f.name}=3.") == f"{flag} must be set, got {flag}=3."
+    text = ("pipeline_parallel_size_local 2 > pipeline_parallel_size 1; model 'x' on device cpu; "
+            "num_speculative_tokens and my_max_model_len and --max-num-seqs stay")
+    assert with_flag_names(text) == ("--pipeline-parallel-size-local 2 > --pipeline-parallel-size 1; model 'x' on "
+                                     "device cpu; num_speculative_tokens and my_max_model_len and --max-num-seqs stay")
 
 
 def test_building_the_cli_does_not_import_torch():

@@ -74,9 +74,19 @@ def test_a_killed_process_is_reported_dead(tmp_path, monkeypatch):
         assert cores.wait_for_exit(30)
         assert cores.dead() == cores.dead(count_clean_exits=False) == [0]
         assert cores.procs[0].exitcode == -signal.SIGKILL
+        assert "out-of-memory killer" in launch.exit_reason(cores.procs[0].exitcode)
     finally:
         cores.close()
     assert not launch.kill_spawned()
+
+
+@pytest.mark.parametrize("code, expected", [
+    (1, "exit code 1"), (0, "exit code 0"), (None, "exit code unknown"),
+    (-signal.SIGKILL, "signal 9 (SIGKILL: the kernel's out-of-memory killer, or kill -9)"),
+    (-signal.SIGSEGV, "signal 11 (SIGSEGV: a crash in native code)"), (-signal.SIGTERM, "signal 15 (SIGTERM)"),
+    (-200, "signal 200 (unknown signal)")])
+def test_exit_reason_names_the_signal(code, expected):
+    assert launch.exit_reason(code) == expected
 
 
 def test_attaching_to_a_gone_process_raises():

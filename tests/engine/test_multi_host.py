@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -151,12 +152,15 @@ def _start_long_streams(url: str, model: str, n: int) -> tuple[list[threading.Th
 
 
 def _assert_each_ended_in_error(results: list[tuple[int, list[str]]]) -> None:
-    """A stream: its error event (one line), then [DONE]; a request not yet streaming: HTTP 500."""
+    """A stream: its error event (one line, saying that a rank or host is gone, without the
+    transport's source text), then [DONE]; a request not yet streaming: HTTP 500."""
     for status, lines in results:
         if status == 200:
             events = [line for line in lines if line.startswith("data: ")]
             assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
             assert "\\n" not in events[-2], events[-2]
+            assert re.search("lost the connection to another rank|is gone: no heartbeat", events[-2]), events[-2]
+            assert ".cc:" not in events[-2], events[-2]
         else:
             assert status == 500 and '"error"' in lines[0], (status, lines)
 

@@ -88,14 +88,15 @@ def test_eval_limit_help_says_the_whole_data_set():
 
 @pytest.mark.parametrize("cmd", [["generate", "hi"], ["serve"], ["bench", "throughput"]])
 @pytest.mark.parametrize("flags, field", [
-    (["--max-model-len", "0"], "max_model_len"),
-    (["--num-kv-blocks", "1"], "num_kv_blocks"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--num-kv-blocks", "1"], "--num-kv-blocks"),
     (["--device", "tpu"], "device"),
-    (["--generation-config", "/nonexistent"], "generation_config"),
+    (["--generation-config", "/nonexistent"], "--generation-config"),
 ])
 def test_engine_values_are_checked_before_loading(cmd, flags, field):
-    """The model path does not exist: an error about the flag proves nothing was loaded."""
-    if field == "generation_config" and cmd != ["generate", "hi"]:
+    """The model path does not exist: an error about the flag (named as the flag) proves
+    nothing was loaded."""
+    if field == "--generation-config" and cmd != ["generate", "hi"]:
         pytest.skip("one command suffices")
     assert_one_line_error(tandem(*cmd, "--model", MISSING_MODEL, *flags), 2, field)
 

@@ -43,7 +43,7 @@ from multiprocessing.connection import wait as wait_sentinels
 
 from tandem.config import EngineConfig
 from tandem.engine.core_client import EngineDeadError, SyncMPClient
-from tandem.engine.launch import CoreProcManager, EngineClientConfig
+from tandem.engine.launch import CoreProcManager, EngineClientConfig, exit_reason
 from tandem.entrypoints.openai.api_server import (ABORT_SIGNAL, DEAD_ENGINE_EXIT_DELAY_S, ENGINE_STOP_TIMEOUT_S,
                                                    bind_socket)
 
@@ -195,8 +195,8 @@ def _supervise(client: SyncMPClient, servers: APIServerProcessManager, stop: lis
             return 1
         dead = servers.exited()
         if dead and not stop:
-            logger.error("API server(s) %s exited (codes %s): the server stops", dead,
-                         [servers.procs[i].exitcode for i in dead])
+            logger.error("API server(s) exited: %s: the server stops", ", ".join(
+                f"{i} ({exit_reason(servers.procs[i].exitcode)})" for i in dead))
             return 1
     if drain_s:
         logger.info("signal %d: the API servers drain their requests for up to %d s (a second SIGTERM/SIGINT aborts "
