@@ -22,7 +22,8 @@ class CacheConfig:
     CUDA, kv_cache_memory_gib on the CPU."""
 
     kv_cache_memory_gib: float = 1.0
-    """KV cache size in GiB on the CPU (when num_kv_blocks is None)."""
+    """KV cache size in GiB on the CPU (when num_kv_blocks is None), per rank: each tensor-
+    or pipeline-parallel rank process holds its own (vLLM's VLLM_CPU_KVCACHE_SPACE)."""
 
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory for weights, peak activations and the KV cache."""

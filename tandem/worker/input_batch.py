@@ -22,8 +22,12 @@ from tandem.core.sched_output import NewRequestData
 from tandem.sampling_params import SamplingParams
 from tandem.worker.sampler import SamplingBatch, token_seed
 
-# Columns of the per-row sampling parameter table (fp32; top_k is an integer < 2**24).
-_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(7)
+# The per-row scalar sampling parameters: the columns of the fp32 table, by SamplingParams
+# field (top_k is an integer < 2**24, exact in fp32). A new per-row scalar is a name here and
+# its use in the sampler (SamplingBatch).
+SCALAR_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                          "repetition_penalty")
+_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(len(SCALAR_SAMPLING_FIELDS))
 
 
 @dataclass
@@ -116,10 +120,10 @@ class InputBatch:
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.block_table_np = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
         self.block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.params = torch.zeros(max_num_seqs, 7, dtype=torch.float32, device=device)
+        self.params = torch.zeros(max_num_seqs, len(SCALAR_SAMPLING_FIELDS), dtype=torch.float32, device=device)
         # Host mirrors of what picks the sampler's paths, indexed by row.
         self.greedy_np = np.zeros(max_num_seqs, dtype=bool)
-        self.params_np = np.zeros((max_num_seqs, 7), dtype=np.float32)
+        self.params_np = np.zeros((max_num_seqs, len(SCALAR_SAMPLING_FIELDS)), dtype=np.float32)
         self.has_penalty_np = np.zeros(max_num_seqs, dtype=bool)
         self.num_logprobs_np = np.full(max_num_seqs, -1, dtype=np.int64)
         self.num_sampled_np = np.zeros(max_num_seqs, dtype=np.int64)
@@ -162,8 +166,8 @@ class InputBatch:
         if data.compute_prompt_logprobs:
             self.prompt_logprobs_seq_ids.add(data.seq_id)
         self.block_table_np[row] = 0
-        self.params_np[row] = (p.temperature, min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size, p.top_p, p.min_p,
-                               p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        self.params_np[row] = [getattr(p, name) for name in SCALAR_SAMPLING_FIELDS]
+        self.params_np[row, _TOP_K] = min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size
         self.greedy_np[row] = p.greedy
         self.has_penalty_np[row] = p.has_penalties
         self.num_logprobs_np[row] = -1 if p.logprobs is None else p.logprobs

@@ -1,6 +1,7 @@
 """A streamed chat choice's tool-call deltas (``serving_chat.ToolCallStream``) against
 ``ToolPlan.split`` of the whole text, for every tool_choice and any split into deltas;
-SGLang's ``matched_stop``. The chunks' wire format: test_stream_chunks.py."""
+SGLang's ``matched_stop``; the request's sampling fields in its SamplingParams. The chunks'
+wire format: test_stream_chunks.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.serving_chat import ToolCallStream
-from tandem.entrypoints.openai.serving_engine import matched_stop
+from tandem.entrypoints.openai.serving_engine import REQUEST_SAMPLING_FIELDS, OpenAIServingBase, matched_stop
+from tandem.sampling_params import RequestOutputKind
 from tandem.entrypoints.openai.structured_outputs import tool_plan
 
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("f", "g")]
@@ -67,3 +69,27 @@ def test_streamed_tool_calls_equal_whole(choice, parallel, text, size):
 def test_matched_stop_is_sglangs(finish, stop_reason, last, want):
     """The stop string, regex pattern or stop token id; the EOS (last) token; None unless "stop"."""
     assert matched_stop(finish, stop_reason, last) == want
+
+
+# A value other than the default for each field a request and SamplingParams share.
+_SET = {"allowed_token_ids": [3, 4], "bad_words": ["no"], "frequency_penalty": 0.5, "ignore_eos": True,
+        "include_stop_str_in_output": True, "min_p": 0.1, "min_tokens": 2, "n": 2, "presence_penalty": -0.5,
+        "repetition_penalty": 1.2, "seed": 7, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+        "stop": ["x"], "stop_regex": ["y+"], "stop_token_ids": [5], "temperature": 0.7, "top_k": 5, "top_p": 0.9}
+
+
+def _params(**fields):
+    serving = object.__new__(OpenAIServingBase)
+    serving.llm = type("Engine", (), {"vocab_size": 100})()
+    req = P.CompletionRequest(prompt="hi", **fields)
+    return serving._sampling_params(req, 8, None, None, RequestOutputKind.FINAL_ONLY)
+
+
+def test_every_shared_request_field_reaches_the_sampling_params():
+    assert sorted(_SET) == list(REQUEST_SAMPLING_FIELDS)  # a new shared field gets a value here
+    params = _params(**_SET)
+    for name, value in _SET.items():
+        assert getattr(params, name) == value, name
+    # Left out (or null): SamplingParams' own default, or None for the model's generation config.
+    unset = _params(n=None, presence_penalty=None, temperature=None)
+    assert (unset.n, unset.presence_penalty, unset.temperature, unset.top_p) == (1, 0.0, None, None)

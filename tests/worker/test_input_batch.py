@@ -8,7 +8,7 @@ import torch
 
 from tandem.core.sched_output import NewRequestData
 from tandem.sampling_params import SamplingParams
-from tandem.worker.input_batch import InputBatch
+from tandem.worker.input_batch import SCALAR_SAMPLING_FIELDS, InputBatch
 from tandem.worker.sampler import token_seed
 
 V = 50
@@ -103,3 +103,14 @@ def test_min_tokens_masks_stop_ids_until_reached():
         ib.record_sampled(rows, torch.tensor([9]))
     assert ib.num_sampled_np[rows[0]] == 3
     assert np.array_equal(ib.rows_of([1]), rows)
+
+
+def test_each_scalar_sampling_field_fills_its_column():
+    values = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.05, "presence_penalty": 0.5,
+              "frequency_penalty": -0.25, "repetition_penalty": 1.2}
+    assert set(values) == set(SCALAR_SAMPLING_FIELDS)
+    ib = InputBatch(max_num_seqs=2, max_blocks_per_seq=2, vocab_size=V, device=torch.device("cpu"))
+    ib.add_request(_new(1, SamplingParams(**values)))
+    row = ib.rows_of([1])[0]
+    for column, name in enumerate(SCALAR_SAMPLING_FIELDS):
+        assert ib.params_np[row, column] == np.float32(values[name]), name

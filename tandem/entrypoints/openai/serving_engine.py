@@ -26,6 +26,10 @@ from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.structured_output import StructuredOutputsParams
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+# What the front end decides itself (their request fields differ from the engine's); every
+# other field a request and SamplingParams share passes through by name (None: the default).
+_SET_BY_SERVER = {"logit_bias", "max_tokens", "logprobs", "prompt_logprobs", "output_kind", "structured_outputs"}
+REQUEST_SAMPLING_FIELDS = tuple(sorted(_SAMPLING_FIELDS & set(P._SamplingFields.model_fields) - _SET_BY_SERVER))
 
 
 def _param_of(message: str) -> str | None:
@@ -110,34 +114,10 @@ class OpenAIServingBase:
                 raise bad_request(f"logit_bias keys must be token ids (integers), got {list(req.logit_bias)[:8]}.",
                                   "logit_bias") from None
         try:
-            params = SamplingParams(
-                n=req.n or 1,
-                # Left unset (None): the engine applies the model's generation_config.json.
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                min_p=req.min_p,
-                seed=req.seed,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=req.repetition_penalty,
-                logit_bias=bias,
-                max_tokens=max_tokens,
-                min_tokens=req.min_tokens,
-                stop=req.stop,
-                stop_token_ids=req.stop_token_ids,
-                stop_regex=req.stop_regex,
-                ignore_eos=req.ignore_eos,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                allowed_token_ids=req.allowed_token_ids,
-                bad_words=req.bad_words,
-                output_kind=kind,
-                structured_outputs=structured_outputs,
-            )
+            shared = {name: value for name in REQUEST_SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+            params = SamplingParams(**shared, logit_bias=bias, max_tokens=max_tokens, logprobs=logprobs,
+                                    prompt_logprobs=prompt_logprobs, output_kind=kind,
+                                    structured_outputs=structured_outputs)
             params.verify_vocab(self.llm.vocab_size)
         except ValueError as e:
             raise bad_request(str(e), _param_of(str(e))) from None
