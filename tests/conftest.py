@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import os
+import platform
+import sys
 
-import pytest
+# The Triton interpreter's tl.dot is numpy's matmul. OpenBLAS's FMA kernels for Haswell and Zen
+# CPUs round an output row differently by its position in the tile, so in the interpreter a
+# token's bits would depend on its neighbours in a batch (on a GPU they do not); its AVX kernel
+# does not (tests/test_triton_utils.py checks it). It is read when numpy loads: set before torch.
+if platform.machine() == "x86_64" and "numpy" not in sys.modules:
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
+import pytest  # noqa: E402
 
 import tandem  # noqa: F401 - before torch, as in a user's process: sets GOMP_SPINCOUNT (tandem.envs)
-import torch
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

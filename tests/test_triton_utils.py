@@ -45,3 +45,20 @@ def test_record_jit_compiles_names_the_specialised_arguments():
     with record_jit_compiles() as seen:
         _fire("_k[num_warps=4](x_ptr: *bf16)", compile_)
     assert seen == ["_k(n=1; x_ptr=[['tt.divisibility', 16]])"]
+
+
+def test_the_interpreters_dot_rounds_a_row_the_same_at_any_position():
+    """numpy's matmul (the interpreter's tl.dot) gives a row the same bits wherever it sits in
+    the tile, as a GPU's dot does: the batch-invariance tests of the Triton kernels rely on it
+    (tests/conftest.py picks an OpenBLAS kernel for which it holds)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for rows in (16, 64):
+        a = rng.standard_normal((rows, 64)).astype(np.float32)
+        b = rng.standard_normal((64, 32)).astype(np.float32)
+        full = a @ b
+        for i in range(rows):
+            alone = np.zeros_like(a)
+            alone[0] = a[i]
+            assert np.array_equal((alone @ b)[0], full[i]), (rows, i)
