@@ -96,9 +96,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, quantization=args.quantization, max_num_seqs=max(256, max(args.num_seqs)),
               max_model_len=args.input_len + args.output_len + 16)
-    from tandem.layers.quantization.config import weights_mode
-
-    mode = weights_mode(llm.engine.config)
+    mode = llm.engine.resolved.weights_mode
     print(f"model {args.model}\ntandem weights {mode}, load {time.perf_counter() - t0:.1f} s; torch "
           f"{torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs; llama.cpp {args.llamacpp}; "
           f"input {args.input_len}, output {args.output_len}, greedy; {args.rounds} alternated rounds")

@@ -96,7 +96,7 @@ def run_pairing(pairing: str, model: str, args) -> list[str]:
     ref = load_transformers(model, None if pairing == "default" else getattr(torch, pairing))
     t2 = time.perf_counter()
     vocab = llm.engine.vocab_size
-    dtypes = f"tandem {llm.engine.config.torch_dtype}, transformers {ref.dtype}"
+    dtypes = f"tandem torch.{llm.engine.resolved.dtype}, transformers {ref.dtype}"
     print(f"\n=== pairing {pairing}: {dtypes}; load: tandem {t1 - t0:.1f} s, transformers {t2 - t1:.1f} s")
     summary = []
     for n in args.num_prompts:

@@ -4,7 +4,7 @@ dummy-weight model (default: Llama-3.1-8B shape, bf16, batch 256, context ~128-1
 ``max_num_batched_tokens`` tokens), after one batch has warmed everything up; each profiled
 step's wall time (synchronized) is printed too.
 
-    python benchmarks/profile_decode.py --config-dir DIR --tokenizer DIR [--batch 256] [--phase decode|prefill] [--engine-arg KEY=VALUE ...]
+    python benchmarks/profile_decode.py --config-dir DIR --tokenizer DIR [--batch 256] [--warmup-steps 20] [--phase decode|prefill] [--engine-arg KEY=VALUE ...]
 
 ``--engine-arg`` passes an engine option (value parsed as JSON when it parses, else a
 string), e.g. ``--engine-arg all2all_backend=simulated --engine-arg simulated_ep_rank_experts=true``.
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup-steps", type=int, default=20, help="steps before the profiled ones (a large batch's prefill chunks must be done)")
     ap.add_argument("--phase", choices=["decode", "prefill"], default="decode")
     ap.add_argument("--engine-arg", type=engine_arg, action="append", default=[])
     args = ap.parse_args()
@@ -61,7 +62,7 @@ def main() -> None:
             eng.step()
 
     ids = add_batch(0)
-    for _ in range(20):  # prefills done, decode steady state
+    for _ in range(args.warmup_steps):  # prefills done, decode steady state
         eng.step()
     if args.phase == "prefill":
         drain(ids)

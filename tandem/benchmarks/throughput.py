@@ -103,7 +103,7 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     # hits later) through chunked prefill, mixed and decode steps, so that first-call
     # allocations and kernels compiled on first use (Triton specialises on tile configs
     # that follow the token count, and on each size's divisibility) are not timed.
-    max_num_seqs = llm.engine.config.scheduler_config.max_num_seqs
+    max_num_seqs = llm.engine.resolved.max_num_seqs
     warm = random_prompts(min(num_prompts, max_num_seqs), input_len, llm.engine.vocab_size, seed + 1)
     warm_params = _constrained_params(SamplingParams(max_tokens=4, ignore_eos=True), len(warm),
                                       structured_output_ratio, json_schema, seed)
@@ -271,7 +271,7 @@ def main(args: argparse.Namespace) -> None:
               + ", ".join(f"stage {i} {100 * f:.1f}%" for i, f in enumerate(res.pp_stage_idle_fractions)))
     if res.gpu_idle_fraction is not None:
         # Without decode-only steps (e.g. --output-len 1) the decode statistics are None.
-        device = "GPU" if llm.engine.config.device_config.torch_device.type == "cuda" else "Step thread"
+        device = "GPU" if llm.engine.resolved.device.startswith("cuda") else "Step thread"
         line = f"{device} idle between steps: {100 * res.gpu_idle_fraction:.2f}% of wall time"
         if res.gpu_idle_fraction_decode is not None:
             line += f" ({100 * res.gpu_idle_fraction_decode:.2f}% around decode steps)"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import typing
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tandem.config.cache import CacheConfig
 from tandem.config.dbo import DBOConfig
@@ -97,19 +97,6 @@ class EngineConfig:
         JSON engine argument (``--speculative-config '{...}'``; None: off)."""
         hints = typing.get_type_hints(cls)
         return {f.name: unwrap_optional(hints[f.name])[0] for f in fields(cls) if unwrap_optional(hints[f.name])[1]}
-
-    @classmethod
-    def from_dict(cls, groups: dict[str, dict[str, Any]]) -> EngineConfig:
-        """The config of ``dataclasses.asdict(config)`` (as a core's ready message carries it),
-        validated again.
-
-        Raises:
-            ValueError: a field's value is invalid here (e.g. a CUDA device this process cannot see).
-        """
-        flat = {name: tp(**groups[name]) for name, tp in cls.group_types().items()}
-        optional = {name: None if groups.get(name) is None else tp(**groups[name])
-                    for name, tp in cls.json_groups().items()}
-        return cls(**flat, **optional)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tandem.config import EngineConfig
+from tandem.config.resolved import ResolvedConfig
 from tandem.engine.core_client import AsyncMPClient, EngineDeadError
 from tandem.engine.launch import CoreProcManager, EngineClientConfig
 from tandem.engine.messages import EngineCoreOutputs
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.processor import Processor
 from tandem.engine.stat_logger import LOG_STATS_INTERVAL_S, StatsLogger
-from tandem.model_loader.generation_config import load_generation_defaults
 from tandem.model_loader.loader import load_tokenizer
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -223,8 +223,10 @@ class AsyncLLM:
     """The server's engine front end (see the module docstring).
 
     Args:
-        config: engine configuration; ``tensor_parallel_size * data_parallel_size`` rank
-            processes are spawned (``data_parallel_size`` engine cores).
+        config: engine configuration (``self.config``, as given);
+            ``tensor_parallel_size * data_parallel_size`` rank processes are spawned
+            (``data_parallel_size`` engine cores). What replica 0's core resolved from it
+            (dtype, limits, generation defaults) is ``self.resolved``.
         client_config: attach to cores another process launched (one of several API
             servers) instead of spawning them.
         log_stats_interval_s: seconds between two stats lines in the log while there is
@@ -247,16 +249,15 @@ class AsyncLLM:
                                         if client_config is not None else None)
             self.tokenizer = tok.result()
         ready = self.client.ready
-        self.config = EngineConfig.from_dict(ready.config)
-        self.processor = Processor(self.tokenizer, ready,
-                                   load_generation_defaults(self.config.model_config.model,
-                                                            self.config.model_config.generation_config))
+        self.config = config
+        self.resolved: ResolvedConfig = ready.resolved
+        self.processor = Processor(self.tokenizer, ready)
         # Its own copy: prompts are tokenized on a worker thread while outputs are
         # detokenized on the event loop, and a Rust tokenizer is not shared across threads.
         self.output_processor = OutputProcessor(copy.deepcopy(self.tokenizer))
         self.vocab_size: int = ready.vocab_size
-        self.max_model_len: int = ready.max_model_len
-        self.num_kv_blocks: int = sum(r.num_kv_blocks for r in self.client.readies)
+        self.max_model_len: int = self.resolved.max_model_len
+        self.num_kv_blocks: int = sum(r.resolved.num_kv_blocks for r in self.client.readies)
         self.stat_listeners: list[StatListener] = []
         self._streams: dict[str, RequestStream] = {}
         self._counter = itertools.count()
@@ -329,7 +330,7 @@ class AsyncLLM:
             self._stats_task = loop.create_task(self._log_stats(self.log_stats_interval_s))
 
     async def _log_stats(self, interval_s: float) -> None:
-        device = "GPU" if self.config.device_config.torch_device.type == "cuda" else "CPU"
+        device = "GPU" if self.resolved.device.startswith("cuda") else "CPU"
         stat_logger = StatsLogger(self.stats, device, self._stats_prefix)
         while True:
             await asyncio.sleep(interval_s)

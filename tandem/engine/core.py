@@ -27,6 +27,7 @@ from typing import Any
 
 from tandem import envs
 from tandem.config import EngineConfig
+from tandem.config.resolved import ResolvedConfig
 from tandem.core.block_manager import KVCacheManager
 from tandem.core.sched_output import SchedulerOutput
 from tandem.core.scheduler import Scheduler
@@ -48,8 +49,9 @@ class EngineCore:
     """Owns the model runner and the scheduler of one data-parallel replica.
 
     Args:
-        config: engine configuration; ``max_model_len`` and ``max_num_batched_tokens`` are
-            resolved in place.
+        config: engine configuration; ``max_model_len`` and the batch limits are resolved
+            in place, and everything the core resolved is ``self.resolved``
+            (:class:`ResolvedConfig`, sent in :meth:`ready_message`).
         engine_index: the replica's data-parallel rank (set on its outputs).
 
     Raises:
@@ -78,16 +80,18 @@ class EngineCore:
         # agree on the smallest cache.
         self.num_kv_blocks = ps.replica_min(self.worker.determine_num_kv_blocks())
         self.runner = self.worker.initialize_kv_cache(self.num_kv_blocks)  # may lower max_model_len
+        # Every setting left to the engine is decided by now: sent to the front end as it is.
+        self.resolved = resolved = _resolved_config(config, self.worker, self.num_kv_blocks)
         self.kv_manager = KVCacheManager(self.num_kv_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.eos_token_ids = self._eos_token_ids()
         # Grammars of constrained requests: compiled here, advanced by the scheduler, and
         # turned into each step's bitmask before sampling.
-        generation_eos = load_generation_defaults(model_cfg.model, model_cfg.generation_config).eos_token_ids
         self.structured_output = StructuredOutputManager(
-            model_cfg.tokenizer or model_cfg.model, self.vocab_size, self.eos_token_ids | set(generation_eos),
-            pin_memory=config.device_config.torch_device.type == "cuda")
-        self.scheduler = Scheduler(self.kv_manager, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
-                                   model_cfg.max_model_len, sched_cfg.enable_chunked_prefill, self.structured_output,
+            model_cfg.tokenizer or model_cfg.model, self.vocab_size,
+            self.eos_token_ids | resolved.generation_defaults.eos_token_ids,
+            pin_memory=self.worker.device.type == "cuda")
+        self.scheduler = Scheduler(self.kv_manager, resolved.max_num_seqs, resolved.max_num_batched_tokens,
+                                   resolved.max_model_len, sched_cfg.enable_chunked_prefill, self.structured_output,
                                    _make_proposer(config), _num_lookahead_tokens(config),
                                    _disable_by_batch_size(config), config.max_concurrent_batches)
         self._inflight: tuple[SchedulerOutput, object] | None = None
@@ -125,16 +129,16 @@ class EngineCore:
         return set([eos] if isinstance(eos, int) else eos or [])
 
     def ready_message(self) -> EngineCoreReady:
-        """The startup handshake a front end validates requests against."""
+        """The startup handshake: what this core resolved, and the limits a front end
+        validates requests against."""
         from dataclasses import asdict
 
         info = ps.get_parallel_info()
         return EngineCoreReady(
-            engine_index=self.engine_index, max_model_len=self.config.model_config.max_model_len,
-            max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens, vocab_size=self.vocab_size,
-            num_kv_blocks=self.num_kv_blocks, eos_token_ids=sorted(self.eos_token_ids),
+            engine_index=self.engine_index, resolved=self.resolved, vocab_size=self.vocab_size,
+            eos_token_ids=sorted(self.eos_token_ids),
             kv_cache_shape_per_block=tuple(self.model.kv_cache_shape_per_block), parallel=asdict(info),
-            config=asdict(self.config), host=socket.gethostname())
+            host=socket.gethostname())
 
     # ----------------------------------------------------------------- requests
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -457,6 +461,19 @@ def _num_lookahead_tokens(config: EngineConfig) -> int:
     model's or an EAGLE head's)."""
     spec = config.speculative_config
     return spec.num_speculative_tokens if spec is not None and spec.uses_model else 0
+
+
+def _resolved_config(config: EngineConfig, worker: Worker, num_kv_blocks: int) -> ResolvedConfig:
+    """What this core runs with, once its worker loaded the model and sized the KV cache
+    (``config``'s limits resolved in place by then, :func:`_resolve_limits`)."""
+    model_cfg, sched_cfg = config.model_config, config.scheduler_config
+    quant = worker.quant_config
+    return ResolvedConfig(
+        dtype=str(worker.dtype).removeprefix("torch."), quantization=quant.method if quant is not None else None,
+        all2all_backend=worker.all2all_backend, device=str(worker.device), max_model_len=model_cfg.max_model_len,
+        max_num_seqs=sched_cfg.max_num_seqs, max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+        num_kv_blocks=num_kv_blocks,
+        generation_defaults=load_generation_defaults(model_cfg.model, model_cfg.generation_config))
 
 
 def _resolve_limits(config: EngineConfig, hf_config) -> None:

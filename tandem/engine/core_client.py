@@ -46,6 +46,7 @@ import zmq.asyncio
 
 from tandem import envs
 from tandem.config import EngineConfig
+from tandem.engine.host_handshake import replica_difference
 from tandem.engine.launch import CoreProcManager, exit_reason
 from tandem.engine.messages import (CoreMessage, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                     EngineCoreRequestType, MsgpackDecoder, MsgpackEncoder)
@@ -178,7 +179,9 @@ class MPClient:
         ``--headless`` host of a deployment on several hosts.
 
         Raises:
-            EngineConfigError: a rank failed to start on bad input.
+            EngineConfigError: a rank failed to start on bad input, or the replicas resolved
+                the configuration differently (:func:`replica_difference`: e.g. hosts whose
+                ``auto`` dtype differs).
             EngineDeadError: a rank failed to start otherwise, or not within the timeout.
             HostRefusedError: a ``--headless`` host was refused, lost, or missing.
         """
@@ -186,6 +189,10 @@ class MPClient:
             self.cores.wait_for_hosts(check=self._check_procs)
             self.readies = self._wait_ready(envs.TANDEM_STARTUP_TIMEOUT_S if startup_timeout is None
                                             else startup_timeout)
+            diff = replica_difference(self.readies)
+            if diff is not None:
+                raise EngineConfigError(f"the data-parallel replicas resolved the engine configuration differently: "
+                                        f"{diff}")
         except BaseException:
             self._kill()
             raise

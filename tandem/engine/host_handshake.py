@@ -33,6 +33,9 @@ import zmq
 
 from tandem import envs
 from tandem.config import EngineConfig
+from tandem.config.resolved import ResolvedConfig
+from tandem.engine.messages import EngineCoreReady
+from tandem.model_loader.generation_config import GenerationDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +89,11 @@ class HostRefusedError(ValueError):
 
 def comparable_config(config: EngineConfig) -> dict[str, Any]:
     """``config`` as flat ``group.field`` values, without the fields declared per host
-    (``metadata={"per_host": True}``)."""
+    (``metadata={"per_host": True}``); an optional group that is off is one ``group: None``."""
     flat = {}
     for f in fields(config):
         group = getattr(config, f.name)
-        if group is None:  # an optional group that is off
+        if group is None:
             flat[f.name] = None
             continue
         values = asdict(group)
@@ -101,10 +104,59 @@ def comparable_config(config: EngineConfig) -> dict[str, Any]:
 
 
 def config_difference(head: dict[str, Any], host: dict[str, Any]) -> str | None:
-    """One line naming the fields whose values differ, or None."""
-    diffs = [f"{k.split('.', 1)[1]} {head.get(k)!r} (head) vs {host.get(k)!r} (this host)"
-             for k in sorted(set(head) | set(host)) if head.get(k) != host.get(k)]
+    """One line naming the settings that differ (:func:`comparable_config`'s), or None.
+
+    The hosts compare what they were asked for, before any model loads: a field left unset
+    shows as ``auto`` (each host's engine core resolves it, and :func:`replica_difference`
+    compares what they resolved); an optional group as ``off`` / ``on`` (its fields are
+    compared only where both sides have it)."""
+    diffs = []
+    for k in sorted(set(head) | set(host)):
+        group, _, name = k.partition(".")
+        if name and (group in head or group in host):  # the group is off on one side: its line says so
+            continue
+        shown_head, shown_host = _setting(head, k), _setting(host, k)
+        if shown_head != shown_host:
+            diffs.append(f"{name or group} {shown_head} (head) vs {shown_host} (this host)")
     return "; ".join(diffs) if diffs else None
+
+
+def _setting(flat: dict[str, Any], key: str) -> str:
+    """A compared value as a refusal shows it: never a bare None."""
+    if key not in flat:  # only a whole group's key is missing: the group is on (its fields are there)
+        return "on"
+    value = flat[key]
+    if value is None:
+        return "auto" if "." in key else "off"
+    return repr(value)
+
+
+# What every replica must resolve alike: it decides a request's tokens (and the tensors of an
+# expert-parallel all-to-all) whichever replica runs it. The limits and the KV cache follow each
+# host's memory and may differ.
+_SHARED_RESOLVED = ("dtype", "quantization", "all2all_backend", "generation_defaults")
+
+
+def replica_difference(readies: list[EngineCoreReady]) -> str | None:
+    """One line naming what a replica's core resolved (:class:`ResolvedConfig`) differently
+    from replica 0's, with the hosts they run on, or None when they agree (e.g. hosts whose
+    ``auto`` dtype differs because one CPU has native bf16 and the other not)."""
+    diffs = []
+    first = readies[0]
+    for ready in readies[1:]:
+        for name in _SHARED_RESOLVED:
+            a, b = _resolved(first.resolved, name), _resolved(ready.resolved, name)
+            if a != b:
+                diffs.append(f"{name} {a} (replica {first.engine_index} on {first.host or '?'}) vs {b} "
+                             f"(replica {ready.engine_index} on {ready.host or '?'})")
+    return "; ".join(diffs) if diffs else None
+
+
+def _resolved(resolved: ResolvedConfig, name: str) -> str:
+    value = getattr(resolved, name)
+    if isinstance(value, GenerationDefaults):  # the file read may sit at another path on each host
+        return repr({"eos_token_ids": sorted(value.eos_token_ids), **value.sampling})
+    return "none" if value is None else repr(value)
 
 
 def _ranks(start: int, size: int) -> str:
@@ -359,4 +411,5 @@ class HeadLink:
         self.ctx.term()
 
 
-__all__ = ["HeadHandshake", "HeadLink", "HostRefusedError", "HostWelcome", "comparable_config", "config_difference"]
+__all__ = ["HeadHandshake", "HeadLink", "HostRefusedError", "HostWelcome", "comparable_config", "config_difference",
+           "replica_difference"]

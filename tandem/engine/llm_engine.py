@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 
 from tandem.config import EngineConfig
+from tandem.config.resolved import ResolvedConfig
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.processor import MAX_LOGPROBS, Processor
-from tandem.model_loader.generation_config import load_generation_defaults
 from tandem.model_loader.loader import load_tokenizer
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -32,8 +32,8 @@ class LLMEngine:
     """Front end over one engine-core client (:mod:`tandem.engine.core_client`).
 
     Args:
-        config: engine configuration; the resolved one (limits from the model) is
-            ``self.config`` afterwards.
+        config: engine configuration (``self.config``, as given); what the core resolved
+            from it (dtype, limits, KV cache size, generation defaults) is ``self.resolved``.
         client: a core client; None: the core in this process for one rank, spawned rank
             processes for ``tensor_parallel_size * data_parallel_size > 1``.
 
@@ -48,19 +48,17 @@ class LLMEngine:
             client = make_client(config)
         self.client = client
         ready = client.ready
-        config = EngineConfig.from_dict(ready.config)
         self.config = config
+        self.resolved: ResolvedConfig = ready.resolved
         self.tokenizer = load_tokenizer(config.model_config.tokenizer or config.model_config.model)
-        self.processor = Processor(self.tokenizer, ready,
-                                   load_generation_defaults(config.model_config.model,
-                                                            config.model_config.generation_config))
+        self.processor = Processor(self.tokenizer, ready)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = ready.vocab_size
-        self.num_kv_blocks = ready.num_kv_blocks
+        self.num_kv_blocks = self.resolved.num_kv_blocks
         self.eos_token_ids = self.processor.eos_token_ids
         # Rank 0's handshake, for tests and logs (``parallel``: its ParallelInfo fields).
         self.rank0_info = {"parallel": _Info(ready.parallel), "kv_cache_shape_per_block": ready.kv_cache_shape_per_block,
-                           "max_model_len": ready.max_model_len, "num_kv_blocks": ready.num_kv_blocks}
+                           "max_model_len": self.resolved.max_model_len, "num_kv_blocks": self.resolved.num_kv_blocks}
 
     @property
     def generation_defaults(self):

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from tandem.config.resolved import ResolvedConfig
 from tandem.structured_output.params import validated_elsewhere
 
 from tandem.sampling_params import SamplingParams
@@ -127,26 +128,24 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class EngineCoreReady(msgspec.Struct, array_like=True, gc=False, tag=True):
-    """A core's startup handshake: the limits the front end validates requests against.
+    """A core's startup handshake: what it resolved, and the limits the front end validates
+    requests against.
 
-    ``max_model_len``: resolved context length (possibly lowered to the KV cache's
-    capacity); ``eos_token_ids``: the EOS ids of the model's configs (the front end adds its
-    tokenizer's; stop tokens unless ``ignore_eos``);
-    ``kv_cache_shape_per_block``: ``(num_kv_heads, head_dim)`` on this rank;
-    ``parallel``: the rank's ``ParallelInfo`` fields; ``config``: the resolved
-    ``EngineConfig`` as ``dataclasses.asdict`` gives it (``EngineConfig.from_dict`` reads it);
-    ``host``: the name of the host the replica runs on.
+    ``resolved``: every setting the core decided (dtype, quantization, context length, batch
+    limits, KV cache size, generation defaults: :class:`ResolvedConfig`); the front end reads
+    these, never its own config's unresolved fields. ``eos_token_ids``: the EOS ids of the
+    model's configs (the front end adds its tokenizer's and the generation defaults'; stop
+    tokens unless ``ignore_eos``); ``kv_cache_shape_per_block``: ``(num_kv_heads, head_dim)``
+    on this rank; ``parallel``: the rank's ``ParallelInfo`` fields; ``host``: the name of
+    the host the replica runs on.
     """
 
     engine_index: int
-    max_model_len: int
-    max_num_batched_tokens: int
+    resolved: ResolvedConfig
     vocab_size: int
-    num_kv_blocks: int
     eos_token_ids: list[int]
     kv_cache_shape_per_block: tuple[int, int]
     parallel: dict[str, int]
-    config: dict[str, Any]
     host: str = ""
 
 

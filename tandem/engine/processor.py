@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from tandem.engine.messages import EngineCoreReady, EngineCoreRequest
-from tandem.model_loader.generation_config import GenerationDefaults
 from tandem.sampling_params import SamplingParams, child_seed
 
 # Most top logprobs per position a request may ask for (vLLM's default max_logprobs).
@@ -69,20 +68,20 @@ class Processor:
 
     Args:
         tokenizer: the front end's tokenizer (text prompts).
-        ready: the core's handshake (context length, vocabulary, the model config's EOS ids).
-        generation_defaults: the model's generation_config.json (EOS ids, and the values of
-            sampling fields a request leaves unset).
+        ready: the core's handshake (vocabulary, the model config's EOS ids, and in
+            ``resolved`` the context length and the model's generation_config.json: EOS ids,
+            and the values of sampling fields a request leaves unset).
 
     The EOS ids are the tokenizer's EOS token, the config's and generation_config.json's
     (transformers' ``generate`` stops on any of the generation config's).
     """
 
-    def __init__(self, tokenizer, ready: EngineCoreReady, generation_defaults: GenerationDefaults) -> None:
+    def __init__(self, tokenizer, ready: EngineCoreReady) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = ready.max_model_len
+        self.max_model_len = ready.resolved.max_model_len
         self.vocab_size = ready.vocab_size
-        self.generation_defaults = generation_defaults
-        self.eos_token_ids = set(ready.eos_token_ids) | set(generation_defaults.eos_token_ids)
+        self.generation_defaults = ready.resolved.generation_defaults
+        self.eos_token_ids = set(ready.eos_token_ids) | set(self.generation_defaults.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
 

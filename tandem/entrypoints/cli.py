@@ -56,7 +56,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     from tandem.entrypoints.llm import LLM
-    from tandem.model_loader.generation_config import load_generation_defaults
     from tandem.sampling_params import SamplingParams
 
     # Sampling values are checked before the model loads.
@@ -65,15 +64,13 @@ def _generate(args: argparse.Namespace) -> None:
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos)
     engine_args = EngineArgs.from_cli_args(args)
-    engine_cfg = engine_args.create_engine_config()  # checked, and the model path resolved
-    model_cfg = engine_cfg.model_config
+    engine_args.create_engine_config()  # checked before the model loads
     start = time.perf_counter()
     llm = LLM(**asdict(engine_args))
     load_s = time.perf_counter() - start
     try:
-        # From the config, not the engine: under torchrun rank 0's engine is a rank client.
-        if params.temperature is None and "temperature" not in load_generation_defaults(
-                model_cfg.model, model_cfg.generation_config).sampling:
+        resolved = llm.engine.resolved
+        if params.temperature is None and "temperature" not in resolved.generation_defaults.sampling:
             params = params.clone(temperature=0.0)  # the command's default: greedy
         if len(args.prompt) == 1 and args.n == 1 and sys.stdout.isatty():
             outs = [_print_streamed(llm, args, params)]  # a terminal sees the text as it comes
@@ -89,9 +86,7 @@ def _generate(args: argparse.Namespace) -> None:
                     if c.text:
                         print(c.text)
                     _completion_notes(c, args.max_tokens)
-        from tandem.layers.quantization.config import weights_mode
-
-        print(generation_summary(outs, load_s, weights_mode(engine_cfg)), file=sys.stderr)
+        print(generation_summary(outs, load_s, resolved.weights_mode), file=sys.stderr)
     finally:
         llm.engine.shutdown()
 
@@ -129,7 +124,7 @@ def generation_summary(outs: list, load_s: float, weights: str | None = None) ->
     token), generation tokens/s (tokens after each completion's first, from the last first
     token to the last finish), the model load time (speeds left out when an engine
     front-end reports no request timings) and, given, how the weights run (``weights``:
-    :func:`tandem.layers.quantization.config.weights_mode`)."""
+    :attr:`tandem.config.resolved.ResolvedConfig.weights_mode`)."""
     tail = f"model load {load_s:.1f} s" + (f"; weights {weights}" if weights else "")
     if not all({"arrival_time", "first_token_time", "finished_time"} <= o.metrics.keys() for o in outs):
         return tail

@@ -78,16 +78,21 @@ class OfflineBackend:
     def describe(self) -> dict:
         from dataclasses import asdict
 
-        config = self.llm.engine.config
-        # The resolved path: the embedded default when no model was given.
-        return {"backend": self.kind, "model": config.model_config.model, "engine_config": asdict(config)}
+        import msgspec
+
+        engine = self.llm.engine
+        config = engine.config
+        # The resolved path: the embedded default when no model was given; beside the
+        # settings as given, what the engine resolved them to.
+        return {"backend": self.kind, "model": config.model_config.model, "engine_config": asdict(config),
+                "resolved": msgspec.to_builtins(msgspec.structs.asdict(engine.resolved))}
 
     def close(self) -> None:
         self.llm.engine.shutdown()
 
     @property
     def max_model_len(self) -> int:
-        return self.llm.engine.config.model_config.max_model_len
+        return self.llm.engine.resolved.max_model_len
 
     def _fit(self, ids: list[int], room: int) -> tuple[list[int], int]:
         keep = self.max_model_len - room

@@ -39,7 +39,7 @@ from tandem.config import EngineConfig
 from tandem.distributed import parallel_state as ps
 from tandem.distributed.pipeline import IntermediateTensors
 from tandem.layers import fused_ops
-from tandem.layers.quantization.config import get_gguf_config, get_quantization_config
+from tandem.layers.quantization.config import GGUFQuantConfig, get_gguf_config, get_quantization_config
 from tandem.layers.quantization.fp8 import check_fp8_supported
 from tandem.model_loader.loader import build_model, load_hf_config
 from tandem.models.llama import split_aux_hidden_states
@@ -65,7 +65,10 @@ class Worker:
         hf_config: the model's HF config (:func:`tandem.model_loader.loader.load_hf_config`).
 
     Attributes:
-        model: the loaded model (after :meth:`load_model`).
+        dtype: the weights' and activations' dtype (``dtype`` resolved for the device).
+        quant_config: the linear weights' FP8 or GGUF scheme, or None (after :meth:`load_model`).
+        all2all_backend: the MoE layers' backend, None for a dense model (likewise).
+        model: the loaded model (likewise).
         draft_model: the speculative config's draft model or EAGLE head, or None (likewise).
         model_runner: the runner over the model and its cache (after :meth:`initialize_kv_cache`).
         num_kv_blocks: the cache's size in blocks, block 0 the null block (likewise).
@@ -79,6 +82,7 @@ class Worker:
         self.kv_dtype = config.kv_cache_torch_dtype
         self.vocab_size: int = hf_config.vocab_size
         self.quant_config = None
+        self.all2all_backend: str | None = None
         self.model: torch.nn.Module | None = None
         self.draft_model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
@@ -117,11 +121,10 @@ class Worker:
         if self.quant_config is not None:
             check_fp8_supported(self.device, f"quantization={self.quant_config.method!r}")
         else:
-            self.quant_config = get_gguf_config(model_cfg.model, model_cfg.quantization, self.device.type, load_format,
-                                                model_cfg.dtype, model_cfg.deterministic,
-                                                cfg.parallel_config.model_on_one_rank)
+            self.quant_config = self._gguf_scheme()
         if self.kv_dtype != self.dtype:
             check_fp8_supported(self.device, f"kv_cache_dtype={cfg.cache_config.kv_cache_dtype!r}")
+        self.all2all_backend = self._resolve_all2all_backend()
         self.model = build_model(self.hf_config, model_cfg.model, cfg.load_config.load_format, backend, self.dtype,
                                  self.device, max_positions=model_cfg.max_model_len, seed=model_cfg.seed,
                                  quant_config=self.quant_config, fused_ops_mode=fused_mode, **self._moe_kwargs())
@@ -162,18 +165,41 @@ class Worker:
                            max_positions=model_cfg.max_model_len, seed=model_cfg.seed, quant_config=quant_config,
                            fused_ops_mode=fused_ops_mode)
 
-    def _moe_kwargs(self) -> dict:
-        """The dispatch/combine backend of MoE layers (dense models take none)."""
+    def _gguf_scheme(self) -> GGUFQuantConfig | None:
+        """The GGUF scheme of this run (:func:`get_gguf_config`). A GGUF that would run
+        quantized on one rank but is split over several runs dequantized: the first rank
+        says so, since a user who asked for nothing else would not know why it is slower."""
+        cfg, model_cfg = self.config, self.config.model_config
+        args = (model_cfg.model, model_cfg.quantization, self.device.type, cfg.load_config.load_format,
+                model_cfg.dtype, model_cfg.deterministic)
+        scheme = get_gguf_config(*args, one_rank=cfg.parallel_config.model_on_one_rank)
+        if scheme is None and get_gguf_config(*args, one_rank=True) is not None and ps.get_parallel_info().rank == 0:
+            logger.warning("the GGUF weights run dequantized to %s: their int4 layers are not split over ranks "
+                           "(tensor/pipeline/expert parallelism); on one rank they run quantized, faster on the CPU",
+                           str(self.dtype).removeprefix("torch."))
+        return scheme
+
+    def _resolve_all2all_backend(self) -> str | None:
+        """The MoE layers' dispatch/combine backend (``auto``: ``local`` on one EP rank, else
+        ``allgather_reducescatter``); None for a dense model."""
         cfg, hf = self.config, self.hf_config
         if not getattr(hf, "num_experts", None) and not getattr(hf, "n_routed_experts", None) \
                 and not getattr(hf, "num_local_experts", None):
             if cfg.dbo_config.enable_dbo:
                 logger.warning("--enable-dbo has no effect on the dense model %s", hf.model_type)
-            return {}
-        ep = ps.get_ep_size()
+            return None
         name = cfg.parallel_config.all2all_backend
         if name == "auto":
-            name = "local" if ep == 1 else "allgather_reducescatter"
+            name = "local" if ps.get_ep_size() == 1 else "allgather_reducescatter"
+        return name
+
+    def _moe_kwargs(self) -> dict:
+        """The MoE layers' backend (:attr:`all2all_backend`) as ``build_model`` takes it
+        (dense models take none)."""
+        cfg, name = self.config, self.all2all_backend
+        if name is None:
+            return {}
+        ep = ps.get_ep_size()
         if ep > 1 or name in ("allgather_reducescatter", "all_to_all"):
             from tandem.distributed.all2all_factory import make_all2all_factory
 

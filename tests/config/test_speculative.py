@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from tandem.config import EngineConfig, SpeculativeConfig
+from tandem.config import SpeculativeConfig
 from tandem.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from tandem.engine.arg_utils import EngineArgs
 
@@ -71,16 +71,13 @@ def test_the_method_follows_from_the_last_folder_name_as_in_vllm(tmp_path, folde
     assert (cfg.method, cfg.uses_model) == (method, True)
 
 
-def test_flag_and_dict_give_the_same_config_and_survive_the_ready_message():
-    from dataclasses import asdict
-
+def test_flag_and_dict_give_the_same_config():
     p = argparse.ArgumentParser()
     EngineArgs.add_cli_args(p)
     ns = p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     from_flag = EngineArgs.from_cli_args(ns).create_engine_config()
     from_dict = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3}).create_engine_config()
     assert from_flag == from_dict
-    assert EngineConfig.from_dict(asdict(from_flag)) == from_flag
     assert EngineArgs().create_engine_config().speculative_config is None
     assert EngineArgs(speculative_config="{}").create_engine_config().speculative_config is None
 

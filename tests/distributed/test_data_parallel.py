@@ -85,9 +85,9 @@ def test_bench_throughput_through_the_dp_front_end(model_dir):
 
 
 def test_eval_backend_through_the_dp_front_end(model_dir):
-    """``tandem eval --data-parallel-size 2`` without ``--max-model-len``: the front-end's
-    config carries rank 0's resolved limits (it held None, and the backend's prompt fitting
-    failed on ``None - max_tokens``)."""
+    """``tandem eval --data-parallel-size 2`` without ``--max-model-len``: the front end
+    takes rank 0's resolved limits from its ready message (the config as given holds None,
+    and the backend's prompt fitting once failed on ``None - max_tokens``)."""
     from tandem.config import embedded_default_model
     from tandem.eval.backends import OfflineBackend
 
@@ -95,7 +95,9 @@ def test_eval_backend_through_the_dp_front_end(model_dir):
                                               data_parallel_size=2, **{**ENGINE, "max_model_len": None})
     try:
         assert backend.max_model_len == CONFIGS["llama"]["max_position_embeddings"]
-        assert backend.describe()["engine_config"]["model_config"]["max_model_len"] == backend.max_model_len
+        described = backend.describe()
+        assert described["engine_config"]["model_config"]["max_model_len"] is None
+        assert described["resolved"]["max_model_len"] == backend.max_model_len
         gen = backend.generate(["1+1="], max_tokens=3, stop=[])
         assert len(gen[0].token_ids) == 3 and gen[0].truncated_prompt_tokens == 0
         scores = backend.choice_logprobs(["1+1="], ["1", "2"])

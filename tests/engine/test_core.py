@@ -46,7 +46,8 @@ def test_core_runs_on_the_block_count_the_replica_ranks_agreed_on(tiny_llama, em
         assert all(c.shape[1] == 12 for c in core.runner.kv_caches)
         assert core.config.model_config.max_model_len == core.scheduler.max_model_len == 88
         assert core.vocab_size == core.hf_config.vocab_size == 512
-        assert core.ready_message().num_kv_blocks == 12
+        assert core.ready_message().resolved.num_kv_blocks == core.resolved.num_kv_blocks == 12
+        assert core.resolved.max_model_len == 88  # lowered to the cache's capacity before it is sent
         p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True).with_defaults()
         for i, n in enumerate([5, 30, 11]):
             core.add_request(EngineCoreRequest(f"r{i}", list(range(7, 7 + n)), p, max_tokens=6, arrival_time=0.0))

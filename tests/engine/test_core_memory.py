@@ -78,6 +78,9 @@ class _FakeCore:
 
         return SchedulerStats()
 
+    def drain_in_flight(self) -> None:
+        """Nothing is in flight: every step above returned at once."""
+
 
 def test_an_idle_driver_releases_its_free_heap_once(monkeypatch, tmp_path):
     """IDLE_TRIM_S after its last step a driver gives its free heap back, once, then waits

@@ -49,7 +49,9 @@ def test_fp8_engine_generates(tiny_folders, which, kw):
     assert engine.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     qkv = engine.model.layers[0].self_attn.qkv_proj
     assert qkv.weight_scale.dtype == torch.float32  # in a bf16 model too (it was created bf16)
-    want_kv = torch.float8_e4m3fn if kw.get("kv_cache_dtype") == "fp8" else engine.config.torch_dtype
+    # The checkpoint's scheme (read from its config.json by the worker alone), or online FP8.
+    assert engine.resolved.quantization == ("compressed-tensors" if which == "fp8" else "fp8")
+    want_kv = torch.float8_e4m3fn if kw.get("kv_cache_dtype") == "fp8" else getattr(torch, engine.resolved.dtype)
     assert all(c.dtype == want_kv for c in engine.runner.kv_caches)
     assert_all_blocks_free(engine)
     engine.shutdown()

@@ -38,7 +38,41 @@ def test_per_host_fields_are_not_compared():
     a, b = comparable_config(_config(1234)), comparable_config(_config(1234, start=2, master_port=99))
     assert config_difference(a, b) is None
     diff = config_difference(a, comparable_config(_config(1234, max_model_len=64)))
-    assert diff == "max_model_len None (head) vs 64 (this host)"
+    assert diff == "max_model_len auto (head) vs 64 (this host)"
+
+
+def test_a_refusal_names_unset_fields_auto_and_optional_groups_off():
+    """Never a bare None: an unset field is left to each host's engine core ("auto"); a
+    group given to one side only is "on" there and "off" on the other, its fields unlisted."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2}  # one rank: speculation is not data-parallel yet
+    head = comparable_config(EngineArgs().create_engine_config())
+    host = comparable_config(EngineArgs(max_num_seqs=8, speculative_config=spec).create_engine_config())
+    diff = config_difference(head, host)
+    assert diff == "max_num_seqs auto (head) vs 8 (this host); speculative_config off (head) vs on (this host)"
+    assert config_difference(host, head) == ("max_num_seqs 8 (head) vs auto (this host); "
+                                             "speculative_config on (head) vs off (this host)")
+
+
+def _ready(engine_index: int, host: str, **resolved):
+    from tandem.config.resolved import ResolvedConfig
+    from tandem.engine.messages import EngineCoreReady
+    from tandem.model_loader.generation_config import GenerationDefaults
+
+    fields = dict(dtype="bfloat16", quantization=None, all2all_backend=None, device="cpu", max_model_len=4096,
+                  max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=100,
+                  generation_defaults=GenerationDefaults(frozenset({2}), {"temperature": 0.6}, f"/{host}/g.json"))
+    return EngineCoreReady(engine_index, ResolvedConfig(**(fields | resolved)), 100, [2], (1, 64), {}, host)
+
+
+def test_replicas_are_compared_on_what_they_resolved():
+    """Limits and cache sizes follow each host's memory; the dtype, the quantization and the
+    generation defaults decide the tokens and must agree (the file may sit anywhere)."""
+    from tandem.engine.host_handshake import replica_difference
+
+    assert replica_difference([_ready(0, "a"), _ready(1, "b", max_model_len=2048, num_kv_blocks=50)]) is None
+    diff = replica_difference([_ready(0, "a"), _ready(1, "b", dtype="float32"), _ready(2, "c", quantization="gguf")])
+    assert diff == ("dtype 'bfloat16' (replica 0 on a) vs 'float32' (replica 1 on b); "
+                    "quantization none (replica 0 on a) vs 'gguf' (replica 2 on c)")
 
 
 def test_matching_hosts_are_welcomed_and_beat(head, monkeypatch):
@@ -57,7 +91,7 @@ def test_matching_hosts_are_welcomed_and_beat(head, monkeypatch):
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("config", "engine configuration differs: max_model_len None (head) vs 64 (this host)"),
+    ("config", "engine configuration differs: max_model_len auto (head) vs 64 (this host)"),
     ("rank_taken", "data-parallel ranks 0 are taken or outside the deployment (still free: [1, 2])"),
     ("version", "Tandem version 9.9.9 differs from the head's"),
 ])

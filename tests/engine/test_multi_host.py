@@ -209,7 +209,7 @@ def test_a_differing_host_is_refused_and_missing_ranks_stop_the_head(tmp_path):
     try:
         assert bad.proc.wait(120) == 2
         last = bad.text().strip().splitlines()[-1]
-        assert "refused this host: engine configuration differs: max_model_len 128 (head) vs 64 (this host)" in last
+        assert "refused this host: engine configuration differs: --max-model-len 128 (head) vs 64 (this host)" in last
         assert head.proc.wait(120) != 0
         assert "data-parallel ranks [1] did not join within 20 s" in head.text()
         head.wait_gone(10)

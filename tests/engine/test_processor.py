@@ -38,10 +38,12 @@ def test_other_forms_name_the_field(prompt, match):
 def _processor(max_model_len: int = 16, vocab_size: int = 100) -> Processor:
     from types import SimpleNamespace
 
+    from tandem.config.resolved import ResolvedConfig
     from tandem.model_loader.generation_config import GenerationDefaults
 
-    ready = SimpleNamespace(max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=[0], config={})
-    return Processor(SimpleNamespace(eos_token_id=None), ready, GenerationDefaults(eos_token_ids=[], sampling={}))
+    resolved = ResolvedConfig("float32", None, None, "cpu", max_model_len, 4, 64, 8, GenerationDefaults())
+    ready = SimpleNamespace(resolved=resolved, vocab_size=vocab_size, eos_token_ids=[0])
+    return Processor(SimpleNamespace(eos_token_id=None), ready)
 
 
 @pytest.mark.parametrize("prompt,max_tokens,message", [

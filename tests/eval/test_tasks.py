@@ -94,8 +94,15 @@ def test_offline_summary_names_the_resolved_model(embedded_model_path):
     from tandem.engine.arg_utils import EngineArgs
     from tandem.eval.backends import OfflineBackend
 
-    llm = SimpleNamespace(engine=SimpleNamespace(config=EngineArgs().create_engine_config()), get_tokenizer=lambda: None)
-    r = EvalResult("asdiv", "1", 5, 3, 3, {}, [], 1.0, backend=OfflineBackend(llm).describe())
+    from tandem.config.resolved import ResolvedConfig
+    from tandem.model_loader.generation_config import GenerationDefaults
+
+    resolved = ResolvedConfig("bfloat16", "gguf", None, "cpu", 2048, 256, 2048, 100, GenerationDefaults())
+    llm = SimpleNamespace(engine=SimpleNamespace(config=EngineArgs().create_engine_config(), resolved=resolved),
+                          get_tokenizer=lambda: None)
+    described = OfflineBackend(llm).describe()
+    assert described["resolved"]["quantization"] == "gguf" and described["resolved"]["max_model_len"] == 2048
+    r = EvalResult("asdiv", "1", 5, 3, 3, {}, [], 1.0, backend=described)
     assert summary_line(r).startswith(f"tandem (offline, model={embedded_model_path}), limit: 3,")
 
 

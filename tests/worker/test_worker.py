@@ -108,6 +108,7 @@ def test_moe_layers_get_the_chosen_all2all(model_dirs, backend, want):
     backends = _moe_backends(worker.load_model())
     assert len(backends) == COMMON["num_hidden_layers"]
     assert all(type(b) is want for b in backends)
+    assert worker.all2all_backend == ("local" if backend == "auto" else backend)  # what the core sends
 
 
 def test_dbo_on_a_dense_model_warns(model_dirs, caplog):
@@ -115,7 +116,7 @@ def test_dbo_on_a_dense_model_warns(model_dirs, caplog):
     with caplog.at_level(logging.WARNING, logger="tandem.worker.worker"):
         model = worker.load_model()
     assert "--enable-dbo has no effect on the dense model llama" in caplog.text
-    assert not _moe_backends(model)
+    assert not _moe_backends(model) and worker.all2all_backend is None
 
 
 @pytest.mark.parametrize("tokens, max_len, lens", [(16384, 2048, [2048] * 8), (5000, 2048, [2048, 2048, 904]),
@@ -168,3 +169,14 @@ def test_cpu_torch_work_runs_on_the_step_thread(model_dirs, monkeypatch, step_th
         assert seen == [("build_model", owner), ("allocate_kv_caches", owner)]
     finally:
         runner.shutdown()
+
+
+@pytest.mark.parametrize("parallel, dequantized", [({}, False), ({"pipeline_parallel_size": 2}, True),
+                                                   ({"tensor_parallel_size": 2}, True)])
+def test_a_gguf_split_over_ranks_says_it_runs_dequantized(embedded_model_path, caplog, parallel, dequantized):
+    config = EngineArgs(model=embedded_model_path, device="cpu", **parallel).create_engine_config()
+    worker = Worker(config, load_hf_config(embedded_model_path))
+    with caplog.at_level(logging.WARNING, logger="tandem.worker.worker"):
+        scheme = worker._gguf_scheme()
+    assert (scheme is None) == dequantized
+    assert ("the GGUF weights run dequantized to float32" in caplog.text) == dequantized

@@ -727,11 +727,10 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
         app.state.on_engine_dead = on_engine_dead
         usable = llm.num_kv_blocks - cfg.parallel_config.data_parallel_size  # one null block per replica
-        sched = cfg.scheduler_config
         logger.info("%slistening on http://%s:%d: model %s (served as %s), max_model_len %d, max_num_seqs %d, "
                     "max_num_batched_tokens %d, KV cache %d tokens (%d blocks of %d) over %d replica(s), pid %d", who,
-                    host, port, cfg.model_config.model, ", ".join(names), llm.max_model_len, sched.max_num_seqs,
-                    sched.max_num_batched_tokens, usable * cfg.cache_config.block_size, usable,
+                    host, port, cfg.model_config.model, ", ".join(names), llm.max_model_len, llm.resolved.max_num_seqs,
+                    llm.resolved.max_num_batched_tokens, usable * cfg.cache_config.block_size, usable,
                     cfg.cache_config.block_size, cfg.parallel_config.data_parallel_size, os.getpid())
         if keys:
             logger.info("the /v1 routes require an API key (%d accepted)", len(keys))

@@ -27,8 +27,6 @@ Anything else is a ValueError that names the unsupported field and value.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -81,40 +79,6 @@ def get_gguf_config(model: str | None, quantization: str | None, device_type: st
         raise ValueError("quantization='gguf' runs on one rank; use quantization='none' with tensor/pipeline/"
                          "expert parallelism")
     return GGUFQuantConfig(model)
-
-
-def weights_mode(config) -> str:
-    """How a run holds its linear weights, for the speed line of ``tandem generate``:
-    ``"gguf int4 + bfloat16"`` (GGUF blocks run quantized, activations in the model
-    dtype), ``"fp8"`` / ``"compressed-tensors"`` (FP8), or the model dtype (``"float32"``...).
-
-    Args:
-        config: the run's ``EngineConfig`` (reads the checkpoint's config.json for its own
-            FP8 scheme).
-    """
-    m = config.model_config
-    dtype = str(config.torch_dtype).removeprefix("torch.")
-    if get_gguf_config(m.model, m.quantization, config.device_config.torch_device.type,
-                       config.load_config.load_format, m.dtype, m.deterministic,
-                       config.parallel_config.model_on_one_rank) is not None:
-        return f"gguf int4 + {dtype}"
-    if m.quantization in _FP8_METHODS:
-        return m.quantization
-    if m.quantization is None:
-        method = _checkpoint_method(m.model)
-        if method in _FP8_METHODS:
-            return method
-    return dtype
-
-
-def _checkpoint_method(model: str) -> str | None:
-    """``quantization_config.quant_method`` of a HF folder's (or a config.json's) config, or None."""
-    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
-    if not path.endswith(".json") or not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        qc = json.load(f).get("quantization_config") or {}
-    return qc.get("quant_method") if isinstance(qc, dict) else None
 
 
 @dataclass(frozen=True)
@@ -286,5 +250,4 @@ def _from_compressed_tensors(qc: dict) -> Fp8Config:
                      "compressed-tensors")
 
 
-__all__ = ["Fp8Config", "GGUFQuantConfig", "QUANTIZATION_METHODS", "get_gguf_config", "get_quantization_config",
-           "weights_mode"]
+__all__ = ["Fp8Config", "GGUFQuantConfig", "QUANTIZATION_METHODS", "get_gguf_config", "get_quantization_config"]
