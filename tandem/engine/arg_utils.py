@@ -131,15 +131,34 @@ class EngineArgs:
         return cls(**kwargs)
 
 
-def with_flag_names(message: str) -> str:
-    """``message`` (a config error, which names fields as ``LLM(...)`` takes them) with each
-    engine field of several words (``data_parallel_rpc_port``) named as its flag
-    (``--data-parallel-rpc-port``), for a command-line user; one-word names (``model``,
-    ``dtype``) are left as they are: they are also plain words."""
-    names = sorted({f.name for group in EngineConfig.group_types().values() for f in flag_fields(group)
-                    if "_" in f.name}, key=len, reverse=True)
+def with_flag_names(message: str, parser: argparse.ArgumentParser | None = None) -> str:
+    """``message`` (a config or sampling error, which names fields as ``LLM(...)`` and
+    ``SamplingParams`` take them) with each name of several words (``data_parallel_rpc_port``,
+    ``min_tokens``) written as its flag (``--data-parallel-rpc-port``), for a command-line user:
+    the engine fields, and with ``parser`` every long option of it and its subcommands (the
+    sampling flags of ``tandem generate``). One-word names (``model``, ``temperature``) are
+    left as they are: they are also plain words."""
+    flags = {f.name: "--" + f.name.replace("_", "-") for group in EngineConfig.group_types().values()
+             for f in flag_fields(group)}
+    if parser is not None:
+        flags.update(_long_options(parser))
+    names = sorted((name for name in flags if "_" in name), key=len, reverse=True)
     pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")\b")
-    return pattern.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
+    return pattern.sub(lambda m: flags[m.group(1)], message)
+
+
+def _long_options(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """``dest -> --long-option`` of ``parser``'s options and its subcommands'."""
+    found: dict[str, str] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found.update(_long_options(sub))
+        else:
+            long = [o for o in action.option_strings if o.startswith("--")]
+            if long:
+                found.setdefault(action.dest, long[0])
+    return found
 
 
 def flag_fields(group: type) -> list[Field]:

@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Run the ``tandem`` command. Ordinary mistakes end in one line, no traceback: a bad
     flag value or model path (exit 2), no server or a busy port (exit 1), Ctrl-C (130)."""
-    prog = "tandem"
+    prog, parser = "tandem", None
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         # not a traceback, naming the flags the user typed rather than the config's fields.
         from tandem.engine.arg_utils import with_flag_names
 
-        _exit(2, f"{prog}: error: {with_flag_names(str(e))}")
+        _exit(2, f"{prog}: error: {with_flag_names(str(e), parser)}")
     except ConnectionError as e:  # no server at --base-url, a port in use
         _exit(1, f"{prog}: error: {e}")
     except KeyboardInterrupt:

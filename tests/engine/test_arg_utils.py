@@ -130,6 +130,20 @@ def test_a_config_error_names_the_flags_on_the_command_line():
                                      "device cpu; num_speculative_tokens and my_max_model_len and --max-num-seqs stay")
 
 
+def test_a_command_line_error_names_the_commands_own_flags_too():
+    """With the parser, the sampling flags of tandem generate are named as typed (top_p is
+    --top-p), besides the engine's; a JSON group's keys stay keys."""
+    from tandem.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    assert with_flag_names("min_tokens must be less than or equal to max_tokens=4, got 10.", parser) == \
+        "--min-tokens must be less than or equal to --max-tokens=4, got 10."
+    assert with_flag_names("top_p must be in (0, 1], got 2.0; tensor_parallel_size (2)", parser) == \
+        "--top-p must be in (0, 1], got 2.0; --tensor-parallel-size (2)"
+    assert with_flag_names("speculative_config: num_speculative_tokens must be >= 1", parser) == \
+        "--speculative-config: num_speculative_tokens must be >= 1"
+
+
 def test_building_the_cli_does_not_import_torch():
     code = ("import sys; from tandem.entrypoints.cli import build_parser; build_parser(); "
             "assert 'torch' not in sys.modules, 'torch imported'")
