@@ -29,9 +29,9 @@ def test_outcome_classes(soak):
     assert soak.outcome_class(soak.Outcome("chat", 500)) == "5xx"
 
 
-def test_a_minute_of_mixed_load(soak, tmp_path):
+def test_half_a_minute_of_mixed_load(soak, tmp_path):
     out = tmp_path / "soak.json"
-    soak.main(["--duration-s", "45", "--concurrency", "8", "--sample-s", "5", "--warmup-s", "20", "--json", str(out),
+    soak.main(["--duration-s", "24", "--concurrency", "8", "--sample-s", "3", "--warmup-s", "10", "--json", str(out),
                "--", "--max-model-len", "2048", "--kv-cache-memory-gib", "0.25", "--device", "cpu",
                "--api-server-count", "2"])
     r = json.loads(out.read_text())
