@@ -123,6 +123,36 @@ def exit_reason(exitcode: int | None) -> str:
     return f"signal {-exitcode} ({name}{why})"
 
 
+def check_tensor_parallel_size(config: EngineConfig) -> None:
+    """The model's attention heads split evenly over ``tensor_parallel_size`` ranks, and its
+    KV heads too or replicated (as the TP layers take them): checked by the front end before
+    any rank starts, on the thread that builds the engine (the CLI's and ``LLM``'s caller,
+    ``tandem serve``'s main thread before its loading thread starts: importing transformers
+    on two threads at once fails).
+
+    Raises:
+        ValueError: naming the sizes that would split the heads.
+    """
+    tp = config.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return
+    from tandem.model_loader.loader import load_hf_config
+
+    hf = load_hf_config(config.model_config.model)
+    heads = getattr(hf, "num_attention_heads", None)
+    if not heads:
+        return
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+
+    def splits(size: int) -> bool:
+        return heads % size == 0 and (kv_heads % size == 0 if kv_heads >= size else size % kv_heads == 0)
+
+    if not splits(tp):
+        sizes = ", ".join(str(d) for d in range(1, heads + 1) if splits(d))
+        raise ValueError(f"tensor_parallel_size ({tp}) must split the model's num_attention_heads ({heads}) and "
+                         f"num_key_value_heads ({kv_heads}): one of {sizes}.")
+
+
 def launcher_log_level() -> str:
     """The root log level of this process, for the rank processes it spawns: their load
     progress and stats lines then reach the log ``tandem serve`` writes (INFO) and stay out

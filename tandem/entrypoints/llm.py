@@ -105,6 +105,9 @@ class LLM:
         check_model_path(config.model_config.model)
         # Imported here, not at module level: the checks above answer before torch loads.
         from tandem.distributed.parallel_state import env_rendezvous
+        from tandem.engine.launch import check_tensor_parallel_size
+
+        check_tensor_parallel_size(config)  # before any rank starts and loads
 
         if config.parallel_config.world_size > 1 and env_rendezvous():  # torchrun & co.: this process is a rank
             from tandem.engine.external_launcher import make_external_launcher_engine

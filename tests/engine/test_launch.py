@@ -95,3 +95,18 @@ def test_attaching_to_a_gone_process_raises():
     with pytest.raises(ProcessLookupError, match=str(gone.pid)):
         CoreProcManager.attach(EngineClientConfig(EngineZmqAddresses([["ipc://x/in"]], ["ipc://x/out"]), 0,
                                                   [gone.pid]))
+
+
+def test_a_model_whose_heads_do_not_split_over_the_tp_ranks_is_refused_before_any_rank_starts(embedded_model_path):
+    """The embedded SmolLM2 has 9 attention heads and 3 KV heads: ``LLM(tensor_parallel_size=2)``
+    is refused with the sizes that work, and no rank process was started; TP 3 passes the check."""
+    import multiprocessing
+
+    from tandem.engine.arg_utils import EngineArgs
+    from tandem.entrypoints.llm import LLM
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must split .* \(9\) and .* \(3\): one of 1, 3, 9\."):
+        LLM(embedded_model_path, tensor_parallel_size=2, device="cpu")
+    assert not multiprocessing.active_children()
+    launch.check_tensor_parallel_size(
+        EngineArgs(model=embedded_model_path, tensor_parallel_size=3, device="cpu").create_engine_config())
