@@ -16,22 +16,55 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class PromptError(ValueError):
-    """A prompt the engine cannot take: empty, over the context, or with token ids outside
-    the vocabulary. The message calls the prompt ``field``; a server rewords it with
-    :meth:`for_field` to name its own request field (``messages`` for chat, as OpenAI's
-    errors do).
+    """A prompt the engine cannot take: empty, over the context, with token ids outside the
+    vocabulary, or one that fits alone but not with ``max_tokens``. The message calls the prompt ``field`` and the output budget
+    ``max_tokens_field``; a server rewords it with :meth:`for_field` to name its own request
+    fields (``messages`` for chat, as OpenAI's errors do; ``max_completion_tokens`` where a
+    chat request sent that).
 
     Args:
-        template: the message, with ``{field}`` (``str.format``) where the prompt is named.
+        template: the message, with ``{field}`` / ``{max_tokens_field}`` (``str.format``)
+            where the prompt / the budget is named.
+        param: which input is at fault: ``"prompt"``, or ``"max_tokens"`` when the prompt
+            alone fits the context (:func:`check_context_length` decides).
+
+    Attributes:
+        request_field: the field at fault as the message names it (``field`` or
+            ``max_tokens_field``, by ``param``): a server's error ``param``.
     """
 
-    def __init__(self, template: str, field: str = "prompt") -> None:
-        super().__init__(template.format(field=field))
+    def __init__(self, template: str, field: str = "prompt", param: str = "prompt",
+                 max_tokens_field: str = "max_tokens") -> None:
+        super().__init__(template.format(field=field, max_tokens_field=max_tokens_field))
         self.template = template
+        self.param = param
+        self.request_field = max_tokens_field if param == "max_tokens" else field
 
-    def for_field(self, field: str) -> PromptError:
-        """The same error, the prompt called ``field``."""
-        return PromptError(self.template, field)
+    def for_field(self, field: str, max_tokens_field: str = "max_tokens") -> PromptError:
+        """The same error, the prompt called ``field`` and the budget ``max_tokens_field``."""
+        return PromptError(self.template, field, self.param, max_tokens_field)
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Check that a prompt of ``num_prompt_tokens`` and ``max_tokens`` (None: whatever is
+    left) fit in ``max_model_len``; the one place that decides which of the two is at fault.
+
+    Raises:
+        PromptError: ``param`` ``"prompt"`` when the prompt alone leaves no room for a
+            completion token, else ``"max_tokens"`` when prompt + ``max_tokens`` exceed the
+            context (the message gives the prompt's tokens, ``max_tokens``, the context and
+            the most ``max_tokens`` that fits).
+    """
+    n = num_prompt_tokens
+    if n >= max_model_len:
+        raise PromptError(f"This model's maximum context length is {max_model_len} tokens. However, your {{field}} "
+                          f"resulted in {n} tokens, which leaves no room for completion tokens.")
+    if max_tokens is not None and n + max_tokens > max_model_len:
+        # The field first, as every message that names one (the server's param rule).
+        raise PromptError(f"{{max_tokens_field}} is too large: {n} tokens in the {{field}} + {{max_tokens_field}} "
+                          f"{max_tokens} = {n + max_tokens} tokens. This model's maximum context length is "
+                          f"{max_model_len} tokens: reduce {{max_tokens_field}} to at most {max_model_len - n}, "
+                          f"or the length of the {{field}}.", param="max_tokens")
 
 
 def parse_prompt(prompt: str | Sequence[int] | Mapping) -> tuple[str | None, list[int] | None]:
@@ -97,8 +130,8 @@ class Processor:
         ``i``-th of ``n > 1`` is ``f"{i}_{request_id}"`` with seed ``child_seed(seed, i)``.
 
         Raises:
-            PromptError: empty prompt, prompt + max_tokens over the context, token ids
-                outside the vocabulary.
+            PromptError: empty prompt, prompt + max_tokens over the context
+                (:func:`check_context_length`), token ids outside the vocabulary.
             ValueError: bad sampling values (the message names the field).
         """
         defaults = self.generation_defaults.sampling
@@ -122,16 +155,9 @@ class Processor:
         if not ids:
             raise PromptError("{field} must contain at least one token.")
         max_len = self.max_model_len
-        if len(ids) >= max_len:
-            raise PromptError(f"This model's maximum context length is {max_len} tokens. However, your {{field}} "
-                              f"resulted in {len(ids)} tokens, which leaves no room for completion tokens.")
+        check_context_length(len(ids), params.max_tokens, max_len)
         if params.max_tokens is None:  # up to the context, or the model's max_new_tokens
             max_tokens = min(max_len - len(ids), defaults.get("max_tokens", max_len))
-        elif len(ids) + params.max_tokens > max_len:
-            raise PromptError(f"This model's maximum context length is {max_len} tokens. However, you requested "
-                              f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the {{field}}, "
-                              f"{params.max_tokens} in the completion). Please reduce the length of the {{field}} "
-                              f"or completion.")
         else:
             max_tokens = params.max_tokens
         if not params.ignore_eos:
@@ -145,4 +171,4 @@ class Processor:
         return text, reqs
 
 
-__all__ = ["MAX_LOGPROBS", "Processor", "PromptError"]
+__all__ = ["MAX_LOGPROBS", "Processor", "PromptError", "check_context_length"]

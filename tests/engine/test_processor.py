@@ -49,7 +49,8 @@ def _processor(max_model_len: int = 16, vocab_size: int = 100) -> Processor:
 @pytest.mark.parametrize("prompt,max_tokens,message", [
     ([], None, "{} must contain at least one token."),
     ([1] * 16, None, "However, your {} resulted in 16 tokens"),
-    ([1] * 8, 10, "(8 in the {}, 10 in the completion). Please reduce the length of the {} or completion."),
+    ([1] * 8, 10, "8 tokens in the {} + max_tokens 10 = 18 tokens. This model's maximum context length is 16 "
+                  "tokens: reduce max_tokens to at most 8, or the length of the {}."),
     ([1, 100, {"x": 1}], None, "{} token ids outside the vocabulary [0, 100): [100, {{'x': 1}}]"),
 ])
 def test_prompt_errors_name_the_prompt_as_the_caller_calls_it(prompt, max_tokens, message):
@@ -60,3 +61,19 @@ def test_prompt_errors_name_the_prompt_as_the_caller_calls_it(prompt, max_tokens
         _processor().process_inputs("r", prompt, SamplingParams(max_tokens=max_tokens), 0.0)
     assert message.format("prompt", "prompt") in str(e.value)
     assert message.format("messages", "messages") in str(e.value.for_field("messages"))
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens,param", [
+    (8, 9, "max_tokens"), (15, 2, "max_tokens"), (16, None, "prompt"), (16, 1, "prompt"), (20, 4, "prompt")])
+def test_context_overflow_is_the_prompts_fault_only_when_it_does_not_fit_alone(prompt_len, max_tokens, param):
+    """``param``: the field a server names; the budget's field as the server calls it."""
+    from tandem.sampling_params import SamplingParams
+
+    with pytest.raises(PromptError) as e:
+        _processor().process_inputs("r", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), 0.0)
+    assert (e.value.param, e.value.request_field) == (param, param)
+    chat = e.value.for_field("messages", "max_completion_tokens")
+    assert chat.request_field == {"prompt": "messages", "max_tokens": "max_completion_tokens"}[param]
+    if param == "max_tokens":
+        assert str(chat).startswith("max_completion_tokens is too large: ") and "max_tokens" not in str(chat)
+        assert f"at most {16 - prompt_len}," in str(chat)

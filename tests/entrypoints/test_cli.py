@@ -224,9 +224,10 @@ def test_server_logs_where_it_listens_and_each_request(server):
     httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=120)
     log = server.log()
     m = re.search(r"listening on (http://\S+): model .*max_model_len (\d+), max_num_seqs (\d+), "
-                  r"max_num_batched_tokens (\d+), KV cache (\d+) tokens", log)
+                  r"max_num_batched_tokens (\d+), KV cache (\d+) tokens .*, api_server_count (\d+), pid", log)
     assert m and m.group(1) == server.url, log
     assert int(m.group(3)) >= 1 and int(m.group(4)) >= 1, log  # the limits it took
+    assert m.group(6) == "1", log  # left out: one API server on the CPU (default_api_server_count)
     assert '"POST /v1/completions HTTP/1.1" 200' in log, log
 
 

@@ -156,22 +156,25 @@ def test_unknown_model_is_404_on_every_endpoint(server):
 
 def test_errors_name_the_field(server):
     """Prompt errors name the field that holds the prompt (chat: ``messages``) and word the
-    message with it; a chat budget error names the budget field that was sent."""
+    message with it; a prompt that fits alone but not with its budget, and a bad budget, name
+    the budget field that was sent."""
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi " * 2100}]}
     for stream in (False, True):
         err = _assert_400(httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "stream": stream}, timeout=60))
         assert err["param"] == "messages" and "maximum context length" in err["message"], err
         err = _assert_400(httpx.post(f"{server.url}/v1/completions",
                                      json={"prompt": EIGHT_TOKENS, "max_tokens": 2045, "stream": stream}))
-        assert err["param"] == "prompt", err
-        assert "8 in the prompt" in err["message"] and "length of the prompt" in err["message"], err
+        assert err["param"] == "max_tokens" and err["message"].startswith("max_tokens is too large: "), err
+        assert "8 tokens in the prompt" in err["message"] and "length of the prompt" in err["message"], err
         assert "messages" not in err["message"], err
         err = _assert_400(httpx.post(f"{server.url}/v1/completions", json={"prompt": [42] * 2048, "stream": stream}))
         assert err["param"] == "prompt" and "your prompt" in err["message"], err
         err = _assert_400(httpx.post(f"{server.url}/v1/chat/completions",
                                      json={**chat, "messages": [{"role": "user", "content": "Hi"}],
                                            "max_completion_tokens": 4096, "stream": stream}))
-        assert err["param"] == "messages" and "in the messages" in err["message"], err
+        assert err["param"] == "max_completion_tokens" and "in the messages" in err["message"], err
+        assert err["message"].startswith("max_completion_tokens is too large: "), err
+        assert "reduce max_completion_tokens" in err["message"] and "max_tokens " not in err["message"], err
     err = _assert_400(httpx.post(f"{server.url}/v1/completions", json={"prompt": ""}))
     assert err == {**err, "param": "prompt", "message": "prompt must contain at least one token."}, err
     for field in ("max_completion_tokens", "max_tokens"):

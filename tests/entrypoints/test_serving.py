@@ -93,3 +93,95 @@ def test_every_shared_request_field_reaches_the_sampling_params():
     # Left out (or null): SamplingParams' own default, or None for the model's generation config.
     unset = _params(n=None, presence_penalty=None, temperature=None)
     assert (unset.n, unset.presence_penalty, unset.temperature, unset.top_p) == (1, 0.0, None, None)
+
+
+# The request path up to the engine, in process: a serving object over a stand-in engine
+# whose add_request runs the real Processor (no model, no engine core).
+_CONTEXT = 16
+
+
+class _Accepted(Exception):
+    """Raised by the stand-in engine for a request the Processor took."""
+
+
+class _Engine:
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        from tandem.config.resolved import ResolvedConfig
+        from tandem.engine.processor import Processor
+        from tandem.model_loader.generation_config import GenerationDefaults
+
+        resolved = ResolvedConfig("float32", None, None, "cpu", _CONTEXT, 4, 64, 8, GenerationDefaults())
+        self.tokenizer = SimpleNamespace(eos_token_id=None)
+        self.vocab_size = 100
+        self.processor = Processor(self.tokenizer, SimpleNamespace(resolved=resolved, vocab_size=100,
+                                                                   eos_token_ids=[0]))
+
+    async def add_request(self, request_id, prompt_token_ids, params, arrival_time=None):
+        self.processor.process_inputs(request_id, list(prompt_token_ids), params, 0.0)
+        raise _Accepted
+
+
+def _serving(cls, prompt_len: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    serving = object.__new__(cls)
+    serving.llm = _Engine()
+    serving.tokenizer = serving.llm.tokenizer
+    serving.served_model_names = ["m"]
+    serving.model_name = "m"
+    serving.return_tokens_as_token_ids = False
+    serving.tool_call_parser = "hermes"
+    serving._tok_pool = ThreadPoolExecutor(1)
+    serving._chat_prompt = lambda req, conv: ("", [7] * prompt_len)  # no chat template needed
+    return serving
+
+
+def _error(endpoint: str, prompt_len: int, **fields):
+    """The OpenAIError a request of ``prompt_len`` prompt tokens gets, or None if accepted."""
+    import asyncio
+
+    from tandem.entrypoints.openai.errors import OpenAIError
+    from tandem.entrypoints.openai.serving_chat import OpenAIServingChat
+    from tandem.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+    if endpoint == "chat":
+        serving = _serving(OpenAIServingChat, prompt_len)
+        call = serving.create_chat_completion(P.ChatCompletionRequest(
+            messages=[{"role": "user", "content": "Hi"}], **fields), "r")
+    else:
+        serving = _serving(OpenAIServingCompletion, prompt_len)
+        call = serving.create_completion(P.CompletionRequest(prompt=[7] * prompt_len, **fields), "r")
+    try:
+        asyncio.run(call)
+    except OpenAIError as e:
+        return e
+    except _Accepted:
+        return None
+    finally:
+        serving.shutdown()
+    raise AssertionError("neither accepted nor refused")
+
+
+@pytest.mark.parametrize("beam", [False, True])
+@pytest.mark.parametrize("endpoint, field, prompt_field", [
+    ("completions", "max_tokens", "prompt"), ("chat", "max_tokens", "messages"),
+    ("chat", "max_completion_tokens", "messages")])
+def test_context_overflow_names_the_field_at_fault(endpoint, field, prompt_field, beam):
+    """prompt + max_tokens over max_model_len: a prompt that fits alone leaves the fault to
+    the budget field that was sent (``param`` it, the message giving the prompt's tokens, the
+    budget and the context); a prompt that does not is the prompt's fault, whatever the budget."""
+    extra = {"use_beam_search": True} if beam else {}
+    err = _error(endpoint, 8, **{field: 10}, **extra)
+    assert (err.status_code, err.param) == (400, field), err.message
+    assert err.message.startswith(f"{field} is too large: "), err.message
+    for part in (f"maximum context length is {_CONTEXT} tokens", f"8 tokens in the {prompt_field}", f"{field} 10",
+                 "= 18 tokens", f"reduce {field} to at most 8,"):
+        assert part in err.message, err.message
+    if not beam:  # a beam search takes its rounds through the engine: the first is accepted
+        assert _error(endpoint, 8, **{field: 8}, **extra) is None  # exactly the context
+    for budget in ({field: 4}, {field: 10}, {}):
+        err = _error(endpoint, _CONTEXT, **budget, **extra)
+        assert (err.status_code, err.param) == (400, prompt_field), err.message
+        assert f"your {prompt_field} resulted in {_CONTEXT} tokens" in err.message, err.message

@@ -728,10 +728,12 @@ def serve_http(load_llm: Callable[[], AsyncLLM], sock: socket.socket, args: argp
         app.state.on_engine_dead = on_engine_dead
         usable = llm.num_kv_blocks - cfg.parallel_config.data_parallel_size  # one null block per replica
         logger.info("%slistening on http://%s:%d: model %s (served as %s), max_model_len %d, max_num_seqs %d, "
-                    "max_num_batched_tokens %d, KV cache %d tokens (%d blocks of %d) over %d replica(s), pid %d", who,
+                    "max_num_batched_tokens %d, KV cache %d tokens (%d blocks of %d) over %d replica(s), "
+                    "api_server_count %d, pid %d", who,
                     host, port, cfg.model_config.model, ", ".join(names), llm.max_model_len, llm.resolved.max_num_seqs,
                     llm.resolved.max_num_batched_tokens, usable * cfg.cache_config.block_size, usable,
-                    cfg.cache_config.block_size, cfg.parallel_config.data_parallel_size, os.getpid())
+                    cfg.cache_config.block_size, cfg.parallel_config.data_parallel_size, args.api_server_count,
+                    os.getpid())
         if keys:
             logger.info("the /v1 routes require an API key (%d accepted)", len(keys))
         return app

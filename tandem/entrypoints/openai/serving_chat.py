@@ -122,9 +122,9 @@ class OpenAIServingChat(OpenAIServingBase):
         as_ids = self._as_ids(req)
         echo = self._echo_text(req, conv)
         if req.use_beam_search:
-            streams = [self._start_beam_search(req, request_id, ids, max_tokens, "messages")]
+            streams = [self._start_beam_search(req, request_id, ids, max_tokens, "messages", max_tokens_field)]
         else:
-            streams = await self._add(request_id, [ids], params, "messages")
+            streams = await self._add(request_id, [ids], params, "messages", max_tokens_field)
         if req.stream:
             return ChatChunkStream(self, streams[0], len(ids), params, rid, include_usage, continuous_usage, as_ids,
                                    plan, echo)

@@ -15,11 +15,11 @@ from dataclasses import fields
 
 from tandem.beam_search import BeamSearch
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from tandem.engine.processor import PromptError
+from tandem.engine.processor import PromptError, check_context_length
 from tandem.engine.token_bytes import TokenBytes, token_id_string
 from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.beam_search import BeamSearchStream, beam_search_params, run_beam_search
-from tandem.entrypoints.openai.errors import bad_request, model_not_found
+from tandem.entrypoints.openai.errors import OpenAIError, bad_request, model_not_found
 from tandem.entrypoints.openai.structured_outputs import FieldError, structured_outputs_of
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
@@ -36,6 +36,15 @@ def _param_of(message: str) -> str | None:
     """The field a ``SamplingParams`` / engine message names first, if any."""
     first = message.split(" ", 1)[0]
     return first if first in _SAMPLING_FIELDS else None
+
+
+def prompt_error(e: PromptError, prompt_field: str, max_tokens_field: str = "max_tokens") -> OpenAIError:
+    """The 400 of a prompt error, worded with the request's fields and naming the one at
+    fault (``param``): the prompt's (``prompt_field``), or the budget's
+    (``max_tokens_field``) when the prompt alone fits the context
+    (:func:`tandem.engine.processor.check_context_length` decides)."""
+    e = e.for_field(prompt_field, max_tokens_field)
+    return bad_request(str(e), e.request_field)
 
 
 def clamp_logprob(lp: float) -> float:
@@ -177,9 +186,10 @@ class OpenAIServingBase:
         return shown
 
     async def _add(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                   prompt_field: str) -> list[RequestStream]:
+                   prompt_field: str, max_tokens_field: str = "max_tokens") -> list[RequestStream]:
         """Add one engine request per prompt, all at once; on any rejection abort the others.
-        ``prompt_field``: the request field the prompts came from, named in prompt errors."""
+        ``prompt_field`` / ``max_tokens_field``: the request fields the prompts and the
+        output budget came from, named in prompt errors."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         res = await asyncio.gather(*(self.llm.add_request(rid, p, params) for rid, p in zip(ids, prompts)),
                                    return_exceptions=True)
@@ -190,7 +200,7 @@ class OpenAIServingBase:
                     r.abort()
             e = errors[0]
             if isinstance(e, PromptError):
-                raise bad_request(str(e.for_field(prompt_field)), prompt_field)
+                raise prompt_error(e, prompt_field, max_tokens_field)
             if isinstance(e, ValueError):
                 raise bad_request(str(e), _param_of(str(e)))
             raise e
@@ -213,22 +223,26 @@ class OpenAIServingBase:
                 s.abort()
 
     def _start_beam_search(self, req: P._SamplingFields, request_id: str, ids: list[int], max_tokens: int | None,
-                           prompt_field: str) -> BeamSearchStream:
+                           prompt_field: str, max_tokens_field: str = "max_tokens") -> BeamSearchStream:
         """Start ``req``'s beam search over the prompt ``ids`` (:mod:`tandem.entrypoints.openai.beam_search`).
 
         Raises:
-            OpenAIError: 400, a field beam search cannot serve or a bad value (before it starts).
+            OpenAIError: 400, a field beam search cannot serve or a bad value, the prompt
+                and ``max_tokens`` over the context as a sampled request's (before it starts).
         """
         proc = self.llm.processor
         try:
             params = beam_search_params(req, max_tokens, len(ids), proc.max_model_len)
+            check_context_length(len(ids), max_tokens, proc.max_model_len)  # a sampled request's check
             search = BeamSearch(ids, params, proc.eos_token_ids, proc.max_model_len)
+        except PromptError as e:
+            raise prompt_error(e, prompt_field, max_tokens_field) from None
         except ValueError as e:
             name = str(e).split(" ", 1)[0]
             raise bad_request(str(e), name if name in type(req).model_fields else None) from None
 
         async def generate_round(rid: str, prompts: list[list[int]], round_params: SamplingParams):
-            return await self._collect(await self._add(rid, prompts, round_params, prompt_field))
+            return await self._collect(await self._add(rid, prompts, round_params, prompt_field, max_tokens_field))
 
         async def decode(token_ids: list[int]) -> str:
             return await self._in_tokenizer(self.llm.tokenizer.decode, token_ids, req.skip_special_tokens)
