@@ -140,3 +140,15 @@ def test_enable_auto_tool_choice_is_accepted_and_can_be_turned_off():
     args = parse(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])  # vLLM's command line
     assert args.enable_auto_tool_choice is True and args.tool_call_parser == "hermes"
     assert parse(["serve", "--no-enable-auto-tool-choice"]).enable_auto_tool_choice is False
+
+
+def test_serve_refuses_a_tp_size_that_does_not_split_the_heads_before_anything_loads(embedded_model_path):
+    """``tandem serve -tp 2`` on the embedded SmolLM2 (9 heads, 3 KV heads): refused by the config
+    step on the main thread, before the server binds or a loading thread starts."""
+    from tandem.entrypoints.openai.cli_args import serve_engine_config
+
+    args = build_parser().parse_args(["serve", "--model", embedded_model_path, "-tp", "2"])
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must split .*: one of 1, 3, 9\."):
+        serve_engine_config(args)
+    args = build_parser().parse_args(["serve", "--model", embedded_model_path, "-tp", "3"])
+    assert serve_engine_config(args).parallel_config.tensor_parallel_size == 3

@@ -72,14 +72,16 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
     Raises:
         ValueError: a bad engine flag, naming it; flags that do not fit the host's role
             (``--headless`` or head); a model path that does not exist or that the loader
-            does not read.
+            does not read; a ``--tensor-parallel-size`` that does not split the model's heads.
     """
     from tandem.model_loader.model_path import check_model_path
     from tandem.engine.arg_utils import EngineArgs
+    from tandem.engine.launch import check_tensor_parallel_size
 
     cfg = EngineArgs.from_cli_args(args).create_engine_config("openai_api_server")
     cfg.parallel_config.check_host_role(headless=getattr(args, "headless", False))
     check_model_path(cfg.model_config.model)
+    check_tensor_parallel_size(cfg)  # here, on the main thread: not on the server's loading thread
     return cfg
 
 
