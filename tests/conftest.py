@@ -19,6 +19,15 @@ import tandem  # noqa: F401 - before torch, as in a user's process: sets GOMP_SP
 import torch  # noqa: E402
 
 
+def pytest_sessionstart(session) -> None:
+    """Build the CPU's C++ kernels once, in this process, before any test: the first engine
+    would build them otherwise, possibly in a rank process a test then kills mid-build, which
+    leaves torch's build lock behind for every later engine to wait on."""
+    from tandem.layers import cpu_ops
+
+    cpu_ops.available()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _unfreeze_heap_after_module():
     """Engine cores freeze the heap (tandem.engine.core.freeze_startup_heap) and unfreeze it

@@ -31,11 +31,13 @@ default) runs the kernel when the tensor is on CUDA and the torch code otherwise
 path is the reference); ``torch`` keeps the torch code on CUDA too; ``triton`` runs the
 kernels on any device, which on the CPU needs the Triton interpreter (``TRITON_INTERPRET=1``
 set before the first kernel call: kernels are ``triton.jit``-ed lazily on first use,
-because the interpreter is chosen at decoration time).
+because the interpreter is chosen at decoration time); ``cpu`` runs the two norms as the
+C++ kernels of :mod:`tandem.layers.cpu_ops` on CPU tensors whose weight (and residual) have
+the input's dtype, and the torch code for everything else.
 
 The mode belongs to a model, not to the process. The worker decides it once, from
 ``TANDEM_FUSED_OPS`` and its device (:func:`resolve_mode`: ``auto`` becomes ``triton`` on
-CUDA, ``torch`` elsewhere), and the loader builds the model inside :func:`building`
+CUDA, ``cpu`` on the CPU where the C++ kernels build, ``torch`` otherwise), and the loader builds the model inside :func:`building`
 (:func:`tandem.model_loader.loader.build_model`); every layer that calls a fused op (RMSNorm,
 RoPE, the SwiGLU MLP, MLA's latent write) reads :func:`build_mode` once in its constructor,
 keeps it as its ``fused_ops_mode`` attribute and passes it to each call. Nothing reads a
@@ -59,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem import envs
+from tandem.layers import cpu_ops
 from tandem.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, UnscaledProduct, quantize_per_token
 
 try:
@@ -89,19 +92,29 @@ def _check_mode(mode: str) -> None:
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
-    """The mode (``triton`` or ``torch``) that ``mode`` means for a model on ``device``:
-    ``auto`` is the kernels on CUDA (with Triton installed) and the torch code elsewhere, as
-    :func:`use_triton` decides it for a tensor on ``device``.
+    """The mode (``triton``, ``cpu`` or ``torch``) that ``mode`` means for a model on
+    ``device``: ``auto`` is the Triton kernels on CUDA (with Triton installed), the C++ norms
+    on the CPU where they build (:func:`tandem.layers.cpu_ops.available`, which builds them
+    on its first call), and the torch code otherwise.
 
     Raises:
-        ValueError: ``mode`` is not ``auto``, ``triton`` or ``torch``.
-        RuntimeError: ``triton`` without Triton installed.
+        ValueError: ``mode`` is not one of ``auto``, ``triton``, ``torch``, ``cpu``; ``cpu``
+            for a device that is not the CPU.
+        RuntimeError: ``triton`` without Triton installed; ``cpu`` where the kernels do not build.
     """
     _check_mode(mode)
     if mode == "auto":
-        return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
+        if HAS_TRITON and device.type == "cuda":
+            return "triton"
+        return "cpu" if device.type == "cpu" and cpu_ops.available() else "torch"
     if mode == "triton" and not HAS_TRITON:
         raise RuntimeError(_NO_TRITON)
+    if mode == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"fused-ops mode 'cpu' (TANDEM_FUSED_OPS) is for CPU models, not {device.type}")
+        if not cpu_ops.available():
+            raise RuntimeError("fused-ops mode 'cpu' (TANDEM_FUSED_OPS) but the C++ CPU kernels did not build "
+                               "(see the warning above)")
     return mode
 
 
@@ -138,7 +151,7 @@ def use_triton(x: torch.Tensor, mode: str = "auto") -> bool:
     """
     if mode == "auto":
         return HAS_TRITON and x.is_cuda
-    if mode == "torch":
+    if mode in ("torch", "cpu"):
         return False
     _check_mode(mode)
     if not HAS_TRITON:
@@ -484,6 +497,13 @@ def _norm_launch(x: torch.Tensor | UnscaledProduct, residual: torch.Tensor | Non
     return out, res_out, scale
 
 
+def _cpu_kernel(mode: str, x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether a norm in ``mode`` runs the C++ kernel: CPU tensors, all of x's dtype (the
+    references promote mixed dtypes; the kernels take one)."""
+    return mode == "cpu" and x.device.type == "cpu" and x.dtype in _SUPPORTED_DTYPES \
+        and all(t.dtype == x.dtype for t in others)
+
+
 def _norm_input(x: torch.Tensor | UnscaledProduct, mode: str) -> tuple[torch.Tensor | UnscaledProduct, bool]:
     """(``x``, whether the kernel runs), ``x`` with its scales applied where the torch code runs."""
     triton_path = use_triton(x.acc if isinstance(x, UnscaledProduct) else x, mode)
@@ -505,6 +525,8 @@ def rms_norm(x: torch.Tensor | UnscaledProduct, weight: torch.Tensor, eps: float
     """
     x, triton_path = _norm_input(x, mode)
     if not triton_path:
+        if _cpu_kernel(mode, x, weight):
+            return cpu_ops.rms_norm(x, weight, eps)
         return rms_norm_ref(x, weight, eps)
     return _norm_launch(x, None, weight, eps)[0]
 
@@ -519,6 +541,8 @@ def fused_add_rms_norm(x: torch.Tensor | UnscaledProduct, residual: torch.Tensor
     """
     x, triton_path = _norm_input(x, mode)
     if not triton_path:
+        if _cpu_kernel(mode, x, weight, residual):
+            return cpu_ops.fused_add_rms_norm(x, residual, weight, eps)
         return fused_add_rms_norm_ref(x, residual, weight, eps)
     return _norm_launch(x, residual, weight, eps)[:2]
 

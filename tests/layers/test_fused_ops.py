@@ -378,10 +378,12 @@ def test_dispatch():
 def test_auto_resolves_once_per_device_as_it_dispatches_per_tensor():
     """The worker's decision (resolve_mode) is what ``auto`` does for a tensor there."""
     cpu = torch.device("cpu")
-    assert fused_ops.resolve_mode("auto", cpu) == "torch"
+    assert fused_ops.resolve_mode("auto", cpu) == "cpu"  # the C++ norms build here (tests/layers/test_cpu_ops.py)
     assert fused_ops.resolve_mode("auto", torch.device("cuda", 0)) == ("triton" if fused_ops.HAS_TRITON else "torch")
-    for m in ("triton", "torch"):
+    for m in ("triton", "torch", "cpu"):
         assert fused_ops.resolve_mode(m, cpu) == m
+    with pytest.raises(ValueError, match="'cpu' .* is for CPU models, not cuda"):
+        fused_ops.resolve_mode("cpu", torch.device("cuda", 0))
 
 
 def test_a_build_block_sets_the_mode_of_the_layers_built_in_it():

@@ -58,11 +58,11 @@ def _config(path: Path, family: str, **overrides) -> str:
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_each_model_keeps_its_engines_mode(tmp_path, family, monkeypatch):
     """Three engines of one process, loaded one after the other: every layer that calls a
-    fused op holds its own worker's mode, ``auto`` resolved for the CPU (the torch code)."""
+    fused op holds its own worker's mode, ``auto`` resolved for the CPU (the C++ norms)."""
     model = _config(tmp_path, family)
     workers = {env: _worker(model, monkeypatch, env) for env in ("triton", "torch", None)}
     assert {env: _modes(w.model) for env, w in workers.items()} == {"triton": {"triton"}, "torch": {"torch"},
-                                                                      None: {"torch"}}
+                                                                      None: {"cpu"}}
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton mode on CPU tensors runs in the interpreter")
