@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tandem.engine.processor import check_context_length
 from tandem.outputs import PositionLogprobs
 from tandem.sampling_params import SamplingParams
 
@@ -126,19 +127,15 @@ class BeamSearch:
         max_model_len: the context length.
 
     Raises:
-        ValueError: the prompt and ``max_tokens`` do not fit in ``max_model_len``.
+        PromptError: the prompt and ``max_tokens`` do not fit in ``max_model_len``
+            (:func:`tandem.engine.processor.check_context_length`).
     """
 
     def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: set[int],
                  max_model_len: int) -> None:
         self.prompt_len = len(prompt_token_ids)
         self.params, self.eos = params, set(eos_token_ids)
-        if self.prompt_len >= max_model_len:
-            raise ValueError(f"prompt of {self.prompt_len} tokens leaves no room for a generated token within the "
-                             f"context length {max_model_len}.")
-        if self.prompt_len + params.max_tokens > max_model_len:
-            raise ValueError(f"max_tokens ({params.max_tokens}) and the prompt's {self.prompt_len} tokens exceed the "
-                             f"context length {max_model_len}.")
+        check_context_length(self.prompt_len, params.max_tokens, max_model_len)  # a sampled request's check
         self.rounds_left = params.max_tokens
         self.beams = [BeamSearchSequence(list(prompt_token_ids))]
         self.finished: list[BeamSearchSequence] = []

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from tandem.beam_search import BeamSearch, BeamSearchParams, beam_search_score
+from tandem.engine.processor import PromptError
 from tandem.outputs import Logprob
 
 EOS = 0
@@ -88,10 +89,13 @@ def test_early_stopping_ends_once_the_width_has_finished():
 def test_prompt_and_max_tokens_must_fit_in_the_context():
     bs = _search(BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True), max_model_len=6)
     assert {len(s.tokens) for s in bs.result().sequences} == {6}
-    with pytest.raises(ValueError, match=r"^max_tokens \(5\) and the prompt's 2 tokens exceed the context length 6"):
+    with pytest.raises(PromptError, match=r"^max_tokens is too large: 2 tokens in the prompt \+ max_tokens 5 = 7 "
+                                          r"tokens\. This model's maximum context length is 6 tokens") as e:
         BeamSearch([9, 7], BeamSearchParams(beam_width=2, max_tokens=5), {EOS}, 6)
-    with pytest.raises(ValueError, match="^prompt of 2 tokens leaves no room"):
+    assert e.value.request_field == "max_tokens"
+    with pytest.raises(PromptError, match="resulted in 2 tokens, which leaves no room") as e:
         BeamSearch([9, 7], BeamSearchParams(beam_width=2, max_tokens=4), {EOS}, 2)
+    assert e.value.request_field == "prompt"
 
 
 @pytest.mark.parametrize("kwargs, field", [

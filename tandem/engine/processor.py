@@ -17,8 +17,8 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 class PromptError(ValueError):
     """A prompt the engine cannot take: empty, over the context, with token ids outside the
-    vocabulary, or one that fits alone but not with ``max_tokens``. The message calls the prompt ``field`` and the output budget
-    ``max_tokens_field``; a server rewords it with :meth:`for_field` to name its own request
+    vocabulary, or one that fits alone but not with ``max_tokens``. The message calls the
+    prompt ``field`` and the output budget ``max_tokens_field``; a server rewords it with :meth:`for_field` to name its own request
     fields (``messages`` for chat, as OpenAI's errors do; ``max_completion_tokens`` where a
     chat request sent that).
 

@@ -37,9 +37,10 @@ the input's dtype, and the torch code for everything else.
 
 The mode belongs to a model, not to the process. The worker decides it once, from
 ``TANDEM_FUSED_OPS`` and its device (:func:`resolve_mode`: ``auto`` becomes ``triton`` on
-CUDA, ``cpu`` on the CPU where the C++ kernels build, ``torch`` otherwise), and the loader builds the model inside :func:`building`
-(:func:`tandem.model_loader.loader.build_model`); every layer that calls a fused op (RMSNorm,
-RoPE, the SwiGLU MLP, MLA's latent write) reads :func:`build_mode` once in its constructor,
+CUDA, ``cpu`` on the CPU where the C++ kernels build, ``torch`` otherwise), and the loader
+builds the model inside :func:`building` (:func:`tandem.model_loader.loader.build_model`);
+every layer that calls a fused op (RMSNorm, RoPE, the SwiGLU MLP, MLA's latent write) reads
+:func:`build_mode` once in its constructor,
 keeps it as its ``fused_ops_mode`` attribute and passes it to each call. Nothing reads a
 mode at forward time, so two engines of one process may run in different modes.
 
@@ -497,11 +498,11 @@ def _norm_launch(x: torch.Tensor | UnscaledProduct, residual: torch.Tensor | Non
     return out, res_out, scale
 
 
-def _cpu_kernel(mode: str, x: torch.Tensor, *others: torch.Tensor) -> bool:
+def _cpu_kernel(mode: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether a norm in ``mode`` runs the C++ kernel: CPU tensors, all of x's dtype (the
     references promote mixed dtypes; the kernels take one)."""
-    return mode == "cpu" and x.device.type == "cpu" and x.dtype in _SUPPORTED_DTYPES \
-        and all(t.dtype == x.dtype for t in others)
+    return mode == "cpu" and not x.is_cuda and x.dtype in _SUPPORTED_DTYPES and weight.dtype == x.dtype \
+        and (residual is None or residual.dtype == x.dtype)
 
 
 def _norm_input(x: torch.Tensor | UnscaledProduct, mode: str) -> tuple[torch.Tensor | UnscaledProduct, bool]:

@@ -15,7 +15,7 @@ from dataclasses import fields
 
 from tandem.beam_search import BeamSearch
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from tandem.engine.processor import PromptError, check_context_length
+from tandem.engine.processor import PromptError
 from tandem.engine.token_bytes import TokenBytes, token_id_string
 from tandem.entrypoints.openai import protocol as P
 from tandem.entrypoints.openai.beam_search import BeamSearchStream, beam_search_params, run_beam_search
@@ -233,7 +233,6 @@ class OpenAIServingBase:
         proc = self.llm.processor
         try:
             params = beam_search_params(req, max_tokens, len(ids), proc.max_model_len)
-            check_context_length(len(ids), max_tokens, proc.max_model_len)  # a sampled request's check
             search = BeamSearch(ids, params, proc.eos_token_ids, proc.max_model_len)
         except PromptError as e:
             raise prompt_error(e, prompt_field, max_tokens_field) from None
