@@ -48,9 +48,9 @@ def _load() -> bool:
 
         load(name=_EXTENSION, sources=[str(SOURCE)], extra_cflags=["-O3"], is_python_module=False)
     except Exception as e:  # noqa: BLE001 - any build failure falls back to the torch ops
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        logger.warning("the C++ CPU kernels (%s) could not be built: %s; the norms run as torch ops", SOURCE.name,
-                       first)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        logger.warning("the C++ CPU kernels (%s) could not be built (%s): the RMSNorms run as torch ops",
+                       SOURCE.name, first)
         return False
     return True
 

@@ -100,8 +100,9 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 
     Raises:
         ValueError: ``mode`` is not one of ``auto``, ``triton``, ``torch``, ``cpu``; ``cpu``
-            for a device that is not the CPU.
-        RuntimeError: ``triton`` without Triton installed; ``cpu`` where the kernels do not build.
+            for a device that is not the CPU, or where the kernels do not build (the user's
+            setting, reported by the command line in one line).
+        RuntimeError: ``triton`` without Triton installed.
     """
     _check_mode(mode)
     if mode == "auto":
@@ -114,8 +115,8 @@ def resolve_mode(mode: str, device: torch.device) -> str:
         if device.type != "cpu":
             raise ValueError(f"fused-ops mode 'cpu' (TANDEM_FUSED_OPS) is for CPU models, not {device.type}")
         if not cpu_ops.available():
-            raise RuntimeError("fused-ops mode 'cpu' (TANDEM_FUSED_OPS) but the C++ CPU kernels did not build "
-                               "(see the warning above)")
+            raise ValueError("TANDEM_FUSED_OPS=cpu, but the C++ CPU kernels could not be built (the warning above "
+                             "says why): leave it unset (auto) or set it to torch")
     return mode
 
 
