@@ -24,6 +24,11 @@ element by element while ``index_select`` copies rows):
   gives), read in place when its blocks are consecutive in the cache (the block pool
   hands out consecutive ids to a lone sequence) and gathered otherwise: the same values
   with the same strides, so the same bits.
+* With ``cpu_kernels`` (fused-ops mode ``cpu``: the C++ kernels built), decode requests
+  over a cache of the query's dtype are one op instead,
+  :func:`tandem.layers.cpu_ops.paged_attention_decode`: it reads the blocks in place (no
+  gather) and computes each (request, KV head) alone, so a request's output does not depend
+  on its batch either.
 * An FP8 cache (``--kv-cache-dtype fp8``) is always read back (gathered and converted to
   the query dtype, a fresh prefill included); the scales fold into the softmax scale and
   the output (exact: attention is linear in V).
@@ -39,6 +44,7 @@ import torch.nn.functional as F
 
 from tandem.attention.backend import write_kv_cache_at
 from tandem.attention.metadata import AttentionMetadata
+from tandem.layers import cpu_ops
 
 KV_SPLIT = 128
 """Keys per split of :func:`split_attention`: fixed, whatever the batch or the phase."""
@@ -79,12 +85,15 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: in
 class TorchAttentionBackend:
     """Decode requests as one packed batch, each prefill (or chunk) on its own; see the
     module docstring. ``deterministic``: decode requests through :func:`split_attention`
-    too (batch-invariant mode, :mod:`tandem.layers.batch_invariant`)."""
+    too (batch-invariant mode, :mod:`tandem.layers.batch_invariant`). ``cpu_kernels``:
+    decode requests through the C++ kernel (:mod:`tandem.layers.cpu_ops`, which must be
+    :func:`~tandem.layers.cpu_ops.available`) where the cache has the query's dtype."""
 
     name = "torch"
 
-    def __init__(self, deterministic: bool = False) -> None:
+    def __init__(self, deterministic: bool = False, cpu_kernels: bool = False) -> None:
         self.deterministic = deterministic
+        self.cpu_kernels = cpu_kernels
         # Per-step inputs shared by every layer, built by the first layer of a step.
         self._step_meta: AttentionMetadata | None = None
         self._decode_mask: torch.Tensor | None = None
@@ -151,6 +160,8 @@ class TorchAttentionBackend:
         nd, hq, d = q.shape
         if self.deterministic:
             return self._decode_split(q, kv_cache, meta, scale)
+        if self.cpu_kernels and kv_cache.dtype == q.dtype:
+            return cpu_ops.paged_attention_decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
         if nd == 1:
             return self._decode_one(q, kv_cache, meta, scale)
         hk, bs = kv_cache.shape[3], kv_cache.shape[2]

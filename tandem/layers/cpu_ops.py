@@ -1,17 +1,23 @@
-"""The decoder's RMSNorms as one-pass C++ kernels on the CPU (``tandem/csrc/cpu_ops.cpp``).
+"""The CPU decode step's small ops as C++ kernels (``tandem/csrc/cpu``): the RMSNorms, the
+rotary embedding, SiLU-and-mul, and decode attention over the paged cache (and, built from
+them, a whole decoder layer of a plain decode step: :mod:`tandem.models.cpu_decode`).
 
 At decode sizes a CPU step is bound by per-op overhead, not arithmetic: ``F.rms_norm``
 dispatches several ops, and each one that enters an OpenMP region wakes the pool's other
-threads, ~30 us per norm of 576 values inside a step of the embedded model. The kernels run
-a few rows on the calling thread (rows in tasks of 16 over torch's pool for a prompt), with
-the arithmetic of :func:`tandem.layers.fused_ops.rms_norm_ref` (the sum of squares in another
-order: fp32 results may differ in the last bits; 16-bit results round as the reference does).
+threads, ~30 us per norm of 576 values inside a step of the embedded model; the rotary
+embedding is five such ops per layer, decode attention ~15 (a gather, views, SDPA). Each
+kernel here is one op that runs a decode step's few rows on the calling thread (and spreads a
+prompt's rows, or a large batch's attention, over torch's pool).
 
-The source is built on first use by ``torch.utils.cpp_extension.load`` (g++ and ninja, ~15 s)
-into torch's extensions folder (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
-and loaded from there afterwards (a rebuild only when the source or torch changes). Where the
-build fails (no compiler), :func:`available` says so once in the log and the fused ops keep
-the torch references. :func:`tandem.layers.fused_ops.resolve_mode` decides it once per model.
+The sources are built on first use by ``torch.utils.cpp_extension.load`` (g++ and ninja,
+~20 s) into torch's extensions folder (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``) and loaded from there afterwards (a rebuild only when a source
+or torch changes), for the vector instructions torch itself uses on this CPU (AVX2 or AVX-512:
+the extension's name carries them, so a folder shared by machines of both kinds keeps one
+build per kind). FMA contraction is off, so the norms and the rotary embedding round as their
+torch references do. Where the build fails (no compiler), :func:`available` says so once in
+the log and the callers keep their torch code: :func:`tandem.layers.fused_ops.resolve_mode`
+decides it once per model (fused-ops mode ``cpu``).
 """
 
 from __future__ import annotations
@@ -24,8 +30,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
-_EXTENSION = "tandem_cpu_ops"
+SOURCES = sorted((Path(__file__).resolve().parent.parent / "csrc" / "cpu").glob("*.cpp"))
+# Vector extensions by torch's own CPU capability (which ATEN_CPU_CAPABILITY may lower).
+_ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+               "-mprefer-vector-width=256"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
 
 _lock = threading.Lock()
 _loaded: bool | None = None
@@ -46,11 +57,14 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load  # imports setuptools: only when building
 
-        load(name=_EXTENSION, sources=[str(SOURCE)], extra_cflags=["-O3"], is_python_module=False)
+        isa = torch.backends.cpu.get_cpu_capability().lower()
+        flags = ["-O3", "-ffp-contract=off", *_ISA_FLAGS.get(isa, [])]
+        load(name=f"tandem_cpu_ops_{isa}", sources=[str(p) for p in SOURCES], extra_cflags=flags,
+             is_python_module=False)
     except Exception as e:  # noqa: BLE001 - any build failure falls back to the torch ops
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
-        logger.warning("the C++ CPU kernels (%s) could not be built (%s): the RMSNorms run as torch ops",
-                       SOURCE.name, first)
+        logger.warning("the C++ CPU kernels (tandem/csrc/cpu) could not be built (%s): the decode step's "
+                       "norms, RoPE, attention and SiLU run as torch ops", first)
         return False
     return True
 
@@ -77,4 +91,60 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return torch.ops.tandem_cpu.fused_add_rms_norm(x, residual, weight, eps)
 
 
-__all__ = ["SOURCE", "available", "fused_add_rms_norm", "rms_norm"]
+def rotary_embedding_neox(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style RoPE (rotate-half) of ``x [T, H, D]`` (fp32/fp16/bf16; the last dim
+    contiguous, any other strides) at ``positions [T]`` int64, from ``cos`` and ``sin``
+    ``[max_positions, D/2]`` float32 (:class:`tandem.layers.rotary.RotaryEmbedding`'s
+    tables): ``x1 cos - x2 sin`` and ``x2 cos + x1 sin`` of the two halves, each product and
+    sum rounded to fp32, cast to x's dtype -> a new contiguous ``[T, H, D]`` tensor, the same
+    bits as :class:`~tandem.layers.rotary.RotaryEmbedding`'s torch path.
+
+    Raises:
+        RuntimeError: :func:`available` is False, a tensor not on the CPU, shapes or dtypes
+            other than the above, a position outside the tables.
+    """
+    return torch.ops.tandem_cpu.rotary_embedding_neox(positions, x, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [..., 2I]`` (fp32/fp16/bf16; gate the first half) ->
+    a new contiguous ``[..., I]``: silu in fp32 with an exp by a fixed polynomial (relative
+    error ~2e-7; the loop vectorizes), rounded to the dtype, times up in fp32, rounded again
+    (:func:`tandem.layers.fused_ops.silu_and_mul_ref`'s roundings: 16-bit results equal
+    its bits but for rare one-step roundings, fp32 within a few ulps).
+
+    Raises:
+        RuntimeError: :func:`available` is False, not a CPU tensor, an odd last dim.
+    """
+    return torch.ops.tandem_cpu.silu_and_mul(gate_up)
+
+
+def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query token per request over its keys in the paged cache.
+
+    Args:
+        q: ``[N, Hq, D]`` fp32/fp16/bf16 (the last dim contiguous), request ``r``'s token.
+        kv_cache: ``[2, num_blocks, block_size, Hk, D]`` contiguous, q's dtype (an FP8 cache
+            is not read here), ``Hq`` a multiple of ``Hk`` (grouped-query attention).
+        block_tables: ``[>= N, max_blocks]`` int32, request ``r``'s blocks in order.
+        seq_lens: ``[>= N]`` int32: request ``r`` attends to its first ``seq_lens[r]`` keys
+            (its token's own included).
+        scale: softmax scale.
+
+    Returns ``[N, Hq, D]`` in q's dtype: ``softmax(q k^T * scale) v`` per request and head,
+    in fp32 (exp by a fixed polynomial, relative error ~2e-7), each (request, KV head)
+    computed the same way whatever the batch and threads (batch-invariant). Runs on the
+    calling thread below ~0.5 M multiply-adds, over torch's pool above.
+
+    Raises:
+        RuntimeError: :func:`available` is False, tensors not on the CPU or of other shapes
+            or dtypes, a ``seq_lens`` entry outside ``[1, max_blocks * block_size]``, a block
+            id outside the cache.
+    """
+    return torch.ops.tandem_cpu.paged_attention_decode(q, kv_cache, block_tables, seq_lens, scale)
+
+
+__all__ = ["SOURCES", "available", "fused_add_rms_norm", "paged_attention_decode", "rms_norm",
+           "rotary_embedding_neox", "silu_and_mul"]

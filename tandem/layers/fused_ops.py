@@ -586,6 +586,8 @@ def silu_and_mul(gate_up: torch.Tensor, *, mode: str = "auto") -> torch.Tensor:
             last dim; an unknown ``mode``.
     """
     if not use_triton(gate_up, mode):
+        if mode == "cpu" and not gate_up.is_cuda and gate_up.dtype in _SUPPORTED_DTYPES:
+            return cpu_ops.silu_and_mul(gate_up)
         return silu_and_mul_ref(gate_up)
     _check("silu_and_mul input", gate_up)
     two_i = gate_up.shape[-1]

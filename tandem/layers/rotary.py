@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.layers import fused_ops
+from tandem.layers import cpu_ops, fused_ops
 from tandem.layers.fused_ops import apply_rotary, use_triton
 
 
@@ -53,7 +53,9 @@ class RotaryEmbedding(nn.Module):
     when the model calls :meth:`begin_step` (every layer rotates at the same positions):
     ``x * cos2 + roll(x, D/2) * sin2``, 5 ops per tensor and the same bits as
     :func:`~tandem.layers.fused_ops.apply_rotary_ref` (``x1 cos + x2 (-sin)`` is
-    ``x1 cos - x2 sin`` exactly).
+    ``x1 cos - x2 sin`` exactly). In fused-ops mode ``cpu`` one C++ op does the same
+    arithmetic on the fp32 tables directly
+    (:func:`tandem.layers.cpu_ops.rotary_embedding_neox`), the same bits again.
     """
 
     def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
@@ -69,9 +71,14 @@ class RotaryEmbedding(nn.Module):
         self.fused_ops_mode = fused_ops.build_mode()
 
     def begin_step(self, positions: torch.Tensor) -> None:
-        """Gather the CPU path's tables for a forward at ``positions [T]`` (CUDA: nothing)."""
-        self._step = (None if use_triton(positions, self.fused_ops_mode) or positions.is_cuda
+        """Gather the CPU path's tables for a forward at ``positions [T]`` (CUDA and the C++
+        kernel: nothing)."""
+        self._step = (None if use_triton(positions, self.fused_ops_mode) or positions.is_cuda or self._cpu_kernel()
                       else (positions, *self._tables(positions)))
+
+    def _cpu_kernel(self) -> bool:
+        # The kernel reads fp32 tables: a module cast to another dtype keeps the torch ops.
+        return self.fused_ops_mode == "cpu" and self.cos.dtype == torch.float32 and not self.cos.is_cuda
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c, s = self.cos[positions], self.sin[positions]
@@ -80,6 +87,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if use_triton(q, self.fused_ops_mode) or q.is_cuda:
             return apply_rotary(q, k, self.cos, self.sin, positions, mode=self.fused_ops_mode)
+        if self._cpu_kernel():
+            return (cpu_ops.rotary_embedding_neox(positions, q, self.cos, self.sin),
+                    cpu_ops.rotary_embedding_neox(positions, k, self.cos, self.sin))
         cos2, sin2 = self._step_tables(positions)
         return _rotate_neox(q, cos2, sin2), _rotate_neox(k, cos2, sin2)
 
@@ -92,6 +102,9 @@ class RotaryEmbedding(nn.Module):
         if use_triton(qk, self.fused_ops_mode) or qk.is_cuda:
             q, k = qk.split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)
             return apply_rotary(q, k, self.cos, self.sin, positions, mode=self.fused_ops_mode)
+        if self._cpu_kernel():
+            return cpu_ops.rotary_embedding_neox(positions, qk, self.cos, self.sin).split(
+                [num_q_heads, qk.shape[1] - num_q_heads], dim=1)
         cos2, sin2 = self._step_tables(positions)
         return _rotate_neox(qk, cos2, sin2).split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)
 

@@ -32,6 +32,7 @@ from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_sc
                                               rename_checkpoint_scales)
 from tandem.layers.quantization.config import Fp8Config, GGUFQuantConfig
 from tandem.layers.quantization.gguf import quantize_gguf_linears
+from tandem.models.cpu_decode import build_cpu_decode
 from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
 from tandem.model_loader.gguf_weights import gguf_weight_count, iterate_gguf_weights, open_gguf, raw_gguf_weights
 from tandem.model_loader.model_path import check_model_path
@@ -308,4 +309,6 @@ def build_model(hf_config, model_path: str, load_format: str, backend: Attention
         if quant_config is not None:
             progress.stage("FP8 weights")
             finish_fp8_model(model, quant_config, dtype)
+    if hasattr(model, "cpu_decode"):
+        model.cpu_decode = build_cpu_decode(model)
     return model.eval()

@@ -245,6 +245,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_quant: nn.Module | None = None
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.deterministic = batch_invariant.build_mode()  # the LM head's GEMM (compute_logits)
+        # Plain decode steps' layers as C++ ops where the loaded model qualifies
+        # (tandem.models.cpu_decode.build_cpu_decode, called by the loader); None: Python.
+        self.cpu_decode = None
 
     @property
     def kv_cache_shape_per_block(self) -> tuple[int, int]:
@@ -266,6 +269,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary.begin_step(positions)
         aux = []
         layers = self.layers[self.start_layer:self.end_layer]
+        if self.cpu_decode is not None and not self.aux_hidden_state_layers \
+                and self.cpu_decode.applies(hidden, kv_caches, meta):
+            hidden, residual = self.cpu_decode.forward(hidden, residual, positions, kv_caches, meta)
+            layers = []
         for i, (layer, cache) in enumerate(zip(layers, kv_caches), start=self.start_layer):
             if i in self.aux_hidden_state_layers:
                 aux.append(_residual_stream(hidden, residual))

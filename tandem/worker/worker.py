@@ -108,13 +108,15 @@ class Worker:
     def _load_model(self) -> torch.nn.Module:
         cfg, model_cfg = self.config, self.config.model_config
         logger.info("Deterministic (batch-invariant) execution: %s", "on" if model_cfg.deterministic else "off")
-        # The one place the mode is handed over: the backend holds it, and every model built
-        # over the backend (build_model, the EAGLE head below) takes it from there.
-        backend = get_attention_backend(self.device, model_cfg.max_model_len, deterministic=model_cfg.deterministic)
-        # Likewise the fused-ops mode, decided once for this device: every model built below
-        # (the target, a draft model, an EAGLE head) keeps it in its layers.
+        # The fused-ops mode, decided once for this device: every model built below (the
+        # target, a draft model, an EAGLE head) keeps it in its layers, and the attention
+        # backend its C++ decode kernel.
         fused_mode = fused_ops.resolve_mode(envs.TANDEM_FUSED_OPS, self.device)
         logger.info("Fused ops: %s", fused_mode)
+        # The one place the deterministic mode is handed over: the backend holds it, and every
+        # model built over the backend (build_model, the EAGLE head below) takes it from there.
+        backend = get_attention_backend(self.device, model_cfg.max_model_len, deterministic=model_cfg.deterministic,
+                                        cpu_kernels=fused_mode == "cpu")
         load_format = cfg.load_config.load_format
         self.quant_config = get_quantization_config(self.hf_config, model_cfg.quantization, load_format,
                                                     model_cfg.deterministic)

@@ -10,7 +10,7 @@ from tests.models.paged_parity import step_metadata
 
 
 def run_case(reqs, num_heads, num_kv_heads, head_dim=32, block_size=16, dtype=torch.float32, seed=0,
-             shuffled=True, deterministic=False):
+             shuffled=True, deterministic=False, cpu_kernels=False):
     """``reqs[r] = (num_computed_tokens, query_len)``, decode requests (query_len 1) first;
     blocks shuffled over the cache (else consecutive). Returns (backend output, reference
     output)."""
@@ -29,7 +29,7 @@ def run_case(reqs, num_heads, num_kv_heads, head_dim=32, block_size=16, dtype=to
     k = torch.randn(t, num_kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(t, num_kv_heads, head_dim, generator=g).to(dtype)
     scale = head_dim**-0.5
-    out = TorchAttentionBackend(deterministic).forward(q, k, v, kv_cache, meta, scale)
+    out = TorchAttentionBackend(deterministic, cpu_kernels).forward(q, k, v, kv_cache, meta, scale)
     return out, reference_attention(q, kv_cache, meta, scale)
 
 
@@ -41,22 +41,25 @@ CASES = {
     "one_decode": [(47, 1)],
     "one_decode_full_blocks": [(15, 1)],
     "one_decode_and_prefill": [(20, 1), (0, 21)],
+    "long_decodes": [(700, 1), (255, 1), (256, 1), (3, 1), (0, 9)],
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)], ids=["mha", "gqa3", "mqa"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_matches_reference(case, heads, block_size):
-    out, ref = run_case(CASES[case], *heads, block_size=block_size, seed=block_size)
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch", "cpu-kernels"])
+def test_matches_reference(case, heads, block_size, cpu_kernels):
+    out, ref = run_case(CASES[case], *heads, block_size=block_size, seed=block_size, cpu_kernels=cpu_kernels)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["one_decode", "one_decode_full_blocks", "one_decode_and_prefill", "decode_only"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_consecutive_blocks_match_reference(case, dtype, tol):
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch", "cpu-kernels"])
+def test_consecutive_blocks_match_reference(case, dtype, tol, cpu_kernels):
     """A lone decode request reads its consecutive blocks in place."""
-    out, ref = run_case(CASES[case], 9, 3, block_size=4, dtype=dtype, shuffled=False)
+    out, ref = run_case(CASES[case], 9, 3, block_size=4, dtype=dtype, shuffled=False, cpu_kernels=cpu_kernels)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
@@ -110,10 +113,10 @@ class _Request:
 
 
 def _forward(cache: torch.Tensor, steps: list[list[tuple[_Request, int, int]]],
-             deterministic: bool = False) -> list[torch.Tensor]:
+             deterministic: bool = False, cpu_kernels: bool = False) -> list[torch.Tensor]:
     """Run ``steps`` (each a list of ``(request, computed, new)``; query-length-1 entries
     first) on one backend; returns each step's output."""
-    backend, outs = TorchAttentionBackend(deterministic), []
+    backend, outs = TorchAttentionBackend(deterministic, cpu_kernels), []
     for step in steps:
         meta = step_metadata([n for _, _, n in step], [c for _, c, _ in step], [r.blocks for r, _, _ in step], 16)
         cat = lambda name: torch.cat([getattr(r, name)[c:c + n] for r, c, n in step])  # noqa: E731
@@ -175,3 +178,30 @@ def test_lone_decode_bits_do_not_depend_on_the_block_layout(dtype):
     req.blocks = [30, 7, 19, 2, 11]
     gathered = _forward(torch.zeros(2, 40, 16, HK, D, dtype=dtype), steps)[1]
     assert torch.equal(in_place, gathered)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_decode_bits_do_not_depend_on_the_batch_or_threads(dtype):
+    """With the C++ decode kernel a request's decode output is the same bits alone, among
+    other decodes at any place, over scattered blocks, and on one thread or more (its
+    splits are fixed in size and computed alone: the default mode gets batch invariance
+    of decode without the deterministic mode's cost)."""
+    length = 600  # three of the kernel's 256-key splits
+    req = _Request(length, dtype, 0, 1)
+    others = [_Request(n, dtype, 2 + i, 45 + 40 * i) for i, n in enumerate((5, 530, 17))]
+    cache = lambda: torch.zeros(2, 200, 16, HK, D, dtype=dtype)  # noqa: E731
+    prefill = [(req, 0, length - 1)]
+    alone = _forward(cache(), [prefill, [(req, length - 1, 1)]], cpu_kernels=True)[1][0]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_forward(cache(), [prefill, [(req, length - 1, 1)]], cpu_kernels=True)[1][0], alone)
+    finally:
+        torch.set_num_threads(threads)
+    for pos in range(len(others) + 1):
+        batch = [(o, 0, o.q.shape[0] - 1) for o in others] + prefill
+        decode = [(o, o.q.shape[0] - 1, 1) for o in others]
+        decode.insert(pos, (req, length - 1, 1))
+        assert torch.equal(_forward(cache(), [batch, decode], cpu_kernels=True)[1][pos], alone), pos
+    req.blocks = list(reversed(req.blocks))
+    assert torch.equal(_forward(cache(), [prefill, [(req, length - 1, 1)]], cpu_kernels=True)[1][0], alone)

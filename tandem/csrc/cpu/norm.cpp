@@ -1,5 +1,5 @@
 // The decoder's RMSNorms on the CPU, one pass each (tandem/layers/cpu_ops.py builds and loads
-// this file). torch's F.rms_norm dispatches several ops per call, and at decode sizes each one
+// this folder; bindings.cpp registers the ops). torch's F.rms_norm dispatches several ops per call, and at decode sizes each one
 // that enters an OpenMP region wakes the pool's other threads: ~30 us per norm inside a decode
 // step, for 576 values. Here a task of up to kRowsPerTask rows runs on the calling thread.
 //
@@ -8,9 +8,9 @@
 // value rounded to the input dtype before the weight multiplies, the product rounded again. Only
 // the order of the sum of squares differs (eight fp32 partial sums), so fp32 results may differ
 // from torch's in the last bits.
-#include <ATen/ATen.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <tuple>
@@ -54,6 +54,10 @@ void check(const char* op, const at::Tensor& x, const at::Tensor& weight) {
               ": weight must be [", x.size(-1), "] of x's dtype ", x.scalar_type(), ", got ", weight.sizes(), " ",
               weight.scalar_type());
 }
+
+}  // namespace
+
+namespace tandem_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
   check("rms_norm", x_in, weight_in);
@@ -108,14 +112,4 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x_in, co
   return {out, sum};
 }
 
-}  // namespace
-
-TORCH_LIBRARY(tandem_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
-}
+}  // namespace tandem_cpu

@@ -1,0 +1,137 @@
+"""A Llama-family model's decode steps on the CPU as one C++ op per decoder layer.
+
+At one sequence a CPU decode step of a small GGUF model is bound by dispatch, not arithmetic:
+each decoder layer is ~25 dispatched ops and ~12 Python module calls around its four int4
+GEMMs. :func:`build_cpu_decode` decides once, after the weights are loaded, whether a model's
+layers can run as ``torch.ops.tandem_cpu.decoder_layer_decode`` (``tandem/csrc/cpu/
+decoder_layer.cpp``): its linear layers :class:`~tandem.layers.quantization.gguf.
+GGUFInt4Linear` (or plain dense ones: a GGUF type the int4 planes do not cover), the model built in fused-ops mode ``cpu`` (the C++ norms, RoPE and decode
+attention), no per-head q/k norm. :class:`CpuDecode` then runs a step's layers when every row
+of the step is a generated token of its own request (a plain decode step: no prompt rows,
+which the int4 layers run dense, no multi-token queries); other steps, and models it does not
+cover, run the Python forward. The op calls the same kernels in the same order as that forward,
+so a step's hidden states are the same bits either way (tests/models/test_cpu_decode.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.torch_backend import TorchAttentionBackend
+from tandem.distributed.forward_context import get_forward_context
+from tandem.layers import cpu_ops
+from tandem.layers.linear import ColumnShardedLinear, RowParallelLinear
+from tandem.layers.quantization.gguf import GROUP_SIZE, GGUFInt4Linear
+from tandem.models.llama import DecoderLayer, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class CpuDecode:
+    """The decoder layers of ``model`` (this pipeline stage's) as C++ ops: built by
+    :func:`build_cpu_decode`, which checks that the model qualifies."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        layers = list(model.layers[model.start_layer:model.end_layer])
+        attn = layers[0].self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.eps, self.scale = layers[0].input_layernorm.eps, attn.scale
+        self.rotary = model.rotary
+        self.dtype = layers[0].input_layernorm.weight.dtype
+        # Per layer, in the op's order: the two norms' weights, then three tensors for each
+        # of qkv_proj, o_proj, gate_up_proj, down_proj (tandem/csrc/cpu/decoder_layer.cpp).
+        self.weights = [[layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+                        + [t for lin in _linears(layer) for t in _linear_tensors(lin, self.dtype)]
+                        for layer in layers]
+
+    def applies(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
+        """Whether this step is a plain decode step the op covers: one generated token per
+        request (the forward context's row phases say no row is a prompt's), hidden states and
+        caches of the model's dtype."""
+        t = hidden.shape[0]
+        if not (meta.num_decode_reqs == meta.num_reqs == t) or hidden.dtype != self.dtype \
+                or kv_caches[0].dtype != self.dtype:
+            return False
+        ctx = get_forward_context()
+        phases = None if ctx is None else ctx.row_phases
+        return phases is None or phases.num_generated == phases.num_rows
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers' ``(hidden, residual)`` as ``DecoderLayer.forward`` chained gives them
+        (``hidden [T, H]``, ``residual`` None before the first layer)."""
+        op = torch.ops.tandem_cpu.decoder_layer_decode
+        cos, sin = self.rotary.cos, self.rotary.sin
+        for weights, cache in zip(self.weights, kv_caches):
+            hidden, residual = op(hidden, residual, positions, meta.slot_mapping, cache, meta.block_tables,
+                                  meta.seq_lens, cos, sin, weights, self.num_heads, self.num_kv_heads, GROUP_SIZE,
+                                  self.eps, self.scale)
+        return hidden, residual
+
+
+def _linears(layer: DecoderLayer) -> list[torch.nn.Module]:
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+
+def _linear_tensors(lin: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int4 layer's (packed, scales and zeros, bias), a dense one's (weight, empty, bias);
+    empty for no bias."""
+    empty = torch.empty(0, dtype=dtype)
+    bias = empty if lin.bias is None else lin.bias
+    if isinstance(lin, GGUFInt4Linear):
+        return lin.packed, lin.scales_and_zeros, bias
+    return lin.weight, empty, bias
+
+
+def _plain_dense(lin: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """A dense linear layer whose forward is ``F.linear`` in the model's dtype: not FP8, not
+    deterministic (its GEMM would be row-blocked), a row layer on one rank (no all-reduce)."""
+    return isinstance(lin, ColumnShardedLinear | RowParallelLinear) and lin.weight.dtype == dtype \
+        and not lin.deterministic and not lin.takes_quantized_input \
+        and getattr(lin, "tp_size", 1) == 1 and not getattr(lin, "deferred_scales_max_rows", 0)
+
+
+def build_cpu_decode(model: torch.nn.Module) -> CpuDecode | None:
+    """A :class:`CpuDecode` for ``model`` where it qualifies (logged once either way where it is a
+    CPU GGUF int4 model), else None: a :class:`~tandem.models.llama.LlamaForCausalLM` of plain
+    decoder layers (no q/k norm) on the CPU, every layer's linears int4, the norms, RoPE and
+    attention backend on the C++ kernels, decode attention not deterministic."""
+    if type(model) is not LlamaForCausalLM or model.start_layer == model.end_layer:
+        return None
+    layers = list(model.layers[model.start_layer:model.end_layer])
+    linears = [lin for layer in layers for lin in _linears(layer)]
+    if not any(isinstance(lin, GGUFInt4Linear) for lin in linears):
+        return None  # not a CPU GGUF model: nothing to say
+    reason = _why_not(model, layers)
+    if reason:
+        logger.info("CPU decode steps: the Python forward (%s)", reason)
+        return None
+    logger.info("CPU decode steps: one C++ op per decoder layer")
+    return CpuDecode(model)
+
+
+def _why_not(model: LlamaForCausalLM, layers: list[torch.nn.Module]) -> str | None:
+    attn = layers[0].self_attn
+    backend = attn.backend
+    if not all(type(layer) is DecoderLayer for layer in layers) or attn.qk_norm:
+        return "q/k norms or another layer kind"
+    if not (isinstance(backend, TorchAttentionBackend) and backend.cpu_kernels and not backend.deterministic):
+        return "deterministic mode, or decode attention not on the C++ kernel"
+    if not cpu_ops.available() or not model.rotary._cpu_kernel():
+        return "fused-ops mode is not 'cpu'"
+    dtype = layers[0].input_layernorm.weight.dtype
+    norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if any(n.fused_ops_mode != "cpu" or n.weight.dtype != dtype for n in norms):
+        return "norms off the C++ kernels"
+    if any(layer.self_attn.k_scale != 1.0 or layer.self_attn.v_scale != 1.0 for layer in layers):
+        return "KV cache scales"
+    if not all(isinstance(lin, GGUFInt4Linear) or _plain_dense(lin, dtype) for layer in layers
+               for lin in _linears(layer)):
+        return "a linear layer neither int4 nor plain dense"
+    return None
+
+
+__all__ = ["CpuDecode", "build_cpu_decode"]

@@ -1,0 +1,149 @@
+"""The CPU decode fast path (tandem.models.cpu_decode): on the embedded SmolLM2 GGUF (int4
+layers), its decode steps give the Python forward's hidden states and KV cache bit for bit,
+it stands aside for steps it does not cover (prompt rows, multi-token queries), the loader
+attaches it only to models it covers, and inside the engine it runs and changes no token
+or logprob."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.attention.torch_backend import TorchAttentionBackend
+from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
+from tandem.layers.linear import QKVParallelLinear, RowParallelLinear
+from tandem.layers.quantization.config import GGUFQuantConfig
+from tandem.model_loader import loader
+from tandem.models.cpu_decode import CpuDecode, build_cpu_decode
+from tests.models.paged_parity import step_metadata
+
+BLOCK = 16
+
+
+def _build(path: str, mode: str = "cpu", deterministic: bool = False, load_format: str = "auto"):
+    backend = TorchAttentionBackend(deterministic, cpu_kernels=mode == "cpu")
+    quant = GGUFQuantConfig(path) if load_format == "auto" else None
+    return loader.build_model(loader.load_hf_config(path), path, load_format, backend, torch.bfloat16,
+                              torch.device("cpu"), max_positions=256, quant_config=quant, fused_ops_mode=mode)
+
+
+@pytest.fixture(scope="module")
+def model(embedded_model_path):
+    return _build(embedded_model_path)
+
+
+@pytest.fixture(scope="module")
+def mixed_model(embedded_model_path):
+    """The embedded model with one layer's qkv_proj (a column layer, given a bias) and
+    down_proj (a row layer) dense, as GGUF types without int4 planes load (Q6_K)."""
+    model = _build(embedded_model_path)
+    layer, spec = model.layers[1], model.spec
+    qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
+    dense_qkv = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, bias=True)
+    dense_down = RowParallelLinear(down.in_features, down.out_features, bias=False)
+    with torch.no_grad():
+        dense_qkv.weight.copy_(qkv.dequantized_weight())
+        dense_qkv.bias.copy_(torch.randn(qkv.out_features) * 0.1)
+        dense_down.weight.copy_(down.dequantized_weight())
+    layer.self_attn.qkv_proj, layer.mlp.down_proj = dense_qkv.to(torch.bfloat16), dense_down.to(torch.bfloat16)
+    model.cpu_decode = build_cpu_decode(model)
+    return model
+
+
+def _caches(model) -> list[torch.Tensor]:
+    hk, d = model.kv_cache_shape_per_block
+    return [torch.zeros(2, 40, BLOCK, hk, d, dtype=torch.bfloat16) for _ in range(model.num_stage_layers)]
+
+
+def test_the_loader_attaches_it_to_an_int4_model_on_the_cpu_kernels(model):
+    assert isinstance(model.cpu_decode, CpuDecode)
+
+
+@pytest.mark.parametrize("which", ["int4", "int4-and-dense"])
+def test_decode_steps_give_the_python_forwards_bits(which, request, monkeypatch):
+    model = request.getfixturevalue("model" if which == "int4" else "mixed_model")
+    fast = model.cpu_decode
+    assert isinstance(fast, CpuDecode)
+    runs = []
+    forward = fast.forward
+    monkeypatch.setattr(fast, "forward", lambda *a: runs.append(1) or forward(*a))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 49152, (n,), generator=g) for n in (13, 8, 21)]
+    tables = [[7, 3, 30], [12, 5, 1], [20, 9, 33]]  # scattered blocks
+    kv = _caches(model)
+    with torch.no_grad():
+        meta = step_metadata([len(p) for p in prompts], [0, 0, 0], tables, BLOCK)
+        pos = torch.cat([torch.arange(len(p)) for p in prompts])
+        hidden = model(torch.cat(prompts), pos, kv, meta)
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        ids = model.compute_logits(hidden[ends]).argmax(-1)
+        kv_fast, kv_python = kv, [c.clone() for c in kv]
+        computed = [len(p) for p in prompts]
+        for _ in range(6):
+            meta = step_metadata([1, 1, 1], computed, tables, BLOCK)
+            pos = torch.tensor(computed)
+            got = model(ids, pos, kv_fast, meta)
+            model.cpu_decode = None
+            try:
+                want = model(ids, pos, kv_python, meta)
+            finally:
+                model.cpu_decode = fast
+            assert torch.equal(got, want)
+            assert all(torch.equal(a, b) for a, b in zip(kv_fast, kv_python))
+            ids = model.compute_logits(got).argmax(-1)
+            computed = [c + 1 for c in computed]
+    assert len(runs) == 6
+
+
+def test_it_stands_aside_for_steps_it_does_not_cover(model):
+    fast = model.cpu_decode
+    kv = _caches(model)
+    hidden = torch.zeros(2, 576, dtype=torch.bfloat16)
+    decodes = step_metadata([1, 1], [4, 9], [[1], [2]], BLOCK)
+    assert fast.applies(hidden, kv, decodes)
+    # A one-token query that is a prompt's token (its last chunk): the int4 layers run it dense.
+    phases = RowPhases.from_mask(np.array([True, False]), torch.device("cpu"))
+    with forward_context(ForwardContext(2, row_phases=phases)):
+        assert not fast.applies(hidden, kv, decodes)
+    # A multi-token query (a prefill chunk, a speculative verification).
+    mixed = step_metadata([1, 3], [4, 9], [[1], [2]], BLOCK)
+    assert not fast.applies(torch.zeros(4, 576, dtype=torch.bfloat16), kv, mixed)
+    # Another dtype (an FP8 cache, a float32 forward).
+    assert not fast.applies(hidden, [c.to(torch.float32) for c in kv], decodes)
+    assert not fast.applies(hidden.float(), kv, decodes)
+
+
+@pytest.mark.parametrize("kind", ["torch-mode", "deterministic", "dense-weights"])
+def test_models_it_does_not_cover_keep_the_python_forward(embedded_model_path, kind):
+    model = _build(embedded_model_path, mode="torch" if kind == "torch-mode" else "cpu",
+                   deterministic=kind == "deterministic", load_format="dummy" if kind == "dense-weights" else "auto")
+    assert model.cpu_decode is None
+    assert build_cpu_decode(model) is None
+
+
+def test_the_engine_runs_it_and_no_token_or_logprob_changes(embedded_model_path, monkeypatch):
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(embedded_model_path, enable_prefix_caching=False, max_model_len=256)
+    try:
+        model = llm.engine.client.core.runner.model
+        fast = model.cpu_decode
+        assert isinstance(fast, CpuDecode)
+        runs = []
+        forward = fast.forward
+        monkeypatch.setattr(fast, "forward", lambda *a: runs.append(1) or forward(*a))
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+        prompts = ["Write a short story about a robot.", "What is 2+2?", "List three colors."]
+
+        def generate():
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+                    for o in outs]
+
+        with_op = generate()
+        assert runs
+        model.cpu_decode = None
+        assert generate() == with_op
+    finally:
+        llm.engine.shutdown()
