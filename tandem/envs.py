@@ -16,9 +16,10 @@ TANDEM_MOE_ROUTER                   auto       MoE routing (logits, softmax, top
                                                Triton kernel on CUDA, torch on the CPU),
                                                triton, torch
 TANDEM_FUSED_OPS                    auto       fused norm/activation/RoPE kernels: auto (Triton
-                                               on CUDA; on the CPU the C++ norms where they
-                                               build, torch otherwise), triton, torch, cpu;
-                                               read when a model loads
+                                               on CUDA; on the CPU the C++ kernels of the
+                                               decode step where they build, torch
+                                               otherwise), triton, torch, cpu; read when a
+                                               model loads
 TANDEM_FP8_FUSED_QUANT              on         FP8 layers with dynamic per-token activation
                                                scales get their input quantized by the norm /
                                                SiLU-and-mul kernel producing it (on), or by a

@@ -23,10 +23,13 @@ decides it once per model (fused-ops mode ``cpu``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
 import torch
+
+from tandem.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +61,29 @@ def _load() -> bool:
         from torch.utils.cpp_extension import load  # imports setuptools: only when building
 
         isa = torch.backends.cpu.get_cpu_capability().lower()
+        name = f"tandem_cpu_ops_{isa}"
         flags = ["-O3", "-ffp-contract=off", *_ISA_FLAGS.get(isa, [])]
-        load(name=f"tandem_cpu_ops_{isa}", sources=[str(p) for p in SOURCES], extra_cflags=flags,
-             is_python_module=False)
+        build = lambda: load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=flags,  # noqa: E731
+                             is_python_module=False)
+        if _built(name):
+            build()
+        else:  # a minute of silence on a small machine otherwise: say what runs
+            with Progress("Building the CPU's C++ kernels (once per machine)", logger):
+                build()
     except Exception as e:  # noqa: BLE001 - any build failure falls back to the torch ops
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
         logger.warning("the C++ CPU kernels (tandem/csrc/cpu) could not be built (%s): the decode step's "
                        "norms, RoPE, attention and SiLU run as torch ops", first)
         return False
     return True
+
+
+def _built(name: str) -> bool:
+    """Whether torch's extensions folder holds a build of ``name`` (``load`` still rebuilds
+    it if a source changed)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

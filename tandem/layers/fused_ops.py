@@ -94,8 +94,8 @@ def _check_mode(mode: str) -> None:
 
 def resolve_mode(mode: str, device: torch.device) -> str:
     """The mode (``triton``, ``cpu`` or ``torch``) that ``mode`` means for a model on
-    ``device``: ``auto`` is the Triton kernels on CUDA (with Triton installed), the C++ norms
-    on the CPU where they build (:func:`tandem.layers.cpu_ops.available`, which builds them
+    ``device``: ``auto`` is the Triton kernels on CUDA (with Triton installed), the C++
+    kernels on the CPU where they build (:func:`tandem.layers.cpu_ops.available`, which builds them
     on its first call), and the torch code otherwise.
 
     Raises:

@@ -1,16 +1,18 @@
 """A Llama-family model's decode steps on the CPU as one C++ op per decoder layer.
 
 At one sequence a CPU decode step of a small GGUF model is bound by dispatch, not arithmetic:
-each decoder layer is ~25 dispatched ops and ~12 Python module calls around its four int4
-GEMMs. :func:`build_cpu_decode` decides once, after the weights are loaded, whether a model's
-layers can run as ``torch.ops.tandem_cpu.decoder_layer_decode`` (``tandem/csrc/cpu/
-decoder_layer.cpp``): its linear layers :class:`~tandem.layers.quantization.gguf.
-GGUFInt4Linear` (or plain dense ones: a GGUF type the int4 planes do not cover), the model built in fused-ops mode ``cpu`` (the C++ norms, RoPE and decode
-attention), no per-head q/k norm. :class:`CpuDecode` then runs a step's layers when every row
-of the step is a generated token of its own request (a plain decode step: no prompt rows,
-which the int4 layers run dense, no multi-token queries); other steps, and models it does not
-cover, run the Python forward. The op calls the same kernels in the same order as that forward,
-so a step's hidden states are the same bits either way (tests/models/test_cpu_decode.py).
+each decoder layer is ~25 dispatched ops and ~12 Python module calls around its four GEMMs.
+:func:`build_cpu_decode` decides once, after the weights are loaded, whether a model's layers
+can run as ``torch.ops.tandem_cpu.decoder_layer_decode`` (``tandem/csrc/cpu/
+decoder_layer.cpp``): its linear layers
+:class:`~tandem.layers.quantization.gguf.GGUFInt4Linear` (or plain dense ones: a GGUF type
+the int4 planes do not cover), the model built in fused-ops mode ``cpu`` (the C++ norms, RoPE,
+SiLU-and-mul and decode attention), no per-head q/k norm, not deterministic.
+:class:`CpuDecode` then runs a step's layers when every row of the step is a generated token of
+its own request (a plain decode step: no prompt rows, which the int4 layers run dense, no
+multi-token queries); other steps, and models it does not cover, run the Python forward. The
+op calls the same kernels in the same order as that forward, so a step's hidden states and
+cache are the same bits either way (tests/models/test_cpu_decode.py).
 """
 
 from __future__ import annotations
@@ -116,12 +118,17 @@ def build_cpu_decode(model: torch.nn.Module) -> CpuDecode | None:
 def _why_not(model: LlamaForCausalLM, layers: list[torch.nn.Module]) -> str | None:
     attn = layers[0].self_attn
     backend = attn.backend
+    mode = layers[0].input_layernorm.fused_ops_mode
+    if mode != "cpu":
+        return f"fused-ops mode {mode!r}, not the C++ kernels' 'cpu' (TANDEM_FUSED_OPS)"
     if not all(type(layer) is DecoderLayer for layer in layers) or attn.qk_norm:
         return "q/k norms or another layer kind"
-    if not (isinstance(backend, TorchAttentionBackend) and backend.cpu_kernels and not backend.deterministic):
-        return "deterministic mode, or decode attention not on the C++ kernel"
+    if backend.deterministic:
+        return "--deterministic: decode attention stays batch-invariant in torch"
+    if not (isinstance(backend, TorchAttentionBackend) and backend.cpu_kernels):
+        return "decode attention not on the C++ kernel"
     if not cpu_ops.available() or not model.rotary._cpu_kernel():
-        return "fused-ops mode is not 'cpu'"
+        return "RoPE not on the C++ kernel"
     dtype = layers[0].input_layernorm.weight.dtype
     norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if any(n.fused_ops_mode != "cpu" or n.weight.dtype != dtype for n in norms):

@@ -6,11 +6,12 @@
 // A request's keys are taken kSplitKeys at a time (flash-decoding, Dao et al. 2023): per split,
 // in fp32, every query head's scores q.k * scale, their maximum m, e^(s - m), its sum l and the
 // e^(s - m)-weighted sum of the values; the splits then merge in order (rescaled by e^(m_j - M)
-// to their common maximum M). Each split reads whole cache rows (every KV head of a slot, one
-// stretch of memory) once for the keys and once for the values. The split size is fixed and a
-// split is computed the same way whichever thread runs it, so a request's output does not
-// depend on its batch or the thread count (exp is the fixed polynomial below, not libm's, so
-// that it vectorizes and is the same on every machine).
+// to their common maximum M). With AVX2 and a head_dim that is a multiple of 8 the scores are
+// computed four keys at a time and the weighted sums in registers across a split's keys (FMA);
+// otherwise by plain loops. The split size is fixed and a split is computed the same way
+// whichever thread runs it, so a request's output does not depend on its batch or the thread
+// count (exp is exp.h's polynomial, not libm's, so that it vectorizes and is the same on every
+// machine).
 #include "exp.h"
 #include "ops.h"
 
@@ -122,20 +123,106 @@ inline void for_each_row(const T* plane, const int32_t* table, int64_t first, in
   }
 }
 
+#if defined(__AVX2__)
+// The four lane sums of a0..a3, each ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)).
+inline __m128 sum_lanes4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// scores[t] = q . k_t * scale for the rows k[0..n) (D a multiple of 8), four keys at a time
+// (four independent accumulators; a tail block repeats its first key and keeps only it).
+template <typename T>
+void scores_avx2(const float* q, const T* const* k, int64_t n, int64_t d, float scale, float* scores) {
+  const __m128 sc = _mm_set1_ps(scale);
+  for (int64_t t = 0; t < n; t += 4) {
+    const T* r0 = k[t];
+    const T* r1 = t + 1 < n ? k[t + 1] : r0;
+    const T* r2 = t + 2 < n ? k[t + 2] : r0;
+    const T* r3 = t + 3 < n ? k[t + 3] : r0;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + c);
+      a0 = _mm256_fmadd_ps(qv, load8(r0 + c), a0);
+      a1 = _mm256_fmadd_ps(qv, load8(r1 + c), a1);
+      a2 = _mm256_fmadd_ps(qv, load8(r2 + c), a2);
+      a3 = _mm256_fmadd_ps(qv, load8(r3 + c), a3);
+    }
+    alignas(16) float out[4];
+    _mm_store_ps(out, _mm_mul_ps(sum_lanes4(a0, a1, a2, a3), sc));
+    for (int64_t j = 0; j < 4 && t + j < n; ++j) scores[t + j] = out[j];
+  }
+}
+
+// acc[0..8N) = sum_t p[t] * v_t[0..8N) (in key order), the accumulators held in registers.
+template <int N, typename T>
+void weighted_sum_avx2(const float* p, const T* const* v, int64_t n, int64_t offset, float* acc) {
+  __m256 a[N];
+  for (int j = 0; j < N; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 pt = _mm256_set1_ps(p[t]);
+    const T* row = v[t] + offset;
+    for (int j = 0; j < N; ++j) a[j] = _mm256_fmadd_ps(pt, load8(row + 8 * j), a[j]);
+  }
+  for (int j = 0; j < N; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
+}
+
+// acc[0..D) = sum_t p[t] * v_t[0..D), D a multiple of 8, in blocks of up to 64 values.
+template <typename T>
+void weighted_sum_rows_avx2(const float* p, const T* const* v, int64_t n, int64_t d, float* acc) {
+  for (int64_t c = 0; c < d; c += 64) {
+    switch (std::min<int64_t>(8, (d - c) / 8)) {
+      case 8: weighted_sum_avx2<8>(p, v, n, c, acc + c); break;
+      case 7: weighted_sum_avx2<7>(p, v, n, c, acc + c); break;
+      case 6: weighted_sum_avx2<6>(p, v, n, c, acc + c); break;
+      case 5: weighted_sum_avx2<5>(p, v, n, c, acc + c); break;
+      case 4: weighted_sum_avx2<4>(p, v, n, c, acc + c); break;
+      case 3: weighted_sum_avx2<3>(p, v, n, c, acc + c); break;
+      case 2: weighted_sum_avx2<2>(p, v, n, c, acc + c); break;
+      default: weighted_sum_avx2<1>(p, v, n, c, acc + c); break;
+    }
+  }
+}
+#endif
+
 // One split of one request: keys [first, last). Writes m [Hq], l [Hq] and acc [Hq, D] (the
 // unnormalized weighted sum of the values). q: [Hq, D] rows q_head_stride apart.
 template <typename T>
 void attend_split(const T* q, int64_t q_head_stride, const T* keys, const T* values, const int32_t* table,
                   int64_t first, int64_t last, const Geometry& g, float scale, float* m, float* l, float* acc,
-                  std::vector<float>& buf) {
+                  std::vector<float>& buf, std::vector<const T*>& rows) {
   const int64_t d = g.head_dim, hq = g.num_heads, group = g.group(), n = last - first;
   buf.resize(static_cast<size_t>(hq * d + hq * n));
   float* qf = buf.data();
   float* scores = qf + hq * d;  // [Hq, n]
   for (int64_t i = 0; i < hq; ++i) widen(q + i * q_head_stride, qf + i * d, d);
-  for_each_row(keys, table, first, last, g, [&](const T* k, int64_t t) {
-    for (int64_t i = 0; i < hq; ++i) scores[i * n + t - first] = dot(qf + i * d, k + i / group * d, d) * scale;
-  });
+  rows.resize(static_cast<size_t>(n));
+  for_each_row(keys, table, first, last, g, [&](const T* k, int64_t t) { rows[t - first] = k; });
+  const int64_t to_values = values - keys;
+#if defined(__AVX2__)
+  if (d % 8 == 0) {
+    for (int64_t h = 0; h < g.num_kv_heads; ++h) {
+      if (h) for (auto& r : rows) r += d;  // the rows' pointers at KV head h
+      for (int64_t i = h * group; i < (h + 1) * group; ++i)
+        scores_avx2(qf + i * d, rows.data(), n, d, scale, scores + i * n);
+    }
+    for (auto& r : rows) r += to_values - (g.num_kv_heads - 1) * d;  // the values of KV head 0
+    for (int64_t i = 0; i < hq; ++i) {
+      float* s = scores + i * n;
+      m[i] = max_of(s, n);
+      exp_shifted(s, n, m[i]);
+      l[i] = sum_of(s, n);
+    }
+    for (int64_t h = 0; h < g.num_kv_heads; ++h) {
+      if (h) for (auto& r : rows) r += d;
+      for (int64_t i = h * group; i < (h + 1) * group; ++i)
+        weighted_sum_rows_avx2(scores + i * n, rows.data(), n, d, acc + i * d);
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < hq; ++i) scores[i * n + t] = dot(qf + i * d, rows[t] + i / group * d, d) * scale;
   for (int64_t i = 0; i < hq; ++i) {
     float* s = scores + i * n;
     m[i] = max_of(s, n);
@@ -143,9 +230,8 @@ void attend_split(const T* q, int64_t q_head_stride, const T* keys, const T* val
     l[i] = sum_of(s, n);
   }
   std::fill(acc, acc + hq * d, 0.f);
-  for_each_row(values, table, first, last, g, [&](const T* v, int64_t t) {
-    for (int64_t i = 0; i < hq; ++i) add_scaled(acc + i * d, scores[i * n + t - first], v + i / group * d, d);
-  });
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < hq; ++i) add_scaled(acc + i * d, scores[i * n + t], rows[t] + to_values + i / group * d, d);
 }
 
 // out [Hq, D] of one request from its `splits` partials (m, l, acc per split, in order).
@@ -227,12 +313,13 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& kv_c
     scalar_t* outp = out.data_ptr<scalar_t>();
     at::parallel_for(0, tasks, inline_work ? tasks + 1 : 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
+      std::vector<const scalar_t*> rows;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t r = task_req[task], first = (task - first_task[r]) * kSplitKeys;
         float* part = partials.data() + task * stride;
         attend_split(qp + r * q.stride(0), q.stride(1), keys, values, tp + r * g.max_blocks, first,
                      std::min<int64_t>(first + kSplitKeys, lp[r]), g, static_cast<float>(scale), part, part + hq,
-                     part + 2 * hq, buf);
+                     part + 2 * hq, buf, rows);
       }
     });
     at::parallel_for(0, n, inline_work ? n + 1 : 1, [&](int64_t begin, int64_t end) {
