@@ -44,7 +44,7 @@ def gpu_kernels(monkeypatch):
             return torch.nn.functional.linear(x, weight, bias)
         return matmul_batch_invariant(x, weight, bias)
 
-    def backend(device, max_model_len=None, deterministic=False) -> TritonAttentionBackend:
+    def backend(device, max_model_len=None, deterministic=False, cpu_kernels=False) -> TritonAttentionBackend:
         return TritonAttentionBackend(max_model_len=max_model_len, deterministic=deterministic)
 
     monkeypatch.setattr(worker, "get_attention_backend", backend)

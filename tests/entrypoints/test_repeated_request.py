@@ -9,6 +9,7 @@ import pytest
 
 from tandem import SamplingParams
 from tandem.layers.quantization.gguf import GGUFInt4Linear
+from tandem.models.cpu_decode import CpuDecode
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
@@ -49,8 +50,20 @@ def test_default_configuration_repeats_bit_identically_and_decodes_in_int4(defau
         return int4(self, x)
 
     monkeypatch.setattr(GGUFInt4Linear, "_int4", counted)
+    model = default_llm.engine.model
+    if getattr(model, "cpu_decode", None) is not None:
+        # The one-op decoder layer (tandem.models.cpu_decode) runs its int4 GEMMs in C++: count
+        # each of the layers' int4 linears once per forward with that forward's rows.
+        in_layers = sum(isinstance(m, GGUFInt4Linear) for m in model.layers.modules())
+        fast = CpuDecode.forward
+
+        def counted_fast(self, hidden, *args):
+            rows.extend([hidden.shape[0]] * in_layers)
+            return fast(self, hidden, *args)
+
+        monkeypatch.setattr(CpuDecode, "forward", counted_fast)
     runs = _check(default_llm)
-    layers = sum(isinstance(m, GGUFInt4Linear) for m in default_llm.engine.model.modules())
+    layers = sum(isinstance(m, GGUFInt4Linear) for m in model.modules())
     if layers:  # the default on CPUs with native bf16
         assert set(rows) == {1}, "only decodes (one row each here) run the int4 kernel"
         decodes = sum(len(ids) - 1 for ids, _ in runs)
