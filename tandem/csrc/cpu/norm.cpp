@@ -8,6 +8,7 @@
 // value rounded to the input dtype before the weight multiplies, the product rounded again. Only
 // the order of the sum of squares differs (eight fp32 partial sums), so fp32 results may differ
 // from torch's in the last bits.
+#include "convert.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -20,10 +21,7 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 16;
 
-template <typename T>
-inline T round_to(float v) {
-  return static_cast<T>(v);
-}
+using tandem_cpu::round_to;
 
 // rsqrt(mean(r^2) + eps) of one fp32 row.
 inline float inv_rms(const float* r, int64_t n, float eps) {
