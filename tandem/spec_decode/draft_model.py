@@ -18,8 +18,9 @@ Per step, once the target has sampled (:meth:`DraftModelProposer.propose`, drive
    holds the K/V of confirmed tokens, as the target's does;
 2. ``K - 1`` one-token forwards, each feeding its greedy (argmax) draft to the next. On
    CUDA (unless ``enforce_eager``) these replay CUDA graphs captured per batch size, as the
-   target's decode steps do (:meth:`DraftModelProposer.capture_cuda_graphs`); the catch-up,
-   whose rows per sequence vary, runs eagerly.
+   target's decode steps do (:meth:`DraftModelProposer.capture_cuda_graphs`), and so does the
+   catch-up after a verified step (at most ``K + 2`` rows per sequence, padded); a catch-up
+   over prompt tokens runs eagerly.
 
 The rejection sampler treats a draft as a point mass (vLLM's draft-model and EAGLE paths do
 the same), which keeps the target's distribution.
@@ -120,14 +121,26 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.device = device
         self.cuda_graphs: DecodeCUDAGraphs | None = None
+        self.catch_up_graphs: DecodeCUDAGraphs | None = None
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int,
+                            catch_up_sizes: list[int] | None = None) -> None:
         """Capture the one-token draft forwards (every draft after a step's first) as CUDA
         graphs, one per batch size up to ``max_num_seqs`` (:mod:`tandem.worker.cuda_graph`;
-        ``max_blocks_per_seq``: the block tables' width); larger batches run eagerly."""
+        ``max_blocks_per_seq``: the block tables' width); larger batches run eagerly. With
+        ``catch_up_sizes`` (the target's verification graph sizes), also the catch-up over a
+        verified step (at most ``K + 2`` tokens per sequence: the step's tokens and the one
+        it emitted) for those batch sizes."""
         self.cuda_graphs = DecodeCUDAGraphs(self._graph_model(), self.kv_caches, max_num_seqs, max_blocks_per_seq,
                                             self.block_size, self.device, label="draft")
         self.cuda_graphs.capture()
+        if catch_up_sizes:
+            self.catch_up_graphs = DecodeCUDAGraphs(self.model, self.kv_caches, catch_up_sizes[-1], max_blocks_per_seq,
+                                                    self.block_size, self.device, sizes=catch_up_sizes,
+                                                    label="draft catch-up", query_len=self.num_speculative_tokens + 2,
+                                                    max_position=self.max_model_len - 1)
+            self.catch_up_graphs.pool = self.cuda_graphs.pool  # never replayed together
+            self.catch_up_graphs.capture()
 
     def _graph_model(self) -> torch.nn.Module:
         """What the graphs capture: ``forward(ids, positions, kv_caches, meta) -> [n, H]``."""
@@ -189,14 +202,23 @@ class DraftModelProposer:
         return torch.stack(drafts, dim=1)
 
     def _catch_up(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
-        """``[num_tokens, H]``: the catch-up forward; as a captured one-token graph when every
-        sequence has one generated token in it (a step without drafts, as while
-        ``disable_by_batch_size`` holds speculation off), else eager."""
+        """``[num_tokens, H]``: the catch-up forward; as a captured graph when no token in it
+        is a prompt token and every sequence has one token in it (a step without drafts, as
+        while ``disable_by_batch_size`` holds speculation off) or at most ``K + 2`` (after
+        a verified step), else eager."""
         num = inputs.num_reqs
         generated = inputs.generated_mask()
-        size = (self.cuda_graphs.size_for(num) if self.cuda_graphs is not None and inputs.num_tokens == num
-                and (generated is None or generated.all()) else None)
-        return self._forward(inputs, ids) if size is None else self._replay(inputs, ids, None, size)[0]
+        if self.cuda_graphs is None or not (generated is None or generated.all()):
+            return self._forward(inputs, ids)
+        if inputs.num_tokens == num:
+            size = self.cuda_graphs.size_for(num)
+            return self._forward(inputs, ids) if size is None else self._replay(inputs, ids, None, size)[0]
+        graphs = self.catch_up_graphs
+        size = None if graphs is None else graphs.size_for(num)
+        if size is None or int(np.diff(inputs.query_start_loc).max()) > graphs.query_len:
+            return self._forward(inputs, ids)
+        return graphs.run(num, ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, inputs.num_computed,
+                          inputs.block_table, size, inputs.query_start_loc)
 
     def _run(self, inputs: StepInputs, ids: torch.Tensor, hidden: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -212,7 +212,10 @@ class EagleProposer(DraftModelProposer):
         return self._decode(first, nxt[rows], positions[last[d.sampled]] + 1, d.block_table_np[d.sampled],
                             d.block_table[self._h2d(d.sampled)])
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int,
+                            catch_up_sizes: list[int] | None = None) -> None:
+        """The one-token head graphs only: the head's catch-up (fed the target's states)
+        runs eagerly."""
         self._graph_step = HeadGraphStep(self.model, max_num_seqs)
         super().capture_cuda_graphs(max_num_seqs, max_blocks_per_seq)
 

@@ -8,6 +8,14 @@ idle rank replays padding only), with the real sequences in its first ``n`` rows
 padding rows that write their K/V into the null block. Inputs travel
 through persistent device buffers; the graph's output is the final hidden states
 ``[size, hidden]``.
+
+With speculative decoding the same holds for steps that verify drafts (vLLM's "uniform
+decode" graphs of query length ``1 + K``): every sequence owns ``query_len`` rows, its
+tokens first, then padding rows (no K/V written; their positions follow its tokens, so
+that causal attention keeps them out of its tokens' outputs; past the longest context they
+read the null block). A step whose sequences hold
+at most ``query_len`` generated tokens each replays them: the target's verification of
+``K`` drafts, and the draft model's catch-up over a verified step's accepted tokens.
 """
 
 from __future__ import annotations
@@ -50,6 +58,18 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+MAX_VERIFY_GRAPH_TOKENS = 512
+"""Most rows (sequences x ``1 + K``) of a verification graph, as vLLM caps its captures."""
+
+
+def verify_capture_sizes(max_num_seqs: int, max_spec_batch: int | None, query_len: int) -> list[int]:
+    """Batch sizes of the verification graphs: the decode capture sizes up to the largest
+    batch that speculates (``max_spec_batch``, None: ``max_num_seqs``) whose rows fit
+    :data:`MAX_VERIFY_GRAPH_TOKENS` (at least size 1)."""
+    limit = min(max_num_seqs, max_spec_batch or max_num_seqs, max(1, MAX_VERIFY_GRAPH_TOKENS // query_len))
+    return capture_sizes(limit)
+
+
 class DecodeCUDAGraphs:
     """Captured decode forwards of one model, one per capture size.
 
@@ -74,26 +94,36 @@ class DecodeCUDAGraphs:
         sizes: capture sizes (default: ``capture_sizes(max_num_seqs)``).
         label: what the graphs are, for the progress bar and log ("decode"; a
             speculative-decoding proposer's: "draft").
+        query_len: rows per sequence (module docstring): 1 for decode steps; more for
+            steps that verify drafts (no DBO then).
+        max_position: largest position the model embeds (padding rows are clamped to it).
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device, dbo: DBOPolicy | None = None,
-                 sizes: list[int] | None = None, label: str = "decode") -> None:
+                 sizes: list[int] | None = None, label: str = "decode", query_len: int = 1,
+                 max_position: int | None = None) -> None:
+        if query_len < 1 or (query_len > 1 and dbo is not None):
+            raise ValueError(f"query_len must be >= 1 (and 1 with dual-batch overlap), got {query_len}")
         self.model = model
         self.label = label
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes) if sizes else capture_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
-        n = self.max_size
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        n, q = self.max_size, query_len
+        self.query_len = q
+        self.max_position = max_position if max_position is not None else max_blocks_per_seq * block_size - 1
+        self.input_ids = torch.zeros(n * q, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n * q, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n * q,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=device)
         self.num_computed = torch.zeros(n, dtype=torch.int32, device=device)
         # Every ubatch's query_start_loc restarts at 0: one arange serves all.
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.max_blocks_per_seq = max_blocks_per_seq
+        self.query_start_loc = torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
+        # Padding rows of a sequence near the longest context sit past it: the extra
+        # columns map them to the null block.
+        self.max_blocks_per_seq = max_blocks_per_seq + -(-(q - 1) // block_size)
+        self.block_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=device)
         self.block_size = block_size
         self.dbo = dbo
         self.split_sizes = dbo.graph_split_candidates(self.sizes) if dbo is not None else set()
@@ -102,25 +132,28 @@ class DecodeCUDAGraphs:
         self.pool = None
         self.device = device
 
-    def _meta(self, start: int, end: int) -> AttentionMetadata:
+    def _meta(self, token_start: int, token_end: int) -> AttentionMetadata:
+        q = self.query_len
+        start, end = token_start // q, token_end // q
         size = end - start
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[start:end],
             num_computed_tokens=self.num_computed[start:end],
             block_tables=self.block_tables[start:end],
-            slot_mapping=self.slot_mapping[start:end],
-            max_query_len=1,
+            slot_mapping=self.slot_mapping[token_start:token_end],
+            max_query_len=q,
             # The longest possible context: eager warm-up then picks the kernel variants
             # (e.g. the decode split count) that the capture uses.
             max_seq_len=self.max_blocks_per_seq * self.block_size,
-            query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=[1] * size,
-            num_decode_reqs=size,
+            query_start_loc_cpu=list(range(0, (size + 1) * q, q)),
+            seq_lens_cpu=[q] * size,
+            num_decode_reqs=size if q == 1 else 0,
         )
 
     def _forward(self, size: int, split: bool) -> torch.Tensor:
-        return forward_step(self.model, self.kv_caches, self.input_ids, self.positions, size,
+        tokens = size * self.query_len
+        return forward_step(self.model, self.kv_caches, self.input_ids, self.positions, tokens,
                             ubatch_slices(size) if split else None, self._meta)
 
     def _capture(self, size: int, split: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -159,23 +192,56 @@ class DecodeCUDAGraphs:
                         {s: f"{a:.2f}/{b:.2f}" for s, (a, b) in sorted(self.dbo.graph_timings.items())})
 
     def run(self, n: int, input_ids: torch.Tensor, positions: np.ndarray, slot_mapping: np.ndarray,
-            seq_lens: np.ndarray, num_computed: np.ndarray, block_table: torch.Tensor, size: int) -> torch.Tensor:
+            seq_lens: np.ndarray, num_computed: np.ndarray, block_table: torch.Tensor, size: int,
+            query_start_loc: np.ndarray | None = None) -> torch.Tensor:
         """Replay the graph of capture size ``size`` (the step plan's: under data + expert
         parallelism the one for the largest batch of any rank, so that the ranks' exchanges
-        match) for ``n <= size`` decode sequences; returns hidden states ``[n, hidden]``.
+        match) for ``n <= size`` sequences; returns hidden states ``[num_tokens, hidden]``.
 
-        ``input_ids`` and ``block_table`` ``[n, width]`` int32 are device tensors (the ids
-        may hold the previous step's samples); the rest are host arrays, copied into the
-        persistent buffers without a host sync.
+        ``input_ids`` ``[num_tokens]`` and ``block_table`` ``[n, width]`` int32 are device
+        tensors (the ids may hold the previous step's samples); the rest are host arrays
+        (``positions`` / ``slot_mapping`` per token, ``seq_lens`` / ``num_computed`` per
+        sequence), copied into the persistent buffers without a host sync. With
+        ``query_len > 1``, ``query_start_loc`` ``[n + 1]`` gives each sequence's tokens
+        (at most ``query_len`` each; None: one each).
         """
         h2d = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(h2d(positions))
-        self.slot_mapping[:n].copy_(h2d(slot_mapping))
+        q = self.query_len
+        rows = None
+        if q > 1:
+            qsl = np.arange(n + 1, dtype=np.int64) if query_start_loc is None else query_start_loc
+            rows, positions, slot_mapping = self._padded_rows(qsl, num_computed, slot_mapping)
+            seq_lens = num_computed + q
+        if rows is None:
+            self.input_ids[: len(input_ids)].copy_(input_ids)
+        else:
+            self.input_ids[: n * q].index_copy_(0, h2d(rows), input_ids)
+        self.positions[: len(positions)].copy_(h2d(positions))
+        self.slot_mapping[: len(slot_mapping)].copy_(h2d(slot_mapping))
         self.seq_lens[:n].copy_(h2d(seq_lens.astype(np.int32)))
         self.num_computed[:n].copy_(h2d(num_computed.astype(np.int32)))
-        self.block_tables[:n, : block_table.shape[1]].copy_(block_table)
-        return self._replay(n, size)
+        width = block_table.shape[1]
+        self.block_tables[:n, :width].copy_(block_table)
+        if q > 1:
+            self.block_tables[:n, width:].fill_(0)
+        out = self._replay(n, size)
+        return out if rows is None else out.index_select(0, h2d(rows))
+
+    def _padded_rows(self, qsl: np.ndarray, num_computed: np.ndarray, slot_mapping: np.ndarray
+                     ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """For ``query_len > 1``: each token's row in the padded layout (None when every
+        sequence fills its rows), and every row's position and cache slot (-1 on padding)."""
+        q, n = self.query_len, len(qsl) - 1
+        q_lens = np.diff(qsl)
+        if q_lens.max(initial=0) > q:
+            raise ValueError(f"a sequence has {int(q_lens.max())} tokens; these graphs hold {q} per sequence")
+        positions = np.minimum(np.repeat(num_computed.astype(np.int64), q) + np.tile(np.arange(q), n), self.max_position)
+        if (q_lens == q).all():
+            return None, positions, slot_mapping
+        rows = np.repeat(np.arange(n) * q - qsl[:-1], q_lens) + np.arange(int(qsl[-1]))
+        slots = np.full(n * q, -1, dtype=np.int64)
+        slots[rows] = slot_mapping
+        return rows, positions, slots
 
     def size_for(self, n: int) -> int | None:
         """The smallest capture size holding ``n`` rows; None above the largest."""
@@ -187,9 +253,12 @@ class DecodeCUDAGraphs:
         self._replay(0, size)
 
     def _replay(self, n: int, size: int) -> torch.Tensor:
+        q = self.query_len
         if size > n:
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
+            self.slot_mapping[n * q: size * q].fill_(-1)
+            self.seq_lens[n:size].fill_(q)
+            if q > 1:  # the causal kernel reads a row's keys up to its context: none
+                self.num_computed[n:size].fill_(0)
             self.block_tables[n:size, 0].fill_(0)
         self.graphs[size].replay()
-        return self.outputs[size][:n]
+        return self.outputs[size][: n * q]

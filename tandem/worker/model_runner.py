@@ -65,7 +65,9 @@ import torch
 import torch.distributed as dist
 
 from tandem import envs
+from tandem.config.speculative import SpeculativeConfig
 from tandem.core.sched_output import ScheduledSequence, SchedulerOutput
+from tandem.distributed import parallel_state as ps
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
 from tandem.distributed.pipeline import IntermediateTensors
 from tandem.outputs import ModelRunnerOutput
@@ -74,7 +76,7 @@ from tandem.spec_decode.draft_model import DraftModelProposer, DraftStep
 from tandem.spec_decode.rejection_sampler import rejection_sample
 from tandem.step_timing import StepSpan, WallClockEvent
 from tandem.structured_output.bitmask import GrammarBitmask, apply_token_bitmask
-from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms
+from tandem.worker.cuda_graph import DecodeCUDAGraphs, cuda_median_ms, verify_capture_sizes
 from tandem.worker.input_batch import InputBatch
 from tandem.worker.pipeline_stage import PipelineStage
 from tandem.worker.sampler import SamplerOutput, SamplingBatch, repeat_rows, sample, target_distribution
@@ -186,12 +188,17 @@ class ModelRunner:
             runner shuts it down); None: steps run inline.
         stage: this rank's pipeline stage (:class:`~tandem.worker.pipeline_stage.PipelineStage`);
             None without pipeline parallelism.
+        speculative_config: speculative decoding's settings (None: off); with CUDA graphs
+            the steps that verify drafts replay graphs of ``1 + K`` rows per sequence up to
+            the batch that speculates (:func:`~tandem.worker.cuda_graph.verify_capture_sizes`),
+            and a draft model's catch-up over them graphs of ``K + 2``.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, vocab_size: int,
                  max_num_seqs: int, device: torch.device, max_model_len: int = 2048, enforce_eager: bool = True,
                  dbo: DBOPolicy | None = None, drafter: DraftModelProposer | None = None,
-                 step_thread: ThreadPoolExecutor | None = None, stage: PipelineStage | None = None) -> None:
+                 step_thread: ThreadPoolExecutor | None = None, stage: PipelineStage | None = None,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.model = model
         self.stage = stage
         self.drafter = drafter
@@ -216,15 +223,28 @@ class ModelRunner:
         self._copy_stream = torch.cuda.Stream(device) if self._is_cuda else None
         self._executor = step_thread
         self.cuda_graphs: DecodeCUDAGraphs | None = None
+        self.verify_graphs: DecodeCUDAGraphs | None = None
         if self._is_cuda and not enforce_eager:
             self.cuda_graphs = DecodeCUDAGraphs(model, kv_caches, max_num_seqs, max_blocks, block_size, device,
                                                 dbo=self.dbo)
             self.cuda_graphs.capture()
+            verify_sizes = None
+            # Expert parallelism agrees on every step over the DP group: verification stays eager there.
+            if speculative_config is not None and stage is None and ps.get_ep_size() == 1:
+                q = 1 + speculative_config.num_speculative_tokens
+                verify_sizes = verify_capture_sizes(max_num_seqs, speculative_config.disable_by_batch_size, q)
+                self.verify_graphs = DecodeCUDAGraphs(model, kv_caches, verify_sizes[-1], max_blocks, block_size,
+                                                      device, sizes=verify_sizes, label="verification", query_len=q,
+                                                      max_position=max_model_len - 1)
+                self.verify_graphs.pool = self.cuda_graphs.pool  # never replayed together
+                self.verify_graphs.capture()
             if drafter is not None:
-                drafter.capture_cuda_graphs(max_num_seqs, max_blocks)
-        graphs = self.cuda_graphs
+                drafter.capture_cuda_graphs(max_num_seqs, max_blocks, catch_up_sizes=verify_sizes)
+        graphs, verify = self.cuda_graphs, self.verify_graphs
         self.planner = StepPlanner(self.dbo, graphs.sizes if graphs else None, graphs.split_sizes if graphs else set(),
-                                   min_prompt_tokens=CPU_MIN_PROMPT_TOKENS if device.type == "cpu" else 0)
+                                   min_prompt_tokens=CPU_MIN_PROMPT_TOKENS if device.type == "cpu" else 0,
+                                   verify_sizes=verify.sizes if verify else None,
+                                   verify_query_len=verify.query_len if verify else 0)
         # Layers whose kernel follows the phase of a token (forward_context.RowPhases).
         models = [model] if drafter is None else [model, drafter.model]
         self._phase_layers = any(getattr(m, "uses_row_phases", False) for net in models for m in net.modules())
@@ -339,7 +359,9 @@ class ModelRunner:
         decode_only = inputs is not None and inputs.num_decode_reqs() == inputs.num_reqs
         generated = inputs.generated_mask() if inputs is not None else None
         with_prompt = generated is not None and not generated.all()
-        plan = self.planner.plan(inputs.num_tokens if inputs is not None else 0, decode_only, with_prompt)
+        plan = self.planner.plan(inputs.num_tokens if inputs is not None else 0, decode_only, with_prompt,
+                                 inputs.num_reqs if inputs is not None else 0,
+                                 int(np.diff(inputs.query_start_loc).max()) if inputs is not None else 1)
         if plan.split:
             self.num_dbo_steps += 1
         if plan.mode is StepMode.IDLE:
@@ -464,8 +486,10 @@ class ModelRunner:
         stage before the last, the residual stream of the ``plan.padded_tokens`` tokens."""
         n = inputs.num_tokens
         if plan.mode is StepMode.GRAPH:
-            return self.cuda_graphs.run(inputs.num_reqs, input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
-                                        inputs.num_computed, inputs.block_table, plan.padded_tokens)
+            graphs = self.cuda_graphs if plan.query_len == 1 else self.verify_graphs
+            return graphs.run(inputs.num_reqs, input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
+                              inputs.num_computed, inputs.block_table, plan.padded_tokens // plan.query_len,
+                              inputs.query_start_loc)
         padded = plan.padded_tokens
         full = pad_step_inputs(inputs, padded, self.block_size)
         if padded > n:

@@ -12,7 +12,9 @@ Every decision about the shape of a step's forward lives here (after vLLM's
   (:meth:`DBOPolicy.keep_split`), and once for steps with prefill tokens
   (:meth:`DBOPolicy.set_prefill_split`);
 * **graph vs eager**: a decode-only step of at most the largest capture size replays a CUDA
-  graph (an idle data-parallel rank can replay any size);
+  graph (an idle data-parallel rank can replay any size); with speculative decoding, a step
+  without prompt tokens whose sequences hold at most ``1 + K`` tokens each (one verifying
+  drafts) replays a verification graph when this rank plans alone;
 * **padding**: a graph replays its capture size; under data parallelism every rank pads its
   eager forward to the largest token count of any rank; on the CPU a forward that holds
   prompt tokens runs at least :data:`CPU_MIN_PROMPT_TOKENS` rows;
@@ -82,13 +84,16 @@ class StepPlan:
 
     ``num_tokens``: this rank's real tokens; ``padded_tokens``: tokens of the forward (the
     graph's capture size, or the DP group's largest count; >= ``num_tokens``);
-    ``ubatches``: the two ubatch slices of a DBO step, else None.
+    ``ubatches``: the two ubatch slices of a DBO step, else None; ``query_len``: rows per
+    sequence of the graph (1: a decode graph; ``1 + K``: a verification graph, whose capture
+    size is ``padded_tokens // query_len``).
     """
 
     mode: StepMode
     num_tokens: int
     padded_tokens: int
     ubatches: tuple[UBatchSlice, UBatchSlice] | None = None
+    query_len: int = 1
 
     @property
     def split(self) -> bool:
@@ -180,6 +185,8 @@ class StepPlanner:
             parallelism); None: this rank plans alone.
         min_prompt_tokens: fewest rows of an eager forward holding prompt tokens
             (:data:`CPU_MIN_PROMPT_TOKENS` on the CPU; 0: no minimum).
+        verify_sizes: verification CUDA-graph capture sizes (sequences), ascending; None: none.
+        verify_query_len: rows per sequence of those graphs (``1 + K``).
     """
 
     dbo: DBOPolicy | None = None
@@ -187,16 +194,22 @@ class StepPlanner:
     graph_split_sizes: set[int] = field(default_factory=set)
     dp_group: dist.ProcessGroup | None = None
     min_prompt_tokens: int = 0
+    verify_sizes: list[int] | None = None
+    verify_query_len: int = 0
 
     def graph_size(self, num_tokens: int) -> int | None:
         """The smallest capture size holding ``num_tokens`` rows; None if none does."""
         return smallest_capture_size(self.graph_sizes, num_tokens)
 
-    def plan(self, num_tokens: int, decode_only: bool, with_prompt: bool = False) -> StepPlan:
-        """The plan of a step of ``num_tokens`` tokens on this rank (0: an idle DP rank;
-        ``decode_only``: every sequence adds one token; ``with_prompt``: some token is a
-        prompt token). Every DP rank must call this once per step when a ``dp_group`` is
-        set."""
+    def plan(self, num_tokens: int, decode_only: bool, with_prompt: bool = False, num_reqs: int = 0,
+             max_query_len: int = 1) -> StepPlan:
+        """The plan of a step of ``num_tokens`` tokens of ``num_reqs`` sequences on this rank
+        (0: an idle DP rank; ``decode_only``: every sequence adds one token; ``with_prompt``:
+        some token is a prompt token; ``max_query_len``: most tokens of one sequence). Every
+        DP rank must call this once per step when a ``dp_group`` is set."""
+        verify = self._verify_size(num_reqs, max_query_len, decode_only, with_prompt)
+        if verify is not None:
+            return StepPlan(StepMode.GRAPH, num_tokens, verify * self.verify_query_len, query_len=self.verify_query_len)
         graph_ok = self.graph_sizes is not None and (num_tokens == 0 or (decode_only and num_tokens <= self.graph_sizes[-1]))
         rows = max(num_tokens, self.min_prompt_tokens) if with_prompt else num_tokens
         max_tokens, split, graph = agree_across_dp(self.dp_group, rows, self._wants_split(num_tokens, decode_only, graph_ok),
@@ -209,6 +222,14 @@ class StepPlanner:
                             ubatch_slices(size) if size in self.graph_split_sizes else None)
         padded = max_tokens if self.dp_group is not None else rows
         return StepPlan(StepMode.EAGER, num_tokens, padded, ubatch_slices(padded) if split else None)
+
+    def _verify_size(self, num_reqs: int, max_query_len: int, decode_only: bool, with_prompt: bool) -> int | None:
+        """The verification graph's capture size for this step, or None (a decode step, a
+        prompt, a longer query, a larger batch, or ranks that must agree on the step)."""
+        if (self.verify_sizes is None or decode_only or with_prompt or self.dp_group is not None
+                or not 1 < max_query_len <= self.verify_query_len):
+            return None
+        return smallest_capture_size(self.verify_sizes, num_reqs)
 
     def _wants_split(self, num_tokens: int, decode_only: bool, graph_ok: bool) -> bool:
         if self.dbo is None:

@@ -363,7 +363,7 @@ class Worker:
         runner = ModelRunner(self.model, kv_caches, cfg.cache_config.block_size, self.vocab_size,
                              sched_cfg.max_num_seqs, self.device, max_model_len=model_cfg.max_model_len,
                              enforce_eager=model_cfg.enforce_eager, dbo=dbo, drafter=drafter,
-                             step_thread=self.step_thread,
+                             step_thread=self.step_thread, speculative_config=cfg.speculative_config,
                              stage=PipelineStage(self.hf_config.hidden_size, self.dtype, self.device)
                              if ps.get_pp_size() > 1 else None)
         if ps.get_ep_size() > 1:
