@@ -121,3 +121,21 @@ def _count_runs(graphs) -> list[int]:
 
     graphs.run = run
     return sizes
+
+
+def test_ngram_verification_replays_graphs(tiny, embedded_model_path):  # noqa: F811
+    """n-gram drafts (host-side, up to K per sequence, often fewer) verified under CUDA
+    graphs: greedy output equals no speculation and the verification graphs replay."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [[300, 301, 302, 303] * 6, [7, 8, 9] * 5 + [7, 8]]
+    plain = _tiny_llm(tiny[0], embedded_model_path, None, enforce_eager=False, num_kv_blocks=256)
+    want = _ids(plain, prompts, params)
+    plain.engine.shutdown()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "disable_by_batch_size": None}
+    llm = _tiny_llm(tiny[0], embedded_model_path, None, enforce_eager=False, num_kv_blocks=256, speculative_config=spec)
+    verify = _count_runs(llm.engine.core.runner.verify_graphs)
+    assert _ids(llm, prompts, params) == want
+    st = llm.engine.core.debug_stats()
+    llm.engine.shutdown()
+    assert st["spec_decode_num_drafts"] > 0 and verify, (st, verify)
