@@ -8,11 +8,15 @@ decoder_layer.cpp``): its linear layers
 :class:`~tandem.layers.quantization.gguf.GGUFInt4Linear` (or plain dense ones: a GGUF type
 the int4 planes do not cover), the model built in fused-ops mode ``cpu`` (the C++ norms, RoPE,
 SiLU-and-mul and decode attention), no per-head q/k norm, not deterministic.
-:class:`CpuDecode` then runs a step's layers when every row of the step is a generated token of
-its own request (a plain decode step: no prompt rows, which the int4 layers run dense, no
-multi-token queries); other steps, and models it does not cover, run the Python forward. The
-op calls the same kernels in the same order as that forward, so a step's hidden states and
-cache are the same bits either way (tests/models/test_cpu_decode.py).
+:class:`CpuDecode` then runs a step's layers when every row of the step is a generated token (no
+prompt rows, which the int4 layers run dense): a plain decode step, one token per request, for
+which the op calls the same kernels in the same order as the Python forward, so that a step's
+hidden states and cache are the same bits either way; and a step of several generated tokens
+per request (speculative decoding's verification of ``1 + K`` tokens, a draft model's catch-up),
+whose tokens the op's decode attention reads one by one, each over its own context (the
+request's block table, its position + 1 keys, the step's K/V written first), so that a token
+gets the attention a plain decode step would give it (tests/models/test_cpu_decode.py). Other
+steps, and models it does not cover, run the Python forward.
 """
 
 from __future__ import annotations
@@ -50,16 +54,17 @@ class CpuDecode:
                         for layer in layers]
 
     def applies(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
-        """Whether this step is a plain decode step the op covers: one generated token per
-        request (the forward context's row phases say no row is a prompt's), hidden states and
-        caches of the model's dtype."""
+        """Whether the op covers this step: hidden states and caches of the model's dtype, and
+        either one token per request that is not a prompt's (the forward context's row phases,
+        when known) or several per request, every one known to be generated."""
         t = hidden.shape[0]
-        if not (meta.num_decode_reqs == meta.num_reqs == t) or hidden.dtype != self.dtype \
-                or kv_caches[0].dtype != self.dtype:
+        if hidden.dtype != self.dtype or kv_caches[0].dtype != self.dtype or meta.num_reqs == 0:
             return False
         ctx = get_forward_context()
         phases = None if ctx is None else ctx.row_phases
-        return phases is None or phases.num_generated == phases.num_rows
+        if meta.num_decode_reqs == meta.num_reqs == t:
+            return phases is None or phases.num_generated == phases.num_rows
+        return phases is not None and phases.num_generated == phases.num_rows == t
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +72,23 @@ class CpuDecode:
         (``hidden [T, H]``, ``residual`` None before the first layer)."""
         op = torch.ops.tandem_cpu.decoder_layer_decode
         cos, sin = self.rotary.cos, self.rotary.sin
+        tables, seq_lens = _per_token_contexts(positions, meta)
         for weights, cache in zip(self.weights, kv_caches):
-            hidden, residual = op(hidden, residual, positions, meta.slot_mapping, cache, meta.block_tables,
-                                  meta.seq_lens, cos, sin, weights, self.num_heads, self.num_kv_heads, GROUP_SIZE,
-                                  self.eps, self.scale)
+            hidden, residual = op(hidden, residual, positions, meta.slot_mapping, cache, tables, seq_lens, cos, sin,
+                                  weights, self.num_heads, self.num_kv_heads, GROUP_SIZE, self.eps, self.scale)
         return hidden, residual
+
+
+def _per_token_contexts(positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's block table ``[T, width]`` int32 and context length ``[T]`` int32 (its
+    position + 1), as the op's decode attention reads them; a plain decode step's are the
+    step's own."""
+    t = positions.shape[0]
+    if meta.num_reqs == t:
+        return meta.block_tables, meta.seq_lens
+    q_lens = torch.tensor(meta.query_start_loc_cpu).diff()
+    rows = torch.repeat_interleave(torch.arange(meta.num_reqs), q_lens)
+    return meta.block_tables.index_select(0, rows), (positions + 1).to(torch.int32)
 
 
 def _linears(layer: DecoderLayer) -> list[torch.nn.Module]:

@@ -1,8 +1,9 @@
 """The CPU decode fast path (tandem.models.cpu_decode): on the embedded SmolLM2 GGUF (int4
 layers), its decode steps give the Python forward's hidden states and KV cache bit for bit,
-it stands aside for steps it does not cover (prompt rows, multi-token queries), the loader
-attaches it only to models it covers, and inside the engine it runs and changes no token
-or logprob."""
+a step of several generated tokens per request (speculative verification) gives the bits of
+those tokens decoded one by one, it stands aside for steps it does not cover (prompt rows,
+multi-token queries of unknown phase), the loader attaches it only to models it covers, and
+inside the engine it runs and changes no token or logprob."""
 
 from __future__ import annotations
 
@@ -96,6 +97,43 @@ def test_decode_steps_give_the_python_forwards_bits(which, request, monkeypatch)
     assert len(runs) == 6
 
 
+@pytest.mark.parametrize("which", ["int4", "int4-and-dense"])
+def test_verification_steps_give_the_bits_of_decoding_their_tokens_one_by_one(which, request):
+    """Three requests each verifying 1 + K = 5 generated tokens in one step: the op's hidden
+    states and cache are those of five plain decode steps of the same tokens, and within bf16
+    rounding of the Python forward's (which attends with SDPA, so not its bits)."""
+    model = request.getfixturevalue("model" if which == "int4" else "mixed_model")
+    fast, q = model.cpu_decode, 5
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 49152, (n,), generator=g) for n in (13, 8, 21)]
+    tables = [[7, 3, 30], [12, 5, 1], [20, 9, 33]]
+    kv = _caches(model)
+    with torch.no_grad():
+        model(torch.cat(prompts), torch.cat([torch.arange(len(p)) for p in prompts]), kv,
+              step_metadata([len(p) for p in prompts], [0, 0, 0], tables, BLOCK))
+        computed = [len(p) for p in prompts]
+        ids = torch.randint(0, 49152, (3, q), generator=g)
+        meta = step_metadata([q] * 3, computed, tables, BLOCK)
+        pos = torch.cat([torch.arange(c, c + q) for c in computed])
+        kv_step, kv_python, kv_one_by_one = kv, [c.clone() for c in kv], [c.clone() for c in kv]
+        phases = RowPhases.from_mask(np.ones(3 * q, dtype=bool), torch.device("cpu"))
+        with forward_context(ForwardContext(3 * q, row_phases=phases)):
+            assert fast.applies(torch.zeros(3 * q, 576, dtype=torch.bfloat16), kv, meta)
+            got = model(ids.flatten(), pos, kv_step, meta)
+            model.cpu_decode = None
+            try:
+                python = model(ids.flatten(), pos, kv_python, meta)
+            finally:
+                model.cpu_decode = fast
+        one_by_one = torch.stack([model(ids[:, i], torch.tensor(computed) + i, kv_one_by_one,
+                                        step_metadata([1, 1, 1], [c + i for c in computed], tables, BLOCK))
+                                  for i in range(q)], dim=1).flatten(0, 1)
+        assert torch.equal(got, one_by_one)
+        assert all(torch.equal(a, b) for a, b in zip(kv_step, kv_one_by_one))
+        rel = ((got.float() - python.float()).norm() / python.float().norm()).item()
+        assert rel < 0.04, rel  # bf16 rounding of 30 layers' attention done two ways
+
+
 def test_it_stands_aside_for_steps_it_does_not_cover(model):
     fast = model.cpu_decode
     kv = _caches(model)
@@ -106,9 +144,13 @@ def test_it_stands_aside_for_steps_it_does_not_cover(model):
     phases = RowPhases.from_mask(np.array([True, False]), torch.device("cpu"))
     with forward_context(ForwardContext(2, row_phases=phases)):
         assert not fast.applies(hidden, kv, decodes)
-    # A multi-token query (a prefill chunk, a speculative verification).
-    mixed = step_metadata([1, 3], [4, 9], [[1], [2]], BLOCK)
-    assert not fast.applies(torch.zeros(4, 576, dtype=torch.bfloat16), kv, mixed)
+    # Multi-token queries: a prefill chunk (or rows of unknown phase) no, generated tokens yes.
+    mixed, four = step_metadata([1, 3], [4, 9], [[1], [2]], BLOCK), torch.zeros(4, 576, dtype=torch.bfloat16)
+    assert not fast.applies(four, kv, mixed)
+    for generated, covered in (([True] * 4, True), ([True, True, True, False], False)):
+        phases = RowPhases.from_mask(np.array(generated), torch.device("cpu"))
+        with forward_context(ForwardContext(4, row_phases=phases)):
+            assert fast.applies(four, kv, mixed) == covered
     # Another dtype (an FP8 cache, a float32 forward).
     assert not fast.applies(hidden, [c.to(torch.float32) for c in kv], decodes)
     assert not fast.applies(hidden.float(), kv, decodes)
