@@ -15,7 +15,12 @@ Per step, once the target has sampled (:meth:`DraftModelProposer.propose`, drive
    chunk, a decode's input token, a verified sequence's last token and accepted drafts; its
    rejected drafts are left out) followed, for each sequence that sampled, by the token it
    emitted; the logits of that last token give its first draft. So the draft cache always
-   holds the K/V of confirmed tokens, as the target's does;
+   holds the K/V of confirmed tokens, as the target's does. The confirmed tokens whose K/V
+   the previous proposal already wrote (the token it drafted after and the accepted drafts
+   but the last: each was fed to the draft model at its position, over the same context) are
+   left out, so that after a verified step the catch-up is one or two rows per sequence (the
+   last draft when all were accepted, and the emitted token); a proposal's record is dropped
+   when its sequence finishes or is preempted (:meth:`DraftModelProposer.forget`);
 2. ``K - 1`` one-token forwards, each feeding its greedy (argmax) draft to the next. On
    CUDA (unless ``enforce_eager``) these replay CUDA graphs captured per batch size, as the
    target's decode steps do (:meth:`DraftModelProposer.capture_cuda_graphs`), and so does the
@@ -91,6 +96,8 @@ class DraftStep:
     # its next known token (its prompt continues; -1 for those that emitted) [S] int64.
     target_hidden: torch.Tensor | None = None
     next_token_ids: np.ndarray | None = None
+    # The sequences' ids [S] (a draft model leaves out the K/V its last proposal wrote).
+    seq_ids: list[int] | None = None
 
 
 class DraftModelProposer:
@@ -122,6 +129,15 @@ class DraftModelProposer:
         self.device = device
         self.cuda_graphs: DecodeCUDAGraphs | None = None
         self.catch_up_graphs: DecodeCUDAGraphs | None = None
+        # Per sequence, what its last proposal wrote: the position of the token it drafted
+        # after, and the cache slots of that token and the next K - 1 ([K] int64, -1: not written).
+        self._written: dict[int, tuple[int, np.ndarray]] = {}
+
+    def forget(self, seq_ids) -> None:
+        """Drop the proposals' records of finished or preempted sequences (their blocks are
+        freed: what the records say was written is gone)."""
+        for sid in seq_ids:
+            self._written.pop(sid, None)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int,
                             catch_up_sizes: list[int] | None = None) -> None:
@@ -160,28 +176,64 @@ class DraftModelProposer:
         emit_seqs = d.sampled if d.propose else np.zeros(0, dtype=np.int64)
         emits = np.zeros(num_seqs, dtype=np.int64)
         emits[emit_seqs] = 1
-        q_lens = keep + emits
+        skip = self._already_written(d, emit_seqs)
+        todo = keep - skip
+        q_lens = todo + emits
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         total = int(qsl[-1])
-        positions = np.arange(total, dtype=np.int64) + np.repeat(step.num_computed - qsl[:-1], q_lens)
-        offsets = np.arange(int(keep.sum())) - np.repeat(np.cumsum(keep) - keep, keep)
-        emit_at = qsl[emit_seqs] + keep[emit_seqs]
+        computed = step.num_computed + skip
+        positions = np.arange(total, dtype=np.int64) + np.repeat(computed - qsl[:-1], q_lens)
+        offsets = np.arange(int(todo.sum())) - np.repeat(np.cumsum(todo) - todo, todo)
+        emit_at = qsl[emit_seqs] + todo[emit_seqs]
         ids = torch.empty(total, dtype=torch.long, device=self.device)
-        ids[self._h2d(np.repeat(qsl[:-1], keep) + offsets)] = d.input_ids[self._h2d(
-            np.repeat(step.query_start_loc[:-1], keep) + offsets)]
+        ids[self._h2d(np.repeat(qsl[:-1], todo) + offsets)] = d.input_ids[self._h2d(
+            np.repeat(step.query_start_loc[:-1] + skip, todo) + offsets)]
         if len(emit_seqs):
             ids[self._h2d(emit_at)] = d.emitted
         row_of_token = np.repeat(np.arange(num_seqs), q_lens)
         catch_up = StepInputs(np.zeros(total, dtype=np.int64), positions,
-                              self._slots(d.block_table_np[row_of_token], positions), qsl, step.num_computed,
-                              step.num_computed + q_lens, d.block_table, [], [], step.prompt_lens)
+                              self._slots(d.block_table_np[row_of_token], positions), qsl, computed,
+                              computed + q_lens, d.block_table, [], [], step.prompt_lens)
         hidden = self._catch_up(catch_up, ids)
+        self._record(d, emit_seqs, positions[emit_at])
         if not len(emit_seqs):
             return None
         first = self.model.compute_logits(hidden[self._h2d(emit_at)]).argmax(dim=-1)
         return self._decode(first, None, positions[emit_at] + 1, d.block_table_np[emit_seqs],
                             d.block_table[self._h2d(emit_seqs)])
+
+    def _already_written(self, d: DraftStep, emit_seqs: np.ndarray) -> np.ndarray:
+        """``[S]``: each sequence's leading confirmed step tokens whose K/V its last proposal
+        wrote into the slots they still map to (0 for a sequence that does not emit: its
+        catch-up keeps a row)."""
+        skip = np.zeros(len(d.keep), dtype=np.int64)
+        if d.seq_ids is None or not self._written:
+            return skip
+        k = self.num_speculative_tokens
+        for i in emit_seqs:
+            record = self._written.get(d.seq_ids[i])
+            if record is None or record[0] != d.inputs.num_computed[i]:
+                continue
+            pos, slots = record
+            now = self._slots(np.repeat(d.block_table_np[i:i + 1], k, axis=0), pos + np.arange(k))
+            same = (slots >= 0) & (slots == now)
+            skip[i] = min(int(d.keep[i]), k if same.all() else int(np.argmin(same)))
+        return skip
+
+    def _record(self, d: DraftStep, emit_seqs: np.ndarray, emit_positions: np.ndarray) -> None:
+        """Note, per emitting sequence, the slots its proposal writes: the emitted token's
+        (in the catch-up) and the next ``K - 1`` drafts' (in :meth:`_decode`)."""
+        if d.seq_ids is None:
+            return
+        for i in range(len(d.keep)):
+            self._written.pop(d.seq_ids[i], None)
+        k = self.num_speculative_tokens
+        pos = emit_positions[:, None] + np.arange(k)[None, :]
+        tables = np.repeat(d.block_table_np[emit_seqs], k, axis=0)
+        slots = self._slots(tables, pos.reshape(-1)).reshape(-1, k)
+        for j, i in enumerate(emit_seqs):
+            self._written[d.seq_ids[i]] = (int(emit_positions[j]), slots[j])
 
     def _decode(self, first: torch.Tensor, hidden: torch.Tensor | None, positions: np.ndarray,
                 block_table_np: np.ndarray, block_table: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,7 @@ class _DraftInputs:
     rows: np.ndarray  # [S] int64: the step's sequences' input-batch rows
     known: np.ndarray  # [S] int64: each sequence's step tokens before its drafts
     propose: bool  # drafts wanted (SchedulerOutput.propose_drafts); else the cache only
+    seq_ids: list[int]  # [S] the step's sequences
     # EAGLE (DraftStep): the target's hidden states [num_tokens, H'], and each
     # sequence's next known token where its step does not reach its last one (else -1).
     target_hidden: torch.Tensor | None = None
@@ -397,11 +398,12 @@ class ModelRunner:
                       rows: np.ndarray, propose: bool, target_hidden: torch.Tensor) -> _DraftInputs:
         known = np.array([s.num_new_tokens - s.num_drafts for s in seqs], dtype=np.int64)
         if not self.drafter.uses_target_hidden:
-            return _DraftInputs(inputs, input_ids, rows, known, propose)
+            return _DraftInputs(inputs, input_ids, rows, known, propose, [s.seq_id for s in seqs])
         states = self.input_batch.states
         nxt = [states[s.seq_id].known_token(s.num_computed_tokens + s.num_new_tokens) if not s.sample else -1
                for s in seqs]
-        return _DraftInputs(inputs, input_ids, rows, known, propose, target_hidden, np.array(nxt, dtype=np.int64))
+        return _DraftInputs(inputs, input_ids, rows, known, propose, [s.seq_id for s in seqs], target_hidden,
+                            np.array(nxt, dtype=np.int64))
 
     # ----------------------------------------------------------------- 1. states
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -410,6 +412,9 @@ class ModelRunner:
             ib.remove_request(sid)
         for sid in so.preempted_seq_ids:
             ib.remove_request(sid)
+        if self.drafter is not None:
+            self.drafter.forget(so.finished_seq_ids)
+            self.drafter.forget(so.preempted_seq_ids)
         for seq in so.scheduled:
             if seq.new_request is not None:
                 ib.add_request(seq.new_request)
@@ -723,7 +728,7 @@ class ModelRunner:
         return self.drafter.propose(DraftStep(inputs, draft.input_ids, keep,
                                               np.array(sampling.index + spec_index, dtype=np.int64), last,
                                               draft.propose, ib.block_table_np[draft.rows], table,
-                                              draft.target_hidden, draft.next_token_ids))
+                                              draft.target_hidden, draft.next_token_ids, draft.seq_ids))
 
     def _apply_bitmask(self, logits: torch.Tensor, first_row: dict[int, int], grammar: GrammarBitmask) -> None:
         """Mask, in place, the tokens ``grammar`` forbids in the rows of its sequences that

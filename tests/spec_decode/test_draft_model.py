@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tandem.entrypoints.llm import LLM
@@ -110,6 +111,35 @@ def test_the_model_as_its_own_draft_gets_its_drafts_accepted(self_draft, referen
     # forward of one row than of five.
     assert drafted > 0 and accepted >= 0.95 * drafted, (accepted, drafted)
     assert_all_blocks_free(self_draft.engine)
+
+
+def test_the_catch_up_after_a_verified_step_leaves_out_what_the_proposal_wrote(self_draft, reference):
+    """After a verified step the draft model computes only the K/V its proposal did not write
+    (the last draft when all were accepted, and the emitted token): one or two rows per
+    sequence, with its drafts still accepted; a finished request's record goes."""
+    drafter = self_draft.engine.core.runner.drafter
+    rows, inner = [], drafter._catch_up
+
+    def catch_up(inputs, ids):
+        rows.append(np.diff(inputs.query_start_loc).tolist())
+        return inner(inputs, ids)
+
+    drafter._catch_up = catch_up
+    try:
+        before = _stats(self_draft)
+        outs = self_draft.generate(list(reference)[:2], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    finally:
+        del drafter._catch_up
+    assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in list(reference.values())[:2]]
+    after = _stats(self_draft)
+    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and accepted >= 0.95 * drafted, (accepted, drafted)
+    later = [r for r in rows if max(r) <= 2]
+    assert len(later) >= 5 and len(later) >= len(rows) - 2, rows  # all but the prompts' catch-ups
+    finished = set(drafter._written)  # told to the runner with the next step
+    self_draft.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert not finished & set(drafter._written)
 
 
 def test_stop_token_and_max_tokens_inside_an_accepted_run(self_draft, reference):
