@@ -59,13 +59,16 @@ class StepSpan:
     runner's ``step_events``): ``start`` / ``end`` are ``torch.cuda.Event``s on the GPU's
     stream or :class:`WallClockEvent`s of the CPU step thread (``end`` is recorded once the
     step has sampled); ``num_reqs`` its sequences, ``decode_only`` whether each had one new
-    token, ``context_tokens`` the tokens its attention reads (sum of sequence lengths)."""
+    token, ``context_tokens`` the tokens its attention reads (sum of sequence lengths),
+    ``verifies_drafts`` whether it verifies speculative drafts and holds no prompt tokens
+    (every sequence's tokens are its last emitted one and drafts)."""
 
     start: Any
     num_reqs: int
     decode_only: bool
     context_tokens: int
     end: Any = None
+    verifies_drafts: bool = False
 
     def elapsed_ms(self) -> float:
         """Milliseconds from ``start`` to ``end`` (events synchronized by the caller)."""

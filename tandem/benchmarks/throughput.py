@@ -45,6 +45,8 @@ class ThroughputResult:
     # step thread's) and count of decode-only steps and of steps with prefill tokens.
     decode_steps_s: float | None = None
     num_decode_steps: int | None = None
+    verify_steps_s: float | None = None  # steps verifying speculative drafts (no prompt tokens)
+    num_verify_steps: int | None = None
     prefill_steps_s: float | None = None
     num_prefill_steps: int | None = None
     # In-process engine cores: host time of the core loop per step (schedule + prepare
@@ -230,9 +232,12 @@ def _gpu_step_stats(spans: list[StepSpan], res: ThroughputResult) -> None:
     decode_time = sum(e.elapsed_ms() for e in spans[1:] if e.decode_only) + sum(decode_gaps)
     res.gpu_idle_fraction_decode = sum(decode_gaps) / decode_time if decode_time else None
     decodes = [e for e in spans if e.decode_only]
-    res.num_decode_steps, res.num_prefill_steps = len(decodes), len(spans) - len(decodes)
+    verifies = [e for e in spans if e.verifies_drafts]
+    prefills = [e for e in spans if not (e.decode_only or e.verifies_drafts)]
+    res.num_decode_steps, res.num_verify_steps, res.num_prefill_steps = len(decodes), len(verifies), len(prefills)
     res.decode_steps_s = sum(e.elapsed_ms() for e in decodes) * 1e-3
-    res.prefill_steps_s = sum(e.elapsed_ms() for e in spans if not e.decode_only) * 1e-3
+    res.verify_steps_s = sum(e.elapsed_ms() for e in verifies) * 1e-3
+    res.prefill_steps_s = sum(e.elapsed_ms() for e in prefills) * 1e-3
     if decodes:
         res.max_decode_batch = max(e.num_reqs for e in decodes)
         at_max = [e for e in decodes if e.num_reqs == res.max_decode_batch]
@@ -262,6 +267,12 @@ def main(args: argparse.Namespace) -> None:
               f"{res.host_grammar_ms_median:.3f} ms, bitmask (copy + apply, runner) {res.host_bitmask_ms_median:.3f} ms")
     if res.spec_decode_acceptance_rate is not None:
         print(_spec_decode_line(res))
+    elif (spec := llm.engine.config.speculative_config) is not None:
+        limit = spec.disable_by_batch_size
+        print("Speculative decoding: no drafts were verified in the timed run"
+              + ("" if limit is None else f" (drafts are proposed while at most {limit} request"
+                                          f"{'s are' if limit > 1 else ' is'} running: "
+                                          f"speculative_config.disable_by_batch_size)"))
     if res.jit_compiles_timed:
         names = sorted({r.split("(", 1)[0] for r in res.jit_compiles_timed})
         print(f"Triton kernel variants built inside the timed run (the warm-up missed them): "
@@ -278,8 +289,10 @@ def main(args: argparse.Namespace) -> None:
         if res.max_decode_batch is not None:
             line += f"; median decode step at batch {res.max_decode_batch}: {res.decode_step_ms_at_max_batch:.2f} ms"
         print(line)
+        verify = (f"{res.verify_steps_s:.2f} s in {res.num_verify_steps} steps verifying drafts, "
+                  if res.num_verify_steps else "")
         print(f"{device} time in steps: {res.decode_steps_s:.2f} s in {res.num_decode_steps} decode-only steps, "
-              f"{res.prefill_steps_s:.2f} s in {res.num_prefill_steps} steps with prefill tokens")
+              f"{verify}{res.prefill_steps_s:.2f} s in {res.num_prefill_steps} steps with prefill tokens")
     if args.output_json:
         with open(args.output_json, "w") as f:
             cfg = llm.engine.config

@@ -376,7 +376,9 @@ class ModelRunner:
         timing = None
         if self.step_events is not None:
             ev_start = wall_start or self._timing_event()
-            timing = StepSpan(ev_start, inputs.num_reqs, decode_only, int(inputs.seq_lens.sum()))
+            verifies = sampling.spec is not None and all(s.num_new_tokens - s.num_drafts <= 1 for s in seqs)
+            timing = StepSpan(ev_start, inputs.num_reqs, decode_only, int(inputs.seq_lens.sum()),
+                              verifies_drafts=verifies)
         input_ids = self._input_ids(inputs)
         if sampling.spec is not None:
             sampling.spec.draft_ids = input_ids[sampling.spec.draft_at]

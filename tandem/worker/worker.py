@@ -152,10 +152,14 @@ class Worker:
         ``quantization="none"``).
 
         Raises:
-            ValueError: its vocabulary or context is not the target's (:func:`check_draft_model`).
+            ValueError: its vocabulary or context is not the target's (:func:`check_draft_model`),
+                or ``path`` is not a model (naming ``speculative_config.model``).
         """
         model_cfg = self.config.model_config
-        draft_hf = load_hf_config(path)
+        try:
+            draft_hf = load_hf_config(path)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from e
         load_format = self.config.load_config.load_format
         # Random weights (tests) have no tokenizer of their own to compare.
         check_draft_model(self.hf_config, draft_hf, model_cfg.tokenizer or model_cfg.model, path,

@@ -31,6 +31,17 @@ def test_step_stats_split_decode_and_prefill_time():
     assert res.max_decode_batch == 6 and res.decode_step_ms_at_max_batch == 4
 
 
+def test_step_stats_count_steps_verifying_drafts_apart():
+    """Speculative decoding: steps that verify drafts (multi-token, no prompt tokens) are
+    neither decode-only steps nor steps with prefill tokens."""
+    steps = [(0, 10, 1, False, False), (10, 13, 1, False, True), (13, 16, 1, False, True), (16, 17, 1, True, False)]
+    events = [StepSpan(_Event(a), n, d, 20, _Event(b), verifies_drafts=v) for a, b, n, d, v in steps]
+    res = ThroughputResult(1, 1, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 0)
+    _gpu_step_stats(events, res)
+    assert (res.num_decode_steps, res.num_verify_steps, res.num_prefill_steps) == (1, 2, 1)
+    assert res.verify_steps_s == pytest.approx(6e-3) and res.prefill_steps_s == pytest.approx(10e-3)
+
+
 def test_step_stats_without_decode_steps():
     """``--output-len 1``: every step has prefill tokens; the decode statistics stay None."""
     events = [StepSpan(_Event(a), 4, False, 40, _Event(b)) for a, b in ((0, 10), (12, 20))]

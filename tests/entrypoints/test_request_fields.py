@@ -212,6 +212,9 @@ BAD = [
     ("prompt_logprobs", {"prompt_logprobs": 1, "stream": True}),
     ("prompt_logprobs", {"prompt_logprobs": 21}),
     ("no_such_field", {"no_such_field": 1}),
+    ("stream", {"stream": "yes"}),  # booleans are JSON booleans, as OpenAI's API takes them
+    ("ignore_eos", {"ignore_eos": 1}),
+    ("skip_special_tokens", {"skip_special_tokens": "false"}),
     ("stream_options", {"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}),
     ("guided_json", {"guided_json": {"type": "nonsense"}}),  # supported field, invalid schema
     ("regex", {"regex": "("}),  # SGLang's fields

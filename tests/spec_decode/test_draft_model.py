@@ -202,6 +202,10 @@ def test_a_draft_of_another_vocabulary_or_a_shorter_context_is_refused(tiny, tmp
     (short / "config.json").write_text(json.dumps({**DRAFT, "max_position_embeddings": 64}))
     with pytest.raises(ValueError, match=r"context of 64 tokens, below max_model_len \(128\)"):
         check_draft_model(target_hf, load_hf_config(str(short)), embedded_model_path, str(short), 128)
+    empty = tmp_path / "empty"  # a folder that is no model: the error names the field
+    empty.mkdir()
+    with pytest.raises(ValueError, match="speculative_config.model: model folder .* has no config.json"):
+        _tiny_llm(tiny[0], embedded_model_path, str(empty))
 
 
 def test_a_draft_with_other_tokens_is_refused(tmp_path, embedded_model_path):

@@ -24,7 +24,7 @@ import uuid
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, InstanceOf, PlainSerializer
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, PlainSerializer, StrictBool
 
 MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -64,8 +64,8 @@ class ErrorResponse(OpenAIBaseModel):
 
 # ------------------------------------------------------------------- common
 class StreamOptions(OpenAIRequestModel):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -84,7 +84,7 @@ class JsonSchemaResponseFormat(OpenAIBaseModel):
     description: str | None = None
     # "schema" would shadow a pydantic BaseModel attribute.
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -107,7 +107,7 @@ class _SamplingFields(OpenAIRequestModel):
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extensions
@@ -115,16 +115,16 @@ class _SamplingFields(OpenAIRequestModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
     request_id: str | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     # Tokens in logprobs spelled ``token_id:N`` (for tokens that are not valid UTF-8 alone).
-    return_tokens_as_token_ids: bool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
     # Not with ``stream``.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Structured outputs: OpenAI's response_format and vLLM's extensions (at most one).
@@ -142,9 +142,9 @@ class _SamplingFields(OpenAIRequestModel):
     ebnf: str | None = None
     stop_regex: str | list[str] | None = None
     # vLLM extensions: beam search with ``n`` beams (tandem.beam_search).
-    use_beam_search: bool = False
+    use_beam_search: StrictBool = False
     length_penalty: float = 1.0
-    early_stopping: bool = False
+    early_stopping: StrictBool = False
 
 
 class CompletionRequest(_SamplingFields):
@@ -154,11 +154,11 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     # OpenAI's and vLLM's default; an explicit null generates up to the context's end.
     max_tokens: int | None = Field(default=16, le=INT64_MAX)
-    echo: bool | None = False
+    echo: StrictBool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     # vLLM extensions
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -171,19 +171,19 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[Any]
     max_tokens: int | None = Field(default=None, le=INT64_MAX)
     max_completion_tokens: int | None = Field(default=None, le=INT64_MAX)
-    logprobs: bool | None = False
+    logprobs: StrictBool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     # vLLM extensions
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # The last message's content before each choice's content, when that message is the
     # assistant's (one being continued).
-    echo: bool = False
+    echo: StrictBool = False
 
 
 # -------------------------------------------------------------- completions
@@ -348,10 +348,10 @@ class TokenizeRequest(OpenAIRequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None  # checked as the chat endpoint's
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    return_token_strs: StrictBool = False
 
 
 class TokenizeResponse(OpenAIBaseModel):
