@@ -86,8 +86,7 @@ def _per_token_contexts(positions: torch.Tensor, meta: AttentionMetadata) -> tup
     t = positions.shape[0]
     if meta.num_reqs == t:
         return meta.block_tables, meta.seq_lens
-    q_lens = torch.tensor(meta.query_start_loc_cpu).diff()
-    rows = torch.repeat_interleave(torch.arange(meta.num_reqs), q_lens)
+    rows = torch.repeat_interleave(torch.arange(meta.num_reqs), meta.query_start_loc.diff())
     return meta.block_tables.index_select(0, rows), (positions + 1).to(torch.int32)
 
 

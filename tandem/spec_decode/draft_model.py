@@ -226,8 +226,9 @@ class DraftModelProposer:
         (in the catch-up) and the next ``K - 1`` drafts' (in :meth:`_decode`)."""
         if d.seq_ids is None:
             return
-        for i in range(len(d.keep)):
-            self._written.pop(d.seq_ids[i], None)
+        if self._written:  # the step's sequences' older records (none while nothing speculates)
+            for sid in d.seq_ids:
+                self._written.pop(sid, None)
         k = self.num_speculative_tokens
         pos = emit_positions[:, None] + np.arange(k)[None, :]
         tables = np.repeat(d.block_table_np[emit_seqs], k, axis=0)
@@ -267,7 +268,7 @@ class DraftModelProposer:
             return self._forward(inputs, ids) if size is None else self._replay(inputs, ids, None, size)[0]
         graphs = self.catch_up_graphs
         size = None if graphs is None else graphs.size_for(num)
-        if size is None or int(np.diff(inputs.query_start_loc).max()) > graphs.query_len:
+        if size is None or inputs.max_query_len > graphs.query_len:
             return self._forward(inputs, ids)
         return graphs.run(num, ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, inputs.num_computed,
                           inputs.block_table, size, inputs.query_start_loc)

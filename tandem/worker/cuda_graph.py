@@ -212,10 +212,11 @@ class DecodeCUDAGraphs:
             qsl = np.arange(n + 1, dtype=np.int64) if query_start_loc is None else query_start_loc
             rows, positions, slot_mapping = self._padded_rows(qsl, num_computed, slot_mapping)
             seq_lens = num_computed + q
+        rows_d = None if rows is None else h2d(rows)
         if rows is None:
             self.input_ids[: len(input_ids)].copy_(input_ids)
         else:
-            self.input_ids[: n * q].index_copy_(0, h2d(rows), input_ids)
+            self.input_ids[: n * q].index_copy_(0, rows_d, input_ids)
         self.positions[: len(positions)].copy_(h2d(positions))
         self.slot_mapping[: len(slot_mapping)].copy_(h2d(slot_mapping))
         self.seq_lens[:n].copy_(h2d(seq_lens.astype(np.int32)))
@@ -225,7 +226,7 @@ class DecodeCUDAGraphs:
         if q > 1:
             self.block_tables[:n, width:].fill_(0)
         out = self._replay(n, size)
-        return out if rows is None else out.index_select(0, h2d(rows))
+        return out if rows_d is None else out.index_select(0, rows_d)
 
     def _padded_rows(self, qsl: np.ndarray, num_computed: np.ndarray, slot_mapping: np.ndarray
                      ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:

@@ -362,7 +362,7 @@ class ModelRunner:
         with_prompt = generated is not None and not generated.all()
         plan = self.planner.plan(inputs.num_tokens if inputs is not None else 0, decode_only, with_prompt,
                                  inputs.num_reqs if inputs is not None else 0,
-                                 int(np.diff(inputs.query_start_loc).max()) if inputs is not None else 1)
+                                 inputs.max_query_len if inputs is not None else 1)
         if plan.split:
             self.num_dbo_steps += 1
         if plan.mode is StepMode.IDLE:

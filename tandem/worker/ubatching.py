@@ -59,6 +59,11 @@ class StepInputs:
     def num_reqs(self) -> int:
         return len(self.seq_lens)
 
+    @property
+    def max_query_len(self) -> int:
+        """Most tokens of one request in the step (0 without requests)."""
+        return int(np.diff(self.query_start_loc).max()) if self.num_reqs else 0
+
     def num_decode_reqs(self) -> int:
         q = np.diff(self.query_start_loc)
         nz = np.flatnonzero(q != 1)
@@ -76,14 +81,13 @@ class StepInputs:
     def metadata(self, device: torch.device) -> AttentionMetadata:
         """Attention metadata on ``device`` (non-blocking copies, no host sync)."""
         h2d = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)  # noqa: E731
-        q_lens = np.diff(self.query_start_loc)
         return AttentionMetadata(
             query_start_loc=h2d(self.query_start_loc.astype(np.int32)),
             seq_lens=h2d(self.seq_lens.astype(np.int32)),
             num_computed_tokens=h2d(self.num_computed.astype(np.int32)),
             block_tables=self.block_table.to(device, non_blocking=True),
             slot_mapping=h2d(self.slot_mapping),
-            max_query_len=int(q_lens.max()) if len(q_lens) else 0,
+            max_query_len=self.max_query_len,
             max_seq_len=int(self.seq_lens.max()) if len(self.seq_lens) else 0,
             query_start_loc_cpu=self.query_start_loc.tolist(),
             seq_lens_cpu=self.seq_lens.tolist(),
