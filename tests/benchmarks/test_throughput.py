@@ -323,3 +323,21 @@ def test_bench_throughput_reports_the_acceptance_the_engine_counted(tmp_path, mo
     assert (f"Speculative decoding: acceptance rate {res['spec_decode_acceptance_rate']:.2f}% ({accepted} of "
             f"{draft_tokens} draft tokens), mean acceptance length {res['spec_decode_acceptance_length']:.2f}"
             ) in capsys.readouterr().out
+
+
+def test_bench_throughput_says_when_no_drafts_were_verified(capsys):
+    """With a speculative config whose ``disable_by_batch_size`` the batch exceeds all along,
+    the report says that no drafts were verified and why, instead of no line at all."""
+    import json
+
+    from tandem.benchmarks import throughput
+    from tandem.entrypoints.cli import build_parser
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 1}
+    throughput.main(build_parser().parse_args([
+        "bench", "throughput", "--num-prompts", "2", "--input-len", "16", "--output-len", "8", "--max-model-len",
+        "256", "--dtype", "float32", "--speculative-config", json.dumps(spec)]))
+    out = capsys.readouterr().out
+    assert "Speculative decoding: no drafts were verified in the timed run (drafts are proposed while at most " \
+           "1 request is running: speculative_config.disable_by_batch_size)" in out, out
+    assert "acceptance rate" not in out
