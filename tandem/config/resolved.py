@@ -53,10 +53,10 @@ class ResolvedConfig(msgspec.Struct, frozen=True, array_like=True, gc=False):
     @property
     def weights_mode(self) -> str:
         """How the linear weights run, for the speed line of ``tandem generate``:
-        ``"gguf int4 + bfloat16"`` (GGUF blocks run quantized, activations in ``dtype``),
+        ``"gguf quantized + bfloat16"`` (GGUF blocks run quantized, activations in ``dtype``),
         ``"fp8"`` / ``"compressed-tensors"`` (FP8), or ``dtype`` (``"float32"``...)."""
         if self.quantization == "gguf":
-            return f"gguf int4 + {self.dtype}"
+            return f"gguf quantized + {self.dtype}"
         return self.quantization or self.dtype
 
 

@@ -12,9 +12,10 @@ prompt's rows, or a large batch's attention, over torch's pool).
 The sources are built on first use by ``torch.utils.cpp_extension.load`` (g++ and ninja,
 ~20 s) into torch's extensions folder (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) and loaded from there afterwards (a rebuild only when a source
-or torch changes), for the vector instructions torch itself uses on this CPU (AVX2 or AVX-512:
-the extension's name carries them, so a folder shared by machines of both kinds keeps one
-build per kind). FMA contraction is off, so the norms and the rotary embedding round as their
+or torch changes), for the vector instructions torch itself uses on this CPU (AVX2 or AVX-512, and
+AVX512-VNNI where the CPU has it, for the GGUF block kernel: the extension's name carries them,
+so a folder shared by machines of several kinds keeps one build per kind), with OpenMP (torch's
+own runtime: ``at::parallel_for`` spreads work over torch's pool). FMA contraction is off, so the norms and the rotary embedding round as their
 torch references do. Where the build fails (no compiler), :func:`available` says so once in
 the log and the callers keep their torch code: :func:`tandem.layers.fused_ops.resolve_mode`
 decides it once per model (fused-ops mode ``cpu``).
@@ -61,10 +62,13 @@ def _load() -> bool:
         from torch.utils.cpp_extension import load  # imports setuptools: only when building
 
         isa = torch.backends.cpu.get_cpu_capability().lower()
+        flags = ["-O3", "-ffp-contract=off", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
+        if isa == "avx512" and _cpu_has("avx512_vnni"):
+            isa += "_vnni"
+            flags.append("-mavx512vnni")
         name = f"tandem_cpu_ops_{isa}"
-        flags = ["-O3", "-ffp-contract=off", *_ISA_FLAGS.get(isa, [])]
         build = lambda: load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=flags,  # noqa: E731
-                             is_python_module=False)
+                             extra_ldflags=["-fopenmp"], is_python_module=False)
         if _built(name):
             build()
         else:  # a minute of silence on a small machine otherwise: say what runs
@@ -76,6 +80,15 @@ def _load() -> bool:
                        "norms, RoPE, attention and SiLU run as torch ops", first)
         return False
     return True
+
+
+def _cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists ``flag`` (False where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
 
 
 def _built(name: str) -> bool:
@@ -137,6 +150,32 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.tandem_cpu.silu_and_mul(gate_up)
 
 
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, segments: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + bias`` with ``W`` GGUF blocks as a file stores them
+    (:class:`tandem.layers.quantization.gguf_blocks.GGUFBlockLinear` holds them).
+
+    Args:
+        x: ``[T, in]`` fp32/fp16/bf16, ``in`` a multiple of 32 (and of 256 for a K-quant).
+        blocks: ``[bytes]`` uint8, the segments' rows one after another.
+        segments: ``[S, 3]`` int64: per segment its GGML type id (Q4_0 2, Q4_1 3, Q5_0 6,
+            Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14), row count and byte offset; the output
+            holds the segments' rows in order.
+        bias: ``[out]`` or None.
+
+    Returns ``[T, out]`` in x's dtype: llama.cpp's CPU arithmetic (each row of x rounded to
+    int8 per 32 values, per 256 for a K-quant; integer dot products, fp32 scaling; the
+    source's header), each output row a function of its input row only. Multi-threaded over
+    the output rows from ~64 K weights a thread.
+
+    Raises:
+        RuntimeError: :func:`available` is False, a tensor of another shape or dtype, an
+            unsupported type, a segment past the end of ``blocks``, an ``in`` the type's
+            block does not divide.
+    """
+    return torch.ops.tandem_cpu.gguf_linear(x, blocks, segments, bias)
+
+
 def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of one query token per request over its keys in the paged cache.
@@ -163,5 +202,5 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     return torch.ops.tandem_cpu.paged_attention_decode(q, kv_cache, block_tables, seq_lens, scale)
 
 
-__all__ = ["SOURCES", "available", "fused_add_rms_norm", "paged_attention_decode", "rms_norm",
+__all__ = ["SOURCES", "available", "fused_add_rms_norm", "gguf_linear", "paged_attention_decode", "rms_norm",
            "rotary_embedding_neox", "silu_and_mul"]

@@ -39,22 +39,24 @@ import tempfile
 import torch
 from torch import nn
 
-from tandem.layers.quantization.gguf import gguf_int4_layers, restore_gguf_linears
+from tandem.layers.quantization import gguf_blocks
+from tandem.layers.quantization.gguf import gguf_quantized_layers, restore_gguf_linears
 
 logger = logging.getLogger(__name__)
 
 # Bump when what a load leaves in a model changes without changing the built model's names
 # or shapes: a parameter's layout, which GGUF layers run int4 or how their blocks map to
 # planes (tandem.layers.quantization.gguf).
-PARAMS_FORMAT = 3
+PARAMS_FORMAT = 4
 
 
 def params_file(folder: str, dtype: torch.dtype, int4: bool = False) -> str:
     """Where the tensors of the converted GGUF ``folder``'s model in ``dtype`` are cached;
     ``int4``: the model with GGUF int4 layers (its packing is the current CPU capability's)."""
     name = str(dtype).removeprefix("torch.")
-    if int4:
+    if int4:  # which layers take the block kernel depends on VNNI
         name += f"-gguf-int4-{torch.backends.cpu.get_cpu_capability().lower()}"
+        name += "-vnni" if gguf_blocks.available() else ""
     return os.path.join(folder, f"params-{name}.pt")
 
 
@@ -64,11 +66,11 @@ def model_spec(model: nn.Module) -> dict[str, list]:
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The loaded model's parameters and its int4 layers' buffers, by name, on the CPU."""
+    """The loaded model's parameters and its GGUF quantized layers' buffers, by name, on the CPU."""
     out = {name: p.detach().cpu() for name, p in model.named_parameters()}
-    for name in gguf_int4_layers(model):
-        layer = model.get_submodule(name)
-        out[f"{name}.packed"], out[f"{name}.scales_and_zeros"] = layer.packed, layer.scales_and_zeros
+    for name in gguf_quantized_layers(model):
+        for buffer, t in model.get_submodule(name).named_buffers():
+            out[f"{name}.{buffer}"] = t
     return out
 
 
@@ -101,7 +103,7 @@ def load_cached_parameters(model: nn.Module, folder: str, dtype: torch.dtype, in
         return False
     try:
         saved = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        header, layers, tensors = saved["header"], saved["int4_layers"], saved["tensors"]
+        header, layers, tensors = saved["header"], saved["quantized_layers"], saved["tensors"]
         consistent = _spec(tensors) == saved["spec"]
     except Exception as e:  # noqa: BLE001 - any unreadable file is rebuilt, whatever the reader raised
         logger.warning("cached parameters %s unreadable (%s: %s): rebuilding them", path, type(e).__name__, e)
@@ -140,7 +142,7 @@ def save_parameters(model: nn.Module, folder: str, dtype: torch.dtype, built: di
     path = params_file(folder, dtype, int4)
     tensors = _tensors(model)
     payload = {"header": _header(model_spec(model) if built is None else built, model, dtype),
-               "int4_layers": gguf_int4_layers(model), "spec": _spec(tensors), "tensors": tensors}
+               "quantized_layers": gguf_quantized_layers(model), "spec": _spec(tensors), "tensors": tensors}
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)
     except OSError as e:

@@ -5,11 +5,12 @@ each decoder layer is ~25 dispatched ops and ~12 Python module calls around its 
 :func:`build_cpu_decode` decides once, after the weights are loaded, whether a model's layers
 can run as ``torch.ops.tandem_cpu.decoder_layer_decode`` (``tandem/csrc/cpu/
 decoder_layer.cpp``): its linear layers
-:class:`~tandem.layers.quantization.gguf.GGUFInt4Linear` (or plain dense ones: a GGUF type
-the int4 planes do not cover), the model built in fused-ops mode ``cpu`` (the C++ norms, RoPE,
+:class:`~tandem.layers.quantization.gguf.GGUFInt4Linear`,
+:class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear` (or plain dense ones: a GGUF
+type neither covers), the model built in fused-ops mode ``cpu`` (the C++ norms, RoPE,
 SiLU-and-mul and decode attention), no per-head q/k norm, not deterministic.
 :class:`CpuDecode` then runs a step's layers when every row of the step is a generated token (no
-prompt rows, which the int4 layers run dense): a plain decode step, one token per request, for
+prompt rows, which the quantized layers run dense): a plain decode step, one token per request, for
 which the op calls the same kernels in the same order as the Python forward, so that a step's
 hidden states and cache are the same bits either way; and a step of several generated tokens
 per request (speculative decoding's verification of ``1 + K`` tokens, a draft model's catch-up),
@@ -31,9 +32,12 @@ from tandem.distributed.forward_context import get_forward_context
 from tandem.layers import cpu_ops
 from tandem.layers.linear import ColumnShardedLinear, RowParallelLinear
 from tandem.layers.quantization.gguf import GROUP_SIZE, GGUFInt4Linear
+from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear
 from tandem.models.llama import DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
+
+_QUANTIZED = (GGUFInt4Linear, GGUFBlockLinear)
 
 
 class CpuDecode:
@@ -95,12 +99,14 @@ def _linears(layer: DecoderLayer) -> list[torch.nn.Module]:
 
 
 def _linear_tensors(lin: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An int4 layer's (packed, scales and zeros, bias), a dense one's (weight, empty, bias);
-    empty for no bias."""
+    """An int4 layer's (packed, scales and zeros, bias), a block layer's (blocks, segments,
+    bias), a dense one's (weight, empty, bias); empty for no bias."""
     empty = torch.empty(0, dtype=dtype)
     bias = empty if lin.bias is None else lin.bias
     if isinstance(lin, GGUFInt4Linear):
         return lin.packed, lin.scales_and_zeros, bias
+    if isinstance(lin, GGUFBlockLinear):
+        return lin.blocks, lin.segments, bias
     return lin.weight, empty, bias
 
 
@@ -114,14 +120,15 @@ def _plain_dense(lin: torch.nn.Module, dtype: torch.dtype) -> bool:
 
 def build_cpu_decode(model: torch.nn.Module) -> CpuDecode | None:
     """A :class:`CpuDecode` for ``model`` where it qualifies (logged once either way where it is a
-    CPU GGUF int4 model), else None: a :class:`~tandem.models.llama.LlamaForCausalLM` of plain
-    decoder layers (no q/k norm) on the CPU, every layer's linears int4, the norms, RoPE and
+    CPU GGUF quantized model), else None: a :class:`~tandem.models.llama.LlamaForCausalLM` of
+    plain decoder layers (no q/k norm) on the CPU, every layer's linears GGUF quantized or plain
+    dense, the norms, RoPE and
     attention backend on the C++ kernels, decode attention not deterministic."""
     if type(model) is not LlamaForCausalLM or model.start_layer == model.end_layer:
         return None
     layers = list(model.layers[model.start_layer:model.end_layer])
     linears = [lin for layer in layers for lin in _linears(layer)]
-    if not any(isinstance(lin, GGUFInt4Linear) for lin in linears):
+    if not any(isinstance(lin, _QUANTIZED) for lin in linears):
         return None  # not a CPU GGUF model: nothing to say
     reason = _why_not(model, layers)
     if reason:
@@ -151,9 +158,9 @@ def _why_not(model: LlamaForCausalLM, layers: list[torch.nn.Module]) -> str | No
         return "norms off the C++ kernels"
     if any(layer.self_attn.k_scale != 1.0 or layer.self_attn.v_scale != 1.0 for layer in layers):
         return "KV cache scales"
-    if not all(isinstance(lin, GGUFInt4Linear) or _plain_dense(lin, dtype) for layer in layers
+    if not all(isinstance(lin, _QUANTIZED) or _plain_dense(lin, dtype) for layer in layers
                for lin in _linears(layer)):
-        return "a linear layer neither int4 nor plain dense"
+        return "a linear layer neither GGUF quantized nor plain dense"
     return None
 
 

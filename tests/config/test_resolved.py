@@ -22,8 +22,8 @@ def _resolved(**kw) -> ResolvedConfig:
 
 
 @pytest.mark.parametrize("kw, expected", [
-    ({"quantization": "gguf"}, "gguf int4 + bfloat16"),
-    ({"quantization": "gguf", "dtype": "float32"}, "gguf int4 + float32"),
+    ({"quantization": "gguf"}, "gguf quantized + bfloat16"),
+    ({"quantization": "gguf", "dtype": "float32"}, "gguf quantized + float32"),
     ({"quantization": "compressed-tensors"}, "compressed-tensors"),
     ({"quantization": "fp8"}, "fp8"),
     ({"dtype": "float32"}, "float32"),

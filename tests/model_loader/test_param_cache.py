@@ -14,6 +14,8 @@ from transformers import LlamaConfig
 from tandem import platform
 from tandem.attention.torch_backend import TorchAttentionBackend
 from tandem.layers.quantization import gguf as gguf_int4
+from tandem.layers.quantization import gguf_blocks
+from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear
 from tandem.model_loader import gguf_cache, loader
 from tandem.model_loader.param_cache import load_cached_parameters, params_file, save_parameters
 from tandem.models.llama import LlamaForCausalLM
@@ -182,12 +184,19 @@ def _assert_same_model(model, reference) -> None:
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
-def test_gguf_int4_load_caches_its_planes_and_maps_them(entry_copy, embedded_model_path, monkeypatch):
+@pytest.mark.parametrize("blocks", [False, True], ids=["int4-head", "block-head"])
+def test_gguf_int4_load_caches_its_planes_and_maps_them(entry_copy, embedded_model_path, monkeypatch, blocks):
     """The default CPU load (bf16, GGUF int4 layers) caches what the model holds, packed
     planes included, in one file (no dense parameter file, no fp32 checkpoint); a later load
-    maps it without reading the GGUF file or building a plane, and holds the same model."""
+    maps it without reading the GGUF file or building a plane, and holds the same model; with
+    and without the block kernel (their files are apart)."""
+    if blocks and not gguf_blocks.available():
+        pytest.skip("the GGUF block kernel needs AVX512-VNNI")
+    monkeypatch.setattr(gguf_blocks, "available", lambda: blocks)
     first = _build_int4(embedded_model_path)
-    assert sum(isinstance(m, gguf_int4.GGUFInt4Linear) for m in first.modules()) == 30 * 4 + 1  # and the LM head
+    assert sum(isinstance(m, gguf_int4.GGUFInt4Linear) for m in first.modules()) == 30 * 4 + (not blocks)
+    # the LM head: the tied Q8_0 embedding's blocks where the block kernel runs, else int4 planes
+    assert isinstance(first.lm_head_quant, GGUFBlockLinear if blocks else gguf_int4.GGUFInt4Linear)
     path = params_file(str(entry_copy), torch.bfloat16, int4=True)
     assert os.path.isfile(path)
     assert not os.path.exists(params_file(str(entry_copy), torch.bfloat16))
@@ -198,17 +207,20 @@ def test_gguf_int4_load_caches_its_planes_and_maps_them(entry_copy, embedded_mod
     _assert_same_model(warm, first)
     head = warm.lm_head_quant
     assert head.dense.data_ptr() == warm.embed_tokens.weight.data_ptr()  # the tied head's weight saved once
-    assert head.packed.data_ptr() % 64 == 0
+    assert (head.blocks if blocks else head.packed).data_ptr() % 64 == 0
 
 
 def test_int4_file_is_one_per_cpu_capability(tmp_path, monkeypatch):
     """The kernel's packing differs between AVX512 and AVX2 (and the portable build): a
-    cache shared by two machines keeps one int4 file for each."""
+    cache shared by two machines keeps one int4 file for each; and one with, one without the
+    block kernel (VNNI), whose layers differ."""
     names = set()
     for capability in ("AVX512", "AVX2", "DEFAULT"):
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        names.add(params_file(str(tmp_path), torch.bfloat16, int4=True))
-    assert len(names) == 3 and params_file(str(tmp_path), torch.bfloat16) not in names
+        for vnni in (False, True):
+            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+            monkeypatch.setattr(gguf_blocks, "available", lambda v=vnni: v)
+            names.add(params_file(str(tmp_path), torch.bfloat16, int4=True))
+    assert len(names) == 6 and params_file(str(tmp_path), torch.bfloat16) not in names
 
 
 @pytest.mark.skipif(not platform.cpu_has_native_bf16(), reason="GGUF int4 is the default on CPUs with native bf16")

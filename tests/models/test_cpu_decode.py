@@ -1,5 +1,5 @@
 """The CPU decode fast path (tandem.models.cpu_decode): on the embedded SmolLM2 GGUF (int4
-layers), its decode steps give the Python forward's hidden states and KV cache bit for bit,
+layers; a layer's linears dense or GGUF blocks too), its decode steps give the Python forward's hidden states and KV cache bit for bit,
 a step of several generated tokens per request (speculative verification) gives the bits of
 those tokens decoded one by one, it stands aside for steps it does not cover (prompt rows,
 multi-token queries of unknown phase), the loader attaches it only to models it covers, and
@@ -52,6 +52,41 @@ def mixed_model(embedded_model_path):
     return model
 
 
+@pytest.fixture(scope="module")
+def blocks_model(embedded_model_path):
+    """The embedded model with one layer's qkv_proj (given a bias) and down_proj as GGUF
+    block layers (Q8_0 q and k, Q5_0 v; Q5_1), as the 5- and 8-bit types load where the block
+    kernel runs."""
+    import gguf
+
+    from tandem.layers.quantization import gguf_blocks
+    from tandem.model_loader.gguf_weights import RawWeight
+
+    if not gguf_blocks.available():
+        pytest.skip("the GGUF block kernel needs AVX512-VNNI")
+    model = _build(embedded_model_path)
+    layer, spec = model.layers[1], model.spec
+    qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
+
+    def raw(w: torch.Tensor, qtype) -> RawWeight:
+        data = gguf.quants.quantize(w.float().numpy(), qtype)
+        return RawWeight(data, qtype.name, w.shape[0], w.shape[1], None)
+
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    w = qkv.dequantized_weight()
+    T = gguf.GGMLQuantizationType
+    parts = [raw(w[:q_size], T.Q8_0), raw(w[q_size:q_size + kv_size], T.Q8_0), raw(w[q_size + kv_size:], T.Q5_0)]
+    bias = (torch.randn(qkv.out_features) * 0.1).to(torch.bfloat16)
+    layer.self_attn.qkv_proj = gguf_blocks.GGUFBlockLinear.from_parts(parts, bias, w.to(torch.bfloat16), 4)
+    dw = down.dequantized_weight()
+    layer.mlp.down_proj = gguf_blocks.GGUFBlockLinear.from_parts([raw(dw, T.Q5_1)], None, dw.to(torch.bfloat16), 4)
+    model.cpu_decode = build_cpu_decode(model)
+    return model
+
+
+_MODELS = {"int4": "model", "int4-and-dense": "mixed_model", "int4-and-blocks": "blocks_model"}
+
+
 def _caches(model) -> list[torch.Tensor]:
     hk, d = model.kv_cache_shape_per_block
     return [torch.zeros(2, 40, BLOCK, hk, d, dtype=torch.bfloat16) for _ in range(model.num_stage_layers)]
@@ -61,9 +96,9 @@ def test_the_loader_attaches_it_to_an_int4_model_on_the_cpu_kernels(model):
     assert isinstance(model.cpu_decode, CpuDecode)
 
 
-@pytest.mark.parametrize("which", ["int4", "int4-and-dense"])
+@pytest.mark.parametrize("which", list(_MODELS))
 def test_decode_steps_give_the_python_forwards_bits(which, request, monkeypatch):
-    model = request.getfixturevalue("model" if which == "int4" else "mixed_model")
+    model = request.getfixturevalue(_MODELS[which])
     fast = model.cpu_decode
     assert isinstance(fast, CpuDecode)
     runs = []
@@ -97,12 +132,12 @@ def test_decode_steps_give_the_python_forwards_bits(which, request, monkeypatch)
     assert len(runs) == 6
 
 
-@pytest.mark.parametrize("which", ["int4", "int4-and-dense"])
+@pytest.mark.parametrize("which", list(_MODELS))
 def test_verification_steps_give_the_bits_of_decoding_their_tokens_one_by_one(which, request):
     """Three requests each verifying 1 + K = 5 generated tokens in one step: the op's hidden
     states and cache are those of five plain decode steps of the same tokens, and within bf16
     rounding of the Python forward's (which attends with SDPA, so not its bits)."""
-    model = request.getfixturevalue("model" if which == "int4" else "mixed_model")
+    model = request.getfixturevalue(_MODELS[which])
     fast, q = model.cpu_decode, 5
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (n,), generator=g) for n in (13, 8, 21)]

@@ -40,24 +40,31 @@ def test_qwen2_gguf_dequantized_greedy_matches_transformers():
 
 
 def test_qwen2_gguf_quantized_agrees_with_dequantized_fp32(monkeypatch):
-    """The default's int4 kernels (its Q5_0 / Q8_0 / Q4_K layers and Q8_0 LM head as int4
-    planes), teacher-forced on the dequantized fp32 path's greedy continuations, pick the
-    same argmax at >= 95 % of positions (the embedded model's bar: a flipped near-tie changes
-    whole continuations, so those are not compared). The teacher-forced tokens are prompt
-    rows, which run the dense weight: here every row runs the int4 kernel, which gives a
-    row the same bits whatever the rows beside it (tests/layers/quantization/test_gguf.py)."""
+    """The default's quantized kernels (its Q5_0 / Q8_0 / Q4_K / Q6_K layers and Q8_0 LM head
+    as GGUF blocks where the block kernel runs, else int4 planes and Q6_K dense),
+    teacher-forced on the dequantized fp32 path's greedy continuations, pick the same argmax
+    at >= 95 % of positions (the embedded model's bar: a flipped near-tie changes whole
+    continuations, so those are not compared). The teacher-forced tokens are prompt rows,
+    which run the dense weight: here every row runs the quantized kernel, which gives a row
+    the same bits whatever the rows beside it (tests/layers/quantization/)."""
     from tandem import LLM
+    from tandem.layers.quantization import gguf_blocks
     from tandem.layers.quantization.gguf import GGUFInt4Linear
+    from tandem.layers.quantization.phase_linear import PhaseLinear
 
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ref = LLM(model=GGUF, max_model_len=512, num_kv_blocks=128, quantization="none", dtype="float32")
     conts = [list(o.outputs[0].token_ids) for o in ref.generate(PROMPTS, sp, use_tqdm=False)]
     ref.engine.shutdown()
-    monkeypatch.setattr(GGUFInt4Linear, "forward", GGUFInt4Linear._int4)
+    monkeypatch.setattr(PhaseLinear, "forward", lambda self, x: self._quantized(x))
     llm = LLM(model=GGUF, max_model_len=512, num_kv_blocks=128)
     model = llm.engine.model
-    assert isinstance(model.lm_head_quant, GGUFInt4Linear)
-    assert any(m.packed.shape[0] == 2 for m in model.modules() if isinstance(m, GGUFInt4Linear))
+    if gguf_blocks.available():
+        assert isinstance(model.lm_head_quant, gguf_blocks.GGUFBlockLinear)
+        assert not any(isinstance(m, GGUFInt4Linear) for m in model.modules())  # no Q4_0 / Q4_1 tensor
+    else:
+        assert isinstance(model.lm_head_quant, GGUFInt4Linear)
+        assert any(m.packed.shape[0] == 2 for m in model.modules() if isinstance(m, GGUFInt4Linear))
     prompts = [list(o.prompt_token_ids) for o in llm.generate(PROMPTS, SamplingParams(max_tokens=1), use_tqdm=False)]
     one = SamplingParams(temperature=0.0, max_tokens=1)
     agree = total = 0

@@ -10,6 +10,8 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) "
         "-> Tensor");
+  m.def("gguf_linear_vnni() -> bool", &tandem_cpu::gguf_linear_vnni);  // no tensor to dispatch on
+  m.def("gguf_linear(Tensor x, Tensor blocks, Tensor segments, Tensor? bias) -> Tensor");
   m.def("decoder_layer_decode(Tensor hidden, Tensor? residual, Tensor positions, Tensor slot_mapping, "
         "Tensor(a!) kv_cache, Tensor block_tables, Tensor seq_lens, Tensor cos, Tensor sin, Tensor[] weights, "
         "int num_heads, int num_kv_heads, int group_size, float eps, float scale) -> (Tensor, Tensor)");
@@ -21,5 +23,6 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("rotary_embedding_neox", &tandem_cpu::rotary_embedding_neox);
   m.impl("silu_and_mul", &tandem_cpu::silu_and_mul);
   m.impl("paged_attention_decode", &tandem_cpu::paged_attention_decode);
+  m.impl("gguf_linear", &tandem_cpu::gguf_linear);
   m.impl("decoder_layer_decode", &tandem_cpu::decoder_layer_decode);
 }

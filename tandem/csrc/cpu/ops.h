@@ -22,6 +22,11 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale);
 
+bool gguf_linear_vnni();
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& segments,
+                       const std::optional<at::Tensor>& bias);
+
 std::tuple<at::Tensor, at::Tensor> decoder_layer_decode(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& positions,
     const at::Tensor& slot_mapping, const at::Tensor& kv_cache, const at::Tensor& block_tables,

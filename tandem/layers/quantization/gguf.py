@@ -24,8 +24,14 @@ nibble. Two planes read 1 byte per weight, half of bf16's 2:
   ones ``hi`` in [-8, 7] as ``hi + 8`` (scale ``16 d``, zero ``8 d``).
 
 (The zeros are split so that each plane is about centred: the sum of two bf16 outputs then
-loses little to cancellation.) K-quants other than Q4_K and fp16/fp32 stay dequantized:
-``Q6_K``'s groups of 16 would take four planes, as many bytes as bf16.
+loses little to cancellation.) K-quants other than Q4_K and fp16/fp32 have no planes:
+``Q6_K``'s groups of 16 would take four, as many bytes as bf16.
+
+Where the C++ block kernel runs (:mod:`tandem.layers.quantization.gguf_blocks`: AVX512-VNNI),
+a layer with a part of another type than Q4_0/Q4_1 keeps the file's blocks instead
+(:class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear`: 5.5 bits a weight for
+Q5_0 where two planes read 10, Q6_K and Q5_K quantized at all); :func:`quantize_gguf_linears`
+decides each layer's form.
 
 The LM head runs the same way when its tensor (``output``, or the tied ``token_embd``) is of
 these types: ``Q8_0`` in both real models (RESULTS).
@@ -59,7 +65,7 @@ hit). The int4 form costs a quarter more memory (two planes: half).
 
 A load builds the planes from the file's raw blocks once (:func:`quantize_gguf_linears`);
 the parameter cache (:mod:`tandem.model_loader.param_cache`) keeps the packed layers
-(:func:`gguf_int4_layers`) with the model's other tensors, and later loads rebuild the layers
+(:func:`gguf_quantized_layers`) with the model's other tensors, and later loads rebuild the layers
 from its mapped tensors (:func:`restore_gguf_linears`). The packed layout is the one of the
 CPU capability ATen dispatches to (AVX512 and AVX2 interleave output rows differently), so
 the cache file is one per capability. A change to which layers run int4 or to a type's
@@ -73,11 +79,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tandem.distributed.forward_context import RowPhases, get_forward_context
 from tandem.layers.linear import ColumnShardedLinear, RowParallelLinear
+from tandem.layers.quantization import gguf_blocks
+from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear
+from tandem.layers.quantization.phase_linear import PhaseLinear
 
 GROUP_SIZE = 32
 KERNEL_DTYPE = torch.bfloat16
@@ -200,57 +207,71 @@ def _parts(module_name: str) -> list[str]:
     return [f"model.{prefix}.{p}.weight" for p in _FUSED_PARTS.get(last, (last,))]
 
 
-def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any]) -> dict[str, int]:
-    """Replace every linear layer of a loaded (single-rank) model whose GGUF weights are all
-    of :data:`INT4_TYPES` by a :class:`GGUFInt4Linear` of those blocks (the others keep
-    their dequantized weights; the layers' biases are kept as loaded), and give the model a
-    quantized LM head (``model.lm_head_quant``, over ``lm_head.weight`` or, tied, the
-    embedding) when its tensor is of those types.
+def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any], block_kernel: bool | None = None
+                          ) -> dict[str, int]:
+    """Replace every linear layer of a loaded (single-rank) model whose GGUF weights the CPU
+    runs quantized by such a layer (the others keep their dequantized weights; the layers'
+    biases and dequantized weights are kept as loaded), and give the model a quantized LM head
+    (``model.lm_head_quant``, over ``lm_head.weight`` or, tied, the embedding) likewise:
+
+    * a :class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear` (the file's blocks)
+      with ``block_kernel`` when every part is of its types and one is not a one-plane int4
+      type (:mod:`tandem.layers.quantization.gguf_blocks`);
+    * else a :class:`GGUFInt4Linear` when every part is of :data:`INT4_TYPES`.
 
     Args:
         model: the model, its weights loaded (the decoder's linear layers are
             ``ColumnShardedLinear`` / ``RowParallelLinear``; it has ``lm_head_quant``).
         raw: HF weight name (``model.layers.0.self_attn.q_proj.weight``) -> the tensor's
             raw blocks (:class:`tandem.model_loader.gguf_weights.RawWeight`).
+        block_kernel: whether the block kernel runs here; None:
+            :func:`tandem.layers.quantization.gguf_blocks.available`.
 
     Returns:
-        The number of linear layers per mode: ``{"int4": n, "dequantized": m}`` (the LM
-        head not counted).
+        The number of linear layers per form: ``{"blocks": b, "int4": n, "dequantized": m}``
+        (the LM head not counted).
 
     Raises:
         ValueError: a layer's checkpoint weight is missing or its shape differs.
     """
-    counts = {"int4": 0, "dequantized": 0}
+    if block_kernel is None:
+        block_kernel = gguf_blocks.available()
+    counts = {"blocks": 0, "int4": 0, "dequantized": 0}
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (ColumnShardedLinear, RowParallelLinear))]
     for name, mod in targets:
         parts = _parts(name)
         missing = [p for p in parts if p not in raw]
         if missing:
             raise ValueError(f"GGUF file has no tensor {missing[0]!r} for layer {name!r}")
-        if any(raw[p].qtype not in INT4_TYPES for p in parts):
+        layer = _quantized_layer([raw[p] for p in parts], mod.bias, mod.weight.data, block_kernel)
+        if layer is None:
             counts["dequantized"] += 1
             continue
-        layer = GGUFInt4Linear.from_planes(_fused_planes([raw[p] for p in parts]), mod.bias, mod.weight.data,
-                                           MAX_INT4_ROWS)
         if (layer.out_features, layer.in_features) != tuple(mod.weight.shape):
             raise ValueError(f"GGUF weights of {name!r}: {(layer.out_features, layer.in_features)} vs the "
                              f"layer's {tuple(mod.weight.shape)}")
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer)
-        counts["int4"] += 1
-    _quantize_lm_head(model, raw)
+        counts["blocks" if isinstance(layer, GGUFBlockLinear) else "int4"] += 1
+    tied = not hasattr(model, "lm_head")
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    if head in raw:
+        dense = (model.embed_tokens if tied else model.lm_head).weight.data
+        model.lm_head_quant = _quantized_layer([raw[head]], None, dense, block_kernel)
     return counts
 
 
-def _quantize_lm_head(model: nn.Module, raw: Mapping[str, Any]) -> None:
-    tied = not hasattr(model, "lm_head")
-    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-    if name not in raw or raw[name].qtype not in INT4_TYPES:
-        return
-    dense = (model.embed_tokens if tied else model.lm_head).weight.data
-    model.lm_head_quant = GGUFInt4Linear.from_planes(_fused_planes([raw[name]]), dense=dense,
-                                                     max_int4_rows=MAX_INT4_ROWS)
+def _quantized_layer(parts: list[Any], bias: torch.Tensor | None, dense: torch.Tensor,
+                     block_kernel: bool) -> PhaseLinear | None:
+    """The quantized form of a layer of GGUF tensors ``parts`` (:func:`quantize_gguf_linears`
+    says which), or None: it stays dense."""
+    types = {w.qtype for w in parts}
+    if block_kernel and types <= set(gguf_blocks.BLOCK_TYPES) and not types <= set(gguf_blocks.ONE_PLANE_TYPES):
+        return GGUFBlockLinear.from_parts(parts, bias, dense, MAX_INT4_ROWS)
+    if types <= set(INT4_TYPES):
+        return GGUFInt4Linear.from_planes(_fused_planes(parts), bias, dense, MAX_INT4_ROWS)
+    return None
 
 
 def _fused_planes(weights: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -265,24 +286,28 @@ def _fused_planes(weights: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, 
     return [tuple(torch.from_numpy(np.concatenate([p[i][j] for p in per_part])) for j in range(3)) for i in range(n)]
 
 
-def gguf_int4_layers(model: nn.Module) -> dict[str, int | None]:
-    """The model's :class:`GGUFInt4Linear` layers: module name -> ``max_int4_rows`` (with
-    their buffers and parameters, what :func:`restore_gguf_linears` rebuilds them from)."""
-    return {name: m.max_int4_rows for name, m in model.named_modules() if isinstance(m, GGUFInt4Linear)}
+def gguf_quantized_layers(model: nn.Module) -> dict[str, int | None]:
+    """The model's GGUF quantized layers (:class:`GGUFInt4Linear`,
+    :class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear`): module name ->
+    ``max_quantized_rows`` (with their buffers and parameters, what
+    :func:`restore_gguf_linears` rebuilds them from)."""
+    return {name: m.max_quantized_rows for name, m in model.named_modules()
+            if isinstance(m, GGUFInt4Linear | GGUFBlockLinear)}
 
 
 def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
                          tensors: Mapping[str, torch.Tensor]) -> None:
-    """Put back the int4 layers of a model that :func:`quantize_gguf_linears` rebuilt, from
-    their saved tensors, without a copy (a parameter cache's mapped tensors): what a
+    """Put back the quantized layers of a model that :func:`quantize_gguf_linears` rebuilt,
+    from their saved tensors, without a copy (a parameter cache's mapped tensors): what a
     model built alike holds after loading and quantizing the same file.
 
     Args:
         model: the model as built (the decoder's linear layers dense; ``lm_head_quant``
             None).
-        layers: :func:`gguf_int4_layers` of the quantized model.
-        tensors: the quantized model's tensors by name: ``<layer>.packed`` and
-            ``<layer>.scales_and_zeros`` of every layer, ``<layer>.bias`` and
+        layers: :func:`gguf_quantized_layers` of the quantized model.
+        tensors: the quantized model's tensors by name: ``<layer>.blocks`` and
+            ``<layer>.segments`` of a block layer, ``<layer>.packed`` and
+            ``<layer>.scales_and_zeros`` of an int4 one, ``<layer>.bias`` and
             ``<layer>.dense`` where it has them.
 
     Raises:
@@ -294,8 +319,11 @@ def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
     swaps = []
     for name, max_rows in layers.items():
         parent_name, _, child = name.rpartition(".")
-        layer = GGUFInt4Linear(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"],
-                               tensors.get(f"{name}.bias"), tensors.get(f"{name}.dense"), max_rows)
+        extra = (tensors.get(f"{name}.bias"), tensors.get(f"{name}.dense"), max_rows)
+        if f"{name}.blocks" in tensors:
+            layer = GGUFBlockLinear(tensors[f"{name}.blocks"], tensors[f"{name}.segments"], *extra)
+        else:
+            layer = GGUFInt4Linear(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"], *extra)
         swaps.append((model.get_submodule(parent_name), child, layer))
     for parent, child, layer in swaps:
         setattr(parent, child, layer)
@@ -337,7 +365,7 @@ def pack_int4_planes(planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return torch.stack(packed), torch.stack(sz).contiguous()
 
 
-class GGUFInt4Linear(nn.Module):
+class GGUFInt4Linear(PhaseLinear):
     """A linear layer whose weight is the sum of int4 planes (:func:`int4_planes`), run with
     PyTorch's CPU int4 kernel, one call per plane.
 
@@ -354,7 +382,7 @@ class GGUFInt4Linear(nn.Module):
             layer's buffers without a copy (a memory-mapped cache's tensors stay mapped).
         bias: ``[out]`` or None.
         dense: ``[out, in]`` the dequantized weight for prompt tokens; None: always int4.
-        max_int4_rows: with ``dense``, a forward with more generated rows than this runs
+        max_quantized_rows: with ``dense``, a forward with more generated rows than this runs
             them all through ``F.linear`` too (the LM head: the int4 kernel's time grows
             with the rows, the dense GEMM's hardly); None: no limit.
 
@@ -364,14 +392,8 @@ class GGUFInt4Linear(nn.Module):
             from the forward context's rows.
     """
 
-    # What the decoder asks a linear layer (tandem.layers.linear): plain tensors in and out.
-    takes_quantized_input = False
-    output_feeds_norm = False
-    # The model runner passes each forward's RowPhases to models with such layers.
-    uses_row_phases = True
-
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None = None,
-                 dense: torch.Tensor | None = None, max_int4_rows: int | None = None) -> None:
+                 dense: torch.Tensor | None = None, max_quantized_rows: int | None = None) -> None:
         super().__init__()
         if scales_and_zeros.dim() != 4 or scales_and_zeros.shape[0] == 0:
             raise ValueError(f"int4 scales and zeros {tuple(scales_and_zeros.shape)}: an int4 layer needs at least "
@@ -392,40 +414,22 @@ class GGUFInt4Linear(nn.Module):
             raise ValueError(f"dense weight {tuple(dense.shape)} for an int4 weight "
                              f"{(self.out_features, self.in_features)}")
         self.dense = None if dense is None else nn.Parameter(dense.detach(), requires_grad=False)
-        self.max_int4_rows = max_int4_rows
+        self.max_quantized_rows = max_quantized_rows
 
     @classmethod
     def from_planes(cls, planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                     bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
-                    max_int4_rows: int | None = None) -> GGUFInt4Linear:
+                    max_quantized_rows: int | None = None) -> GGUFInt4Linear:
         """The layer of int4 planes (:func:`pack_int4_planes`'s ``planes``; the other
         arguments as the constructor's).
 
         Raises:
             ValueError: as :func:`pack_int4_planes` and the constructor.
         """
-        return cls(*pack_int4_planes(planes), bias, dense, max_int4_rows)
+        return cls(*pack_int4_planes(planes), bias, dense, max_quantized_rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ctx = get_forward_context()
-        phases = None if ctx is None or self.dense is None else ctx.row_phases
-        if phases is None or phases.num_prompt == 0 and not self._over_max(phases):
-            return self._int4(x)
-        x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] != phases.num_rows:
-            raise ValueError(f"GGUF int4 layer got {x2.shape[0]} rows in a forward of {phases.num_rows}")
-        if phases.num_generated == 0 or self._over_max(phases):
-            return F.linear(x, self.dense, self.bias)
-        return self._mixed(x2, phases).reshape(*x.shape[:-1], self.out_features)
-
-    def _over_max(self, phases: RowPhases) -> bool:
-        return self.max_int4_rows is not None and phases.num_generated > self.max_int4_rows
-
-    def _mixed(self, x2: torch.Tensor, phases: RowPhases) -> torch.Tensor:
-        out = x2.new_empty(x2.shape[0], self.out_features)
-        out[phases.generated] = self._int4(x2[phases.generated])
-        out[phases.prompt] = F.linear(x2[phases.prompt], self.dense, self.bias)
-        return out
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        return self._int4(x)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
         # Every dispatched op costs ~1-3 us at decode sizes (tens per step and layer): no
@@ -456,4 +460,5 @@ class GGUFInt4Linear(nn.Module):
 
 
 __all__ = ["GROUP_SIZE", "INT4_TYPES", "KERNEL_DTYPE", "MAX_INT4_ROWS", "PLANES", "GGUFInt4Linear", "Int4Plane",
-           "gguf_int4_layers", "int4_planes", "pack_int4_planes", "quantize_gguf_linears", "restore_gguf_linears"]
+           "gguf_quantized_layers", "int4_planes", "pack_int4_planes", "quantize_gguf_linears",
+           "restore_gguf_linears"]

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
-from tandem.layers.quantization.gguf import (KERNEL_DTYPE, MAX_INT4_ROWS, PLANES, GGUFInt4Linear, gguf_int4_layers, int4_planes,
+from tandem.layers.quantization.gguf import (KERNEL_DTYPE, MAX_INT4_ROWS, PLANES, GGUFInt4Linear, gguf_quantized_layers, int4_planes,
                                              quantize_gguf_linears, restore_gguf_linears)
 from tandem.model_loader.gguf_weights import RawWeight
 
@@ -122,10 +122,10 @@ def test_rows_take_the_kernel_of_their_token_phase(generated):
 
 
 @pytest.mark.parametrize("generated", [[1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
-def test_a_layer_with_max_int4_rows_runs_more_generated_rows_dense(generated):
-    """The rule of GGUF layers and the LM head (max_int4_rows=4): up to 4 generated rows
+def test_a_layer_with_max_quantized_rows_runs_more_generated_rows_dense(generated):
+    """The rule of GGUF layers and the LM head (max_quantized_rows=4): up to 4 generated rows
     take the int4 kernel, more take F.linear as the prompt rows do."""
-    layer, dense, bias = _q4_0_layer(max_int4_rows=4)
+    layer, dense, bias = _q4_0_layer(max_quantized_rows=4)
     x = torch.randn(len(generated), 64)
     mask = np.array(generated, dtype=bool)
     with forward_context(ForwardContext(len(mask), row_phases=RowPhases.from_mask(mask, torch.device("cpu")))):
@@ -216,11 +216,11 @@ def test_swap_fuses_parts_in_order_and_unpermutes():
         dense.append(deq)
     parts["model.layers.0.self_attn.o_proj.weight"] = RawWeight(np.zeros((64, 1), np.uint8), "Q6_K", 64, 32, None)
     model.layers[0].self_attn.qkv_proj.bias.data.normal_()
-    counts = quantize_gguf_linears(model, parts)
-    assert counts == {"int4": 1, "dequantized": 1}
+    counts = quantize_gguf_linears(model, parts, block_kernel=False)
+    assert counts == {"blocks": 0, "int4": 1, "dequantized": 1}
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, GGUFInt4Linear) and qkv.bias is not None and qkv.packed.shape[0] == 2
-    assert qkv.max_int4_rows == MAX_INT4_ROWS == 4  # more generated rows run dense (the kernel's 4-row blocks)
+    assert qkv.max_quantized_rows == MAX_INT4_ROWS == 4  # more generated rows run dense (the kernel's 4-row blocks)
     np.testing.assert_allclose(qkv.dequantized_weight().numpy(), np.concatenate(dense), atol=0.02, rtol=0.02)
     assert not isinstance(model.layers[0].self_attn.o_proj, GGUFInt4Linear)
     del parts["model.layers.0.self_attn.k_proj.weight"]
@@ -229,7 +229,7 @@ def test_swap_fuses_parts_in_order_and_unpermutes():
 
 
 def test_restore_puts_back_the_swapped_layers_from_their_tensors():
-    """The int4 layers of a quantized model, named by ``gguf_int4_layers`` and rebuilt from
+    """The int4 layers of a quantized model, named by ``gguf_quantized_layers`` and rebuilt from
     its tensors in a model as built: the same modules and tensors (the buffers not copied);
     a missing buffer replaces nothing."""
     rng = np.random.default_rng(5)
@@ -239,15 +239,15 @@ def test_restore_puts_back_the_swapped_layers_from_their_tensors():
         cols = 32 if name == "o_proj" else 64
         raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), T.Q8_0)
         parts[f"model.layers.0.self_attn.{name}.weight"] = RawWeight(raw, "Q8_0", rows, cols, None)
-    quantize_gguf_linears(model, parts)
-    layers, tensors = gguf_int4_layers(model), model.state_dict()
+    quantize_gguf_linears(model, parts, block_kernel=False)
+    layers, tensors = gguf_quantized_layers(model), model.state_dict()
     assert set(layers) == {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj"}
     fresh = _Tiny()
     with pytest.raises(KeyError):
         restore_gguf_linears(fresh, layers, {k: v for k, v in tensors.items() if not k.endswith("o_proj.packed")})
-    assert not gguf_int4_layers(fresh)
+    assert not gguf_quantized_layers(fresh)
     restore_gguf_linears(fresh, layers, tensors)
-    assert gguf_int4_layers(fresh) == layers
+    assert gguf_quantized_layers(fresh) == layers
     got = fresh.state_dict()
     assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
     assert fresh.layers[0].self_attn.o_proj.packed.data_ptr() == tensors["layers.0.self_attn.o_proj.packed"].data_ptr()

@@ -1,0 +1,73 @@
+"""A linear layer with two forms of one weight, chosen per row by the phase of the row's
+token: a quantized form for generated tokens (a decode step reads fewer bytes) and the
+dequantized weight for prompt tokens (oneDNN's GEMM is faster from ~16 rows on, and a prompt is
+computed the same way however it was chunked or cached). The GGUF layers of the CPU
+(:mod:`tandem.layers.quantization.gguf`, :mod:`tandem.layers.quantization.gguf_blocks`)
+share it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.distributed.forward_context import RowPhases, get_forward_context
+
+
+class PhaseLinear(nn.Module):
+    """``forward(x [..., in_features]) -> [..., out_features]`` in ``x``'s dtype: rows of
+    generated tokens through :meth:`_quantized`, rows of prompt tokens through ``F.linear``
+    on ``dense``, as the forward context's
+    :class:`~tandem.distributed.forward_context.RowPhases` says (no context, or no dense
+    weight: every row quantized). With ``max_quantized_rows``, a forward with more generated
+    rows than that runs them all dense too (the quantized kernels' time grows with the rows,
+    the dense GEMM's hardly).
+
+    Subclasses set ``in_features``, ``out_features``, ``bias`` ([out] or None), ``dense``
+    ([out, in] or None) and ``max_quantized_rows`` (int or None), and define
+    :meth:`_quantized`.
+
+    Raises:
+        ValueError: at forward, an input whose row count differs from the forward context's
+            rows.
+    """
+
+    # What the decoder asks a linear layer (tandem.layers.linear): plain tensors in and out.
+    takes_quantized_input = False
+    output_feeds_norm = False
+    # The model runner passes each forward's RowPhases to models with such layers.
+    uses_row_phases = True
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
+    dense: torch.Tensor | None
+    max_quantized_rows: int | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        phases = None if ctx is None or self.dense is None else ctx.row_phases
+        if phases is None or phases.num_prompt == 0 and not self._over_max(phases):
+            return self._quantized(x)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] != phases.num_rows:
+            raise ValueError(f"GGUF quantized layer got {x2.shape[0]} rows in a forward of {phases.num_rows}")
+        if phases.num_generated == 0 or self._over_max(phases):
+            return F.linear(x, self.dense, self.bias)
+        return self._mixed(x2, phases).reshape(*x.shape[:-1], self.out_features)
+
+    def _over_max(self, phases: RowPhases) -> bool:
+        return self.max_quantized_rows is not None and phases.num_generated > self.max_quantized_rows
+
+    def _mixed(self, x2: torch.Tensor, phases: RowPhases) -> torch.Tensor:
+        out = x2.new_empty(x2.shape[0], self.out_features)
+        out[phases.generated] = self._quantized(x2[phases.generated])
+        out[phases.prompt] = F.linear(x2[phases.prompt], self.dense, self.bias)
+        return out
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]`` in x's dtype, the bias added, by the quantized form."""
+        raise NotImplementedError
+
+
+__all__ = ["PhaseLinear"]

@@ -1,0 +1,222 @@
+"""GGUF blocks run as stored (tandem.layers.quantization.gguf_blocks and the C++ kernel
+torch.ops.tandem_cpu.gguf_linear): every type against gguf's own dequantization, the input's
+int8 rounding as the only error beyond fp32's, row invariance, fused parts of several types,
+the layer swap and its restore from a parameter cache's tensors, and bad tables refused."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+
+from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
+from tandem.layers import cpu_ops
+from tandem.layers.quantization import gguf_blocks
+from tandem.layers.quantization.gguf import (MAX_INT4_ROWS, GGUFInt4Linear, gguf_quantized_layers,
+                                             quantize_gguf_linears, restore_gguf_linears)
+from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear, pack_blocks
+from tandem.model_loader.gguf_weights import RawWeight
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels could not be built")
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+# Byte offsets of each type's fp16 scales in a block (d; m or dmin).
+_SCALES = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2),
+           T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def _random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """``[rows, bytes]`` blocks of ``qtype``: random bits, finite fp16 scales of ~0.01."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for at in _SCALES[qtype]:
+        d = rng.uniform(0.002, 0.02, (rows, cols // block)).astype(np.float16)
+        raw[..., at:at + 2] = d.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def _raw(qtype: T, rows: int, cols: int, seed: int = 0) -> RawWeight:
+    return RawWeight(_random_blocks(qtype, rows, cols, seed), qtype.name, rows, cols, None)
+
+
+def _dequantized(w: RawWeight) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(w.data, T[w.qtype]).reshape(w.rows, w.cols).astype(np.float64))
+
+
+def _int8_rounded(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the kernel quantizes it: int8 per ``group`` values, scale max|x| / 127, round to
+    nearest even."""
+    g = x.double().reshape(x.shape[0], -1, group)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(x.shape)
+
+
+def _group(qtype: T) -> int:
+    return 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 32
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_every_type_is_gguf_dequantization_times_int8_rounded_input(qtype, rows):
+    """For each type and row count (tiles of 4 rows and every remainder): the kernel's output is
+    gguf's dequantized weight times the input rounded as llama.cpp rounds it (int8 per 32, per
+    256 for K-quants) to fp32 rounding (1e-5 of the largest output), and within 2e-2 of it
+    times the unrounded input (the stated tolerance; ~5e-3 typical)."""
+    w = _raw(qtype, 40, 512, seed=qtype.value)
+    layer = GGUFBlockLinear.from_parts([w])
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    y = layer(x).double()
+    ref = _dequantized(w)
+    exact = _int8_rounded(x, _group(qtype)) @ ref.T
+    assert ((y - exact).abs().max() / exact.abs().max()).item() < 1e-5
+    plain = x.double() @ ref.T
+    assert ((y - plain).abs().max() / plain.abs().max()).item() < 2e-2
+
+
+def test_the_file_and_its_rows_real_values():
+    """Quantized real values (gguf's own quantizer), bf16 input as the model gives it: the
+    output's dtype follows the input's, within 2e-2 of the dequantized product."""
+    w32 = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
+    for qtype in (T.Q5_0, T.Q8_0, T.Q4_1):
+        w = RawWeight(gguf.quants.quantize(w32, qtype), qtype.name, 64, 256, None)
+        x = torch.randn(3, 256).to(torch.bfloat16)
+        y = GGUFBlockLinear.from_parts([w])(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (3, 64)
+        ref = x.double() @ _dequantized(w).T
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+def test_a_row_gets_the_same_bits_in_any_batch():
+    """Row-invariant: a row alone, in a batch of 7 at any place, in a 3-D input: one result."""
+    layer = GGUFBlockLinear.from_parts([_raw(T.Q6_K, 24, 512, 1), _raw(T.Q5_0, 8, 512, 2)])
+    xs = torch.randn(7, 512)
+    batch = layer(xs)
+    for i in range(7):
+        assert torch.equal(layer(xs[i:i + 1])[0], batch[i])
+    assert torch.equal(layer(xs.view(7, 1, 512)).view(7, -1), batch)
+
+
+def test_fused_parts_of_several_types_and_the_bias():
+    """q/k/v of three types (a K-quant among them) in one layer: each part's rows equal the
+    part alone; the bias is added to each output row."""
+    parts = [_raw(T.Q4_K, 32, 512, 3), _raw(T.Q8_0, 16, 512, 4), _raw(T.Q6_K, 16, 512, 5)]
+    bias = torch.randn(64)
+    fused = GGUFBlockLinear.from_parts(parts, bias=bias)
+    assert (fused.in_features, fused.out_features) == (512, 64)
+    assert fused.segments.tolist() == [[T.Q4_K.value, 32, 0], [T.Q8_0.value, 16, 32 * 288],
+                                       [T.Q6_K.value, 16, 32 * 288 + 16 * 544]]
+    x = torch.randn(2, 512)
+    alone = torch.cat([GGUFBlockLinear.from_parts([p])(x) for p in parts], dim=1)
+    torch.testing.assert_close(fused(x), alone + bias, rtol=0, atol=1e-6)
+
+
+def test_llama_cpp_row_order_is_undone():
+    """q/k rows interleaved by llama.cpp (permute_heads) come back in HF order, as the
+    dequantized path loads them."""
+    raw = _random_blocks(T.Q8_0, 16, 64, 6)
+    w = RawWeight(raw, "Q8_0", 16, 64, permute_heads=2)
+    hf_order = torch.from_numpy(w.unpermute(gguf.quants.dequantize(raw, T.Q8_0)).astype(np.float64))
+    x = torch.randn(1, 64)
+    ref = _int8_rounded(x, 32) @ hf_order.T
+    torch.testing.assert_close(GGUFBlockLinear.from_parts([w])(x).double(), ref, rtol=0, atol=1e-5)
+
+
+def test_prompt_rows_run_dense_and_more_than_max_rows_too():
+    """As the int4 layers: prompt rows through the dense weight, generated rows through the
+    blocks, all rows dense above max_quantized_rows generated ones."""
+    w = _raw(T.Q5_0, 32, 256, 7)
+    dense = _dequantized(w).float()
+    layer = GGUFBlockLinear.from_parts([w], dense=dense, max_quantized_rows=MAX_INT4_ROWS)
+    x = torch.randn(6, 256)
+    blocks = GGUFBlockLinear.from_parts([w])(x)
+    mask = np.array([True, False, True, False, False, True])
+    with forward_context(ForwardContext(6, row_phases=RowPhases.from_mask(mask, torch.device("cpu")))):
+        y = layer(x)
+    assert torch.equal(y[mask], blocks[mask]) and torch.equal(y[~mask], F.linear(x[~mask], dense))
+    everything = np.ones(6, dtype=bool)
+    with forward_context(ForwardContext(6, row_phases=RowPhases.from_mask(everything, torch.device("cpu")))):
+        assert torch.equal(layer(x), F.linear(x, dense))  # 6 generated rows > 4
+
+
+def test_bad_tables_and_parts_are_refused():
+    w = _raw(T.Q5_0, 8, 64)
+    blocks, segments = pack_blocks([w])
+    for bad, match in ((torch.tensor([[99, 8, 0]]), "does not fit"), (torch.tensor([[6, 8, 4]]), "start at byte 4"),
+                       (torch.tensor([[6, 3, 0]]), "does not fit"), (segments[:, :2], "int64"),
+                       (torch.tensor([[6, 4, 0], [6, 2, 176]]), "different widths")):
+        with pytest.raises(ValueError, match=match):
+            GGUFBlockLinear(blocks, bad)
+    with pytest.raises(ValueError, match="dense weight"):
+        GGUFBlockLinear(blocks, segments, dense=torch.zeros(8, 32))
+    with pytest.raises(ValueError, match="need one of"):
+        pack_blocks([RawWeight(np.zeros((8, 210), np.uint8), "Q2_K", 8, 256, None)])
+    with pytest.raises(ValueError, match="all 64 wide"):
+        pack_blocks([w, _raw(T.Q5_0, 8, 128)])
+    with pytest.raises(RuntimeError, match="in_features"):
+        torch.ops.tandem_cpu.gguf_linear(torch.zeros(1, 48), blocks, segments, None)
+    with pytest.raises(RuntimeError, match="passes the end"):
+        torch.ops.tandem_cpu.gguf_linear(torch.zeros(1, 128), blocks, segments, None)
+
+
+class _Layers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from tandem.layers.linear import QKVParallelLinear, RowParallelLinear
+
+        self.qkv_proj = QKVParallelLinear(256, 32, 2, 1, bias=True)
+        self.o_proj = RowParallelLinear(64, 256, bias=False)
+        self.down_proj = RowParallelLinear(256, 256, bias=False)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layers()])
+        self.embed_tokens = torch.nn.Embedding(64, 256)
+        self.lm_head_quant = None
+
+
+def _parts() -> dict[str, RawWeight]:
+    named = {"qkv_proj.q_proj": (T.Q4_K, 64, 256), "qkv_proj.k_proj": (T.Q4_K, 32, 256),
+             "qkv_proj.v_proj": (T.Q6_K, 32, 256), "o_proj": (T.Q4_1, 256, 64), "down_proj": (T.Q5_0, 256, 256)}
+    out = {}
+    for i, (name, (qtype, rows, cols)) in enumerate(named.items()):
+        key = name.split(".")[-1]
+        out[f"model.layers.0.{key}.weight"] = _raw(qtype, rows, cols, 10 + i)
+    out["model.embed_tokens.weight"] = _raw(T.Q8_0, 64, 256, 20)
+    return out
+
+
+def test_the_swap_takes_blocks_where_a_part_is_not_q4_0_or_q4_1_and_restores_them():
+    """With the block kernel: a fused layer of Q4_K and Q6_K parts and a Q5_0 one take the
+    blocks, a Q4_1 layer stays int4, the tied Q8_0 head too takes the blocks; without it the
+    Q6_K layer stays dense. A model as built gets the same layers back from the tensors."""
+    model = _Model()
+    counts = quantize_gguf_linears(model, _parts(), block_kernel=True)
+    assert counts == {"blocks": 2, "int4": 1, "dequantized": 0}
+    layer = model.layers[0]
+    assert isinstance(layer.qkv_proj, GGUFBlockLinear) and isinstance(layer.down_proj, GGUFBlockLinear)
+    assert isinstance(layer.o_proj, GGUFInt4Linear) and isinstance(model.lm_head_quant, GGUFBlockLinear)
+    assert layer.qkv_proj.bias is not None and layer.qkv_proj.dense is not None
+    assert layer.qkv_proj.max_quantized_rows == MAX_INT4_ROWS
+    layers, tensors = gguf_quantized_layers(model), model.state_dict()
+    assert set(layers) == {"layers.0.qkv_proj", "layers.0.o_proj", "layers.0.down_proj", "lm_head_quant"}
+    fresh = _Model()
+    restore_gguf_linears(fresh, layers, tensors)
+    assert [(n, type(m)) for n, m in fresh.named_modules()] == [(n, type(m)) for n, m in model.named_modules()]
+    got = fresh.state_dict()
+    assert got.keys() == tensors.keys()
+    assert all(torch.equal(got[k], v) for k, v in tensors.items() if not k.startswith("embed_tokens"))
+    assert fresh.layers[0].qkv_proj.blocks.data_ptr() == tensors["layers.0.qkv_proj.blocks"].data_ptr()
+
+    without = _Model()
+    assert quantize_gguf_linears(without, _parts(), block_kernel=False) == {"blocks": 0, "int4": 2, "dequantized": 1}
+    assert not isinstance(without.layers[0].qkv_proj, GGUFBlockLinear | GGUFInt4Linear)
+
+
+def test_available_says_whether_the_kernel_has_vnni():
+    assert gguf_blocks.available() == bool(torch.ops.tandem_cpu.gguf_linear_vnni())
