@@ -199,7 +199,7 @@ inline U32 expand32(const uint8_t* b, float* s, float* o) {
 // (sc[g][h], h the half) with w = d sc u - dmin m[g] (Q4_K, Q5_K) or d sc (u - 32) (Q6_K).
 struct KBlock {
   U32 u[8];
-  int16_t sc[8][2];
+  alignas(32) int16_t sc[8][2];
   // The offset's factor per 32 (-dmin m, Q4_K/Q5_K) or per 16 (-32 d sc, Q6_K).
   alignas(64) float off[16];
   float d;
@@ -348,20 +348,29 @@ void run_tile_k(const Segment& s, int64_t r0, int64_t r1, const QuantizedX& qx, 
     for (int64_t blk = 0; blk < blocks; ++blk) {
       expand_k<Type>(row + blk * s.info.bytes, &kb);
 #ifdef TANDEM_GGUF_VNNI
+      // Group g's scales over its 16 int16 lanes: sc[g][0] on the first 8 (the first 16
+      // weights' pairs), sc[g][1] on the last 8.
+      const __m256i sc16 = load32(kb.sc);
       __m256i scv[8];
+#pragma GCC unroll 8
       for (int g = 0; g < 8; ++g)
-        scv[g] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(kb.sc[g][0])),
-                                         _mm_set1_epi16(kb.sc[g][1]), 1);
+        scv[g] = _mm256_permutexvar_epi16(
+            _mm256_inserti128_si256(_mm256_set1_epi16(static_cast<int16_t>(2 * g)), _mm_set1_epi16(2 * g + 1), 1),
+            sc16);
 #endif
       for (int t = 0; t < TN; ++t) {
         const int64_t xb = (t0 + t) * blocks + blk;
         const int8_t* xq = qx.q256.data() + 256 * xb;
         const float dx = qx.d256[xb];
 #ifdef TANDEM_GGUF_VNNI
-        __m256i isum = _mm256_setzero_si256();
+        // Four chains of dpwssd: one would wait on its own latency eight times a super-block.
+        __m256i isum[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                           _mm256_setzero_si256()};
+#pragma GCC unroll 8
         for (int g = 0; g < 8; ++g)
-          isum = _mm256_dpwssd_epi32(isum, _mm256_maddubs_epi16(kb.u[g], load32(xq + 32 * g)), scv[g]);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(kb.d * dx), acc[t]);
+          isum[g % 4] = _mm256_dpwssd_epi32(isum[g % 4], _mm256_maddubs_epi16(kb.u[g], load32(xq + 32 * g)), scv[g]);
+        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(isum[0], isum[1]), _mm256_add_epi32(isum[2], isum[3]));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(kb.d * dx), acc[t]);
         if constexpr (Type == kQ6_K) {
           const float* dbs = qx.dbsum.data() + 16 * xb;
           corr[t] = _mm256_fmadd_ps(_mm256_load_ps(kb.off), _mm256_loadu_ps(dbs), corr[t]);
