@@ -61,8 +61,9 @@ class SpeculativeConfig:
         if self.method is None and self.model is not None:
             self._infer_method()
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config.method must be one of {list(METHODS)} (required), "
-                             f"got {self.method!r}.")
+            omitted = "; or leave it out and give speculative_config.model, which it is inferred from" \
+                if self.method is None else ""
+            raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}{omitted}.")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}.")

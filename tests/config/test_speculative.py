@@ -18,8 +18,10 @@ from tandem.engine.arg_utils import EngineArgs
     ("[1, 2]", "must be a JSON object"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft": "x"}', r"unknown fields \['draft'\]"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "model is not used by method 'ngram'"),
-    ({"num_speculative_tokens": 2}, r"method must be one of \['ngram', 'draft_model', 'eagle', 'eagle3'\]"),
-    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"num_speculative_tokens": 2},
+     r"method must be one of \['ngram', 'draft_model', 'eagle', 'eagle3'\], got None; or leave it out and give "
+     r"speculative_config.model"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, r"method must be one of .*, got 'medusa'\.$"),
     ({"method": "draft_model", "num_speculative_tokens": 2},
      r"model \(the draft model's or head's path\) is required with method 'draft_model'"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such/model"},
