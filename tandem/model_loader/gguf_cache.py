@@ -252,6 +252,8 @@ def _convert(path: str, out: str) -> None:
     folder, name = os.path.split(path)
     # Each stage takes seconds on a small CPU; the first load would otherwise sit silent.
     with Progress(f"Converting {name}", logger, show=ps.get_rank() == 0) as progress:
+        progress.stage("checking the file")
+        open_gguf(path)  # a damaged file named in one line, not in a traceback of the converters
         progress.stage("reading the config")
         AutoConfig.from_pretrained(folder, gguf_file=name).save_pretrained(out)
         progress.stage("reading the tokenizer")

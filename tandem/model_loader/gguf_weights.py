@@ -9,7 +9,9 @@ so the tensors equal the HF checkpoint's (up to the quantization).
 
 from __future__ import annotations
 
+import os
 import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,10 +43,20 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def open_gguf(path: str):
-    """A ``gguf.GGUFReader`` of the file (parses all its metadata: seconds for a tokenizer)."""
+    """A ``gguf.GGUFReader`` of the file (parses all its metadata: seconds for a tokenizer).
+
+    Raises:
+        ValueError: the file is not a whole GGUF file (no GGUF header, its metadata or a
+            tensor's data cut off, as a truncated download leaves it), naming it and its size.
+    """
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    try:
+        return GGUFReader(path)
+    except (ValueError, struct.error, EOFError, IndexError) as e:  # what the reader raises on short data
+        size = os.path.getsize(path)
+        raise ValueError(f"{path} ({size:,} bytes) is not a whole GGUF file: truncated or damaged "
+                         f"({type(e).__name__}: {e})") from e
 
 
 def _hf_name(gguf_name: str) -> str | None:

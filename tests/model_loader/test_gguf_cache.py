@@ -277,3 +277,21 @@ def test_concurrent_first_loads_convert_once(tmp_path, cache_home, monkeypatch):
         t.join()
     assert len(calls) == 1 and len(set(results)) == 1 and results[0] is not None
     assert _entries(cache_home) == [os.path.basename(results[0])]  # no lock file left
+
+
+@pytest.mark.parametrize("keep", [0.01, 0.9], ids=["metadata-cut", "tensor-data-cut"])
+def test_a_truncated_file_is_named_in_one_error(tmp_path, cache_home, embedded_model_path, keep):
+    """A GGUF file cut short (an interrupted download), its metadata or its last tensors
+    missing: the conversion and the reader raise one ValueError naming the file and its size,
+    and the cache keeps no entry."""
+    from tandem.model_loader.gguf_weights import open_gguf
+
+    data = open(embedded_model_path, "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    message = rf"{cut} \({os.path.getsize(cut):,} bytes\) is not a whole GGUF file: truncated or damaged"
+    with pytest.raises(ValueError, match=message):
+        gguf_cache.converted_folder(str(cut))
+    assert _entries(cache_home) == []
+    with pytest.raises(ValueError, match=message):
+        open_gguf(str(cut))
