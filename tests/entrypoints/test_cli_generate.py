@@ -36,12 +36,12 @@ def test_generate_prints_speeds(capsys):
     captured = capsys.readouterr()
     assert captured.out.strip()
     assert re.search(r"prompt: \d+ tokens in [\d.]+ s \([\d.]+ tok/s\); generation: 3 tokens in [\d.]+ s "
-                     r"\(([\d.]+ tok/s|n/a)\); model load [\d.]+ s; weights gguf int4 \+ \w+", captured.err), captured.err
+                     r"\(([\d.]+ tok/s|n/a)\); model load [\d.]+ s; weights gguf quantized \+ \w+", captured.err), captured.err
 
 
 def test_summary_names_the_weights_mode():
-    line = generation_summary([_out(4, [3], 5.0, 5.2, 5.4)], load_s=0.5, weights="gguf int4 + bfloat16")
-    assert line.endswith("; model load 0.5 s; weights gguf int4 + bfloat16")
+    line = generation_summary([_out(4, [3], 5.0, 5.2, 5.4)], load_s=0.5, weights="gguf quantized + bfloat16")
+    assert line.endswith("; model load 0.5 s; weights gguf quantized + bfloat16")
     untimed = _out(4, [2], 0.0, 0.0, 0.0)
     untimed.metrics = {}
     assert generation_summary([untimed], load_s=1.0, weights="float32") == "model load 1.0 s; weights float32"
