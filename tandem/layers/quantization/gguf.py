@@ -409,12 +409,7 @@ class GGUFInt4Linear(PhaseLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         # Each plane's kernel arguments, views of the buffers (a CPU-only layer: never moved).
         self._planes = [(p, GROUP_SIZE, sz) for p, sz in zip(self.packed, self.scales_and_zeros)]
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        if dense is not None and tuple(dense.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"dense weight {tuple(dense.shape)} for an int4 weight "
-                             f"{(self.out_features, self.in_features)}")
-        self.dense = None if dense is None else nn.Parameter(dense.detach(), requires_grad=False)
-        self.max_quantized_rows = max_quantized_rows
+        self._set_dense(bias, dense, max_quantized_rows)
 
     @classmethod
     def from_planes(cls, planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],

@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from torch import nn
 
 from tandem.layers import cpu_ops
 from tandem.layers.quantization.phase_linear import PhaseLinear
@@ -109,12 +108,7 @@ class GGUFBlockLinear(PhaseLinear):
         self.in_features, self.out_features = _shape(blocks, segments)
         self.register_buffer("blocks", blocks)
         self.register_buffer("segments", segments)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        if dense is not None and tuple(dense.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"dense weight {tuple(dense.shape)} for GGUF blocks of "
-                             f"{(self.out_features, self.in_features)}")
-        self.dense = None if dense is None else nn.Parameter(dense.detach(), requires_grad=False)
-        self.max_quantized_rows = max_quantized_rows
+        self._set_dense(bias, dense, max_quantized_rows)
 
     @classmethod
     def from_parts(cls, parts: Sequence[Any], bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,

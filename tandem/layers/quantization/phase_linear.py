@@ -23,9 +23,9 @@ class PhaseLinear(nn.Module):
     rows than that runs them all dense too (the quantized kernels' time grows with the rows,
     the dense GEMM's hardly).
 
-    Subclasses set ``in_features``, ``out_features``, ``bias`` ([out] or None), ``dense``
-    ([out, in] or None) and ``max_quantized_rows`` (int or None), and define
-    :meth:`_quantized`.
+    Subclasses set ``in_features`` and ``out_features``, then ``bias`` ([out] or None),
+    ``dense`` ([out, in] or None) and ``max_quantized_rows`` (int or None) by
+    :meth:`_set_dense`, and define :meth:`_quantized`.
 
     Raises:
         ValueError: at forward, an input whose row count differs from the forward context's
@@ -43,6 +43,21 @@ class PhaseLinear(nn.Module):
     bias: torch.Tensor | None
     dense: torch.Tensor | None
     max_quantized_rows: int | None
+
+    def _set_dense(self, bias: torch.Tensor | None, dense: torch.Tensor | None,
+                   max_quantized_rows: int | None) -> None:
+        """Keep the bias, the dense weight for prompt rows and the row limit (frozen, without a
+        copy).
+
+        Raises:
+            ValueError: a dense weight that is not ``[out_features, in_features]``.
+        """
+        if dense is not None and tuple(dense.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"dense weight {tuple(dense.shape)} for a {type(self).__name__} of "
+                             f"{(self.out_features, self.in_features)}")
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.dense = None if dense is None else nn.Parameter(dense.detach(), requires_grad=False)
+        self.max_quantized_rows = max_quantized_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
