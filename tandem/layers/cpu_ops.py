@@ -23,6 +23,7 @@ decides it once per model (fused-ops mode ``cpu``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -35,6 +36,7 @@ from tandem.progress import Progress
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).resolve().parent.parent / "csrc" / "cpu").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).resolve().parent.parent / "csrc" / "cpu").glob("*.h"))
 # Vector extensions by torch's own CPU capability (which ATEN_CPU_CAPABILITY may lower).
 _ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
@@ -62,7 +64,9 @@ def _load() -> bool:
         from torch.utils.cpp_extension import load  # imports setuptools: only when building
 
         isa = torch.backends.cpu.get_cpu_capability().lower()
-        flags = ["-O3", "-ffp-contract=off", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
+        # load() rebuilds when a source or a flag changed, not a header: the headers' hash is a flag.
+        headers = hashlib.sha256(b"".join(p.read_bytes() for p in HEADERS)).hexdigest()[:16]
+        flags = ["-O3", "-ffp-contract=off", "-fopenmp", f"-DTANDEM_CPU_HEADERS={headers}", *_ISA_FLAGS.get(isa, [])]
         if isa == "avx512" and _cpu_has("avx512_vnni"):
             isa += "_vnni"
             flags.append("-mavx512vnni")
@@ -163,10 +167,11 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, segments: torch.Tensor,
             holds the segments' rows in order.
         bias: ``[out]`` or None.
 
-    Returns ``[T, out]`` in x's dtype: llama.cpp's CPU arithmetic (each row of x rounded to
-    int8 per 32 values, per 256 for a K-quant; integer dot products, fp32 scaling; the
-    source's header), each output row a function of its input row only. Multi-threaded over
-    the output rows from ~64 K weights a thread.
+    Returns ``[T, out]`` in x's dtype. Up to 4 rows: llama.cpp's CPU arithmetic (each row of
+    x rounded to int8 per 32 values, per 256 for a K-quant; integer dot products, fp32
+    scaling; the source's header), each output row a function of its input row only,
+    multi-threaded over the output rows from ~64 K weights a thread. More rows:
+    :func:`gguf_gemm` (its arithmetic, faster there).
 
     Raises:
         RuntimeError: :func:`available` is False, a tensor of another shape or dtype, an
@@ -174,6 +179,30 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, segments: torch.Tensor,
             block does not divide.
     """
     return torch.ops.tandem_cpu.gguf_linear(x, blocks, segments, bias)
+
+
+def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, segments: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + bias`` with ``W`` GGUF blocks, many rows at a time: the weight is unpacked
+    tile by tile (16 rows) to 8-bit values once per call and each tile multiplied into every
+    row of x with AVX512-VNNI (``tandem/csrc/cpu/gguf_gemm.cpp``; scalar code of the same
+    arithmetic without VNNI). For prompt rows at any count, and what :func:`gguf_linear` runs
+    above 4 rows.
+
+    Args:
+        x: ``[T, in]`` fp32/fp16/bf16.
+        blocks, segments, bias: as :func:`gguf_linear`'s.
+
+    Returns ``[T, out]`` in x's dtype: each row of x rounded to int8 per 32 values (for every
+    type), integer dot products per group of 32 columns (16 for Q6_K), fp32 scaling in a fixed
+    order: each output row a function of its input row only, the same bits with and without
+    VNNI, not the same bits as :func:`gguf_linear` (whose K-quants round x per 256 and sum in
+    another order). Multi-threaded over tiles of 16 output rows.
+
+    Raises:
+        RuntimeError: as :func:`gguf_linear`.
+    """
+    return torch.ops.tandem_cpu.gguf_gemm(x, blocks, segments, bias)
 
 
 def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -202,5 +231,5 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     return torch.ops.tandem_cpu.paged_attention_decode(q, kv_cache, block_tables, seq_lens, scale)
 
 
-__all__ = ["SOURCES", "available", "fused_add_rms_norm", "gguf_linear", "paged_attention_decode", "rms_norm",
-           "rotary_embedding_neox", "silu_and_mul"]
+__all__ = ["HEADERS", "SOURCES", "available", "fused_add_rms_norm", "gguf_gemm", "gguf_linear",
+           "paged_attention_decode", "rms_norm", "rotary_embedding_neox", "silu_and_mul"]

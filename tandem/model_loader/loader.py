@@ -173,7 +173,7 @@ def load_gguf_weights(model: nn.Module, path: str, hf_config, dtype: torch.dtype
     model.load_weights(weights)
     if int4:
         if progress is not None:
-            progress.stage("GGUF int4 layers")
+            progress.stage("GGUF quantized layers")
         quantize_gguf_linears(model, raw_gguf_weights(reader, hf_config))
     if cacheable:
         if progress is not None:

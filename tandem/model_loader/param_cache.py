@@ -3,20 +3,22 @@
 Loading a GGUF file's weights means parsing its metadata (2 s for a 135M model, 7 s for a
 0.5B one on a small CPU: the tokenizer's arrays), dequantizing every tensor (``gguf``'s
 numpy code: 1.5 s and 10 s), converting them to the model dtype and copying them into fresh
-(fused q/k/v, gate/up) parameters; its int4 layers (:mod:`tandem.layers.quantization.gguf`)
+(fused q/k/v, gate/up) parameters; its quantized layers (:mod:`tandem.layers.quantization.gguf`)
 then repack the file's raw blocks (0.5 s and 9 s). This cache keeps what the model holds
-afterwards, exactly as it holds it, in ``<entry>/params-<dtype>[-gguf-int4-<cpu
-capability>].pt`` (``torch.save``'s zip format: every tensor 64-byte aligned for the GEMM
+afterwards, exactly as it holds it, in ``<entry>/params-<dtype>[-gguf-quantized-<cpu
+capability>[-vnni]].pt`` (``torch.save``'s zip format: every tensor 64-byte aligned for the GEMM
 kernels, which safetensors does not guarantee): the parameters in the model dtype (a tied
 LM head's dense weight is the embedding's storage, saved once), and the packed planes,
-scales and zeros of the int4 layers with the list of those layers. A later load maps that
+scales and zeros of the int4 layers and the blocks and segment tables of the block layers,
+with the list of those layers. A later load maps that
 file (``torch.load(mmap=True)``, copy-on-write: writes stay private to the process), puts
-the listed int4 layers back around their mapped buffers
+the listed layers back around their mapped buffers
 (:func:`~tandem.layers.quantization.gguf.restore_gguf_linears`) and makes the mapped tensors
 the parameters' storage on the CPU (no copy: pages are read from the page cache at first
-use) or copies them to another device. The int4 file's name carries the CPU capability ATen
-dispatches to, whose packing it holds (a cache shared by machines of two capabilities
-keeps one file per capability).
+use) or copies them to another device. The quantized file's name carries the CPU capability
+ATen dispatches to, whose packing it holds, and whether the block kernel has VNNI, which
+decides the layers' forms (a cache shared by machines of two capabilities keeps one file per
+capability).
 
 The entry's key already covers the GGUF file and the converter versions; the file also
 records :data:`PARAMS_FORMAT`, the model class, the dtype, the torch version (the packing's
@@ -45,9 +47,9 @@ from tandem.layers.quantization.gguf import gguf_quantized_layers, restore_gguf_
 logger = logging.getLogger(__name__)
 
 # Bump when what a load leaves in a model changes without changing the built model's names
-# or shapes: a parameter's layout, which GGUF layers run int4 or how their blocks map to
-# planes (tandem.layers.quantization.gguf).
-PARAMS_FORMAT = 4
+# or shapes: a parameter's layout, which GGUF layers run int4 or blocks, how their blocks map
+# to planes, whether they keep a dense weight (tandem.layers.quantization.gguf).
+PARAMS_FORMAT = 5
 
 
 def params_file(folder: str, dtype: torch.dtype, int4: bool = False) -> str:
@@ -55,7 +57,7 @@ def params_file(folder: str, dtype: torch.dtype, int4: bool = False) -> str:
     ``int4``: the model with GGUF int4 layers (its packing is the current CPU capability's)."""
     name = str(dtype).removeprefix("torch.")
     if int4:  # which layers take the block kernel depends on VNNI
-        name += f"-gguf-int4-{torch.backends.cpu.get_cpu_capability().lower()}"
+        name += f"-gguf-quantized-{torch.backends.cpu.get_cpu_capability().lower()}"
         name += "-vnni" if gguf_blocks.available() else ""
     return os.path.join(folder, f"params-{name}.pt")
 

@@ -77,9 +77,9 @@ def blocks_model(embedded_model_path):
     T = gguf.GGMLQuantizationType
     parts = [raw(w[:q_size], T.Q8_0), raw(w[q_size:q_size + kv_size], T.Q8_0), raw(w[q_size + kv_size:], T.Q5_0)]
     bias = (torch.randn(qkv.out_features) * 0.1).to(torch.bfloat16)
-    layer.self_attn.qkv_proj = gguf_blocks.GGUFBlockLinear.from_parts(parts, bias, w.to(torch.bfloat16), 4)
+    layer.self_attn.qkv_proj = gguf_blocks.GGUFBlockLinear.from_parts(parts, bias)
     dw = down.dequantized_weight()
-    layer.mlp.down_proj = gguf_blocks.GGUFBlockLinear.from_parts([raw(dw, T.Q5_1)], None, dw.to(torch.bfloat16), 4)
+    layer.mlp.down_proj = gguf_blocks.GGUFBlockLinear.from_parts([raw(dw, T.Q5_1)])
     model.cpu_decode = build_cpu_decode(model)
     return model
 
@@ -132,28 +132,34 @@ def test_decode_steps_give_the_python_forwards_bits(which, request, monkeypatch)
     assert len(runs) == 6
 
 
+# Requests and tokens per request of a verification step: a block model's step of more than 4
+# rows runs the GEMM, a plain decode step of these requests the row kernel (other bits).
+_VERIFY = {"int4": (3, 5), "int4-and-dense": (3, 5), "int4-and-blocks": (1, 4)}
+
+
 @pytest.mark.parametrize("which", list(_MODELS))
 def test_verification_steps_give_the_bits_of_decoding_their_tokens_one_by_one(which, request):
-    """Three requests each verifying 1 + K = 5 generated tokens in one step: the op's hidden
-    states and cache are those of five plain decode steps of the same tokens, and within bf16
-    rounding of the Python forward's (which attends with SDPA, so not its bits)."""
+    """Requests each verifying 1 + K generated tokens in one step (three of 5; one of 4 for a
+    model with block layers, whose kernel changes above 4 rows): the op's hidden states and
+    cache are those of plain decode steps of the same tokens, and within bf16 rounding of the
+    Python forward's (which attends with SDPA, so not its bits)."""
     model = request.getfixturevalue(_MODELS[which])
-    fast, q = model.cpu_decode, 5
+    fast, (n, q) = model.cpu_decode, _VERIFY[which]
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 49152, (n,), generator=g) for n in (13, 8, 21)]
-    tables = [[7, 3, 30], [12, 5, 1], [20, 9, 33]]
+    prompts = [torch.randint(0, 49152, (m,), generator=g) for m in (13, 8, 21)][:n]
+    tables = [[7, 3, 30], [12, 5, 1], [20, 9, 33]][:n]
     kv = _caches(model)
     with torch.no_grad():
         model(torch.cat(prompts), torch.cat([torch.arange(len(p)) for p in prompts]), kv,
-              step_metadata([len(p) for p in prompts], [0, 0, 0], tables, BLOCK))
+              step_metadata([len(p) for p in prompts], [0] * n, tables, BLOCK))
         computed = [len(p) for p in prompts]
-        ids = torch.randint(0, 49152, (3, q), generator=g)
-        meta = step_metadata([q] * 3, computed, tables, BLOCK)
+        ids = torch.randint(0, 49152, (n, q), generator=g)
+        meta = step_metadata([q] * n, computed, tables, BLOCK)
         pos = torch.cat([torch.arange(c, c + q) for c in computed])
         kv_step, kv_python, kv_one_by_one = kv, [c.clone() for c in kv], [c.clone() for c in kv]
-        phases = RowPhases.from_mask(np.ones(3 * q, dtype=bool), torch.device("cpu"))
-        with forward_context(ForwardContext(3 * q, row_phases=phases)):
-            assert fast.applies(torch.zeros(3 * q, 576, dtype=torch.bfloat16), kv, meta)
+        phases = RowPhases.from_mask(np.ones(n * q, dtype=bool), torch.device("cpu"))
+        with forward_context(ForwardContext(n * q, row_phases=phases)):
+            assert fast.applies(torch.zeros(n * q, 576, dtype=torch.bfloat16), kv, meta)
             got = model(ids.flatten(), pos, kv_step, meta)
             model.cpu_decode = None
             try:
@@ -161,7 +167,7 @@ def test_verification_steps_give_the_bits_of_decoding_their_tokens_one_by_one(wh
             finally:
                 model.cpu_decode = fast
         one_by_one = torch.stack([model(ids[:, i], torch.tensor(computed) + i, kv_one_by_one,
-                                        step_metadata([1, 1, 1], [c + i for c in computed], tables, BLOCK))
+                                        step_metadata([1] * n, [c + i for c in computed], tables, BLOCK))
                                   for i in range(q)], dim=1).flatten(0, 1)
         assert torch.equal(got, one_by_one)
         assert all(torch.equal(a, b) for a, b in zip(kv_step, kv_one_by_one))

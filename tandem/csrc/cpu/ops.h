@@ -27,6 +27,9 @@ bool gguf_linear_vnni();
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& segments,
                        const std::optional<at::Tensor>& bias);
 
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& segments,
+                     const std::optional<at::Tensor>& bias);
+
 std::tuple<at::Tensor, at::Tensor> decoder_layer_decode(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& positions,
     const at::Tensor& slot_mapping, const at::Tensor& kv_cache, const at::Tensor& block_tables,

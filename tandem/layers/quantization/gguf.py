@@ -30,14 +30,15 @@ loses little to cancellation.) K-quants other than Q4_K and fp16/fp32 have no pl
 Where the C++ block kernel runs (:mod:`tandem.layers.quantization.gguf_blocks`: AVX512-VNNI),
 a layer with a part of another type than Q4_0/Q4_1 keeps the file's blocks instead
 (:class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear`: 5.5 bits a weight for
-Q5_0 where two planes read 10, Q6_K and Q5_K quantized at all); :func:`quantize_gguf_linears`
-decides each layer's form.
+Q5_0 where two planes read 10, Q6_K and Q5_K quantized at all, and its own GEMM for prompt
+rows and large steps, so no dequantized copy); :func:`quantize_gguf_linears` decides each
+layer's form. What follows is about the int4 layers.
 
 The LM head runs the same way when its tensor (``output``, or the tied ``token_embd``) is of
 these types: ``Q8_0`` in both real models (RESULTS).
 
-Generated rows go through the kernel only while a step has at most :data:`MAX_INT4_ROWS` of
-them; a step with more runs every row on the kept bf16 weight. The kernel computes four rows
+Generated rows go through the int4 kernel only while a step has at most :data:`MAX_INT4_ROWS`
+of them; a step with more runs every row on the kept bf16 weight. The kernel computes four rows
 per read of the weight, so its time steps up at 5, 9, 13... rows, while the bf16 GEMM's
 barely moves (``benchmarks/int4_rows.py``; RESULTS, "int4 kernel by row count": Qwen2.5-1.5B's
 layers at 16 rows take 1.2-2.3x the bf16 GEMM's time, the LM head of SmolLM2 2x). So a
@@ -268,7 +269,7 @@ def _quantized_layer(parts: list[Any], bias: torch.Tensor | None, dense: torch.T
     says which), or None: it stays dense."""
     types = {w.qtype for w in parts}
     if block_kernel and types <= set(gguf_blocks.BLOCK_TYPES) and not types <= set(gguf_blocks.ONE_PLANE_TYPES):
-        return GGUFBlockLinear.from_parts(parts, bias, dense, MAX_INT4_ROWS)
+        return GGUFBlockLinear.from_parts(parts, bias)
     if types <= set(INT4_TYPES):
         return GGUFInt4Linear.from_planes(_fused_planes(parts), bias, dense, MAX_INT4_ROWS)
     return None
@@ -319,11 +320,12 @@ def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
     swaps = []
     for name, max_rows in layers.items():
         parent_name, _, child = name.rpartition(".")
-        extra = (tensors.get(f"{name}.bias"), tensors.get(f"{name}.dense"), max_rows)
+        bias = tensors.get(f"{name}.bias")
         if f"{name}.blocks" in tensors:
-            layer = GGUFBlockLinear(tensors[f"{name}.blocks"], tensors[f"{name}.segments"], *extra)
+            layer = GGUFBlockLinear(tensors[f"{name}.blocks"], tensors[f"{name}.segments"], bias)
         else:
-            layer = GGUFInt4Linear(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"], *extra)
+            layer = GGUFInt4Linear(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"], bias,
+                                   tensors.get(f"{name}.dense"), max_rows)
         swaps.append((model.get_submodule(parent_name), child, layer))
     for parent, child, layer in swaps:
         setattr(parent, child, layer)

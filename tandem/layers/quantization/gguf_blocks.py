@@ -17,12 +17,14 @@ test_gguf_blocks.py).
 
 A layer takes this form when every part of it (q, k and v of a fused qkv_proj may differ) is
 of :data:`BLOCK_TYPES`, at least one of them is not Q4_0 or Q4_1 (those stay on PyTorch's
-int4 kernel, faster on them), and the kernel was built with VNNI
-(:func:`available`; without it the planes or the dense weight run as before). As for the int4
-layers (:class:`~tandem.layers.quantization.phase_linear.PhaseLinear`), prompt rows run dense
-and a step of more than :data:`~tandem.layers.quantization.gguf.MAX_INT4_ROWS` generated rows
-too (the kernel multiplies four rows per read of a weight row). The blocks are kept as one
-flat ``uint8`` tensor (the parts' rows in HF order) with a segment table (type, rows, byte
+int4 kernel, faster on them at one row), and the kernel was built with VNNI
+(:func:`available`; without it the planes or the dense weight run as before). Generated rows
+of a step of up to four go through the row kernel; prompt rows (any count:
+:class:`~tandem.layers.quantization.phase_linear.PhaseLinear`) and a step of more generated
+rows through the GEMM over the same blocks (``torch.ops.tandem_cpu.gguf_gemm``,
+``tandem/csrc/cpu/gguf_gemm.cpp``: each tile of 16 weight rows unpacked to 8-bit values once
+a call, then multiplied into every row), so no dequantized copy is kept. The blocks are kept as
+one flat ``uint8`` tensor (the parts' rows in HF order) with a segment table (type, rows, byte
 offset per part); the parameter cache stores both.
 """
 
@@ -83,8 +85,9 @@ def pack_blocks(parts: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class GGUFBlockLinear(PhaseLinear):
-    """A linear layer whose weight is GGUF blocks, run by ``torch.ops.tandem_cpu.gguf_linear``
-    for generated rows (module docstring) and by ``F.linear`` on ``dense`` for prompt rows.
+    """A linear layer whose weight is GGUF blocks: ``torch.ops.tandem_cpu.gguf_linear`` for
+    generated rows (the row kernel up to 4 rows, the GEMM above), ``gguf_gemm`` for prompt
+    rows (module docstring).
 
     ``forward(x [..., in_features]) -> [..., out_features]`` in x's dtype
     (:class:`~tandem.layers.quantization.phase_linear.PhaseLinear`).
@@ -94,37 +97,39 @@ class GGUFBlockLinear(PhaseLinear):
         segments: ``[parts, 3]`` int64, as :func:`pack_blocks` gives them (kept without a
             copy: a memory-mapped cache's tensors stay mapped).
         bias: ``[out]`` or None.
-        dense: ``[out, in]`` the dequantized weight for prompt rows; None: always blocks.
-        max_quantized_rows: as :class:`PhaseLinear`'s.
 
     Raises:
         ValueError: a segment table that does not describe ``blocks`` (types, sizes, one
-            width), a dense weight of another shape.
+            width).
     """
 
-    def __init__(self, blocks: torch.Tensor, segments: torch.Tensor, bias: torch.Tensor | None = None,
-                 dense: torch.Tensor | None = None, max_quantized_rows: int | None = None) -> None:
+    def __init__(self, blocks: torch.Tensor, segments: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = _shape(blocks, segments)
         self.register_buffer("blocks", blocks)
         self.register_buffer("segments", segments)
-        self._set_dense(bias, dense, max_quantized_rows)
+        self._set_dense(bias, None, None)
 
     @classmethod
-    def from_parts(cls, parts: Sequence[Any], bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
-                   max_quantized_rows: int | None = None) -> GGUFBlockLinear:
-        """The layer of GGUF tensors (:func:`pack_blocks`'s ``parts``; the other arguments as
-        the constructor's).
+    def from_parts(cls, parts: Sequence[Any], bias: torch.Tensor | None = None) -> GGUFBlockLinear:
+        """The layer of GGUF tensors (:func:`pack_blocks`'s ``parts``; ``bias`` as the
+        constructor's).
 
         Raises:
             ValueError: as :func:`pack_blocks` and the constructor.
         """
-        return cls(*pack_blocks(parts), bias, dense, max_quantized_rows)
+        return cls(*pack_blocks(parts), bias)
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         y = cpu_ops.gguf_linear(x2, self.blocks, self.segments, self.bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _has_gemm(self) -> bool:
+        return True
+
+    def _gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.gguf_gemm(x2, self.blocks, self.segments, self.bias)
 
     def extra_repr(self) -> str:
         types = ",".join(GGMLQuantizationType(int(t)).name for t in self.segments[:, 0])

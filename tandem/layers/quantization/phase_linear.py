@@ -1,9 +1,9 @@
-"""A linear layer with two forms of one weight, chosen per row by the phase of the row's
-token: a quantized form for generated tokens (a decode step reads fewer bytes) and the
-dequantized weight for prompt tokens (oneDNN's GEMM is faster from ~16 rows on, and a prompt is
-computed the same way however it was chunked or cached). The GGUF layers of the CPU
-(:mod:`tandem.layers.quantization.gguf`, :mod:`tandem.layers.quantization.gguf_blocks`)
-share it."""
+"""A linear layer with two paths for one weight, chosen per row by the phase of the row's
+token: a decode kernel for generated tokens (a step reads few bytes for few rows) and a GEMM
+for prompt tokens (faster from a few rows on; a prompt is then computed the same way however
+it was chunked or cached). The GGUF layers of the CPU share it: the int4 one
+(:mod:`tandem.layers.quantization.gguf`) runs its prompt rows on a kept dequantized weight,
+the block one (:mod:`tandem.layers.quantization.gguf_blocks`) on its own GEMM over the blocks."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from tandem.distributed.forward_context import RowPhases, get_forward_context
 
 class PhaseLinear(nn.Module):
     """``forward(x [..., in_features]) -> [..., out_features]`` in ``x``'s dtype: rows of
-    generated tokens through :meth:`_quantized`, rows of prompt tokens through ``F.linear``
-    on ``dense``, as the forward context's
-    :class:`~tandem.distributed.forward_context.RowPhases` says (no context, or no dense
-    weight: every row quantized). With ``max_quantized_rows``, a forward with more generated
-    rows than that runs them all dense too (the quantized kernels' time grows with the rows,
-    the dense GEMM's hardly).
+    generated tokens through :meth:`_quantized`, rows of prompt tokens through :meth:`_gemm`
+    (``F.linear`` on ``dense`` unless a subclass has its own), as the forward context's
+    :class:`~tandem.distributed.forward_context.RowPhases` says (no context, or no GEMM:
+    every row quantized). With ``max_quantized_rows``, a forward with more generated rows than
+    that runs them all through the GEMM too (the decode kernel's time grows with the rows, the
+    GEMM's hardly).
 
     Subclasses set ``in_features`` and ``out_features``, then ``bias`` ([out] or None),
     ``dense`` ([out, in] or None) and ``max_quantized_rows`` (int or None) by
@@ -61,14 +61,14 @@ class PhaseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
-        phases = None if ctx is None or self.dense is None else ctx.row_phases
+        phases = None if ctx is None or not self._has_gemm() else ctx.row_phases
         if phases is None or phases.num_prompt == 0 and not self._over_max(phases):
             return self._quantized(x)
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] != phases.num_rows:
             raise ValueError(f"GGUF quantized layer got {x2.shape[0]} rows in a forward of {phases.num_rows}")
         if phases.num_generated == 0 or self._over_max(phases):
-            return F.linear(x, self.dense, self.bias)
+            return self._gemm(x2).reshape(*x.shape[:-1], self.out_features)
         return self._mixed(x2, phases).reshape(*x.shape[:-1], self.out_features)
 
     def _over_max(self, phases: RowPhases) -> bool:
@@ -77,8 +77,16 @@ class PhaseLinear(nn.Module):
     def _mixed(self, x2: torch.Tensor, phases: RowPhases) -> torch.Tensor:
         out = x2.new_empty(x2.shape[0], self.out_features)
         out[phases.generated] = self._quantized(x2[phases.generated])
-        out[phases.prompt] = F.linear(x2[phases.prompt], self.dense, self.bias)
+        out[phases.prompt] = self._gemm(x2[phases.prompt])
         return out
+
+    def _has_gemm(self) -> bool:
+        """Whether :meth:`_gemm` runs (here: a dense weight is kept)."""
+        return self.dense is not None
+
+    def _gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [T, in]`` -> ``[T, out]`` in x2's dtype, the bias added, for many rows."""
+        return F.linear(x2, self.dense, self.bias)
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]`` in x's dtype, the bias added, by the quantized form."""

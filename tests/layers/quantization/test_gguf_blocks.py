@@ -1,7 +1,8 @@
-"""GGUF blocks run as stored (tandem.layers.quantization.gguf_blocks and the C++ kernel
-torch.ops.tandem_cpu.gguf_linear): every type against gguf's own dequantization, the input's
-int8 rounding as the only error beyond fp32's, row invariance, fused parts of several types,
-the layer swap and its restore from a parameter cache's tensors, and bad tables refused."""
+"""GGUF blocks run as stored (tandem.layers.quantization.gguf_blocks and the C++ kernels
+torch.ops.tandem_cpu.gguf_linear and gguf_gemm): every type against gguf's own
+dequantization, the input's int8 rounding as the only error beyond fp32's, row invariance of
+each kernel, fused parts of several types, prompt rows and many rows on the GEMM, the layer
+swap and its restore from a parameter cache's tensors, and bad tables refused."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
@@ -62,16 +62,17 @@ def _group(qtype: T) -> int:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 def test_every_type_is_gguf_dequantization_times_int8_rounded_input(qtype, rows):
-    """For each type and row count (tiles of 4 rows and every remainder): the kernel's output is
-    gguf's dequantized weight times the input rounded as llama.cpp rounds it (int8 per 32, per
-    256 for K-quants) to fp32 rounding (1e-5 of the largest output), and within 2e-2 of it
-    times the unrounded input (the stated tolerance; ~5e-3 typical)."""
+    """For each type and row count (the row kernel's 1-4 rows, the GEMM's more): the output is
+    gguf's dequantized weight times the input rounded as the kernel rounds it (the row kernel
+    as llama.cpp: int8 per 32, per 256 for K-quants; the GEMM per 32 for every type) to fp32
+    rounding (1e-5 of the largest output), and within 2e-2 of it times the unrounded input
+    (the stated tolerance; ~5e-3 typical)."""
     w = _raw(qtype, 40, 512, seed=qtype.value)
     layer = GGUFBlockLinear.from_parts([w])
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     y = layer(x).double()
     ref = _dequantized(w)
-    exact = _int8_rounded(x, _group(qtype)) @ ref.T
+    exact = _int8_rounded(x, _group(qtype) if rows <= 4 else 32) @ ref.T
     assert ((y - exact).abs().max() / exact.abs().max()).item() < 1e-5
     plain = x.double() @ ref.T
     assert ((y - plain).abs().max() / plain.abs().max()).item() < 2e-2
@@ -90,14 +91,35 @@ def test_the_file_and_its_rows_real_values():
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 2e-2
 
 
-def test_a_row_gets_the_same_bits_in_any_batch():
-    """Row-invariant: a row alone, in a batch of 7 at any place, in a 3-D input: one result."""
-    layer = GGUFBlockLinear.from_parts([_raw(T.Q6_K, 24, 512, 1), _raw(T.Q5_0, 8, 512, 2)])
-    xs = torch.randn(7, 512)
-    batch = layer(xs)
-    for i in range(7):
-        assert torch.equal(layer(xs[i:i + 1])[0], batch[i])
-    assert torch.equal(layer(xs.view(7, 1, 512)).view(7, -1), batch)
+@pytest.mark.parametrize("op", ["gguf_linear", "gguf_gemm"])
+def test_a_row_gets_the_same_bits_in_any_batch(op):
+    """Row-invariant, each kernel: a row alone and in a batch at any place (the row kernel's
+    batches up to 4, the GEMM's of 1 to 19 rows: tails of its 8-row passes), one result."""
+    blocks, segments = pack_blocks([_raw(T.Q6_K, 24, 512, 1), _raw(T.Q5_0, 8, 512, 2)])
+    fn = getattr(torch.ops.tandem_cpu, op)
+    xs = torch.randn(19 if op == "gguf_gemm" else 4, 512)
+    alone = [fn(xs[i:i + 1], blocks, segments, None)[0] for i in range(xs.shape[0])]
+    for n in range(2, xs.shape[0] + 1):
+        batch = fn(xs[:n], blocks, segments, None)
+        assert all(torch.equal(batch[i], alone[i]) for i in range(n)), n
+    layer = GGUFBlockLinear(blocks, segments)
+    assert torch.equal(layer(xs.view(-1, 1, 512)).view(xs.shape[0], -1), layer(xs))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_gemm_tiles_every_row_count(qtype):
+    """The GEMM's tiles of 16 weight rows with a partial last one (40 rows) and an input of 1,
+    8 and 13 rows (one 8-row pass and its tail): gguf's dequantized weight times the input
+    rounded per 32, to fp32 rounding; the bias added to each row."""
+    w = _raw(qtype, 40, 512, seed=qtype.value + 1)
+    blocks, segments = pack_blocks([w])
+    bias = torch.randn(40)
+    ref = _dequantized(w)
+    for rows in (1, 8, 13):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        y = torch.ops.tandem_cpu.gguf_gemm(x, blocks, segments, bias).double()
+        exact = _int8_rounded(x, 32) @ ref.T + bias.double()
+        assert ((y - exact).abs().max() / exact.abs().max()).item() < 1e-5, rows
 
 
 def test_fused_parts_of_several_types_and_the_bias():
@@ -125,21 +147,29 @@ def test_llama_cpp_row_order_is_undone():
     torch.testing.assert_close(GGUFBlockLinear.from_parts([w])(x).double(), ref, rtol=0, atol=1e-5)
 
 
-def test_prompt_rows_run_dense_and_more_than_max_rows_too():
-    """As the int4 layers: prompt rows through the dense weight, generated rows through the
-    blocks, all rows dense above max_quantized_rows generated ones."""
-    w = _raw(T.Q5_0, 32, 256, 7)
-    dense = _dequantized(w).float()
-    layer = GGUFBlockLinear.from_parts([w], dense=dense, max_quantized_rows=MAX_INT4_ROWS)
+def test_prompt_rows_run_on_the_gemm_and_more_than_four_generated_rows_too():
+    """Prompt rows through the GEMM at any count (a prompt's bits do not depend on how it was
+    chunked), up to 4 generated rows through the row kernel, more through the GEMM; no dense
+    weight is kept."""
+    w = _raw(T.Q4_K, 32, 256, 7)
+    layer = GGUFBlockLinear.from_parts([w])
+    assert layer.dense is None and layer.max_quantized_rows is None
+    blocks, segments = layer.blocks, layer.segments
     x = torch.randn(6, 256)
-    blocks = GGUFBlockLinear.from_parts([w])(x)
+    rows = torch.ops.tandem_cpu.gguf_linear(x[:3], blocks, segments, None)
+    gemm = torch.ops.tandem_cpu.gguf_gemm(x, blocks, segments, None)
+    assert not torch.equal(rows, gemm[:3])  # Q4_K: x rounded per 256 in one, per 32 in the other
     mask = np.array([True, False, True, False, False, True])
     with forward_context(ForwardContext(6, row_phases=RowPhases.from_mask(mask, torch.device("cpu")))):
         y = layer(x)
-    assert torch.equal(y[mask], blocks[mask]) and torch.equal(y[~mask], F.linear(x[~mask], dense))
+    assert torch.equal(y[mask], torch.ops.tandem_cpu.gguf_linear(x[mask], blocks, segments, None))
+    assert torch.equal(y[~mask], gemm[~mask])
+    one_prompt_row = np.array([False])
+    with forward_context(ForwardContext(1, row_phases=RowPhases.from_mask(one_prompt_row, torch.device("cpu")))):
+        assert torch.equal(layer(x[1:2]), gemm[1:2])
     everything = np.ones(6, dtype=bool)
     with forward_context(ForwardContext(6, row_phases=RowPhases.from_mask(everything, torch.device("cpu")))):
-        assert torch.equal(layer(x), F.linear(x, dense))  # 6 generated rows > 4
+        assert torch.equal(layer(x), gemm)  # 6 generated rows > 4
 
 
 def test_bad_tables_and_parts_are_refused():
@@ -150,16 +180,19 @@ def test_bad_tables_and_parts_are_refused():
                        (torch.tensor([[6, 4, 0], [6, 2, 176]]), "different widths")):
         with pytest.raises(ValueError, match=match):
             GGUFBlockLinear(blocks, bad)
-    with pytest.raises(ValueError, match="dense weight"):
-        GGUFBlockLinear(blocks, segments, dense=torch.zeros(8, 32))
     with pytest.raises(ValueError, match="need one of"):
         pack_blocks([RawWeight(np.zeros((8, 210), np.uint8), "Q2_K", 8, 256, None)])
     with pytest.raises(ValueError, match="all 64 wide"):
         pack_blocks([w, _raw(T.Q5_0, 8, 128)])
     with pytest.raises(RuntimeError, match="in_features"):
         torch.ops.tandem_cpu.gguf_linear(torch.zeros(1, 48), blocks, segments, None)
-    with pytest.raises(RuntimeError, match="passes the end"):
-        torch.ops.tandem_cpu.gguf_linear(torch.zeros(1, 128), blocks, segments, None)
+    for op in (torch.ops.tandem_cpu.gguf_linear, torch.ops.tandem_cpu.gguf_gemm):
+        with pytest.raises(RuntimeError, match="passes the end"):
+            op(torch.zeros(1, 128), blocks, segments, None)
+        with pytest.raises(RuntimeError, match="not supported"):
+            op(torch.zeros(1, 64), blocks, torch.tensor([[99, 8, 0]]), None)
+        with pytest.raises(RuntimeError, match="bias of 3"):
+            op(torch.zeros(6, 64), blocks, segments, torch.zeros(3))
 
 
 class _Layers(torch.nn.Module):
@@ -178,6 +211,8 @@ class _Model(torch.nn.Module):
         self.layers = torch.nn.ModuleList([_Layers()])
         self.embed_tokens = torch.nn.Embedding(64, 256)
         self.lm_head_quant = None
+        for p in self.parameters():  # the linear layers' are left uninitialized (NaN != NaN)
+            p.data.normal_()
 
 
 def _parts() -> dict[str, RawWeight]:
@@ -201,8 +236,8 @@ def test_the_swap_takes_blocks_where_a_part_is_not_q4_0_or_q4_1_and_restores_the
     layer = model.layers[0]
     assert isinstance(layer.qkv_proj, GGUFBlockLinear) and isinstance(layer.down_proj, GGUFBlockLinear)
     assert isinstance(layer.o_proj, GGUFInt4Linear) and isinstance(model.lm_head_quant, GGUFBlockLinear)
-    assert layer.qkv_proj.bias is not None and layer.qkv_proj.dense is not None
-    assert layer.qkv_proj.max_quantized_rows == MAX_INT4_ROWS
+    assert layer.qkv_proj.bias is not None and layer.qkv_proj.dense is None  # prompt rows: the GEMM
+    assert layer.qkv_proj.max_quantized_rows is None and layer.o_proj.max_quantized_rows == MAX_INT4_ROWS
     layers, tensors = gguf_quantized_layers(model), model.state_dict()
     assert set(layers) == {"layers.0.qkv_proj", "layers.0.o_proj", "layers.0.down_proj", "lm_head_quant"}
     fresh = _Model()

@@ -1,0 +1,82 @@
+// The definitions of gguf_quants.h that are not inline.
+#include "gguf_quants.h"
+
+namespace tandem_cpu::gguf {
+
+bool type_info(int64_t type, TypeInfo* info) {
+  switch (type) {
+    case kQ4_0: *info = {32, 18}; return true;
+    case kQ4_1: *info = {32, 20}; return true;
+    case kQ5_0: *info = {32, 22}; return true;
+    case kQ5_1: *info = {32, 24}; return true;
+    case kQ8_0: *info = {32, 34}; return true;
+    case kQ4_K: *info = {256, 144}; return true;
+    case kQ5_K: *info = {256, 176}; return true;
+    case kQ6_K: *info = {256, 210}; return true;
+    default: return false;
+  }
+}
+
+void quantize_x256(const float* x, int64_t t_rows, int64_t in, QuantizedX* qx) {
+  qx->q256.resize(t_rows * in);
+  qx->d256.resize(t_rows * in / 256);
+  qx->dbsum.resize(t_rows * in / 16);
+  qx->dbsum32.resize(t_rows * in / 32);
+  for (int64_t b = 0; b < t_rows * in / 256; ++b) {
+    int8_t* q = qx->q256.data() + 256 * b;
+    const float d = quantize_group(x + 256 * b, 256, q);
+    qx->d256[b] = d;
+    for (int h = 0; h < 16; h += 2) {
+      int sums[2] = {0, 0};
+      for (int j = 0; j < 32; ++j) sums[j / 16] += q[16 * h + j];
+      qx->dbsum[16 * b + h] = d * sums[0];
+      qx->dbsum[16 * b + h + 1] = d * sums[1];
+      qx->dbsum32[8 * b + h / 2] = d * (sums[0] + sums[1]);
+    }
+  }
+}
+
+void quantize_x32(const float* x, int64_t t_rows, int64_t in, QuantizedX* qx) {
+  QuantizedX& r = *qx;
+  r.q.resize(t_rows * in);
+  r.d.resize(t_rows * in / 32);
+  r.dsum.resize(t_rows * in / 16);
+  r.dsum32.resize(t_rows * in / 32);
+  for (int64_t b = 0; b < t_rows * in / 32; ++b) {
+    int8_t* q = r.q.data() + 32 * b;
+    const float d = quantize_group(x + 32 * b, 32, q);
+    int sums[2] = {0, 0};
+    for (int j = 0; j < 32; ++j) sums[j / 16] += q[j];
+    r.d[b] = d;
+    r.dsum[2 * b] = d * sums[0];
+    r.dsum[2 * b + 1] = d * sums[1];
+    r.dsum32[b] = d * (sums[0] + sums[1]);
+  }
+}
+
+std::vector<Segment> parse_segments(const at::Tensor& blocks, const at::Tensor& segments, int64_t in, const char* op) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 1 && blocks.is_contiguous(), op,
+              ": blocks must be a contiguous 1-d uint8 tensor");
+  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 3 &&
+                  segments.size(0) > 0,
+              op, ": segments must be int64 [S, 3] (type, rows, byte offset), got ", segments.sizes());
+  const at::Tensor seg = segments.contiguous();
+  const int64_t* sp = seg.data_ptr<int64_t>();
+  std::vector<Segment> segs;
+  int64_t out = 0;
+  for (int64_t i = 0; i < seg.size(0); ++i) {
+    Segment s{sp[3 * i], {}, sp[3 * i + 1], nullptr, 0, out};
+    TORCH_CHECK(type_info(s.type, &s.info), op, ": GGML type ", s.type, " is not supported");
+    TORCH_CHECK(in % s.info.weights == 0, op, ": in_features ", in, " not a multiple of the type's block of ",
+                s.info.weights);
+    s.row_bytes = in / s.info.weights * s.info.bytes;
+    TORCH_CHECK(s.rows >= 0 && sp[3 * i + 2] >= 0 && sp[3 * i + 2] + s.rows * s.row_bytes <= blocks.numel(),
+                op, ": segment ", i, " passes the end of the blocks");
+    s.data = blocks.data_ptr<uint8_t>() + sp[3 * i + 2];
+    out += s.rows;
+    segs.push_back(s);
+  }
+  return segs;
+}
+
+}  // namespace tandem_cpu::gguf
