@@ -205,6 +205,27 @@ def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, segments: torch.Tensor,
     return torch.ops.tandem_cpu.gguf_gemm(x, blocks, segments, bias)
 
 
+def gguf_get_rows(blocks: torch.Tensor, segments: torch.Tensor, ids: torch.Tensor, cols: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of a GGUF block tensor, dequantized (llama.cpp's get_rows:
+    ``tandem/csrc/cpu/gguf_get_rows.cpp``).
+
+    Args:
+        blocks, segments: as :func:`gguf_linear`'s (the tensor's rows, ``cols`` values each).
+        ids: ``[T]`` integer row indices.
+        cols: values per row, a multiple of 32 (and of 256 for a K-quant).
+        dtype: of the result.
+
+    Returns ``[T, cols]`` in ``dtype``: the values gguf's own dequantization gives (in fp32,
+    then cast).
+
+    Raises:
+        RuntimeError: :func:`available` is False, an id outside the rows, a table as
+            :func:`gguf_linear` refuses it.
+    """
+    return torch.ops.tandem_cpu.gguf_get_rows(blocks, segments, ids, cols, dtype)
+
+
 def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of one query token per request over its keys in the paged cache.
@@ -231,5 +252,5 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     return torch.ops.tandem_cpu.paged_attention_decode(q, kv_cache, block_tables, seq_lens, scale)
 
 
-__all__ = ["HEADERS", "SOURCES", "available", "fused_add_rms_norm", "gguf_gemm", "gguf_linear",
+__all__ = ["HEADERS", "SOURCES", "available", "fused_add_rms_norm", "gguf_gemm", "gguf_get_rows", "gguf_linear",
            "paged_attention_decode", "rms_norm", "rotary_embedding_neox", "silu_and_mul"]

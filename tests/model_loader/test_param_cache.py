@@ -15,7 +15,7 @@ from tandem import platform
 from tandem.attention.torch_backend import TorchAttentionBackend
 from tandem.layers.quantization import gguf as gguf_int4
 from tandem.layers.quantization import gguf_blocks
-from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear
+from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear, GGUFEmbedding
 from tandem.model_loader import gguf_cache, loader
 from tandem.model_loader.param_cache import load_cached_parameters, params_file, save_parameters
 from tandem.models.llama import LlamaForCausalLM
@@ -206,8 +206,9 @@ def test_gguf_int4_load_caches_its_planes_and_maps_them(entry_copy, embedded_mod
         warm = _build_int4(embedded_model_path)
     _assert_same_model(warm, first)
     head = warm.lm_head_quant
-    if blocks:  # prompt rows on the blocks' GEMM: no dense weight
-        assert head.dense is None
+    if blocks:  # prompt rows on the blocks' GEMM: no dense weight; the embedding shares the blocks
+        assert head.dense is None and isinstance(warm.embed_tokens, GGUFEmbedding)
+        assert warm.embed_tokens.blocks.data_ptr() == head.blocks.data_ptr()
     else:
         assert head.dense.data_ptr() == warm.embed_tokens.weight.data_ptr()  # the tied head's weight saved once
     assert (head.blocks if blocks else head.packed).data_ptr() % 64 == 0

@@ -44,9 +44,10 @@ def test_qwen2_gguf_quantized_agrees_with_dequantized_fp32(monkeypatch):
     as GGUF blocks where the block kernel runs, else int4 planes and Q6_K dense),
     teacher-forced on the dequantized fp32 path's greedy continuations, pick the same argmax
     at >= 95 % of positions (the embedded model's bar: a flipped near-tie changes whole
-    continuations, so those are not compared). The teacher-forced tokens are prompt rows,
-    which run the dense weight: here every row runs the quantized kernel, which gives a row
-    the same bits whatever the rows beside it (tests/layers/quantization/)."""
+    continuations, so those are not compared). The teacher-forced tokens are prompt rows
+    (the blocks' GEMM, or an int4 layer's dense weight): here every row runs the decode path
+    (the row kernel up to 4 rows, the GEMM above; int4 planes), which gives a row the same
+    bits whatever the rows beside it (tests/layers/quantization/)."""
     from tandem import LLM
     from tandem.layers.quantization import gguf_blocks
     from tandem.layers.quantization.gguf import GGUFInt4Linear

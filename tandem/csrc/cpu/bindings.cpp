@@ -13,6 +13,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("gguf_linear_vnni() -> bool", &tandem_cpu::gguf_linear_vnni);  // no tensor to dispatch on
   m.def("gguf_linear(Tensor x, Tensor blocks, Tensor segments, Tensor? bias) -> Tensor");
   m.def("gguf_gemm(Tensor x, Tensor blocks, Tensor segments, Tensor? bias) -> Tensor");
+  m.def("gguf_get_rows(Tensor blocks, Tensor segments, Tensor ids, int cols, ScalarType dtype) -> Tensor");
   m.def("decoder_layer_decode(Tensor hidden, Tensor? residual, Tensor positions, Tensor slot_mapping, "
         "Tensor(a!) kv_cache, Tensor block_tables, Tensor seq_lens, Tensor cos, Tensor sin, Tensor[] weights, "
         "int num_heads, int num_kv_heads, int group_size, float eps, float scale) -> (Tensor, Tensor)");
@@ -26,5 +27,6 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("paged_attention_decode", &tandem_cpu::paged_attention_decode);
   m.impl("gguf_linear", &tandem_cpu::gguf_linear);
   m.impl("gguf_gemm", &tandem_cpu::gguf_gemm);
+  m.impl("gguf_get_rows", &tandem_cpu::gguf_get_rows);
   m.impl("decoder_layer_decode", &tandem_cpu::decoder_layer_decode);
 }

@@ -30,6 +30,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, const at::
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& segments,
                      const std::optional<at::Tensor>& bias);
 
+at::Tensor gguf_get_rows(const at::Tensor& blocks, const at::Tensor& segments, const at::Tensor& ids, int64_t cols,
+                         at::ScalarType dtype);
+
 std::tuple<at::Tensor, at::Tensor> decoder_layer_decode(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& positions,
     const at::Tensor& slot_mapping, const at::Tensor& kv_cache, const at::Tensor& block_tables,

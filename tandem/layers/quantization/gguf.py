@@ -35,7 +35,10 @@ rows and large steps, so no dequantized copy); :func:`quantize_gguf_linears` dec
 layer's form. What follows is about the int4 layers.
 
 The LM head runs the same way when its tensor (``output``, or the tied ``token_embd``) is of
-these types: ``Q8_0`` in both real models (RESULTS).
+these types: ``Q8_0`` in both real models (RESULTS). Where the head is blocks (or untied), a
+token embedding of a block type becomes a
+:class:`~tandem.layers.quantization.gguf_blocks.GGUFEmbedding` over the blocks (a tied head's
+own), whose looked-up rows are gguf's dequantized values: no dense table is kept.
 
 Generated rows go through the int4 kernel only while a step has at most :data:`MAX_INT4_ROWS`
 of them; a step with more runs every row on the kept bf16 weight. The kernel computes four rows
@@ -84,7 +87,7 @@ from torch import nn
 
 from tandem.layers.linear import ColumnShardedLinear, RowParallelLinear
 from tandem.layers.quantization import gguf_blocks
-from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear
+from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear, GGUFEmbedding, pack_blocks
 from tandem.layers.quantization.phase_linear import PhaseLinear
 
 GROUP_SIZE = 32
@@ -260,7 +263,24 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any], block_kernel
     if head in raw:
         dense = (model.embed_tokens if tied else model.lm_head).weight.data
         model.lm_head_quant = _quantized_layer([raw[head]], None, dense, block_kernel)
+    embedding = _block_embedding(model, raw, tied, block_kernel)
+    if embedding is not None:
+        model.embed_tokens = embedding
     return counts
+
+
+def _block_embedding(model: nn.Module, raw: Mapping[str, Any], tied: bool, block_kernel: bool
+                     ) -> GGUFEmbedding | None:
+    """The token embedding as the file's blocks where they run here and nothing needs its
+    dense table: a tied LM head that is blocks itself (sharing them), or an untied one."""
+    embed, name = getattr(model, "embed_tokens", None), "model.embed_tokens.weight"
+    if not (block_kernel and isinstance(embed, nn.Embedding) and name in raw
+            and raw[name].qtype in gguf_blocks.BLOCK_TYPES):
+        return None
+    if not tied:
+        return GGUFEmbedding(*pack_blocks([raw[name]]), embed.weight.dtype)
+    head = getattr(model, "lm_head_quant", None)
+    return GGUFEmbedding(head.blocks, head.segments, embed.weight.dtype) if isinstance(head, GGUFBlockLinear) else None
 
 
 def _quantized_layer(parts: list[Any], bias: torch.Tensor | None, dense: torch.Tensor,
@@ -289,11 +309,12 @@ def _fused_planes(weights: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, 
 
 def gguf_quantized_layers(model: nn.Module) -> dict[str, int | None]:
     """The model's GGUF quantized layers (:class:`GGUFInt4Linear`,
-    :class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear`): module name ->
-    ``max_quantized_rows`` (with their buffers and parameters, what
+    :class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear`, and a
+    :class:`~tandem.layers.quantization.gguf_blocks.GGUFEmbedding`): module name ->
+    ``max_quantized_rows`` (None for the embedding) (with their buffers and parameters, what
     :func:`restore_gguf_linears` rebuilds them from)."""
-    return {name: m.max_quantized_rows for name, m in model.named_modules()
-            if isinstance(m, GGUFInt4Linear | GGUFBlockLinear)}
+    return {name: getattr(m, "max_quantized_rows", None) for name, m in model.named_modules()
+            if isinstance(m, GGUFInt4Linear | GGUFBlockLinear | GGUFEmbedding)}
 
 
 def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
@@ -307,7 +328,8 @@ def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
             None).
         layers: :func:`gguf_quantized_layers` of the quantized model.
         tensors: the quantized model's tensors by name: ``<layer>.blocks`` and
-            ``<layer>.segments`` of a block layer, ``<layer>.packed`` and
+            ``<layer>.segments`` of a block layer or embedding (the model's module of that
+            name is an ``nn.Embedding``), ``<layer>.packed`` and
             ``<layer>.scales_and_zeros`` of an int4 one, ``<layer>.bias`` and
             ``<layer>.dense`` where it has them.
 
@@ -320,13 +342,16 @@ def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
     swaps = []
     for name, max_rows in layers.items():
         parent_name, _, child = name.rpartition(".")
-        bias = tensors.get(f"{name}.bias")
-        if f"{name}.blocks" in tensors:
+        parent = model.get_submodule(parent_name)
+        bias, built = tensors.get(f"{name}.bias"), getattr(parent, child, None)
+        if f"{name}.blocks" in tensors and isinstance(built, nn.Embedding):
+            layer = GGUFEmbedding(tensors[f"{name}.blocks"], tensors[f"{name}.segments"], built.weight.dtype)
+        elif f"{name}.blocks" in tensors:
             layer = GGUFBlockLinear(tensors[f"{name}.blocks"], tensors[f"{name}.segments"], bias)
         else:
             layer = GGUFInt4Linear(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"], bias,
                                    tensors.get(f"{name}.dense"), max_rows)
-        swaps.append((model.get_submodule(parent_name), child, layer))
+        swaps.append((parent, child, layer))
     for parent, child, layer in swaps:
         setattr(parent, child, layer)
 

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
 
 from tandem.layers import cpu_ops
 from tandem.layers.quantization.phase_linear import PhaseLinear
@@ -136,6 +137,40 @@ class GGUFBlockLinear(PhaseLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"
 
 
+class GGUFEmbedding(nn.Module):
+    """A token embedding whose table is GGUF blocks, looked up by
+    ``torch.ops.tandem_cpu.gguf_get_rows``: each token's row dequantized when it is needed
+    (the values of gguf's dequantization), so the table stays at the file's bits per weight.
+    A tied LM head (:class:`GGUFBlockLinear`) shares the same blocks.
+
+    ``forward(ids [...]) -> [..., embedding_dim]`` in ``dtype``.
+
+    Args:
+        blocks: ``[bytes]`` uint8 and
+        segments: ``[parts, 3]`` int64 of the table's rows (:func:`pack_blocks`; kept without
+            a copy).
+        dtype: of the embeddings (the model's).
+
+    Raises:
+        ValueError: a segment table that does not describe ``blocks``.
+    """
+
+    def __init__(self, blocks: torch.Tensor, segments: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embedding_dim, self.num_embeddings = _shape(blocks, segments)
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("segments", segments)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = cpu_ops.gguf_get_rows(self.blocks, self.segments, ids.reshape(-1), self.embedding_dim, self.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        types = ",".join(GGMLQuantizationType(int(t)).name for t in self.segments[:, 0])
+        return f"{self.num_embeddings}, {self.embedding_dim}, types={types}"
+
+
 def _shape(blocks: torch.Tensor, segments: torch.Tensor) -> tuple[int, int]:
     """(in_features, out_features) of a segment table over ``blocks``, checked."""
     if blocks.dtype != torch.uint8 or blocks.dim() != 1 or segments.dtype != torch.int64 or segments.dim() != 2 \
@@ -162,4 +197,4 @@ def _shape(blocks: torch.Tensor, segments: torch.Tensor) -> tuple[int, int]:
     return widths.pop(), sum(rows for _, rows, _ in table)
 
 
-__all__ = ["BLOCK_TYPES", "ONE_PLANE_TYPES", "GGUFBlockLinear", "available", "pack_blocks"]
+__all__ = ["BLOCK_TYPES", "ONE_PLANE_TYPES", "GGUFBlockLinear", "GGUFEmbedding", "available", "pack_blocks"]

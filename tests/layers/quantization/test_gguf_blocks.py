@@ -17,7 +17,7 @@ from tandem.layers import cpu_ops
 from tandem.layers.quantization import gguf_blocks
 from tandem.layers.quantization.gguf import (MAX_INT4_ROWS, GGUFInt4Linear, gguf_quantized_layers,
                                              quantize_gguf_linears, restore_gguf_linears)
-from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear, pack_blocks
+from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear, GGUFEmbedding, pack_blocks
 from tandem.model_loader.gguf_weights import RawWeight
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels could not be built")
@@ -172,6 +172,25 @@ def test_prompt_rows_run_on_the_gemm_and_more_than_four_generated_rows_too():
         assert torch.equal(layer(x), gemm)  # 6 generated rows > 4
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_embedding_rows_are_ggufs_dequantization_exactly(qtype):
+    """The block embedding's rows (any ids, repeated, any shape) are gguf's dequantized
+    values to the bit (fp32; the model dtype is their cast), so a model's embeddings do not
+    change when its table stays blocks."""
+    w = _raw(qtype, 40, 512, seed=qtype.value + 2)
+    blocks, segments = pack_blocks([w])
+    ref = torch.from_numpy(gguf.quants.dequantize(w.data, qtype).reshape(40, 512).astype(np.float32))
+    ids = torch.tensor([3, 0, 39, 3, 17], dtype=torch.int32)
+    assert torch.equal(torch.ops.tandem_cpu.gguf_get_rows(blocks, segments, ids, 512, torch.float32), ref[ids.long()])
+    emb = GGUFEmbedding(blocks, segments, torch.bfloat16)
+    assert (emb.num_embeddings, emb.embedding_dim) == (40, 512)
+    assert torch.equal(emb(ids.long().view(1, 5)), ref[ids.long()].to(torch.bfloat16).view(1, 5, 512))
+    with pytest.raises(RuntimeError, match="id 40 outside the 40 rows"):
+        emb(torch.tensor([1, 40]))
+    with pytest.raises(RuntimeError, match="integers"):
+        torch.ops.tandem_cpu.gguf_get_rows(blocks, segments, torch.zeros(2), 512, torch.float32)
+
+
 def test_bad_tables_and_parts_are_refused():
     w = _raw(T.Q5_0, 8, 64)
     blocks, segments = pack_blocks([w])
@@ -228,18 +247,25 @@ def _parts() -> dict[str, RawWeight]:
 
 def test_the_swap_takes_blocks_where_a_part_is_not_q4_0_or_q4_1_and_restores_them():
     """With the block kernel: a fused layer of Q4_K and Q6_K parts and a Q5_0 one take the
-    blocks, a Q4_1 layer stays int4, the tied Q8_0 head too takes the blocks; without it the
-    Q6_K layer stays dense. A model as built gets the same layers back from the tensors."""
+    blocks, a Q4_1 layer stays int4, the tied Q8_0 head too takes the blocks and the embedding
+    shares them (its rows the dense table's); without it the Q6_K layer stays dense, the
+    embedding too. A model as built gets the same layers back from the tensors."""
     model = _Model()
+    dense_table = model.embed_tokens.weight.detach().clone()
     counts = quantize_gguf_linears(model, _parts(), block_kernel=True)
     assert counts == {"blocks": 2, "int4": 1, "dequantized": 0}
     layer = model.layers[0]
     assert isinstance(layer.qkv_proj, GGUFBlockLinear) and isinstance(layer.down_proj, GGUFBlockLinear)
     assert isinstance(layer.o_proj, GGUFInt4Linear) and isinstance(model.lm_head_quant, GGUFBlockLinear)
+    assert isinstance(model.embed_tokens, GGUFEmbedding)
+    assert model.embed_tokens.blocks.data_ptr() == model.lm_head_quant.blocks.data_ptr()
+    ref = torch.from_numpy(gguf.quants.dequantize(_parts()["model.embed_tokens.weight"].data, T.Q8_0).reshape(64, 256))
+    assert torch.equal(model.embed_tokens(torch.tensor([5, 63])), ref[[5, 63]].float())
+    assert not torch.equal(dense_table[[5, 63]], ref[[5, 63]].float())  # the test's table was random
     assert layer.qkv_proj.bias is not None and layer.qkv_proj.dense is None  # prompt rows: the GEMM
     assert layer.qkv_proj.max_quantized_rows is None and layer.o_proj.max_quantized_rows == MAX_INT4_ROWS
     layers, tensors = gguf_quantized_layers(model), model.state_dict()
-    assert set(layers) == {"layers.0.qkv_proj", "layers.0.o_proj", "layers.0.down_proj", "lm_head_quant"}
+    assert set(layers) == {"layers.0.qkv_proj", "layers.0.o_proj", "layers.0.down_proj", "lm_head_quant", "embed_tokens"}
     fresh = _Model()
     restore_gguf_linears(fresh, layers, tensors)
     assert [(n, type(m)) for n, m in fresh.named_modules()] == [(n, type(m)) for n, m in model.named_modules()]
@@ -247,10 +273,12 @@ def test_the_swap_takes_blocks_where_a_part_is_not_q4_0_or_q4_1_and_restores_the
     assert got.keys() == tensors.keys()
     assert all(torch.equal(got[k], v) for k, v in tensors.items() if not k.startswith("embed_tokens"))
     assert fresh.layers[0].qkv_proj.blocks.data_ptr() == tensors["layers.0.qkv_proj.blocks"].data_ptr()
+    assert isinstance(fresh.embed_tokens, GGUFEmbedding) and fresh.embed_tokens.dtype == torch.float32
 
     without = _Model()
     assert quantize_gguf_linears(without, _parts(), block_kernel=False) == {"blocks": 0, "int4": 2, "dequantized": 1}
     assert not isinstance(without.layers[0].qkv_proj, GGUFBlockLinear | GGUFInt4Linear)
+    assert isinstance(without.embed_tokens, torch.nn.Embedding)  # the int4 head reads its table
 
 
 def test_available_says_whether_the_kernel_has_vnni():
