@@ -48,9 +48,9 @@ logger = logging.getLogger(__name__)
 
 # Bump when what a load leaves in a model changes without changing the built model's names
 # or shapes: a parameter's layout, which GGUF layers run int4 or blocks, how their blocks map
-# to planes, whether they keep a dense weight, whether the embedding is blocks
-# (tandem.layers.quantization.gguf).
-PARAMS_FORMAT = 6
+# to planes, whether they keep a dense weight, whether the embedding is blocks and the
+# dense LM head kept (tandem.layers.quantization.gguf).
+PARAMS_FORMAT = 7
 
 
 def params_file(folder: str, dtype: torch.dtype, int4: bool = False) -> str:

@@ -223,6 +223,10 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any], block_kernel
       type (:mod:`tandem.layers.quantization.gguf_blocks`);
     * else a :class:`GGUFInt4Linear` when every part is of :data:`INT4_TYPES`.
 
+    A block head drops an untied model's dense ``lm_head``; a block token embedding
+    (:class:`~tandem.layers.quantization.gguf_blocks.GGUFEmbedding`) replaces
+    ``embed_tokens`` where nothing needs its dense table.
+
     Args:
         model: the model, its weights loaded (the decoder's linear layers are
             ``ColumnShardedLinear`` / ``RowParallelLinear``; it has ``lm_head_quant``).
@@ -266,7 +270,15 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any], block_kernel
     embedding = _block_embedding(model, raw, tied, block_kernel)
     if embedding is not None:
         model.embed_tokens = embedding
+    _drop_dense_head(model)
     return counts
+
+
+def _drop_dense_head(model: nn.Module) -> None:
+    """An untied model's dense ``lm_head`` goes when its quantized head is blocks, which run
+    every row (an int4 head keeps it for its prompt rows)."""
+    if hasattr(model, "lm_head") and isinstance(getattr(model, "lm_head_quant", None), GGUFBlockLinear):
+        del model.lm_head
 
 
 def _block_embedding(model: nn.Module, raw: Mapping[str, Any], tied: bool, block_kernel: bool
@@ -325,7 +337,7 @@ def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
 
     Args:
         model: the model as built (the decoder's linear layers dense; ``lm_head_quant``
-            None).
+            None); an untied model loses its dense ``lm_head`` where the head is blocks.
         layers: :func:`gguf_quantized_layers` of the quantized model.
         tensors: the quantized model's tensors by name: ``<layer>.blocks`` and
             ``<layer>.segments`` of a block layer or embedding (the model's module of that
@@ -354,6 +366,7 @@ def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
         swaps.append((parent, child, layer))
     for parent, child, layer in swaps:
         setattr(parent, child, layer)
+    _drop_dense_head(model)
 
 
 def pack_int4_planes(planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]

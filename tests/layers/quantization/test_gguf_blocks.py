@@ -281,5 +281,36 @@ def test_the_swap_takes_blocks_where_a_part_is_not_q4_0_or_q4_1_and_restores_the
     assert isinstance(without.embed_tokens, torch.nn.Embedding)  # the int4 head reads its table
 
 
+class _UntiedModel(_Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(256, 64, bias=False)
+
+
+def test_an_untied_model_keeps_neither_dense_table_nor_dense_head():
+    """Untied (the Qwen GGUFs' separate ``output``): a Q6_K head as blocks drops the dense
+    ``lm_head``, the Q5_0 embedding becomes blocks of its own; restored alike from the
+    tensors, which hold neither dense weight."""
+    parts = _parts() | {"model.embed_tokens.weight": _raw(T.Q5_0, 64, 256, 21), "lm_head.weight": _raw(T.Q6_K, 64, 256, 22)}
+    model = _UntiedModel()
+    quantize_gguf_linears(model, parts, block_kernel=True)
+    assert not hasattr(model, "lm_head") and isinstance(model.lm_head_quant, GGUFBlockLinear)
+    assert isinstance(model.embed_tokens, GGUFEmbedding)
+    assert model.embed_tokens.segments[0, 0].item() == T.Q5_0.value
+    assert model.lm_head_quant.segments[0, 0].item() == T.Q6_K.value
+    layers, tensors = gguf_quantized_layers(model), model.state_dict()
+    assert not any(k.startswith("lm_head.") or k == "embed_tokens.weight" for k in tensors)
+    fresh = _UntiedModel()
+    restore_gguf_linears(fresh, layers, tensors)
+    assert not hasattr(fresh, "lm_head") and fresh.state_dict().keys() == tensors.keys()
+    x = torch.randn(2, 256)
+    assert torch.equal(fresh.lm_head_quant(x), model.lm_head_quant(x))
+
+    int4_head = _UntiedModel()  # a Q4_0 head runs int4 planes and keeps the dense weight
+    quantize_gguf_linears(int4_head, parts | {"lm_head.weight": _raw(T.Q4_0, 64, 256, 23)}, block_kernel=True)
+    assert isinstance(int4_head.lm_head_quant, GGUFInt4Linear) and hasattr(int4_head, "lm_head")
+    assert isinstance(int4_head.embed_tokens, GGUFEmbedding)
+
+
 def test_available_says_whether_the_kernel_has_vnni():
     assert gguf_blocks.available() == bool(torch.ops.tandem_cpu.gguf_linear_vnni())
