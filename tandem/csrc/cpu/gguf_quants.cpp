@@ -1,6 +1,8 @@
 // The definitions of gguf_quants.h that are not inline.
 #include "gguf_quants.h"
 
+#include <ATen/Parallel.h>
+
 namespace tandem_cpu::gguf {
 
 bool type_info(int64_t type, TypeInfo* info) {
@@ -36,22 +38,44 @@ void quantize_x256(const float* x, int64_t t_rows, int64_t in, QuantizedX* qx) {
   }
 }
 
+// One group of 32 as quantize_group rounds it (the same bits: max of |v|, d = max / 127, v / d
+// as v * (1 / d) rounded to nearest even), vectorized, with the sums of q per 16.
+inline float quantize32(const float* v, int8_t* q, int* sums) {
+#ifdef TANDEM_GGUF_VNNI
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  sums[0] = _mm512_reduce_add_epi32(qa);
+  sums[1] = _mm512_reduce_add_epi32(qb);
+  return d;
+#else
+  const float d = quantize_group(v, 32, q);
+  sums[0] = sums[1] = 0;
+  for (int j = 0; j < 32; ++j) sums[j / 16] += q[j];
+  return d;
+#endif
+}
+
 void quantize_x32(const float* x, int64_t t_rows, int64_t in, QuantizedX* qx) {
   QuantizedX& r = *qx;
   r.q.resize(t_rows * in);
   r.d.resize(t_rows * in / 32);
   r.dsum.resize(t_rows * in / 16);
   r.dsum32.resize(t_rows * in / 32);
-  for (int64_t b = 0; b < t_rows * in / 32; ++b) {
-    int8_t* q = r.q.data() + 32 * b;
-    const float d = quantize_group(x + 32 * b, 32, q);
-    int sums[2] = {0, 0};
-    for (int j = 0; j < 32; ++j) sums[j / 16] += q[j];
-    r.d[b] = d;
-    r.dsum[2 * b] = d * sums[0];
-    r.dsum[2 * b + 1] = d * sums[1];
-    r.dsum32[b] = d * (sums[0] + sums[1]);
-  }
+  at::parallel_for(0, t_rows * in / 32, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      int sums[2];
+      const float d = quantize32(x + 32 * b, r.q.data() + 32 * b, sums);
+      r.d[b] = d;
+      r.dsum[2 * b] = d * sums[0];
+      r.dsum[2 * b + 1] = d * sums[1];
+      r.dsum32[b] = d * (sums[0] + sums[1]);
+    }
+  });
 }
 
 std::vector<Segment> parse_segments(const at::Tensor& blocks, const at::Tensor& segments, int64_t in, const char* op) {
