@@ -215,22 +215,14 @@ struct TileRef {
 
 namespace tandem_cpu {
 
-at::Tensor gguf_gemm(const at::Tensor& x_in, const at::Tensor& blocks, const at::Tensor& segments,
-                     const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(), "gguf_gemm: x must be a 2-d CPU tensor, got ",
-              x_in.sizes());
-  const int64_t t_rows = x_in.size(0), in = x_in.size(1);
-  TORCH_CHECK(in % 32 == 0, "gguf_gemm: in_features ", in, " not a multiple of 32");
-  const std::vector<Segment> segs = parse_segments(blocks, segments, in, "gguf_gemm");
-  int64_t out = 0;
+namespace gguf {
+
+at::Tensor gemm(const at::Tensor& x_in, const LinearCall& call, const std::optional<at::Tensor>& bias) {
+  const int64_t t_rows = x_in.size(0), in = x_in.size(1), out = call.out;
   std::vector<TileRef> tiles;
-  for (const Segment& s : segs) {
+  for (const Segment& s : call.segs)
     for (int64_t r0 = 0; r0 < s.rows; r0 += kTileRows)
       tiles.push_back({&s, r0, static_cast<int>(std::min<int64_t>(kTileRows, s.rows - r0))});
-    out += s.rows;
-  }
-  if (bias.has_value())
-    TORCH_CHECK(bias->numel() == out, "gguf_gemm: bias of ", bias->numel(), " values for ", out, " outputs");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({t_rows, out}, x.options());
   if (t_rows > 0) {
@@ -251,8 +243,14 @@ at::Tensor gguf_gemm(const at::Tensor& x_in, const at::Tensor& blocks, const at:
       }
     });
   }
-  if (bias.has_value()) y.add_(*bias);
-  return y.scalar_type() == x_in.scalar_type() ? y : y.to(x_in.scalar_type());
+  return finish_linear(y, bias, x_in.scalar_type());
+}
+
+}  // namespace gguf
+
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& segments,
+                     const std::optional<at::Tensor>& bias) {
+  return gguf::gemm(x, gguf::parse_linear(x, blocks, segments, bias, "gguf_gemm"), bias);
 }
 
 }  // namespace tandem_cpu

@@ -206,16 +206,10 @@ bool gguf_linear_vnni() {
 
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks, const at::Tensor& segments,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(), "gguf_linear: x must be a 2-d CPU tensor, got ",
-              x_in.sizes());
-  const int64_t t_rows = x_in.size(0), in = x_in.size(1);
-  TORCH_CHECK(in % 32 == 0, "gguf_linear: in_features ", in, " not a multiple of 32");
-  const std::vector<Segment> segs = parse_segments(blocks, segments, in, "gguf_linear");
-  if (t_rows > kRowTile) return gguf_gemm(x_in, blocks, segments, bias);
-  int64_t out = 0;
-  for (const Segment& s : segs) out += s.rows;
-  if (bias.has_value())
-    TORCH_CHECK(bias->numel() == out, "gguf_linear: bias of ", bias->numel(), " values for ", out, " outputs");
+  const LinearCall call = parse_linear(x_in, blocks, segments, bias, "gguf_linear");
+  if (x_in.size(0) > kRowTile) return gemm(x_in, call, bias);
+  const std::vector<Segment>& segs = call.segs;
+  const int64_t t_rows = x_in.size(0), in = x_in.size(1), out = call.out;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   QuantizedX qx;
   const bool any_k = std::any_of(segs.begin(), segs.end(), [](const Segment& g) { return is_k_quant(g.type); });
@@ -233,8 +227,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks, const a
       if (r0 < r1) run_segment(s, r0, r1, qx, t_rows, in, yp, out);
     }
   });
-  if (bias.has_value()) y.add_(*bias);
-  return y.scalar_type() == x_in.scalar_type() ? y : y.to(x_in.scalar_type());
+  return finish_linear(y, bias, x_in.scalar_type());
 }
 
 }  // namespace tandem_cpu

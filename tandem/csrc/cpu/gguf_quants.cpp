@@ -103,4 +103,20 @@ std::vector<Segment> parse_segments(const at::Tensor& blocks, const at::Tensor& 
   return segs;
 }
 
+LinearCall parse_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& segments,
+                        const std::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), op, ": x must be a 2-d CPU tensor, got ", x.sizes());
+  TORCH_CHECK(x.size(1) % 32 == 0, op, ": in_features ", x.size(1), " not a multiple of 32");
+  LinearCall call{parse_segments(blocks, segments, x.size(1), op), 0};
+  for (const Segment& s : call.segs) call.out += s.rows;
+  if (bias.has_value())
+    TORCH_CHECK(bias->numel() == call.out, op, ": bias of ", bias->numel(), " values for ", call.out, " outputs");
+  return call;
+}
+
+at::Tensor finish_linear(at::Tensor y, const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  if (bias.has_value()) y.add_(*bias);
+  return y.scalar_type() == dtype ? y : y.to(dtype);
+}
+
 }  // namespace tandem_cpu::gguf

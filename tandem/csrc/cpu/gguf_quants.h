@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace tandem_cpu::gguf {
@@ -225,5 +226,21 @@ struct Segment {
 // The segment table [S, 3] (type, rows, byte offset) over `blocks` for an input of `in` values,
 // checked (`op` names the caller in errors).
 std::vector<Segment> parse_segments(const at::Tensor& blocks, const at::Tensor& segments, int64_t in, const char* op);
+
+// A linear op's call, checked: x [T, in] on the CPU with `in` a multiple of 32, the segment
+// table, the output rows of all segments and a bias of that many values (`op` names the caller
+// in errors).
+struct LinearCall {
+  std::vector<Segment> segs;
+  int64_t out;
+};
+LinearCall parse_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& segments,
+                        const std::optional<at::Tensor>& bias, const char* op);
+
+// y [T, out] fp32 with the bias added, in `dtype`.
+at::Tensor finish_linear(at::Tensor y, const std::optional<at::Tensor>& bias, at::ScalarType dtype);
+
+// The GEMM (gguf_gemm.cpp) of a checked call: the row kernel's larger calls go there.
+at::Tensor gemm(const at::Tensor& x, const LinearCall& call, const std::optional<at::Tensor>& bias);
 
 }  // namespace tandem_cpu::gguf
