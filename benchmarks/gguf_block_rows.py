@@ -1,17 +1,16 @@
-"""The CPU's GGUF block kernels by row count, on a model's linear shapes (issue 47).
+"""The CPU's GGUF block kernel by row count, on a model's linear shapes (issue 47).
 
-A GGUF block layer (:class:`tandem.layers.quantization.gguf_blocks.GGUFBlockLinear`) runs up
-to 4 generated rows through the row kernel (``torch.ops.tandem_cpu.gguf_linear``: each weight
-row expanded in registers, 4 input rows per read) and prompt rows and larger steps through the
-GEMM (``torch.ops.tandem_cpu.gguf_gemm``: 16 weight rows unpacked to 8-bit values per tile,
-multiplied into every input row). This times both at each row count, beside ``F.linear`` on
-the dequantized bf16 weight the layer no longer keeps, so that the switch at 4 rows is a
-measurement. Weights are random blocks of the model's shapes in each type (the time does not
-depend on the values; fp16 scales are set finite).
+A GGUF block layer (:class:`tandem.layers.quantization.gguf_blocks.GGUFBlockLinear`) runs every
+row through one kernel over its repacked tiles (``torch.ops.tandem_cpu.gguf_repacked_linear``:
+16 weight rows laid out for VNNI's dot product at the file's bits): a decode step's one row, a
+verification's few and a prompt's many alike. This times it at each row count beside
+``F.linear`` on the dequantized bf16 weight the layer does not keep, and, for the types
+PyTorch's int4 kernel runs as one plane (Q4_0, Q4_1: the embedded model's layers, which stay
+int4), beside that kernel. Weights are random blocks of the model's shapes in each type (the
+time does not depend on the values; fp16 scales are set finite).
 
 For each (shape, type), each row count: the median of ``--iters`` calls after a warm-up, the
-three alternated call by call, ms. Printed as a markdown table. The row kernel is timed only
-up to 4 rows (above, ``gguf_linear`` runs the GEMM).
+paths alternated call by call, ms. Printed as a markdown table.
 
     python benchmarks/gguf_block_rows.py [--model qwen1.5b|qwen0.5b|smollm2]
         [--types Q4_K Q6_K Q5_0 Q8_0] [--rows 1 2 4 8 16 64 256] [--iters 20] [--threads 2]
@@ -57,14 +56,14 @@ def random_blocks(qtype: str, out_features: int, in_features: int) -> tuple[torc
     return torch.from_numpy(raw.reshape(-1)), torch.tensor([[t.value, out_features, 0]])
 
 
-def time_rows(blocks: torch.Tensor, segments: torch.Tensor, dense: torch.Tensor, rows: int,
-              iters: int) -> dict[str, float]:
+def time_rows(repacked: torch.Tensor, segments: torch.Tensor, dense: torch.Tensor, int4: tuple | None,
+              rows: int, iters: int) -> dict[str, float]:
     """Median ms of each path at ``rows`` rows, alternated call by call."""
     x = torch.randn(rows, dense.shape[1]).to(torch.bfloat16)
-    paths = {"gemm": lambda: torch.ops.tandem_cpu.gguf_gemm(x, blocks, segments, None),
+    paths = {"repacked": lambda: torch.ops.tandem_cpu.gguf_repacked_linear(x, repacked, segments, None),
              "bf16": lambda: F.linear(x, dense)}
-    if rows <= 4:
-        paths["row"] = lambda: torch.ops.tandem_cpu.gguf_linear(x, blocks, segments, None)
+    if int4 is not None:
+        paths["int4"] = lambda: torch._weight_int4pack_mm_for_cpu(x, int4[0], 32, int4[1])
     times: dict[str, list[float]] = {k: [] for k in paths}
     for i in range(iters + 3):
         for name, fn in paths.items():
@@ -73,6 +72,13 @@ def time_rows(blocks: torch.Tensor, segments: torch.Tensor, dense: torch.Tensor,
             if i >= 3:
                 times[name].append((time.perf_counter() - t0) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def int4_weight(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's int4 CPU layout of a random weight, with bf16 scales and zeros per 32."""
+    q = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32)
+    return (torch._convert_weight_to_int4pack_for_cpu(q, 1),
+            torch.randn(in_features // 32, out_features, 2).to(torch.bfloat16))
 
 
 def main() -> None:
@@ -88,9 +94,9 @@ def main() -> None:
     if not cpu_ops.available():
         raise SystemExit("the C++ CPU kernels could not be built")
     torch.set_num_threads(args.threads)
-    print(f"{args.model}, {args.threads} threads, VNNI {bool(torch.ops.tandem_cpu.gguf_linear_vnni())}; ms, "
+    print(f"{args.model}, {args.threads} threads, VNNI {bool(torch.ops.tandem_cpu.gguf_vnni())}; ms, "
           f"median of {args.iters}")
-    print("| layer | type | rows | row kernel | GEMM | bf16 F.linear | GEMM / bf16 |")
+    print("| layer | type | rows | repacked | bf16 F.linear | int4 (one plane) | repacked / bf16 |")
     print("|---|---|---|---|---|---|---|")
     for name, (out_f, in_f) in layer_shapes(args.model).items():
         dense = torch.randn(out_f, in_f).to(torch.bfloat16)
@@ -98,11 +104,13 @@ def main() -> None:
             if in_f % GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0]:
                 continue
             blocks, segments = random_blocks(qtype, out_f, in_f)
+            repacked, table = torch.ops.tandem_cpu.gguf_repack(blocks, segments, in_f)
+            int4 = int4_weight(out_f, in_f) if qtype in ("Q4_0", "Q4_1") else None
             for rows in args.rows:
-                t = time_rows(blocks, segments, dense, rows, args.iters)
-                row = f"{t['row']:.3f}" if "row" in t else "-"
-                print(f"| {name} [{out_f}, {in_f}] | {qtype} | {rows} | {row} | {t['gemm']:.3f} | {t['bf16']:.3f} | "
-                      f"{t['gemm'] / t['bf16']:.2f} |", flush=True)
+                t = time_rows(repacked, table, dense, int4, rows, args.iters)
+                i4 = f"{t['int4']:.3f}" if "int4" in t else "-"
+                print(f"| {name} [{out_f}, {in_f}] | {qtype} | {rows} | {t['repacked']:.3f} | {t['bf16']:.3f} | {i4} | "
+                      f"{t['repacked'] / t['bf16']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

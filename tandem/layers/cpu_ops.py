@@ -154,55 +154,59 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.tandem_cpu.silu_and_mul(gate_up)
 
 
-def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, segments: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + bias`` with ``W`` GGUF blocks as a file stores them
-    (:class:`tandem.layers.quantization.gguf_blocks.GGUFBlockLinear` holds them).
+def gguf_repack(blocks: torch.Tensor, segments: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF blocks as a file stores them repacked into the tiles :func:`gguf_repacked_linear`
+    multiplies from (``tandem/csrc/cpu/gguf_repacked.cpp`` has the layout): 16 weight rows per
+    tile laid out for AVX512-VNNI's dot product, each weight at the file's bits, the scales as
+    the file has them (a tile of 16 rows pads a segment's last rows with zeros).
 
     Args:
-        x: ``[T, in]`` fp32/fp16/bf16, ``in`` a multiple of 32 (and of 256 for a K-quant).
         blocks: ``[bytes]`` uint8, the segments' rows one after another.
         segments: ``[S, 3]`` int64: per segment its GGML type id (Q4_0 2, Q4_1 3, Q5_0 6,
-            Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14), row count and byte offset; the output
-            holds the segments' rows in order.
-        bias: ``[out]`` or None.
+            Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14), row count and byte offset in ``blocks``;
+            the output holds the segments' rows in order.
+        in_features: the width, a multiple of 32 (and of 256 for a K-quant).
 
-    Returns ``[T, out]`` in x's dtype. Up to 4 rows: llama.cpp's CPU arithmetic (each row of
-    x rounded to int8 per 32 values, per 256 for a K-quant; integer dot products, fp32
-    scaling; the source's header), each output row a function of its input row only,
-    multi-threaded over the output rows from ~64 K weights a thread. More rows:
-    :func:`gguf_gemm` (its arithmetic, faster there).
+    Returns:
+        ``(repacked [bytes] uint8, segments [S, 3] int64)``: the tiles and their table (type,
+        rows, byte offset in ``repacked``). Multi-threaded over tiles.
 
     Raises:
-        RuntimeError: :func:`available` is False, a tensor of another shape or dtype, an
-            unsupported type, a segment past the end of ``blocks``, an ``in`` the type's
-            block does not divide.
+        RuntimeError: :func:`available` is False, an unsupported type, a segment past the end
+            of ``blocks``, a width the type's block does not divide.
     """
-    return torch.ops.tandem_cpu.gguf_linear(x, blocks, segments, bias)
+    return torch.ops.tandem_cpu.gguf_repack(blocks, segments, in_features)
 
 
-def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, segments: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + bias`` with ``W`` GGUF blocks, many rows at a time: the weight is unpacked
-    tile by tile (16 rows) to 8-bit values once per call and each tile multiplied into every
-    row of x with AVX512-VNNI (``tandem/csrc/cpu/gguf_gemm.cpp``; scalar code of the same
-    arithmetic without VNNI). For prompt rows at any count, and what :func:`gguf_linear` runs
-    above 4 rows.
+def gguf_repacked_linear(x: torch.Tensor, repacked: torch.Tensor, segments: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + bias`` with ``W`` the tiles of :func:`gguf_repack`, any number of rows.
 
     Args:
         x: ``[T, in]`` fp32/fp16/bf16.
-        blocks, segments, bias: as :func:`gguf_linear`'s.
+        repacked, segments: :func:`gguf_repack`'s output for this ``in``.
+        bias: ``[out]`` or None.
 
-    Returns ``[T, out]`` in x's dtype: each row of x rounded to int8 per 32 values (for every
-    type), integer dot products per group of 32 columns (16 for Q6_K), fp32 scaling in a fixed
-    order: each output row a function of its input row only, the same bits with and without
-    VNNI, not the same bits as :func:`gguf_linear` (whose K-quants round x per 256 and sum in
-    another order). Multi-threaded over tiles of 16 output rows.
+    Returns ``[T, out]`` in x's dtype: llama.cpp's CPU arithmetic per 32 (each row of x rounded
+    to int8 per 32 values, as its Q8_0; integer dot products with AVX512-VNNI per group of 32
+    columns, 16 for Q6_K; fp32 scaling in a fixed order; the source's header): each output row a
+    function of its input row only, whatever the row count (batch-invariant), the same bits
+    with and without VNNI (scalar code, slow). Multi-threaded over tiles of 16 output rows.
 
     Raises:
-        RuntimeError: as :func:`gguf_linear`.
+        RuntimeError: :func:`available` is False, a tensor of another shape or dtype, a table
+            that does not describe ``repacked`` at this width, a bias of another length.
     """
-    return torch.ops.tandem_cpu.gguf_gemm(x, blocks, segments, bias)
+    return torch.ops.tandem_cpu.gguf_repacked_linear(x, repacked, segments, bias)
+
+
+def gguf_repacked_width(repacked: torch.Tensor, segments: torch.Tensor) -> int:
+    """The ``in_features`` of :func:`gguf_repack`'s output (the tiles' bytes are linear in it).
+
+    Raises:
+        RuntimeError: :func:`available` is False, or no width fits the bytes and the table.
+    """
+    return torch.ops.tandem_cpu.gguf_repacked_width(repacked, segments)
 
 
 def gguf_get_rows(blocks: torch.Tensor, segments: torch.Tensor, ids: torch.Tensor, cols: int,
@@ -211,7 +215,7 @@ def gguf_get_rows(blocks: torch.Tensor, segments: torch.Tensor, ids: torch.Tenso
     ``tandem/csrc/cpu/gguf_get_rows.cpp``).
 
     Args:
-        blocks, segments: as :func:`gguf_linear`'s (the tensor's rows, ``cols`` values each).
+        blocks, segments: as :func:`gguf_repack`'s (the tensor's rows, ``cols`` values each).
         ids: ``[T]`` integer row indices.
         cols: values per row, a multiple of 32 (and of 256 for a K-quant).
         dtype: of the result.
@@ -221,7 +225,7 @@ def gguf_get_rows(blocks: torch.Tensor, segments: torch.Tensor, ids: torch.Tenso
 
     Raises:
         RuntimeError: :func:`available` is False, an id outside the rows, a table as
-            :func:`gguf_linear` refuses it.
+            :func:`gguf_repack` refuses it.
     """
     return torch.ops.tandem_cpu.gguf_get_rows(blocks, segments, ids, cols, dtype)
 
@@ -252,5 +256,5 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     return torch.ops.tandem_cpu.paged_attention_decode(q, kv_cache, block_tables, seq_lens, scale)
 
 
-__all__ = ["HEADERS", "SOURCES", "available", "fused_add_rms_norm", "gguf_gemm", "gguf_get_rows", "gguf_linear",
-           "paged_attention_decode", "rms_norm", "rotary_embedding_neox", "silu_and_mul"]
+__all__ = ["HEADERS", "SOURCES", "available", "fused_add_rms_norm", "gguf_get_rows", "gguf_repack",
+           "gguf_repacked_linear", "gguf_repacked_width", "paged_attention_decode", "rms_norm", "rotary_embedding_neox", "silu_and_mul"]

@@ -99,14 +99,14 @@ def _linears(layer: DecoderLayer) -> list[torch.nn.Module]:
 
 
 def _linear_tensors(lin: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An int4 layer's (packed, scales and zeros, bias), a block layer's (blocks, segments,
-    bias), a dense one's (weight, empty, bias); empty for no bias."""
+    """An int4 layer's (packed, scales and zeros, bias), a block layer's (repacked tiles,
+    segments, bias), a dense one's (weight, empty, bias); empty for no bias."""
     empty = torch.empty(0, dtype=dtype)
     bias = empty if lin.bias is None else lin.bias
     if isinstance(lin, GGUFInt4Linear):
         return lin.packed, lin.scales_and_zeros, bias
     if isinstance(lin, GGUFBlockLinear):
-        return lin.blocks, lin.segments, bias
+        return lin.repacked, lin.segments, bias
     return lin.weight, empty, bias
 
 

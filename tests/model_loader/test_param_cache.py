@@ -206,12 +206,11 @@ def test_gguf_int4_load_caches_its_planes_and_maps_them(entry_copy, embedded_mod
         warm = _build_int4(embedded_model_path)
     _assert_same_model(warm, first)
     head = warm.lm_head_quant
-    if blocks:  # prompt rows on the blocks' GEMM: no dense weight; the embedding shares the blocks
+    if blocks:  # every row on the repacked blocks: no dense weight; the embedding keeps the file's blocks
         assert head.dense is None and isinstance(warm.embed_tokens, GGUFEmbedding)
-        assert warm.embed_tokens.blocks.data_ptr() == head.blocks.data_ptr()
     else:
         assert head.dense.data_ptr() == warm.embed_tokens.weight.data_ptr()  # the tied head's weight saved once
-    assert (head.blocks if blocks else head.packed).data_ptr() % 64 == 0
+    assert (head.repacked if blocks else head.packed).data_ptr() % 64 == 0
 
 
 def test_int4_file_is_one_per_cpu_capability(tmp_path, monkeypatch):

@@ -132,19 +132,13 @@ def test_decode_steps_give_the_python_forwards_bits(which, request, monkeypatch)
     assert len(runs) == 6
 
 
-# Requests and tokens per request of a verification step: a block model's step of more than 4
-# rows runs the GEMM, a plain decode step of these requests the row kernel (other bits).
-_VERIFY = {"int4": (3, 5), "int4-and-dense": (3, 5), "int4-and-blocks": (1, 4)}
-
-
 @pytest.mark.parametrize("which", list(_MODELS))
 def test_verification_steps_give_the_bits_of_decoding_their_tokens_one_by_one(which, request):
-    """Requests each verifying 1 + K generated tokens in one step (three of 5; one of 4 for a
-    model with block layers, whose kernel changes above 4 rows): the op's hidden states and
-    cache are those of plain decode steps of the same tokens, and within bf16 rounding of the
-    Python forward's (which attends with SDPA, so not its bits)."""
+    """Three requests each verifying 1 + 4 generated tokens in one step: the op's hidden
+    states and cache are those of plain decode steps of the same tokens, and within bf16
+    rounding of the Python forward's (which attends with SDPA, so not its bits)."""
     model = request.getfixturevalue(_MODELS[which])
-    fast, (n, q) = model.cpu_decode, _VERIFY[which]
+    fast, (n, q) = model.cpu_decode, (3, 5)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (m,), generator=g) for m in (13, 8, 21)][:n]
     tables = [[7, 3, 30], [12, 5, 1], [20, 9, 33]][:n]

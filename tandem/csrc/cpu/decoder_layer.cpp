@@ -13,12 +13,12 @@ namespace {
 // Weights, in this order (tandem/models/cpu_decode.py builds the list): the input norm's and
 // the post-attention norm's weights, then three tensors for each of qkv_proj, o_proj,
 // gate_up_proj and down_proj: an int4 layer's (packed planes, scales and zeros, bias or an
-// empty tensor), a GGUF block layer's (blocks, int64 segments, bias or an empty tensor), or a
+// empty tensor), a GGUF block layer's (repacked tiles, int64 segments, bias or an empty tensor), or a
 // dense layer's (weight, an empty tensor, bias or an empty tensor).
 constexpr int64_t kNumWeights = 14;
 
 // A linear layer as its Python module computes it. int4 (GGUFInt4Linear._int4): the planes'
-// products summed in bf16, cast back, the bias added. Blocks (GGUFBlockLinear): gguf_linear.
+// products summed in bf16, cast back, the bias added. Blocks (GGUFBlockLinear): gguf_repacked_linear.
 // Dense (ColumnShardedLinear /
 // RowParallelLinear at one rank, not deterministic): F.linear, with the bias inside for a
 // column layer (`column`), added after it for a row layer.
@@ -30,7 +30,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
     return bias.numel() ? y + bias : y;
   }
   if (b.scalar_type() == at::kLong)
-    return tandem_cpu::gguf_linear(x, a, b, bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt);
+    return tandem_cpu::gguf_repacked_linear(x, a, b, bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt);
   const at::Tensor xb = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16)).contiguous();
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(xb, a[0], group_size, b[0]);
   for (int64_t p = 1; p < a.size(0); ++p) y.add_(at::_weight_int4pack_mm_for_cpu(xb, a[p], group_size, b[p]));

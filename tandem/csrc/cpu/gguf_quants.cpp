@@ -19,25 +19,6 @@ bool type_info(int64_t type, TypeInfo* info) {
   }
 }
 
-void quantize_x256(const float* x, int64_t t_rows, int64_t in, QuantizedX* qx) {
-  qx->q256.resize(t_rows * in);
-  qx->d256.resize(t_rows * in / 256);
-  qx->dbsum.resize(t_rows * in / 16);
-  qx->dbsum32.resize(t_rows * in / 32);
-  for (int64_t b = 0; b < t_rows * in / 256; ++b) {
-    int8_t* q = qx->q256.data() + 256 * b;
-    const float d = quantize_group(x + 256 * b, 256, q);
-    qx->d256[b] = d;
-    for (int h = 0; h < 16; h += 2) {
-      int sums[2] = {0, 0};
-      for (int j = 0; j < 32; ++j) sums[j / 16] += q[16 * h + j];
-      qx->dbsum[16 * b + h] = d * sums[0];
-      qx->dbsum[16 * b + h + 1] = d * sums[1];
-      qx->dbsum32[8 * b + h / 2] = d * (sums[0] + sums[1]);
-    }
-  }
-}
-
 // One group of 32 as quantize_group rounds it (the same bits: max of |v|, d = max / 127, v / d
 // as v * (1 / d) rounded to nearest even), vectorized, with the sums of q per 16.
 inline float quantize32(const float* v, int8_t* q, int* sums) {
@@ -101,17 +82,6 @@ std::vector<Segment> parse_segments(const at::Tensor& blocks, const at::Tensor& 
     segs.push_back(s);
   }
   return segs;
-}
-
-LinearCall parse_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& segments,
-                        const std::optional<at::Tensor>& bias, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), op, ": x must be a 2-d CPU tensor, got ", x.sizes());
-  TORCH_CHECK(x.size(1) % 32 == 0, op, ": in_features ", x.size(1), " not a multiple of 32");
-  LinearCall call{parse_segments(blocks, segments, x.size(1), op), 0};
-  for (const Segment& s : call.segs) call.out += s.rows;
-  if (bias.has_value())
-    TORCH_CHECK(bias->numel() == call.out, op, ": bias of ", bias->numel(), " values for ", call.out, " outputs");
-  return call;
 }
 
 at::Tensor finish_linear(at::Tensor y, const std::optional<at::Tensor>& bias, at::ScalarType dtype) {

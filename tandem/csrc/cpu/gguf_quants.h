@@ -1,7 +1,7 @@
 // GGUF blocks (llama.cpp's layouts, ggml-common.h) as the CPU kernels read them: the types'
 // sizes, the expansion of a group of 32 weights to unsigned 8-bit values u with w = s u + o, and
-// x quantized to int8 as llama.cpp quantizes it for a type's dot product. Shared by the row
-// kernel (gguf_linear.cpp) and the GEMM (gguf_gemm.cpp).
+// x quantized to int8 per 32 values as llama.cpp quantizes it for its dot products. Shared by
+// the repacking and GEMM (gguf_unpack.cpp, gguf_repacked.cpp) and get_rows (gguf_get_rows.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -41,19 +41,14 @@ inline float fp16(const uint8_t* p) {
 #endif
 }
 
-// x quantized as llama.cpp quantizes it for a type's dot product. For the 32-weight types
-// (its Q8_0): per 32 values one scale dx and int8 values q, with dx * sum(q) per 16 and per 32
-// (the offsets' factor). For the K-quants (its Q8_K): per 256 values one scale and int8
-// values, with the scale times the sums of q per 16 and per 32 (the mins' factor).
+// x quantized to int8 per 32 values as llama.cpp's Q8_0 (its CPU dot products' input): per 32
+// values one scale dx and int8 values q, with dx * sum(q) per 16 and per 32 (the offsets'
+// factors).
 struct QuantizedX {
-  std::vector<int8_t> q;       // [T, in]
-  std::vector<float> d;        // [T, in / 32]
-  std::vector<float> dsum;     // [T, in / 16]
-  std::vector<float> dsum32;   // [T, in / 32]
-  std::vector<int8_t> q256;    // [T, in]
-  std::vector<float> d256;     // [T, in / 256]
-  std::vector<float> dbsum;    // [T, in / 16]: the 256-scale times the sums of q per 16
-  std::vector<float> dbsum32;  // [T, in / 32]: per 32
+  std::vector<int8_t> q;      // [T, in]
+  std::vector<float> d;       // [T, in / 32]
+  std::vector<float> dsum;    // [T, in / 16]
+  std::vector<float> dsum32;  // [T, in / 32]
 };
 
 // Round v / d to int8 for every value of a group, with d = max|v| / 127.
@@ -65,9 +60,7 @@ inline float quantize_group(const float* v, int n, int8_t* q) {
   return d;
 }
 
-// x [T, in] fp32 quantized per 256 values (q256, d256, dbsum, dbsum32) and per 32 (q, d, dsum,
-// dsum32).
-void quantize_x256(const float* x, int64_t t_rows, int64_t in, QuantizedX* qx);
+// x [T, in] fp32 quantized per 32 values (multi-threaded over the groups).
 void quantize_x32(const float* x, int64_t t_rows, int64_t in, QuantizedX* qx);
 
 // The eight 6-bit scales and mins of a Q4_K/Q5_K super-block (12 bytes; ggml's
@@ -227,20 +220,22 @@ struct Segment {
 // checked (`op` names the caller in errors).
 std::vector<Segment> parse_segments(const at::Tensor& blocks, const at::Tensor& segments, int64_t in, const char* op);
 
-// A linear op's call, checked: x [T, in] on the CPU with `in` a multiple of 32, the segment
-// table, the output rows of all segments and a bias of that many values (`op` names the caller
-// in errors).
-struct LinearCall {
-  std::vector<Segment> segs;
-  int64_t out;
-};
-LinearCall parse_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& segments,
-                        const std::optional<at::Tensor>& bias, const char* op);
-
 // y [T, out] fp32 with the bias added, in `dtype`.
 at::Tensor finish_linear(at::Tensor y, const std::optional<at::Tensor>& bias, at::ScalarType dtype);
 
-// The GEMM (gguf_gemm.cpp) of a checked call: the row kernel's larger calls go there.
-at::Tensor gemm(const at::Tensor& x, const LinearCall& call, const std::optional<at::Tensor>& bias);
+// Weight rows of a tile: one int32 lane of a 512-bit vector each.
+constexpr int kTileRows = 16;
+
+// Up to 16 weight rows of one segment, unpacked for the whole input width: u in runs of four
+// columns interleaved over the rows (u[64 (k / 4) + 4 r + k % 4] is row r's value at column
+// k), s and o per group and row ([in / G, 16], G = 16 for Q6_K, 32 otherwise).
+struct Tile {
+  std::vector<uint8_t> u;
+  std::vector<float> s, o;
+};
+
+// The tile of rows [r0, r0 + rows) of a segment (t sized for `in` columns: u 16 in, s and o
+// in values); rows past `rows` are zeros (gguf_unpack.cpp).
+void unpack_tile(const Segment& seg, int64_t r0, int rows, int64_t in, Tile* t);
 
 }  // namespace tandem_cpu::gguf

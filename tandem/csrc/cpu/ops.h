@@ -22,13 +22,16 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale);
 
-bool gguf_linear_vnni();
+// Whether the GGUF kernels were built with AVX512-VNNI.
+bool gguf_vnni();
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& segments,
-                       const std::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor> gguf_repack(const at::Tensor& blocks, const at::Tensor& segments,
+                                               int64_t in_features);
 
-at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& segments,
-                     const std::optional<at::Tensor>& bias);
+at::Tensor gguf_repacked_linear(const at::Tensor& x, const at::Tensor& repacked, const at::Tensor& segments,
+                                const std::optional<at::Tensor>& bias);
+
+int64_t gguf_repacked_width(const at::Tensor& repacked, const at::Tensor& segments);
 
 at::Tensor gguf_get_rows(const at::Tensor& blocks, const at::Tensor& segments, const at::Tensor& ids, int64_t cols,
                          at::ScalarType dtype);

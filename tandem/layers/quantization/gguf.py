@@ -28,17 +28,17 @@ loses little to cancellation.) K-quants other than Q4_K and fp16/fp32 have no pl
 ``Q6_K``'s groups of 16 would take four, as many bytes as bf16.
 
 Where the C++ block kernel runs (:mod:`tandem.layers.quantization.gguf_blocks`: AVX512-VNNI),
-a layer with a part of another type than Q4_0/Q4_1 keeps the file's blocks instead
-(:class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear`: 5.5 bits a weight for
-Q5_0 where two planes read 10, Q6_K and Q5_K quantized at all, and its own GEMM for prompt
-rows and large steps, so no dequantized copy); :func:`quantize_gguf_linears` decides each
-layer's form. What follows is about the int4 layers.
+a layer with a part of another type than Q4_0/Q4_1 keeps the file's blocks instead, repacked
+(:class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear`: the file's bits per weight,
+Q6_K and Q5_K quantized at all, one kernel for every row count, no dequantized copy);
+:func:`quantize_gguf_linears` decides each layer's form. What follows is about the int4
+layers.
 
 The LM head runs the same way when its tensor (``output``, or the tied ``token_embd``) is of
 these types: ``Q8_0`` in both real models (RESULTS). Where the head is blocks (or untied), a
 token embedding of a block type becomes a
-:class:`~tandem.layers.quantization.gguf_blocks.GGUFEmbedding` over the blocks (a tied head's
-own), whose looked-up rows are gguf's dequantized values: no dense table is kept.
+:class:`~tandem.layers.quantization.gguf_blocks.GGUFEmbedding` over the file's blocks, whose
+looked-up rows are gguf's dequantized values: no dense table is kept.
 
 Generated rows go through the int4 kernel only while a step has at most :data:`MAX_INT4_ROWS`
 of them; a step with more runs every row on the kept bf16 weight. The kernel computes four rows
@@ -218,9 +218,9 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any], block_kernel
     biases and dequantized weights are kept as loaded), and give the model a quantized LM head
     (``model.lm_head_quant``, over ``lm_head.weight`` or, tied, the embedding) likewise:
 
-    * a :class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear` (the file's blocks)
-      with ``block_kernel`` when every part is of its types and one is not a one-plane int4
-      type (:mod:`tandem.layers.quantization.gguf_blocks`);
+    * a :class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear` (the file's blocks,
+      repacked) with ``block_kernel`` when every part is of its types and one is not a
+      one-plane int4 type (:mod:`tandem.layers.quantization.gguf_blocks`);
     * else a :class:`GGUFInt4Linear` when every part is of :data:`INT4_TYPES`.
 
     A block head drops an untied model's dense ``lm_head``; a block token embedding
@@ -284,15 +284,14 @@ def _drop_dense_head(model: nn.Module) -> None:
 def _block_embedding(model: nn.Module, raw: Mapping[str, Any], tied: bool, block_kernel: bool
                      ) -> GGUFEmbedding | None:
     """The token embedding as the file's blocks where they run here and nothing needs its
-    dense table: a tied LM head that is blocks itself (sharing them), or an untied one."""
+    dense table: an untied model, or a tied one whose LM head is blocks (its own tiles)."""
     embed, name = getattr(model, "embed_tokens", None), "model.embed_tokens.weight"
     if not (block_kernel and isinstance(embed, nn.Embedding) and name in raw
             and raw[name].qtype in gguf_blocks.BLOCK_TYPES):
         return None
-    if not tied:
-        return GGUFEmbedding(*pack_blocks([raw[name]]), embed.weight.dtype)
-    head = getattr(model, "lm_head_quant", None)
-    return GGUFEmbedding(head.blocks, head.segments, embed.weight.dtype) if isinstance(head, GGUFBlockLinear) else None
+    if tied and not isinstance(getattr(model, "lm_head_quant", None), GGUFBlockLinear):
+        return None
+    return GGUFEmbedding(*pack_blocks([raw[name]]), embed.weight.dtype)
 
 
 def _quantized_layer(parts: list[Any], bias: torch.Tensor | None, dense: torch.Tensor,
@@ -339,9 +338,10 @@ def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
         model: the model as built (the decoder's linear layers dense; ``lm_head_quant``
             None); an untied model loses its dense ``lm_head`` where the head is blocks.
         layers: :func:`gguf_quantized_layers` of the quantized model.
-        tensors: the quantized model's tensors by name: ``<layer>.blocks`` and
-            ``<layer>.segments`` of a block layer or embedding (the model's module of that
-            name is an ``nn.Embedding``), ``<layer>.packed`` and
+        tensors: the quantized model's tensors by name: ``<layer>.repacked`` and
+            ``<layer>.segments`` of a block layer, ``<layer>.blocks`` and ``<layer>.segments``
+            of an embedding (the model's module of that name is an ``nn.Embedding``),
+            ``<layer>.packed`` and
             ``<layer>.scales_and_zeros`` of an int4 one, ``<layer>.bias`` and
             ``<layer>.dense`` where it has them.
 
@@ -358,8 +358,8 @@ def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
         bias, built = tensors.get(f"{name}.bias"), getattr(parent, child, None)
         if f"{name}.blocks" in tensors and isinstance(built, nn.Embedding):
             layer = GGUFEmbedding(tensors[f"{name}.blocks"], tensors[f"{name}.segments"], built.weight.dtype)
-        elif f"{name}.blocks" in tensors:
-            layer = GGUFBlockLinear(tensors[f"{name}.blocks"], tensors[f"{name}.segments"], bias)
+        elif f"{name}.repacked" in tensors:
+            layer = GGUFBlockLinear(tensors[f"{name}.repacked"], tensors[f"{name}.segments"], bias)
         else:
             layer = GGUFInt4Linear(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"], bias,
                                    tensors.get(f"{name}.dense"), max_rows)

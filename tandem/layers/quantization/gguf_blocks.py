@@ -1,31 +1,22 @@
-"""GGUF weights run on the CPU as the file stores them: llama.cpp's blocks read by the C++
-kernel ``torch.ops.tandem_cpu.gguf_linear`` (``tandem/csrc/cpu/gguf_linear.cpp``), at the
-file's bits per weight.
+"""GGUF weights run on the CPU at the file's bits, as llama.cpp runs them: each layer's blocks
+repacked once, at load, into tiles of 16 weight rows laid out for AVX512-VNNI's 8-bit dot
+product (``torch.ops.tandem_cpu.gguf_repack``; llama.cpp repacks its CPU weights likewise),
+multiplied by ``torch.ops.tandem_cpu.gguf_repacked_linear`` (``tandem/csrc/cpu/gguf_repacked.cpp``)
+at every row count: each row of the input quantized to int8 per 32 values (llama.cpp's Q8_0),
+integer dot products per group, the sums scaled in fp32 (the kernel's header has the
+arithmetic). The one error besides fp32 rounding is the input's int8 rounding (relative error
+~5e-3 of a layer's largest output on random inputs, tests/layers/quantization/test_gguf_blocks.py).
 
-The int4 planes of :mod:`tandem.layers.quantization.gguf` map a 4-bit type onto PyTorch's
-int4 GEMM exactly (5 bits a weight with its bf16 scale and zero), but a 5- or 8-bit type takes
-two planes (10 bits) and Q6_K none (it stays bf16, 16 bits), where the file holds 5.5 (Q5_0),
-8.5 (Q8_0) and 6.56 (Q6_K) bits: a decode step of Qwen2.5-Coder-0.5B-Instruct Q4_K_M, mostly
-Q5_0 with a Q8_0 LM head, read ~1.6x the file's bytes, and the 1.5B's Q6_K LM head and
-down projections ran dense. The kernel here reads the blocks themselves, as llama.cpp's CPU
-backend does: each row of the input quantized to int8 per 32 values (llama.cpp's Q8_0), each
-group of 32 weights expanded to unsigned 8-bit values in registers and multiplied with
-AVX512-VNNI's 8-bit dot product, the sums scaled in fp32 (the kernel's header has the
-arithmetic). The one error besides fp32 rounding is the input's int8 rounding (llama.cpp's;
-relative error ~5e-3 of a layer's largest output on random inputs, tests/layers/quantization/
-test_gguf_blocks.py).
-
-A layer takes this form when every part of it (q, k and v of a fused qkv_proj may differ) is
-of :data:`BLOCK_TYPES`, at least one of them is not Q4_0 or Q4_1 (those stay on PyTorch's
-int4 kernel, faster on them at one row), and the kernel was built with VNNI
-(:func:`available`; without it the planes or the dense weight run as before). Generated rows
-of a step of up to four go through the row kernel; prompt rows (any count:
-:class:`~tandem.layers.quantization.phase_linear.PhaseLinear`) and a step of more generated
-rows through the GEMM over the same blocks (``torch.ops.tandem_cpu.gguf_gemm``,
-``tandem/csrc/cpu/gguf_gemm.cpp``: each tile of 16 weight rows unpacked to 8-bit values once
-a call, then multiplied into every row), so no dequantized copy is kept. The blocks are kept as
-one flat ``uint8`` tensor (the parts' rows in HF order) with a segment table (type, rows, byte
-offset per part); the parameter cache stores both.
+One kernel for generated and prompt rows alike: a decode step, a speculative verification of
+several rows and a prompt compute each row the same way (batch-invariant), and no dequantized
+copy is kept. The tiles hold each weight at the file's bits (4, 5, 6 or 8, with the file's
+scales: ~1.0-1.03x the GGUF's bytes). A layer takes this form when every part of it (q, k and
+v of a fused qkv_proj may differ) is of :data:`BLOCK_TYPES`, at least one of them is not Q4_0
+or Q4_1 (:data:`ONE_PLANE_TYPES`: those layers stay on PyTorch's int4 kernel), and the kernels
+were built with VNNI (:func:`available`; without it the int4 planes or the dense weight of
+:mod:`tandem.layers.quantization.gguf` run). The token embedding keeps the file's blocks
+(:class:`GGUFEmbedding`, rows dequantized as they are looked up). The parameter cache stores
+the tiles and their segment table (type, rows, byte offset per part).
 """
 
 from __future__ import annotations
@@ -41,17 +32,16 @@ from torch import nn
 from tandem.layers import cpu_ops
 from tandem.layers.quantization.phase_linear import PhaseLinear
 
-# The types the kernel reads (gguf_linear.cpp).
+# The types the kernels read (gguf_quants.h).
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-# Types PyTorch's int4 kernel runs as one plane, faster than the block kernel on them (RESULTS):
-# a layer all of these stays int4.
+# Types PyTorch's int4 kernel runs as one plane: a layer all of these stays int4.
 ONE_PLANE_TYPES = ("Q4_0", "Q4_1")
 
 
 def available() -> bool:
     """Whether the block kernel runs at its speed here: the C++ kernels built (thread-safe,
     once; :func:`tandem.layers.cpu_ops.available`) with AVX512-VNNI."""
-    return cpu_ops.available() and bool(torch.ops.tandem_cpu.gguf_linear_vnni())
+    return cpu_ops.available() and bool(torch.ops.tandem_cpu.gguf_vnni())
 
 
 def pack_blocks(parts: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,51 +76,53 @@ def pack_blocks(parts: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class GGUFBlockLinear(PhaseLinear):
-    """A linear layer whose weight is GGUF blocks: ``torch.ops.tandem_cpu.gguf_linear`` for
-    generated rows (the row kernel up to 4 rows, the GEMM above), ``gguf_gemm`` for prompt
-    rows (module docstring).
+    """A linear layer whose weight is GGUF blocks repacked into tiles
+    (:func:`~tandem.layers.cpu_ops.gguf_repack`), every row through
+    ``torch.ops.tandem_cpu.gguf_repacked_linear`` (module docstring).
 
-    ``forward(x [..., in_features]) -> [..., out_features]`` in x's dtype
-    (:class:`~tandem.layers.quantization.phase_linear.PhaseLinear`).
+    ``forward(x [..., in_features]) -> [..., out_features]`` in x's dtype. A
+    :class:`~tandem.layers.quantization.phase_linear.PhaseLinear` without a second path: its
+    rows need no phases.
 
     Args:
-        blocks: ``[bytes]`` uint8 and
-        segments: ``[parts, 3]`` int64, as :func:`pack_blocks` gives them (kept without a
-            copy: a memory-mapped cache's tensors stay mapped).
+        repacked: ``[bytes]`` uint8 tiles and
+        segments: ``[parts, 3]`` int64 (type, rows, byte offset in ``repacked``), as
+            :func:`~tandem.layers.cpu_ops.gguf_repack` gives them (kept without a copy: a
+            memory-mapped cache's tensors stay mapped).
         bias: ``[out]`` or None.
 
     Raises:
-        ValueError: a segment table that does not describe ``blocks`` (types, sizes, one
+        ValueError: a segment table that does not describe ``repacked`` (types, sizes, one
             width).
     """
 
-    def __init__(self, blocks: torch.Tensor, segments: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, repacked: torch.Tensor, segments: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = _shape(blocks, segments)
-        self.register_buffer("blocks", blocks)
+        try:
+            self.in_features = cpu_ops.gguf_repacked_width(repacked, segments)
+        except RuntimeError as e:
+            raise ValueError(f"GGUF repacked tiles {tuple(repacked.shape)} {repacked.dtype} with segments "
+                             f"{tuple(segments.shape)} {segments.dtype}: {str(e).splitlines()[0]}") from None
+        self.out_features = int(segments[:, 1].sum())
+        self.register_buffer("repacked", repacked)
         self.register_buffer("segments", segments)
         self._set_dense(bias, None, None)
 
     @classmethod
     def from_parts(cls, parts: Sequence[Any], bias: torch.Tensor | None = None) -> GGUFBlockLinear:
         """The layer of GGUF tensors (:func:`pack_blocks`'s ``parts``; ``bias`` as the
-        constructor's).
+        constructor's), repacked.
 
         Raises:
-            ValueError: as :func:`pack_blocks` and the constructor.
+            ValueError: as :func:`pack_blocks`.
         """
-        return cls(*pack_blocks(parts), bias)
+        blocks, segments = pack_blocks(parts)
+        return cls(*cpu_ops.gguf_repack(blocks, segments, _shape(blocks, segments)[0]), bias)
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = cpu_ops.gguf_linear(x2, self.blocks, self.segments, self.bias)
+        y = cpu_ops.gguf_repacked_linear(x2, self.repacked, self.segments, self.bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-
-    def _has_gemm(self) -> bool:
-        return True
-
-    def _gemm(self, x2: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.gguf_gemm(x2, self.blocks, self.segments, self.bias)
 
     def extra_repr(self) -> str:
         types = ",".join(GGMLQuantizationType(int(t)).name for t in self.segments[:, 0])
@@ -141,7 +133,6 @@ class GGUFEmbedding(nn.Module):
     """A token embedding whose table is GGUF blocks, looked up by
     ``torch.ops.tandem_cpu.gguf_get_rows``: each token's row dequantized when it is needed
     (the values of gguf's dequantization), so the table stays at the file's bits per weight.
-    A tied LM head (:class:`GGUFBlockLinear`) shares the same blocks.
 
     ``forward(ids [...]) -> [..., embedding_dim]`` in ``dtype``.
 

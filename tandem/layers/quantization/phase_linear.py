@@ -1,9 +1,9 @@
 """A linear layer with two paths for one weight, chosen per row by the phase of the row's
 token: a decode kernel for generated tokens (a step reads few bytes for few rows) and a GEMM
 for prompt tokens (faster from a few rows on; a prompt is then computed the same way however
-it was chunked or cached). The GGUF layers of the CPU share it: the int4 one
-(:mod:`tandem.layers.quantization.gguf`) runs its prompt rows on a kept dequantized weight,
-the block one (:mod:`tandem.layers.quantization.gguf_blocks`) on its own GEMM over the blocks."""
+it was chunked or cached). The GGUF int4 layers of the CPU (:mod:`tandem.layers.quantization.gguf`)
+run their prompt rows on a kept dequantized weight; the block layers
+(:mod:`tandem.layers.quantization.gguf_blocks`) have one kernel for every row, no second path."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""GGUF blocks run as stored (tandem.layers.quantization.gguf_blocks and the C++ kernels
-torch.ops.tandem_cpu.gguf_linear and gguf_gemm): every type against gguf's own
-dequantization, the input's int8 rounding as the only error beyond fp32's, row invariance of
-each kernel, fused parts of several types, prompt rows and many rows on the GEMM, the layer
-swap and its restore from a parameter cache's tensors, and bad tables refused."""
+"""GGUF blocks run at the file's bits (tandem.layers.quantization.gguf_blocks and the C++
+kernels torch.ops.tandem_cpu.gguf_repack and gguf_repacked_linear): every type against gguf's
+own dequantization, the input's int8 rounding as the only error beyond fp32's, row invariance
+at any row count, the tiles' size against the file's, fused parts of several types, every row
+on the one kernel whatever its phase, the layer swap and its restore from a parameter cache's
+tensors, and bad tables refused."""
 
 from __future__ import annotations
 
@@ -55,24 +56,24 @@ def _int8_rounded(x: torch.Tensor, group: int) -> torch.Tensor:
     return (torch.round(g / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(x.shape)
 
 
-def _group(qtype: T) -> int:
-    return 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 32
+def _repacked(parts: list[RawWeight]) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks, segments = pack_blocks(parts)
+    return cpu_ops.gguf_repack(blocks, segments, parts[0].cols)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 4, 9])
 def test_every_type_is_gguf_dequantization_times_int8_rounded_input(qtype, rows):
-    """For each type and row count (the row kernel's 1-4 rows, the GEMM's more): the output is
-    gguf's dequantized weight times the input rounded as the kernel rounds it (the row kernel
-    as llama.cpp: int8 per 32, per 256 for K-quants; the GEMM per 32 for every type) to fp32
-    rounding (1e-5 of the largest output), and within 2e-2 of it times the unrounded input
-    (the stated tolerance; ~5e-3 typical)."""
+    """For each type and row count: the output is gguf's dequantized weight times the input
+    rounded as the kernel rounds it (int8 per 32 values) to fp32 rounding (1e-5 of the
+    largest output), and within 2e-2 of it times the unrounded input (the stated tolerance;
+    ~5e-3 typical)."""
     w = _raw(qtype, 40, 512, seed=qtype.value)
     layer = GGUFBlockLinear.from_parts([w])
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     y = layer(x).double()
     ref = _dequantized(w)
-    exact = _int8_rounded(x, _group(qtype) if rows <= 4 else 32) @ ref.T
+    exact = _int8_rounded(x, 32) @ ref.T
     assert ((y - exact).abs().max() / exact.abs().max()).item() < 1e-5
     plain = x.double() @ ref.T
     assert ((y - plain).abs().max() / plain.abs().max()).item() < 2e-2
@@ -91,35 +92,41 @@ def test_the_file_and_its_rows_real_values():
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 2e-2
 
 
-@pytest.mark.parametrize("op", ["gguf_linear", "gguf_gemm"])
-def test_a_row_gets_the_same_bits_in_any_batch(op):
-    """Row-invariant, each kernel: a row alone and in a batch at any place (the row kernel's
-    batches up to 4, the GEMM's of 1 to 19 rows: tails of its 8-row passes), one result."""
-    blocks, segments = pack_blocks([_raw(T.Q6_K, 24, 512, 1), _raw(T.Q5_0, 8, 512, 2)])
-    fn = getattr(torch.ops.tandem_cpu, op)
-    xs = torch.randn(19 if op == "gguf_gemm" else 4, 512)
-    alone = [fn(xs[i:i + 1], blocks, segments, None)[0] for i in range(xs.shape[0])]
+def test_a_row_gets_the_same_bits_in_any_batch():
+    """Row-invariant: a row alone and in a batch of 1 to 19 rows at any place (tails of the
+    kernel's 8-row passes), one result; the layer the same for any leading shape."""
+    repacked, segments = _repacked([_raw(T.Q6_K, 24, 512, 1), _raw(T.Q5_0, 8, 512, 2)])
+    xs = torch.randn(19, 512)
+    alone = [cpu_ops.gguf_repacked_linear(xs[i:i + 1], repacked, segments)[0] for i in range(xs.shape[0])]
     for n in range(2, xs.shape[0] + 1):
-        batch = fn(xs[:n], blocks, segments, None)
+        batch = cpu_ops.gguf_repacked_linear(xs[:n], repacked, segments)
         assert all(torch.equal(batch[i], alone[i]) for i in range(n)), n
-    layer = GGUFBlockLinear(blocks, segments)
+    layer = GGUFBlockLinear(repacked, segments)
     assert torch.equal(layer(xs.view(-1, 1, 512)).view(xs.shape[0], -1), layer(xs))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_the_gemm_tiles_every_row_count(qtype):
-    """The GEMM's tiles of 16 weight rows with a partial last one (40 rows) and an input of 1,
-    8 and 13 rows (one 8-row pass and its tail): gguf's dequantized weight times the input
-    rounded per 32, to fp32 rounding; the bias added to each row."""
+def test_the_tiles_every_row_count_and_the_files_bits(qtype):
+    """Tiles of 16 weight rows with a partial last one (40 rows) and an input of 1, 8 and 13
+    rows (one 8-row pass and its tail): gguf's dequantized weight times the input rounded per
+    32, to fp32 rounding; the bias added to each row. The tiles of whole 16-row tiles hold
+    the file's bytes (the 32-weight types) or 1/36 more (the K-quants' scales per row and
+    group of 32 as bytes, where the file packs them in 6 bits): no dequantized copy."""
     w = _raw(qtype, 40, 512, seed=qtype.value + 1)
-    blocks, segments = pack_blocks([w])
+    repacked, segments = _repacked([w])
+    assert cpu_ops.gguf_repacked_width(repacked, segments) == 512
     bias = torch.randn(40)
     ref = _dequantized(w)
     for rows in (1, 8, 13):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-        y = torch.ops.tandem_cpu.gguf_gemm(x, blocks, segments, bias).double()
+        y = cpu_ops.gguf_repacked_linear(x, repacked, segments, bias).double()
         exact = _int8_rounded(x, 32) @ ref.T + bias.double()
         assert ((y - exact).abs().max() / exact.abs().max()).item() < 1e-5, rows
+    whole = _raw(qtype, 48, 512, seed=qtype.value + 1)
+    file_bytes = whole.data.size
+    ratio = _repacked([whole])[0].numel() / file_bytes
+    expected = {T.Q4_K: 2368 / 2304, T.Q5_K: 2880 / 2816, T.Q6_K: 1.0}.get(qtype, 1.0)
+    assert ratio == pytest.approx(expected), ratio
 
 
 def test_fused_parts_of_several_types_and_the_bias():
@@ -129,8 +136,9 @@ def test_fused_parts_of_several_types_and_the_bias():
     bias = torch.randn(64)
     fused = GGUFBlockLinear.from_parts(parts, bias=bias)
     assert (fused.in_features, fused.out_features) == (512, 64)
-    assert fused.segments.tolist() == [[T.Q4_K.value, 32, 0], [T.Q8_0.value, 16, 32 * 288],
-                                       [T.Q6_K.value, 16, 32 * 288 + 16 * 544]]
+    # Bytes per 16-row tile at 512 columns: Q4_K 2 x (320 + 8 x 256), Q8_0 16 x (32 + 512).
+    assert fused.segments.tolist() == [[T.Q4_K.value, 32, 0], [T.Q8_0.value, 16, 2 * 4736],
+                                       [T.Q6_K.value, 16, 2 * 4736 + 8704]]
     x = torch.randn(2, 512)
     alone = torch.cat([GGUFBlockLinear.from_parts([p])(x) for p in parts], dim=1)
     torch.testing.assert_close(fused(x), alone + bias, rtol=0, atol=1e-6)
@@ -147,29 +155,18 @@ def test_llama_cpp_row_order_is_undone():
     torch.testing.assert_close(GGUFBlockLinear.from_parts([w])(x).double(), ref, rtol=0, atol=1e-5)
 
 
-def test_prompt_rows_run_on_the_gemm_and_more_than_four_generated_rows_too():
-    """Prompt rows through the GEMM at any count (a prompt's bits do not depend on how it was
-    chunked), up to 4 generated rows through the row kernel, more through the GEMM; no dense
-    weight is kept."""
-    w = _raw(T.Q4_K, 32, 256, 7)
-    layer = GGUFBlockLinear.from_parts([w])
+def test_every_row_runs_the_one_kernel_whatever_its_phase():
+    """Prompt and generated rows, a few or many, through the same kernel (a prompt's bits do
+    not depend on how it was chunked or cached, a verification's rows equal one-by-one
+    decoding); no dense weight is kept."""
+    layer = GGUFBlockLinear.from_parts([_raw(T.Q4_K, 32, 256, 7)])
     assert layer.dense is None and layer.max_quantized_rows is None
-    blocks, segments = layer.blocks, layer.segments
     x = torch.randn(6, 256)
-    rows = torch.ops.tandem_cpu.gguf_linear(x[:3], blocks, segments, None)
-    gemm = torch.ops.tandem_cpu.gguf_gemm(x, blocks, segments, None)
-    assert not torch.equal(rows, gemm[:3])  # Q4_K: x rounded per 256 in one, per 32 in the other
-    mask = np.array([True, False, True, False, False, True])
-    with forward_context(ForwardContext(6, row_phases=RowPhases.from_mask(mask, torch.device("cpu")))):
-        y = layer(x)
-    assert torch.equal(y[mask], torch.ops.tandem_cpu.gguf_linear(x[mask], blocks, segments, None))
-    assert torch.equal(y[~mask], gemm[~mask])
-    one_prompt_row = np.array([False])
-    with forward_context(ForwardContext(1, row_phases=RowPhases.from_mask(one_prompt_row, torch.device("cpu")))):
-        assert torch.equal(layer(x[1:2]), gemm[1:2])
-    everything = np.ones(6, dtype=bool)
-    with forward_context(ForwardContext(6, row_phases=RowPhases.from_mask(everything, torch.device("cpu")))):
-        assert torch.equal(layer(x), gemm)  # 6 generated rows > 4
+    plain = layer(x)
+    for mask in (np.array([True, False, True, False, False, True]), np.ones(6, dtype=bool), np.zeros(6, dtype=bool)):
+        with forward_context(ForwardContext(6, row_phases=RowPhases.from_mask(mask, torch.device("cpu")))):
+            assert torch.equal(layer(x), plain)
+    assert torch.equal(layer(x[1:2]), plain[1:2])
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -192,26 +189,28 @@ def test_embedding_rows_are_ggufs_dequantization_exactly(qtype):
 
 
 def test_bad_tables_and_parts_are_refused():
-    w = _raw(T.Q5_0, 8, 64)
+    w = _raw(T.Q5_0, 16, 64)
     blocks, segments = pack_blocks([w])
-    for bad, match in ((torch.tensor([[99, 8, 0]]), "does not fit"), (torch.tensor([[6, 8, 4]]), "start at byte 4"),
-                       (torch.tensor([[6, 3, 0]]), "does not fit"), (segments[:, :2], "int64"),
-                       (torch.tensor([[6, 4, 0], [6, 2, 176]]), "different widths")):
+    repacked, table = cpu_ops.gguf_repack(blocks, segments, 64)
+    for bad, match in ((torch.tensor([[99, 16, 0]]), "not supported"), (torch.tensor([[6, 16, 4]]), "at byte 4"),
+                       (torch.tensor([[6, 48, 0]]), "fit no width"), (table[:, :2], "int64"),
+                       (torch.tensor([[6, 8, 0], [6, 8, 100]]), "at byte 100")):
         with pytest.raises(ValueError, match=match):
-            GGUFBlockLinear(blocks, bad)
+            GGUFBlockLinear(repacked, bad)
     with pytest.raises(ValueError, match="need one of"):
         pack_blocks([RawWeight(np.zeros((8, 210), np.uint8), "Q2_K", 8, 256, None)])
     with pytest.raises(ValueError, match="all 64 wide"):
         pack_blocks([w, _raw(T.Q5_0, 8, 128)])
-    with pytest.raises(RuntimeError, match="in_features"):
-        torch.ops.tandem_cpu.gguf_linear(torch.zeros(1, 48), blocks, segments, None)
-    for op in (torch.ops.tandem_cpu.gguf_linear, torch.ops.tandem_cpu.gguf_gemm):
-        with pytest.raises(RuntimeError, match="passes the end"):
-            op(torch.zeros(1, 128), blocks, segments, None)
-        with pytest.raises(RuntimeError, match="not supported"):
-            op(torch.zeros(1, 64), blocks, torch.tensor([[99, 8, 0]]), None)
-        with pytest.raises(RuntimeError, match="bias of 3"):
-            op(torch.zeros(6, 64), blocks, segments, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="in_features 48"):
+        cpu_ops.gguf_repacked_linear(torch.zeros(1, 48), repacked, table)
+    with pytest.raises(RuntimeError, match="need"):
+        cpu_ops.gguf_repacked_linear(torch.zeros(1, 128), repacked, table)
+    with pytest.raises(RuntimeError, match="bias of 3"):
+        cpu_ops.gguf_repacked_linear(torch.zeros(6, 64), repacked, table, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="passes the end"):
+        cpu_ops.gguf_repack(blocks, segments, 128)
+    with pytest.raises(RuntimeError, match="not supported"):
+        cpu_ops.gguf_repack(blocks, torch.tensor([[99, 16, 0]]), 64)
 
 
 class _Layers(torch.nn.Module):
@@ -248,8 +247,9 @@ def _parts() -> dict[str, RawWeight]:
 def test_the_swap_takes_blocks_where_a_part_is_not_q4_0_or_q4_1_and_restores_them():
     """With the block kernel: a fused layer of Q4_K and Q6_K parts and a Q5_0 one take the
     blocks, a Q4_1 layer stays int4, the tied Q8_0 head too takes the blocks and the embedding
-    shares them (its rows the dense table's); without it the Q6_K layer stays dense, the
-    embedding too. A model as built gets the same layers back from the tensors."""
+    keeps the file's blocks (its rows gguf's dequantized values); without it the Q6_K layer
+    stays dense, the embedding too. A model as built gets the same layers back from the
+    tensors."""
     model = _Model()
     dense_table = model.embed_tokens.weight.detach().clone()
     counts = quantize_gguf_linears(model, _parts(), block_kernel=True)
@@ -258,11 +258,10 @@ def test_the_swap_takes_blocks_where_a_part_is_not_q4_0_or_q4_1_and_restores_the
     assert isinstance(layer.qkv_proj, GGUFBlockLinear) and isinstance(layer.down_proj, GGUFBlockLinear)
     assert isinstance(layer.o_proj, GGUFInt4Linear) and isinstance(model.lm_head_quant, GGUFBlockLinear)
     assert isinstance(model.embed_tokens, GGUFEmbedding)
-    assert model.embed_tokens.blocks.data_ptr() == model.lm_head_quant.blocks.data_ptr()
     ref = torch.from_numpy(gguf.quants.dequantize(_parts()["model.embed_tokens.weight"].data, T.Q8_0).reshape(64, 256))
     assert torch.equal(model.embed_tokens(torch.tensor([5, 63])), ref[[5, 63]].float())
     assert not torch.equal(dense_table[[5, 63]], ref[[5, 63]].float())  # the test's table was random
-    assert layer.qkv_proj.bias is not None and layer.qkv_proj.dense is None  # prompt rows: the GEMM
+    assert layer.qkv_proj.bias is not None and layer.qkv_proj.dense is None
     assert layer.qkv_proj.max_quantized_rows is None and layer.o_proj.max_quantized_rows == MAX_INT4_ROWS
     layers, tensors = gguf_quantized_layers(model), model.state_dict()
     assert set(layers) == {"layers.0.qkv_proj", "layers.0.o_proj", "layers.0.down_proj", "lm_head_quant", "embed_tokens"}
@@ -272,7 +271,7 @@ def test_the_swap_takes_blocks_where_a_part_is_not_q4_0_or_q4_1_and_restores_the
     got = fresh.state_dict()
     assert got.keys() == tensors.keys()
     assert all(torch.equal(got[k], v) for k, v in tensors.items() if not k.startswith("embed_tokens"))
-    assert fresh.layers[0].qkv_proj.blocks.data_ptr() == tensors["layers.0.qkv_proj.blocks"].data_ptr()
+    assert fresh.layers[0].qkv_proj.repacked.data_ptr() == tensors["layers.0.qkv_proj.repacked"].data_ptr()
     assert isinstance(fresh.embed_tokens, GGUFEmbedding) and fresh.embed_tokens.dtype == torch.float32
 
     without = _Model()
@@ -313,4 +312,4 @@ def test_an_untied_model_keeps_neither_dense_table_nor_dense_head():
 
 
 def test_available_says_whether_the_kernel_has_vnni():
-    assert gguf_blocks.available() == bool(torch.ops.tandem_cpu.gguf_linear_vnni())
+    assert gguf_blocks.available() == bool(torch.ops.tandem_cpu.gguf_vnni())
