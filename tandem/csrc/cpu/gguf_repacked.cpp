@@ -219,9 +219,11 @@ inline void load_values(const uint8_t* p, __m512i* u) {
 }
 
 // Rows [m0, m0 + MR) of x times a packed tile, into y (fp32, row stride `out`, at the tile's
-// first column; `rows` of its 16 columns stored).
-template <int64_t Type, int MR>
-void multiply(const uint8_t* tile, const QuantizedX& qx, int64_t m0, int64_t in, int rows, float* y, int64_t out) {
+// first column; `rows` of its 16 columns stored); with Bytes, the tile's values are read from
+// `bytes` (unpack_tile_values's output) instead of unpacked per group.
+template <int64_t Type, int MR, bool Bytes = false>
+void multiply(const uint8_t* tile, const QuantizedX& qx, int64_t m0, int64_t in, int rows, float* y, int64_t out,
+              const uint8_t* bytes = nullptr) {
   constexpr int halves = Type == kQ6_K ? 2 : 1, per_chunk = static_cast<int>(chunk_columns(Type) / 32);
   // Independent dpbusd chains per row of x (integer sums: their order does not change a bit).
   constexpr int C = MR >= 2 ? 1 : 2;
@@ -233,7 +235,11 @@ void multiply(const uint8_t* tile, const QuantizedX& qx, int64_t m0, int64_t in,
     const uint8_t* h = tile + g / per_chunk * chunk_bytes(Type);
     const uint8_t* p = h + header_bytes(Type) + g % per_chunk * group_bytes(Type);
     __m512i u[8];
-    load_values<value_bits(Type)>(p, u);
+    if constexpr (Bytes) {
+      load_values<8>(bytes + 512 * g, u);
+    } else {
+      load_values<value_bits(Type)>(p, u);
+    }
     GroupScalesV gs;
     chunk_scales<Type>(h, static_cast<int>(g % per_chunk), &gs);
     for (int half = 0; half < halves; ++half) {
@@ -331,10 +337,34 @@ void multiply(const uint8_t* tile, const QuantizedX& qx, int64_t m0, int64_t in,
 }
 #endif
 
+#ifdef TANDEM_GGUF_VNNI
+// A tile's values as bytes, group after group (512 bytes each): for many rows of x, unpacked
+// once instead of once per pass of kXRows rows (the same values, so the same bits).
+template <int64_t Type>
+void unpack_tile_values(const uint8_t* tile, int64_t in, uint8_t* bytes) {
+  constexpr int per_chunk = static_cast<int>(chunk_columns(Type) / 32);
+  for (int64_t g = 0; g < in / 32; ++g) {
+    __m512i u[8];
+    load_values<value_bits(Type)>(tile + g / per_chunk * chunk_bytes(Type) + header_bytes(Type) +
+                                      g % per_chunk * group_bytes(Type),
+                                  u);
+    for (int k = 0; k < 8; ++k) _mm512_storeu_si512(bytes + 512 * g + 64 * k, u[k]);
+  }
+}
+#endif
+
 template <int64_t Type>
 void multiply_all(const uint8_t* tile, const QuantizedX& qx, int64_t t_rows, int64_t in, int rows, float* y,
                   int64_t out) {
   int64_t m0 = 0;
+#ifdef TANDEM_GGUF_VNNI
+  if (value_bits(Type) < 8 && t_rows >= 2 * kXRows) {
+    thread_local std::vector<uint8_t> bytes;
+    bytes.resize(16 * in);
+    unpack_tile_values<Type>(tile, in, bytes.data());
+    for (; m0 + kXRows <= t_rows; m0 += kXRows) multiply<Type, kXRows, true>(tile, qx, m0, in, rows, y, out, bytes.data());
+  }
+#endif
   for (; m0 + kXRows <= t_rows; m0 += kXRows) multiply<Type, kXRows>(tile, qx, m0, in, rows, y, out);
   switch (t_rows - m0) {
     case 7: return multiply<Type, 7>(tile, qx, m0, in, rows, y, out);
