@@ -78,8 +78,9 @@ class ModelConfig:
     quantization: QuantizationMethods | None = None
     """fp8: an FP8 checkpoint, or online FP8 (W8A8: per-channel weight scales, dynamic
     per-token activations) of a bf16/fp16/fp32 or dummy one; compressed-tensors: the
-    checkpoint's compressed-tensors scheme; gguf: a GGUF file's Q4_0/Q4_1/Q4_K weights run
-    quantized (CPU int4 GEMM; other types dequantized); none: every weight dequantized to
+    checkpoint's compressed-tensors scheme; gguf: a GGUF file's weights run quantized on the
+    CPU (its blocks with AVX512-VNNI; else int4 planes of Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q8_0, the
+    other types dequantized); none: every weight dequantized to
     --dtype. None: gguf for a GGUF file on the CPU at dtype auto, else the checkpoint's quantization_config,
     if any. FP8 runs on CUDA compute capability >= 8.9, or on the CPU (reference speed)."""
 

@@ -209,13 +209,13 @@ def gguf_repacked_width(repacked: torch.Tensor, segments: torch.Tensor) -> int:
     return torch.ops.tandem_cpu.gguf_repacked_width(repacked, segments)
 
 
-def gguf_get_rows(blocks: torch.Tensor, segments: torch.Tensor, ids: torch.Tensor, cols: int,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``ids`` of a GGUF block tensor, dequantized (llama.cpp's get_rows:
-    ``tandem/csrc/cpu/gguf_get_rows.cpp``).
+def gguf_repacked_get_rows(repacked: torch.Tensor, segments: torch.Tensor, ids: torch.Tensor, cols: int,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of a repacked GGUF tensor (:func:`gguf_repack`'s output), dequantized
+    (llama.cpp's get_rows: a token embedding that keeps the file's bits).
 
     Args:
-        blocks, segments: as :func:`gguf_repack`'s (the tensor's rows, ``cols`` values each).
+        repacked, segments: :func:`gguf_repack`'s output (the tensor's rows, ``cols`` values each).
         ids: ``[T]`` integer row indices.
         cols: values per row, a multiple of 32 (and of 256 for a K-quant).
         dtype: of the result.
@@ -224,10 +224,10 @@ def gguf_get_rows(blocks: torch.Tensor, segments: torch.Tensor, ids: torch.Tenso
     then cast).
 
     Raises:
-        RuntimeError: :func:`available` is False, an id outside the rows, a table as
-            :func:`gguf_repack` refuses it.
+        RuntimeError: :func:`available` is False, an id outside the rows, a table that does not
+            describe ``repacked`` at ``cols``.
     """
-    return torch.ops.tandem_cpu.gguf_get_rows(blocks, segments, ids, cols, dtype)
+    return torch.ops.tandem_cpu.gguf_repacked_get_rows(repacked, segments, ids, cols, dtype)
 
 
 def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -256,5 +256,5 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     return torch.ops.tandem_cpu.paged_attention_decode(q, kv_cache, block_tables, seq_lens, scale)
 
 
-__all__ = ["HEADERS", "SOURCES", "available", "fused_add_rms_norm", "gguf_get_rows", "gguf_repack",
+__all__ = ["HEADERS", "SOURCES", "available", "fused_add_rms_norm", "gguf_repack", "gguf_repacked_get_rows",
            "gguf_repacked_linear", "gguf_repacked_width", "paged_attention_decode", "rms_norm", "rotary_embedding_neox", "silu_and_mul"]

@@ -9,8 +9,8 @@ afterwards, exactly as it holds it, in ``<entry>/params-<dtype>[-gguf-quantized-
 capability>[-vnni]].pt`` (``torch.save``'s zip format: every tensor 64-byte aligned for the GEMM
 kernels, which safetensors does not guarantee): the parameters in the model dtype (a tied
 LM head's dense weight is the embedding's storage, saved once), and the packed planes,
-scales and zeros of the int4 layers, the repacked tiles and segment tables of the block layers
-and the blocks of a block embedding, with the list of those layers. A later load maps that
+scales and zeros of the int4 layers and the repacked tiles and segment tables of the block
+layers and embedding, with the list of those layers. A later load maps that
 file (``torch.load(mmap=True)``, copy-on-write: writes stay private to the process), puts
 the listed layers back around their mapped buffers
 (:func:`~tandem.layers.quantization.gguf.restore_gguf_linears`) and makes the mapped tensors
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 # or shapes: a parameter's layout, which GGUF layers run int4 or blocks, how their blocks map
 # to planes, whether they keep a dense weight, whether the embedding is blocks and the
 # dense LM head kept (tandem.layers.quantization.gguf).
-PARAMS_FORMAT = 8
+PARAMS_FORMAT = 9
 
 
 def params_file(folder: str, dtype: torch.dtype, int4: bool = False) -> str:

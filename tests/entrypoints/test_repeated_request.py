@@ -64,7 +64,7 @@ def test_default_configuration_repeats_bit_identically_and_decodes_in_int4(defau
         monkeypatch.setattr(CpuDecode, "forward", counted_fast)
     runs = _check(default_llm)
     layers = sum(isinstance(m, GGUFInt4Linear) for m in model.modules())
-    if layers:  # the default on CPUs with native bf16
+    if layers:  # the default on CPUs with native bf16 without AVX512-VNNI (with it: GGUF blocks, one kernel)
         assert set(rows) == {1}, "only decodes (one row each here) run the int4 kernel"
         decodes = sum(len(ids) - 1 for ids, _ in runs)
         # One-step-ahead: a step launched before its request's EOS was seen is discarded.

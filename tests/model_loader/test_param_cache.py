@@ -194,9 +194,10 @@ def test_gguf_int4_load_caches_its_planes_and_maps_them(entry_copy, embedded_mod
         pytest.skip("the GGUF block kernel needs AVX512-VNNI")
     monkeypatch.setattr(gguf_blocks, "available", lambda: blocks)
     first = _build_int4(embedded_model_path)
-    assert sum(isinstance(m, gguf_int4.GGUFInt4Linear) for m in first.modules()) == 30 * 4 + (not blocks)
-    # the LM head: the tied Q8_0 embedding's blocks where the block kernel runs, else int4 planes
-    assert isinstance(first.lm_head_quant, GGUFBlockLinear if blocks else gguf_int4.GGUFInt4Linear)
+    # every layer and the LM head (the tied Q8_0 embedding) blocks where the block kernel runs, else int4 planes
+    form = GGUFBlockLinear if blocks else gguf_int4.GGUFInt4Linear
+    assert sum(isinstance(m, form) for m in first.modules()) == 30 * 4 + 1
+    assert isinstance(first.lm_head_quant, form)
     path = params_file(str(entry_copy), torch.bfloat16, int4=True)
     assert os.path.isfile(path)
     assert not os.path.exists(params_file(str(entry_copy), torch.bfloat16))
@@ -206,8 +207,9 @@ def test_gguf_int4_load_caches_its_planes_and_maps_them(entry_copy, embedded_mod
         warm = _build_int4(embedded_model_path)
     _assert_same_model(warm, first)
     head = warm.lm_head_quant
-    if blocks:  # every row on the repacked blocks: no dense weight; the embedding keeps the file's blocks
+    if blocks:  # every row on the repacked blocks: no dense weight; the embedding shares the head's tiles
         assert head.dense is None and isinstance(warm.embed_tokens, GGUFEmbedding)
+        assert warm.embed_tokens.repacked.data_ptr() == head.repacked.data_ptr()
     else:
         assert head.dense.data_ptr() == warm.embed_tokens.weight.data_ptr()  # the tied head's weight saved once
     assert (head.repacked if blocks else head.packed).data_ptr() % 64 == 0
@@ -241,7 +243,7 @@ def test_default_load_cold_and_warm_give_the_same_logits(tmp_path, embedded_mode
     def run() -> list:
         llm = LLM(model=embedded_model_path, num_kv_blocks=64, max_model_len=512)
         try:
-            assert any(isinstance(m, gguf_int4.GGUFInt4Linear) for m in llm.engine.model.modules())
+            assert any(isinstance(m, gguf_int4.GGUFInt4Linear | GGUFBlockLinear) for m in llm.engine.model.modules())
             outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
         finally:
             llm.engine.shutdown()

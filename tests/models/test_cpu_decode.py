@@ -1,5 +1,6 @@
 """The CPU decode fast path (tandem.models.cpu_decode): on the embedded SmolLM2 GGUF (int4
-layers; a layer's linears dense or GGUF blocks too), its decode steps give the Python forward's hidden states and KV cache bit for bit,
+layers, as CPUs without AVX512-VNNI load it; a layer's linears dense or GGUF blocks too; and
+every layer GGUF blocks, the default with VNNI), its decode steps give the Python forward's hidden states and KV cache bit for bit,
 a step of several generated tokens per request (speculative verification) gives the bits of
 those tokens decoded one by one, it stands aside for steps it does not cover (prompt rows,
 multi-token queries of unknown phase), the loader attaches it only to models it covers, and
@@ -14,6 +15,7 @@ import torch
 from tandem.attention.torch_backend import TorchAttentionBackend
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
 from tandem.layers.linear import QKVParallelLinear, RowParallelLinear
+from tandem.layers.quantization import gguf_blocks
 from tandem.layers.quantization.config import GGUFQuantConfig
 from tandem.model_loader import loader
 from tandem.models.cpu_decode import CpuDecode, build_cpu_decode
@@ -22,16 +24,31 @@ from tests.models.paged_parity import step_metadata
 BLOCK = 16
 
 
-def _build(path: str, mode: str = "cpu", deterministic: bool = False, load_format: str = "auto"):
+def _build(path: str, mode: str = "cpu", deterministic: bool = False, load_format: str = "auto", int4: bool = True):
+    """The model as the loader builds it; ``int4``: its GGUF layers int4 planes, as where the
+    block kernel does not run."""
     backend = TorchAttentionBackend(deterministic, cpu_kernels=mode == "cpu")
     quant = GGUFQuantConfig(path) if load_format == "auto" else None
-    return loader.build_model(loader.load_hf_config(path), path, load_format, backend, torch.bfloat16,
-                              torch.device("cpu"), max_positions=256, quant_config=quant, fused_ops_mode=mode)
+    with pytest.MonkeyPatch.context() as m:
+        if int4:
+            m.setattr(gguf_blocks, "available", lambda: False)
+        return loader.build_model(loader.load_hf_config(path), path, load_format, backend, torch.bfloat16,
+                                  torch.device("cpu"), max_positions=256, quant_config=quant, fused_ops_mode=mode)
 
 
 @pytest.fixture(scope="module")
 def model(embedded_model_path):
     return _build(embedded_model_path)
+
+
+@pytest.fixture(scope="module")
+def all_blocks_model(embedded_model_path):
+    """The embedded model as CPUs with AVX512-VNNI load it: every layer GGUF blocks."""
+    if not gguf_blocks.available():
+        pytest.skip("the GGUF block kernel needs AVX512-VNNI")
+    model = _build(embedded_model_path, int4=False)
+    assert all(isinstance(m, gguf_blocks.GGUFBlockLinear) for m in _linears(model))
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +76,6 @@ def blocks_model(embedded_model_path):
     kernel runs."""
     import gguf
 
-    from tandem.layers.quantization import gguf_blocks
     from tandem.model_loader.gguf_weights import RawWeight
 
     if not gguf_blocks.available():
@@ -84,7 +100,13 @@ def blocks_model(embedded_model_path):
     return model
 
 
-_MODELS = {"int4": "model", "int4-and-dense": "mixed_model", "int4-and-blocks": "blocks_model"}
+_MODELS = {"int4": "model", "int4-and-dense": "mixed_model", "int4-and-blocks": "blocks_model",
+           "blocks": "all_blocks_model"}
+
+
+def _linears(model) -> list[torch.nn.Module]:
+    return [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
 
 def _caches(model) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("gguf_repack(Tensor blocks, Tensor segments, int in_features) -> (Tensor, Tensor)");
   m.def("gguf_repacked_linear(Tensor x, Tensor repacked, Tensor segments, Tensor? bias) -> Tensor");
   m.def("gguf_repacked_width(Tensor repacked, Tensor segments) -> int");
-  m.def("gguf_get_rows(Tensor blocks, Tensor segments, Tensor ids, int cols, ScalarType dtype) -> Tensor");
+  m.def("gguf_repacked_get_rows(Tensor repacked, Tensor segments, Tensor ids, int cols, ScalarType dtype) -> Tensor");
   m.def("decoder_layer_decode(Tensor hidden, Tensor? residual, Tensor positions, Tensor slot_mapping, "
         "Tensor(a!) kv_cache, Tensor block_tables, Tensor seq_lens, Tensor cos, Tensor sin, Tensor[] weights, "
         "int num_heads, int num_kv_heads, int group_size, float eps, float scale) -> (Tensor, Tensor)");
@@ -29,6 +29,6 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("gguf_repack", &tandem_cpu::gguf_repack);
   m.impl("gguf_repacked_linear", &tandem_cpu::gguf_repacked_linear);
   m.impl("gguf_repacked_width", &tandem_cpu::gguf_repacked_width);
-  m.impl("gguf_get_rows", &tandem_cpu::gguf_get_rows);
+  m.impl("gguf_repacked_get_rows", &tandem_cpu::gguf_repacked_get_rows);
   m.impl("decoder_layer_decode", &tandem_cpu::decoder_layer_decode);
 }

@@ -1,7 +1,7 @@
 // GGUF blocks (llama.cpp's layouts, ggml-common.h) as the CPU kernels read them: the types'
 // sizes, the expansion of a group of 32 weights to unsigned 8-bit values u with w = s u + o, and
 // x quantized to int8 per 32 values as llama.cpp quantizes it for its dot products. Shared by
-// the repacking and GEMM (gguf_unpack.cpp, gguf_repacked.cpp) and get_rows (gguf_get_rows.cpp).
+// the unpacking and repacking (gguf_unpack.cpp) and the repacked kernels (gguf_repacked.cpp).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -146,8 +146,73 @@ void pack_tile(const Segment& seg, int64_t r0, int rows, int64_t in, Tile* t, ui
 
 // ------------------------------------------------------------------ the multiply
 
+// Scales s and offsets o of one group of 32 columns (its two halves of 16 for Q6_K) for a
+// tile's 16 rows, from the chunk header h (g: the group within the chunk); exact products.
+struct GroupScales {
+  float s[2][16], o[2][16];
+};
+
+template <int64_t Type>
+void group_scales(const uint8_t* h, int g, GroupScales* gs) {
+  for (int r = 0; r < kTileRows; ++r) {
+    const float d = fp16(h + 2 * r);
+    if constexpr (Type == kQ6_K) {
+      for (int half = 0; half < 2; ++half) {
+        const float sc = static_cast<float>(static_cast<int8_t>(h[32 + 16 * (2 * g + half) + r]));
+        gs->s[half][r] = d * sc;
+        gs->o[half][r] = sc * (d * -32.0f);
+      }
+    } else if constexpr (is_k_quant(Type)) {
+      gs->s[0][r] = gs->s[1][r] = d * static_cast<float>(h[64 + 16 * g + r]);
+      gs->o[0][r] = gs->o[1][r] = static_cast<float>(h[192 + 16 * g + r]) * -fp16(h + 32 + 2 * r);
+    } else {
+      constexpr float off = Type == kQ8_0 ? -128.0f : Type == kQ5_0 ? -16.0f : -8.0f;
+      gs->s[0][r] = gs->s[1][r] = d;
+      gs->o[0][r] = gs->o[1][r] = has_min32(Type) ? fp16(h + 32 + 2 * r) : -d * -off;
+    }
+  }
+}
+
+// Value u of row r at column k (< 32) of a group's packed values.
+inline int value_at(const uint8_t* p, int bits, int r, int k) {
+  const int v = k / 4, i = 4 * r + k % 4;
+  if (bits == 8) return p[64 * v + i];
+  int u = (p[64 * (v % 4) + i] >> (v < 4 ? 0 : 4)) & 0xF;
+  if (bits == 5) u |= ((p[256 + i] >> v) & 1) << 4;
+  if (bits == 6) u |= ((p[256 + 64 * (v / 4) + i] >> (2 * (v % 4))) & 3) << 4;
+  return u;
+}
+
+// Row r of a tile dequantized: s u + o per value (the product exact in fp32, one rounding at
+// the sum: gguf's own dequantized values, whose products are exact too).
+template <int64_t Type>
+void dequantize_row(const uint8_t* tile, int r, int64_t in, float* dst) {
+  constexpr int per_chunk = static_cast<int>(chunk_columns(Type) / 32);
+  for (int64_t g = 0; g < in / 32; ++g) {
+    const uint8_t* h = tile + g / per_chunk * chunk_bytes(Type);
+    const uint8_t* p = h + header_bytes(Type) + g % per_chunk * group_bytes(Type);
+    GroupScales gs;
+    group_scales<Type>(h, static_cast<int>(g % per_chunk), &gs);
+    for (int k = 0; k < 32; ++k)
+      dst[32 * g + k] = gs.s[k / 16][r] * static_cast<float>(value_at(p, value_bits(Type), r, k)) + gs.o[k / 16][r];
+  }
+}
+
+void dequantize_tile_row(int64_t type, const uint8_t* tile, int r, int64_t in, float* dst) {
+  switch (type) {
+    case kQ4_0: return dequantize_row<kQ4_0>(tile, r, in, dst);
+    case kQ4_1: return dequantize_row<kQ4_1>(tile, r, in, dst);
+    case kQ5_0: return dequantize_row<kQ5_0>(tile, r, in, dst);
+    case kQ5_1: return dequantize_row<kQ5_1>(tile, r, in, dst);
+    case kQ8_0: return dequantize_row<kQ8_0>(tile, r, in, dst);
+    case kQ4_K: return dequantize_row<kQ4_K>(tile, r, in, dst);
+    case kQ5_K: return dequantize_row<kQ5_K>(tile, r, in, dst);
+    default: return dequantize_row<kQ6_K>(tile, r, in, dst);
+  }
+}
+
 #ifdef TANDEM_GGUF_VNNI
-// Scales s and offsets o of one group (G = 32) or its two halves (Q6_K), for the tile's 16 rows.
+// group_scales for the 16 rows at once.
 struct GroupScalesV {
   __m512 s[2], o[2];
 };
@@ -269,44 +334,6 @@ void multiply(const uint8_t* tile, const QuantizedX& qx, int64_t m0, int64_t in,
   for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * out, mask, acc[m]);
 }
 #else
-// The same arithmetic one value at a time.
-struct GroupScales {
-  float s[2][16], o[2][16];
-};
-
-inline float fp16_at(const uint8_t* p) { return fp16(p); }
-
-template <int64_t Type>
-void group_scales(const uint8_t* h, int g, GroupScales* gs) {
-  for (int r = 0; r < kTileRows; ++r) {
-    const float d = fp16_at(h + 2 * r);
-    if constexpr (Type == kQ6_K) {
-      for (int half = 0; half < 2; ++half) {
-        const float sc = static_cast<float>(static_cast<int8_t>(h[32 + 16 * (2 * g + half) + r]));
-        gs->s[half][r] = d * sc;
-        gs->o[half][r] = sc * (d * -32.0f);
-      }
-    } else if constexpr (is_k_quant(Type)) {
-      gs->s[0][r] = d * static_cast<float>(h[64 + 16 * g + r]);
-      gs->o[0][r] = static_cast<float>(h[192 + 16 * g + r]) * -fp16_at(h + 32 + 2 * r);
-    } else {
-      gs->s[0][r] = d;
-      constexpr float off = Type == kQ8_0 ? -128.0f : Type == kQ5_0 ? -16.0f : -8.0f;
-      gs->o[0][r] = has_min32(Type) ? fp16_at(h + 32 + 2 * r) : -d * -off;
-    }
-  }
-}
-
-// Value of row r at column k (< 32) of a packed group.
-inline int value_at(const uint8_t* p, int bits, int r, int k) {
-  const int v = k / 4, i = 4 * r + k % 4;
-  if (bits == 8) return p[64 * v + i];
-  int u = (p[64 * (v % 4) + i] >> (v < 4 ? 0 : 4)) & 0xF;
-  if (bits == 5) u |= ((p[256 + i] >> v) & 1) << 4;
-  if (bits == 6) u |= ((p[256 + 64 * (v / 4) + i] >> (2 * (v % 4))) & 3) << 4;
-  return u;
-}
-
 template <int64_t Type, int MR>
 void multiply(const uint8_t* tile, const QuantizedX& qx, int64_t m0, int64_t in, int rows, float* y, int64_t out) {
   constexpr int halves = Type == kQ6_K ? 2 : 1, per_chunk = static_cast<int>(chunk_columns(Type) / 32);
@@ -530,6 +557,36 @@ int64_t gguf_repacked_width(const at::Tensor& repacked, const at::Tensor& segmen
               " bytes fit no width of these segments");
   repacked_segments(repacked, segments, width, op);
   return width;
+}
+
+at::Tensor gguf_repacked_get_rows(const at::Tensor& repacked, const at::Tensor& segments, const at::Tensor& ids,
+                                  int64_t cols, at::ScalarType dtype) {
+  const char* op = "gguf_repacked_get_rows";
+  TORCH_CHECK(ids.dim() == 1 && !at::isFloatingType(ids.scalar_type()), op, ": ids must be 1-d integers, got ",
+              ids.sizes(), " ", ids.scalar_type());
+  const std::vector<gguf::Segment> segs = repacked_segments(repacked, segments, cols, op);
+  const int64_t rows = segs.back().first_row + segs.back().rows;
+  int64_t bytes = 0;
+  const std::vector<PackedTile> tiles = packed_tiles(segs, cols, &bytes);
+  std::vector<int64_t> first_tile(segs.size());  // each segment's first tile
+  for (size_t i = 1; i < segs.size(); ++i) first_tile[i] = first_tile[i - 1] + tiles_of(segs[i - 1].rows);
+  const at::Tensor idx = ids.to(at::kLong).contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < idx.numel(); ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < rows, op, ": id ", ip[t], " outside the ", rows, " rows");
+  at::Tensor out = at::empty({idx.numel(), cols}, repacked.options().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  const uint8_t* base = repacked.data_ptr<uint8_t>();
+  at::parallel_for(0, idx.numel(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      size_t i = 0;
+      while (ip[t] >= segs[i].first_row + segs[i].rows) ++i;
+      const int64_t r = ip[t] - segs[i].first_row;
+      const PackedTile& pt = tiles[first_tile[i] + r / kTileRows];
+      dequantize_tile_row(segs[i].type, base + pt.offset, static_cast<int>(r % kTileRows), cols, dst + t * cols);
+    }
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
 }
 
 }  // namespace tandem_cpu

@@ -33,8 +33,8 @@ at::Tensor gguf_repacked_linear(const at::Tensor& x, const at::Tensor& repacked,
 
 int64_t gguf_repacked_width(const at::Tensor& repacked, const at::Tensor& segments);
 
-at::Tensor gguf_get_rows(const at::Tensor& blocks, const at::Tensor& segments, const at::Tensor& ids, int64_t cols,
-                         at::ScalarType dtype);
+at::Tensor gguf_repacked_get_rows(const at::Tensor& repacked, const at::Tensor& segments, const at::Tensor& ids,
+                                  int64_t cols, at::ScalarType dtype);
 
 std::tuple<at::Tensor, at::Tensor> decoder_layer_decode(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& positions,

@@ -28,17 +28,17 @@ loses little to cancellation.) K-quants other than Q4_K and fp16/fp32 have no pl
 ``Q6_K``'s groups of 16 would take four, as many bytes as bf16.
 
 Where the C++ block kernel runs (:mod:`tandem.layers.quantization.gguf_blocks`: AVX512-VNNI),
-a layer with a part of another type than Q4_0/Q4_1 keeps the file's blocks instead, repacked
+every layer of the block types keeps the file's blocks instead, repacked
 (:class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear`: the file's bits per weight,
-Q6_K and Q5_K quantized at all, one kernel for every row count, no dequantized copy);
-:func:`quantize_gguf_linears` decides each layer's form. What follows is about the int4
-layers.
+Q6_K and Q5_K quantized at all, one kernel for every row count, faster than the int4 one on
+Q4_0/Q4_1 too, no dequantized copy); :func:`quantize_gguf_linears` decides each layer's form.
+What follows is about the int4 layers, the form on CPUs without VNNI.
 
 The LM head runs the same way when its tensor (``output``, or the tied ``token_embd``) is of
 these types: ``Q8_0`` in both real models (RESULTS). Where the head is blocks (or untied), a
 token embedding of a block type becomes a
-:class:`~tandem.layers.quantization.gguf_blocks.GGUFEmbedding` over the file's blocks, whose
-looked-up rows are gguf's dequantized values: no dense table is kept.
+:class:`~tandem.layers.quantization.gguf_blocks.GGUFEmbedding` over repacked blocks (a tied
+head's own tiles), whose looked-up rows are gguf's dequantized values: no dense table is kept.
 
 Generated rows go through the int4 kernel only while a step has at most :data:`MAX_INT4_ROWS`
 of them; a step with more runs every row on the kept bf16 weight. The kernel computes four rows
@@ -87,7 +87,7 @@ from torch import nn
 
 from tandem.layers.linear import ColumnShardedLinear, RowParallelLinear
 from tandem.layers.quantization import gguf_blocks
-from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear, GGUFEmbedding, pack_blocks
+from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear, GGUFEmbedding
 from tandem.layers.quantization.phase_linear import PhaseLinear
 
 GROUP_SIZE = 32
@@ -219,8 +219,8 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any], block_kernel
     (``model.lm_head_quant``, over ``lm_head.weight`` or, tied, the embedding) likewise:
 
     * a :class:`~tandem.layers.quantization.gguf_blocks.GGUFBlockLinear` (the file's blocks,
-      repacked) with ``block_kernel`` when every part is of its types and one is not a
-      one-plane int4 type (:mod:`tandem.layers.quantization.gguf_blocks`);
+      repacked) with ``block_kernel`` when every part is of its types
+      (:mod:`tandem.layers.quantization.gguf_blocks`);
     * else a :class:`GGUFInt4Linear` when every part is of :data:`INT4_TYPES`.
 
     A block head drops an untied model's dense ``lm_head``; a block token embedding
@@ -284,14 +284,16 @@ def _drop_dense_head(model: nn.Module) -> None:
 def _block_embedding(model: nn.Module, raw: Mapping[str, Any], tied: bool, block_kernel: bool
                      ) -> GGUFEmbedding | None:
     """The token embedding as the file's blocks where they run here and nothing needs its
-    dense table: an untied model, or a tied one whose LM head is blocks (its own tiles)."""
+    dense table: an untied model (its own tiles), or a tied one whose LM head is blocks
+    (sharing its tiles)."""
     embed, name = getattr(model, "embed_tokens", None), "model.embed_tokens.weight"
     if not (block_kernel and isinstance(embed, nn.Embedding) and name in raw
             and raw[name].qtype in gguf_blocks.BLOCK_TYPES):
         return None
-    if tied and not isinstance(getattr(model, "lm_head_quant", None), GGUFBlockLinear):
-        return None
-    return GGUFEmbedding(*pack_blocks([raw[name]]), embed.weight.dtype)
+    if not tied:
+        return GGUFEmbedding.from_parts([raw[name]], embed.weight.dtype)
+    head = getattr(model, "lm_head_quant", None)
+    return GGUFEmbedding(head.repacked, head.segments, embed.weight.dtype) if isinstance(head, GGUFBlockLinear) else None
 
 
 def _quantized_layer(parts: list[Any], bias: torch.Tensor | None, dense: torch.Tensor,
@@ -299,7 +301,7 @@ def _quantized_layer(parts: list[Any], bias: torch.Tensor | None, dense: torch.T
     """The quantized form of a layer of GGUF tensors ``parts`` (:func:`quantize_gguf_linears`
     says which), or None: it stays dense."""
     types = {w.qtype for w in parts}
-    if block_kernel and types <= set(gguf_blocks.BLOCK_TYPES) and not types <= set(gguf_blocks.ONE_PLANE_TYPES):
+    if block_kernel and types <= set(gguf_blocks.BLOCK_TYPES):
         return GGUFBlockLinear.from_parts(parts, bias)
     if types <= set(INT4_TYPES):
         return GGUFInt4Linear.from_planes(_fused_planes(parts), bias, dense, MAX_INT4_ROWS)
@@ -339,9 +341,8 @@ def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
             None); an untied model loses its dense ``lm_head`` where the head is blocks.
         layers: :func:`gguf_quantized_layers` of the quantized model.
         tensors: the quantized model's tensors by name: ``<layer>.repacked`` and
-            ``<layer>.segments`` of a block layer, ``<layer>.blocks`` and ``<layer>.segments``
-            of an embedding (the model's module of that name is an ``nn.Embedding``),
-            ``<layer>.packed`` and
+            ``<layer>.segments`` of a block layer or embedding (the model's module of that
+            name is an ``nn.Embedding``), ``<layer>.packed`` and
             ``<layer>.scales_and_zeros`` of an int4 one, ``<layer>.bias`` and
             ``<layer>.dense`` where it has them.
 
@@ -356,8 +357,8 @@ def restore_gguf_linears(model: nn.Module, layers: Mapping[str, int | None],
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         bias, built = tensors.get(f"{name}.bias"), getattr(parent, child, None)
-        if f"{name}.blocks" in tensors and isinstance(built, nn.Embedding):
-            layer = GGUFEmbedding(tensors[f"{name}.blocks"], tensors[f"{name}.segments"], built.weight.dtype)
+        if f"{name}.repacked" in tensors and isinstance(built, nn.Embedding):
+            layer = GGUFEmbedding(tensors[f"{name}.repacked"], tensors[f"{name}.segments"], built.weight.dtype)
         elif f"{name}.repacked" in tensors:
             layer = GGUFBlockLinear(tensors[f"{name}.repacked"], tensors[f"{name}.segments"], bias)
         else:

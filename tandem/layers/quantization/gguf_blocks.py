@@ -11,11 +11,12 @@ One kernel for generated and prompt rows alike: a decode step, a speculative ver
 several rows and a prompt compute each row the same way (batch-invariant), and no dequantized
 copy is kept. The tiles hold each weight at the file's bits (4, 5, 6 or 8, with the file's
 scales: ~1.0-1.03x the GGUF's bytes). A layer takes this form when every part of it (q, k and
-v of a fused qkv_proj may differ) is of :data:`BLOCK_TYPES`, at least one of them is not Q4_0
-or Q4_1 (:data:`ONE_PLANE_TYPES`: those layers stay on PyTorch's int4 kernel), and the kernels
-were built with VNNI (:func:`available`; without it the int4 planes or the dense weight of
-:mod:`tandem.layers.quantization.gguf` run). The token embedding keeps the file's blocks
-(:class:`GGUFEmbedding`, rows dequantized as they are looked up). The parameter cache stores
+v of a fused qkv_proj may differ) is of :data:`BLOCK_TYPES` and the kernels were built with
+VNNI (:func:`available`; faster than PyTorch's int4 kernel on Q4_0/Q4_1 too, at every row
+count, RESULTS; without VNNI the int4 planes or the dense weight of
+:mod:`tandem.layers.quantization.gguf` run). The token embedding keeps the file's bits too
+(:class:`GGUFEmbedding`: rows dequantized from the tiles as they are looked up; a tied LM
+head's tiles serve both). The parameter cache stores
 the tiles and their segment table (type, rows, byte offset per part).
 """
 
@@ -34,8 +35,6 @@ from tandem.layers.quantization.phase_linear import PhaseLinear
 
 # The types the kernels read (gguf_quants.h).
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-# Types PyTorch's int4 kernel runs as one plane: a layer all of these stays int4.
-ONE_PLANE_TYPES = ("Q4_0", "Q4_1")
 
 
 def available() -> bool:
@@ -98,11 +97,7 @@ class GGUFBlockLinear(PhaseLinear):
 
     def __init__(self, repacked: torch.Tensor, segments: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        try:
-            self.in_features = cpu_ops.gguf_repacked_width(repacked, segments)
-        except RuntimeError as e:
-            raise ValueError(f"GGUF repacked tiles {tuple(repacked.shape)} {repacked.dtype} with segments "
-                             f"{tuple(segments.shape)} {segments.dtype}: {str(e).splitlines()[0]}") from None
+        self.in_features = _repacked_width(repacked, segments)
         self.out_features = int(segments[:, 1].sum())
         self.register_buffer("repacked", repacked)
         self.register_buffer("segments", segments)
@@ -116,8 +111,7 @@ class GGUFBlockLinear(PhaseLinear):
         Raises:
             ValueError: as :func:`pack_blocks`.
         """
-        blocks, segments = pack_blocks(parts)
-        return cls(*cpu_ops.gguf_repack(blocks, segments, _shape(blocks, segments)[0]), bias)
+        return cls(*_repack(parts), bias)
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
@@ -130,36 +124,63 @@ class GGUFBlockLinear(PhaseLinear):
 
 
 class GGUFEmbedding(nn.Module):
-    """A token embedding whose table is GGUF blocks, looked up by
-    ``torch.ops.tandem_cpu.gguf_get_rows``: each token's row dequantized when it is needed
-    (the values of gguf's dequantization), so the table stays at the file's bits per weight.
+    """A token embedding whose table is GGUF blocks, repacked (a tied LM head's own tiles, or
+    its own), looked up by ``torch.ops.tandem_cpu.gguf_repacked_get_rows``: each token's row
+    dequantized when it is needed (the values of gguf's dequantization), so the table stays
+    at the file's bits per weight.
 
     ``forward(ids [...]) -> [..., embedding_dim]`` in ``dtype``.
 
     Args:
-        blocks: ``[bytes]`` uint8 and
-        segments: ``[parts, 3]`` int64 of the table's rows (:func:`pack_blocks`; kept without
-            a copy).
+        repacked: ``[bytes]`` uint8 tiles and
+        segments: ``[parts, 3]`` int64 of the table's rows (as :class:`GGUFBlockLinear`'s;
+            kept without a copy).
         dtype: of the embeddings (the model's).
 
     Raises:
-        ValueError: a segment table that does not describe ``blocks``.
+        ValueError: a segment table that does not describe ``repacked``.
     """
 
-    def __init__(self, blocks: torch.Tensor, segments: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, repacked: torch.Tensor, segments: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embedding_dim, self.num_embeddings = _shape(blocks, segments)
-        self.register_buffer("blocks", blocks)
+        self.embedding_dim = _repacked_width(repacked, segments)
+        self.num_embeddings = int(segments[:, 1].sum())
+        self.register_buffer("repacked", repacked)
         self.register_buffer("segments", segments)
         self.dtype = dtype
 
+    @classmethod
+    def from_parts(cls, parts: Sequence[Any], dtype: torch.dtype) -> GGUFEmbedding:
+        """The table of a GGUF tensor (:func:`pack_blocks`'s ``parts``), repacked.
+
+        Raises:
+            ValueError: as :func:`pack_blocks`.
+        """
+        return cls(*_repack(parts), dtype)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = cpu_ops.gguf_get_rows(self.blocks, self.segments, ids.reshape(-1), self.embedding_dim, self.dtype)
+        rows = cpu_ops.gguf_repacked_get_rows(self.repacked, self.segments, ids.reshape(-1), self.embedding_dim,
+                                              self.dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         types = ",".join(GGMLQuantizationType(int(t)).name for t in self.segments[:, 0])
         return f"{self.num_embeddings}, {self.embedding_dim}, types={types}"
+
+
+def _repack(parts: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack_blocks`'s blocks of ``parts`` as tiles (:func:`~tandem.layers.cpu_ops.gguf_repack`)."""
+    blocks, segments = pack_blocks(parts)
+    return cpu_ops.gguf_repack(blocks, segments, _shape(blocks, segments)[0])
+
+
+def _repacked_width(repacked: torch.Tensor, segments: torch.Tensor) -> int:
+    """The width of tiles and their table, checked (ValueError otherwise)."""
+    try:
+        return cpu_ops.gguf_repacked_width(repacked, segments)
+    except RuntimeError as e:
+        raise ValueError(f"GGUF repacked tiles {tuple(repacked.shape)} {repacked.dtype} with segments "
+                         f"{tuple(segments.shape)} {segments.dtype}: {str(e).splitlines()[0]}") from None
 
 
 def _shape(blocks: torch.Tensor, segments: torch.Tensor) -> tuple[int, int]:
@@ -188,4 +209,4 @@ def _shape(blocks: torch.Tensor, segments: torch.Tensor) -> tuple[int, int]:
     return widths.pop(), sum(rows for _, rows, _ in table)
 
 
-__all__ = ["BLOCK_TYPES", "ONE_PLANE_TYPES", "GGUFBlockLinear", "GGUFEmbedding", "available", "pack_blocks"]
+__all__ = ["BLOCK_TYPES", "GGUFBlockLinear", "GGUFEmbedding", "available", "pack_blocks"]

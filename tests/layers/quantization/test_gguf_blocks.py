@@ -171,21 +171,22 @@ def test_every_row_runs_the_one_kernel_whatever_its_phase():
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_embedding_rows_are_ggufs_dequantization_exactly(qtype):
-    """The block embedding's rows (any ids, repeated, any shape) are gguf's dequantized
-    values to the bit (fp32; the model dtype is their cast), so a model's embeddings do not
-    change when its table stays blocks."""
-    w = _raw(qtype, 40, 512, seed=qtype.value + 2)
-    blocks, segments = pack_blocks([w])
-    ref = torch.from_numpy(gguf.quants.dequantize(w.data, qtype).reshape(40, 512).astype(np.float32))
-    ids = torch.tensor([3, 0, 39, 3, 17], dtype=torch.int32)
-    assert torch.equal(torch.ops.tandem_cpu.gguf_get_rows(blocks, segments, ids, 512, torch.float32), ref[ids.long()])
-    emb = GGUFEmbedding(blocks, segments, torch.bfloat16)
-    assert (emb.num_embeddings, emb.embedding_dim) == (40, 512)
-    assert torch.equal(emb(ids.long().view(1, 5)), ref[ids.long()].to(torch.bfloat16).view(1, 5, 512))
-    with pytest.raises(RuntimeError, match="id 40 outside the 40 rows"):
-        emb(torch.tensor([1, 40]))
+    """The block embedding's rows (any ids, repeated, any shape; a table of two parts, the
+    first ending inside a tile) are gguf's dequantized values to the bit (fp32; the model
+    dtype is their cast), so a model's embeddings do not change when its table stays blocks."""
+    parts = [_raw(qtype, 40, 512, seed=qtype.value + 2), _raw(T.Q8_0, 8, 512, seed=qtype.value + 3)]
+    repacked, segments = _repacked(parts)
+    ref = torch.cat([_dequantized(w) for w in parts]).float()
+    ids = torch.tensor([3, 0, 39, 3, 17, 40, 47], dtype=torch.int32)
+    got = cpu_ops.gguf_repacked_get_rows(repacked, segments, ids, 512, torch.float32)
+    assert torch.equal(got, ref[ids.long()])
+    emb = GGUFEmbedding(repacked, segments, torch.bfloat16)
+    assert (emb.num_embeddings, emb.embedding_dim) == (48, 512)
+    assert torch.equal(emb(ids.long().view(1, 7)), ref[ids.long()].to(torch.bfloat16).view(1, 7, 512))
+    with pytest.raises(RuntimeError, match="id 48 outside the 48 rows"):
+        emb(torch.tensor([1, 48]))
     with pytest.raises(RuntimeError, match="integers"):
-        torch.ops.tandem_cpu.gguf_get_rows(blocks, segments, torch.zeros(2), 512, torch.float32)
+        cpu_ops.gguf_repacked_get_rows(repacked, segments, torch.zeros(2), 512, torch.float32)
 
 
 def test_bad_tables_and_parts_are_refused():
@@ -244,25 +245,24 @@ def _parts() -> dict[str, RawWeight]:
     return out
 
 
-def test_the_swap_takes_blocks_where_a_part_is_not_q4_0_or_q4_1_and_restores_them():
-    """With the block kernel: a fused layer of Q4_K and Q6_K parts and a Q5_0 one take the
-    blocks, a Q4_1 layer stays int4, the tied Q8_0 head too takes the blocks and the embedding
-    keeps the file's blocks (its rows gguf's dequantized values); without it the Q6_K layer
-    stays dense, the embedding too. A model as built gets the same layers back from the
-    tensors."""
+def test_the_swap_takes_blocks_and_restores_them():
+    """With the block kernel: every layer of block types takes them (a fused layer of Q4_K and
+    Q6_K parts, a Q5_0 one, a Q4_1 one), the tied Q8_0 head too, and the embedding shares its
+    tiles (its rows gguf's dequantized values); without it the Q6_K layer stays
+    dense, the 4- and 5-bit ones int4, the embedding dense. A model as built gets the same
+    layers back from the tensors."""
     model = _Model()
     dense_table = model.embed_tokens.weight.detach().clone()
     counts = quantize_gguf_linears(model, _parts(), block_kernel=True)
-    assert counts == {"blocks": 2, "int4": 1, "dequantized": 0}
+    assert counts == {"blocks": 3, "int4": 0, "dequantized": 0}
     layer = model.layers[0]
-    assert isinstance(layer.qkv_proj, GGUFBlockLinear) and isinstance(layer.down_proj, GGUFBlockLinear)
-    assert isinstance(layer.o_proj, GGUFInt4Linear) and isinstance(model.lm_head_quant, GGUFBlockLinear)
-    assert isinstance(model.embed_tokens, GGUFEmbedding)
+    assert all(isinstance(m, GGUFBlockLinear) for m in (layer.qkv_proj, layer.o_proj, layer.down_proj))
+    assert isinstance(model.lm_head_quant, GGUFBlockLinear) and isinstance(model.embed_tokens, GGUFEmbedding)
+    assert model.embed_tokens.repacked.data_ptr() == model.lm_head_quant.repacked.data_ptr()
     ref = torch.from_numpy(gguf.quants.dequantize(_parts()["model.embed_tokens.weight"].data, T.Q8_0).reshape(64, 256))
     assert torch.equal(model.embed_tokens(torch.tensor([5, 63])), ref[[5, 63]].float())
     assert not torch.equal(dense_table[[5, 63]], ref[[5, 63]].float())  # the test's table was random
     assert layer.qkv_proj.bias is not None and layer.qkv_proj.dense is None
-    assert layer.qkv_proj.max_quantized_rows is None and layer.o_proj.max_quantized_rows == MAX_INT4_ROWS
     layers, tensors = gguf_quantized_layers(model), model.state_dict()
     assert set(layers) == {"layers.0.qkv_proj", "layers.0.o_proj", "layers.0.down_proj", "lm_head_quant", "embed_tokens"}
     fresh = _Model()
@@ -277,6 +277,7 @@ def test_the_swap_takes_blocks_where_a_part_is_not_q4_0_or_q4_1_and_restores_the
     without = _Model()
     assert quantize_gguf_linears(without, _parts(), block_kernel=False) == {"blocks": 0, "int4": 2, "dequantized": 1}
     assert not isinstance(without.layers[0].qkv_proj, GGUFBlockLinear | GGUFInt4Linear)
+    assert without.layers[0].o_proj.max_quantized_rows == MAX_INT4_ROWS
     assert isinstance(without.embed_tokens, torch.nn.Embedding)  # the int4 head reads its table
 
 
@@ -305,10 +306,10 @@ def test_an_untied_model_keeps_neither_dense_table_nor_dense_head():
     x = torch.randn(2, 256)
     assert torch.equal(fresh.lm_head_quant(x), model.lm_head_quant(x))
 
-    int4_head = _UntiedModel()  # a Q4_0 head runs int4 planes and keeps the dense weight
-    quantize_gguf_linears(int4_head, parts | {"lm_head.weight": _raw(T.Q4_0, 64, 256, 23)}, block_kernel=True)
+    int4_head = _UntiedModel()  # without the block kernel a Q4_0 head runs int4 and keeps the dense weight
+    quantize_gguf_linears(int4_head, parts | {"lm_head.weight": _raw(T.Q4_0, 64, 256, 23)}, block_kernel=False)
     assert isinstance(int4_head.lm_head_quant, GGUFInt4Linear) and hasattr(int4_head, "lm_head")
-    assert isinstance(int4_head.embed_tokens, GGUFEmbedding)
+    assert isinstance(int4_head.embed_tokens, torch.nn.Embedding)
 
 
 def test_available_says_whether_the_kernel_has_vnni():
