@@ -112,7 +112,8 @@ def load_cached_parameters(model: nn.Module, folder: str, dtype: torch.dtype, in
         logger.warning("cached parameters %s unreadable (%s: %s): rebuilding them", path, type(e).__name__, e)
         return False
     if header != _header(model_spec(model), model, dtype) or not consistent:
-        logger.warning("cached parameters %s were written for another model layout: rebuilding them", path)
+        logger.warning("cached parameters %s were written for another model layout or by another version's "
+                       "cache format: rebuilding them (once)", path)
         return False
     try:
         restore_gguf_linears(model, layers, tensors)
