@@ -45,9 +45,9 @@ def test_qwen2_gguf_quantized_agrees_with_dequantized_fp32(monkeypatch):
     teacher-forced on the dequantized fp32 path's greedy continuations, pick the same argmax
     at >= 95 % of positions (the embedded model's bar: a flipped near-tie changes whole
     continuations, so those are not compared). The teacher-forced tokens are prompt rows
-    (the blocks' GEMM, or an int4 layer's dense weight): here every row runs the decode path
-    (the row kernel up to 4 rows, the GEMM above; int4 planes), which gives a row the same
-    bits whatever the rows beside it (tests/layers/quantization/)."""
+    (the blocks' one kernel, or an int4 layer's dense weight): here every row runs the decode
+    path (the repacked blocks; int4 planes), which gives a row the same bits whatever the rows
+    beside it (tests/layers/quantization/)."""
     from tandem import LLM
     from tandem.layers.quantization import gguf_blocks
     from tandem.layers.quantization.gguf import GGUFInt4Linear
