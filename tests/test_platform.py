@@ -47,11 +47,15 @@ def test_cuda_auto_is_bf16(tmp_path):
 @pytest.mark.skipif(not platform.cpu_has_native_bf16(), reason="the CPU has no native bf16 arithmetic")
 def test_bf16_default_prompt_logprobs_match_transformers_bf16(embedded_model_path):
     """Tandem's default on this CPU (bf16) against transformers with the same weights in
-    bf16: every prompt token's log-probability within 0.3 nats (measured: at most 0.18;
-    bf16 against fp32 differs by up to 0.21, a wrong weight by several nats)."""
+    bf16: every prompt token's log-probability within 0.3 nats with int4 layers (measured: at
+    most 0.18; bf16 against fp32 differs by up to 0.21, mean 0.04, a wrong weight by several
+    nats). With AVX512-VNNI the layers are GGUF blocks, whose kernel rounds each input row to
+    int8 per 32 values as llama.cpp does: within 1.0 nat, 0.1 on average over the 73 tokens
+    (measured: at most 0.64, mean 0.074, 95th percentile 0.21)."""
     from transformers import AutoModelForCausalLM
 
     from tandem import LLM, SamplingParams
+    from tandem.layers.quantization import gguf_blocks
     from tandem.model_loader.gguf_cache import checkpoint_folder
     from tests.conftest import PROMPTS
 
@@ -64,12 +68,16 @@ def test_bf16_default_prompt_logprobs_match_transformers_bf16(embedded_model_pat
     finally:
         llm.engine.shutdown()
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_folder(embedded_model_path), dtype=torch.bfloat16).eval()
+    blocks = gguf_blocks.available()
+    diffs = []
     for ids, out in zip(seqs, outs):
         with torch.no_grad():
             want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)
         got = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
-        diffs = [abs(g - want[i, ids[i + 1]].item()) for i, g in enumerate(got)]
-        assert max(diffs) < 0.3, (out.prompt, max(diffs))
+        diffs += [abs(g - want[i, ids[i + 1]].item()) for i, g in enumerate(got)]
+    assert max(diffs) < (1.0 if blocks else 0.3), max(diffs)
+    if blocks:
+        assert sum(diffs) / len(diffs) < 0.1, sum(diffs) / len(diffs)
 
 
 @pytest.mark.parametrize("name, gib, usage, want", [
