@@ -59,13 +59,21 @@ void quantize_x32(const float* x, int64_t t_rows, int64_t in, QuantizedX* qx) {
   });
 }
 
-std::vector<Segment> parse_segments(const at::Tensor& blocks, const at::Tensor& segments, int64_t in, const char* op) {
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 1 && blocks.is_contiguous(), op,
-              ": blocks must be a contiguous 1-d uint8 tensor");
+void check_bytes(const at::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 1 && t.is_contiguous(), op, ": ", name,
+              " must be a contiguous 1-d uint8 tensor");
+}
+
+at::Tensor segment_table(const at::Tensor& segments, const char* op) {
   TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 3 &&
                   segments.size(0) > 0,
               op, ": segments must be int64 [S, 3] (type, rows, byte offset), got ", segments.sizes());
-  const at::Tensor seg = segments.contiguous();
+  return segments.contiguous();
+}
+
+std::vector<Segment> parse_segments(const at::Tensor& blocks, const at::Tensor& segments, int64_t in, const char* op) {
+  check_bytes(blocks, "blocks", op);
+  const at::Tensor seg = segment_table(segments, op);
   const int64_t* sp = seg.data_ptr<int64_t>();
   std::vector<Segment> segs;
   int64_t out = 0;

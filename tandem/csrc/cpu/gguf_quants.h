@@ -216,6 +216,12 @@ struct Segment {
   int64_t first_row;  // in the output
 };
 
+// Checks that t (`name` in errors) is a contiguous 1-d uint8 tensor.
+void check_bytes(const at::Tensor& t, const char* name, const char* op);
+
+// A segment table [S >= 1, 3] int64 (type, rows, byte offset), checked, contiguous.
+at::Tensor segment_table(const at::Tensor& segments, const char* op);
+
 // The segment table [S, 3] (type, rows, byte offset) over `blocks` for an input of `in` values,
 // checked (`op` names the caller in errors).
 std::vector<Segment> parse_segments(const at::Tensor& blocks, const at::Tensor& segments, int64_t in, const char* op);

@@ -444,13 +444,9 @@ std::vector<PackedTile> packed_tiles(const std::vector<Segment>& segs, int64_t i
 // The segment table of a repacked layer of width `in`, checked against the repacked bytes.
 std::vector<Segment> repacked_segments(const at::Tensor& repacked, const at::Tensor& segments, int64_t in,
                                        const char* op) {
-  TORCH_CHECK(repacked.scalar_type() == at::kByte && repacked.dim() == 1 && repacked.is_contiguous(), op,
-              ": repacked must be a contiguous 1-d uint8 tensor");
+  check_bytes(repacked, "repacked", op);
   TORCH_CHECK(in > 0 && in % 32 == 0, op, ": in_features ", in, " not a positive multiple of 32");
-  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 3 &&
-                  segments.size(0) > 0,
-              op, ": segments must be int64 [S, 3] (type, rows, byte offset), got ", segments.sizes());
-  const at::Tensor seg = segments.contiguous();
+  const at::Tensor seg = segment_table(segments, op);
   const int64_t* sp = seg.data_ptr<int64_t>();
   std::vector<Segment> segs;
   int64_t out = 0, offset = 0;
@@ -539,11 +535,8 @@ at::Tensor gguf_repacked_linear(const at::Tensor& x_in, const at::Tensor& repack
 
 int64_t gguf_repacked_width(const at::Tensor& repacked, const at::Tensor& segments) {
   const char* op = "gguf_repacked_width";
-  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 3 &&
-                  segments.size(0) > 0,
-              op, ": segments must be int64 [S, 3] (type, rows, byte offset), got ", segments.sizes());
   // The bytes are linear in the width: bytes = width * sum over segments of tiles * chunk bytes / chunk columns.
-  const at::Tensor seg = segments.contiguous();
+  const at::Tensor seg = gguf::segment_table(segments, op);
   const int64_t* sp = seg.data_ptr<int64_t>();
   int64_t per_256 = 0;  // bytes per 256 columns
   for (int64_t i = 0; i < seg.size(0); ++i) {
