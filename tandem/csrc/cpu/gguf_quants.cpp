@@ -45,15 +45,15 @@ void quantize_x32(const float* x, int64_t t_rows, int64_t in, QuantizedX* qx) {
   QuantizedX& r = *qx;
   r.q.resize(t_rows * in);
   r.d.resize(t_rows * in / 32);
-  r.dsum.resize(t_rows * in / 16);
+  r.qsum.resize(t_rows * in / 16);
   r.dsum32.resize(t_rows * in / 32);
   at::parallel_for(0, t_rows * in / 32, 2048, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       int sums[2];
       const float d = quantize32(x + 32 * b, r.q.data() + 32 * b, sums);
       r.d[b] = d;
-      r.dsum[2 * b] = d * sums[0];
-      r.dsum[2 * b + 1] = d * sums[1];
+      r.qsum[2 * b] = sums[0];
+      r.qsum[2 * b + 1] = sums[1];
       r.dsum32[b] = d * (sums[0] + sums[1]);
     }
   });

@@ -47,8 +47,8 @@ inline float fp16(const uint8_t* p) {
 struct QuantizedX {
   std::vector<int8_t> q;      // [T, in]
   std::vector<float> d;       // [T, in / 32]
-  std::vector<float> dsum;    // [T, in / 16]
-  std::vector<float> dsum32;  // [T, in / 32]
+  std::vector<int32_t> qsum;  // [T, in / 16]: the sums of q per 16 (Q6_K's offset of -32)
+  std::vector<float> dsum32;  // [T, in / 32]: d times the sum of q per 32
 };
 
 // Round v / d to int8 for every value of a group, with d = max|v| / 127.

@@ -5,17 +5,22 @@
 //
 // Arithmetic (llama.cpp's CPU dot products, per 32): each row of x is quantized to int8 per 32
 // values (dx = max|x| / 127, rounded to nearest even); the weights are the file's values u with
-// w = s u + o per group of G columns (G = 16 for Q6_K, 32 otherwise; gguf_quants.h expands
-// them), and
+// w = s u + o per group of 32 columns (gguf_quants.h expands them), and
 //
 //   y[m, n] = sum over groups g of fma(float(sum_j u[n, j] q[m, j]), s[n, g] dx[m, g], .)
 //             then fma(o[n, g], dx[m, g] sum_j q[m, j], .)          (in this order, from 0)
 //
-// The integer sums are exact; s and o are products exact in fp32 (an fp16 times an integer of
-// at most 8 bits, or a power of two). Each value of y is a function of its row of x only, in
-// the same order whatever the rows around it (batch-invariant; the scalar code without VNNI
-// does the same fused multiply-adds in the same order). The only error besides fp32 rounding
-// is x's int8 rounding.
+// except Q6_K, whose w = d sc (u - 32) has an integer scale sc per 16 columns: its whole group
+// is one integer, as llama.cpp sums it,
+//
+//   y[m, n] = sum over groups g of fma(float(sum over halves of sc (sum_j u q - 32 sum_j q)),
+//                                      d[n] dx[m, g], .)
+//
+// (|the integer| < 2^24, so exact in fp32). The integer sums are exact; s and o are products
+// exact in fp32 (an fp16 times an integer of at most 8 bits, or a power of two). Each value of
+// y is a function of its row of x only, in the same order whatever the rows around it
+// (batch-invariant; the scalar code without VNNI does the same fused multiply-adds in the same
+// order). The only error besides fp32 rounding is x's int8 rounding.
 //
 // Layout. One 512-bit vector of u holds four columns of all 16 rows (u[64 (k / 4) + 4 r + k % 4]
 // is row r's value at column k of a group of 32: eight such vectors v0..v7 per group), and
@@ -212,38 +217,31 @@ void dequantize_tile_row(int64_t type, const uint8_t* tile, int r, int64_t in, f
 }
 
 #ifdef TANDEM_GGUF_VNNI
-// group_scales for the 16 rows at once.
+// group_scales for the 16 rows at once (the types scaled in fp32: all but Q6_K).
 struct GroupScalesV {
-  __m512 s[2], o[2];
+  __m512 s, o;
 };
 
 inline __m512 negate(__m512 v) { return _mm512_xor_ps(v, _mm512_set1_ps(-0.0f)); }
 
 template <int64_t Type>
 inline void chunk_scales(const uint8_t* h, int g, GroupScalesV* gs) {
+  static_assert(Type != kQ6_K, "Q6_K scales its integer sums");
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-  auto bytes = [](const uint8_t* p, bool is_signed) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
-  };
-  if constexpr (Type == kQ6_K) {
-    const __m512 dm = _mm512_mul_ps(d, _mm512_set1_ps(-32.0f));
-    for (int half = 0; half < 2; ++half) {
-      const __m512 sc = bytes(h + 32 + 16 * (2 * g + half), true);
-      gs->s[half] = _mm512_mul_ps(d, sc);
-      gs->o[half] = _mm512_mul_ps(sc, dm);
-    }
-  } else if constexpr (is_k_quant(Type)) {
+  if constexpr (is_k_quant(Type)) {
+    auto bytes = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
-    gs->s[0] = _mm512_mul_ps(d, bytes(h + 64 + 16 * g, false));
-    gs->o[0] = _mm512_mul_ps(bytes(h + 192 + 16 * g, false), negate(dmin));
+    gs->s = _mm512_mul_ps(d, bytes(h + 64 + 16 * g));
+    gs->o = _mm512_mul_ps(bytes(h + 192 + 16 * g), negate(dmin));
   } else {
-    gs->s[0] = d;
+    gs->s = d;
     if constexpr (has_min32(Type)) {
-      gs->o[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
+      gs->o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
     } else {
       constexpr float off = Type == kQ8_0 ? -128.0f : Type == kQ5_0 ? -16.0f : -8.0f;
-      gs->o[0] = _mm512_mul_ps(negate(d), _mm512_set1_ps(-off));
+      gs->o = _mm512_mul_ps(negate(d), _mm512_set1_ps(-off));
     }
   }
 }
@@ -293,7 +291,6 @@ void multiply(const uint8_t* tile, const QuantizedX& qx, int64_t m0, int64_t in,
   // Independent dpbusd chains per row of x (integer sums: their order does not change a bit).
   constexpr int C = MR >= 2 ? 1 : 2;
   const int64_t groups32 = in / 32;
-  const float* dsum = halves == 2 ? qx.dsum.data() : qx.dsum32.data();
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups32; ++g) {
@@ -305,13 +302,25 @@ void multiply(const uint8_t* tile, const QuantizedX& qx, int64_t m0, int64_t in,
     } else {
       load_values<value_bits(Type)>(p, u);
     }
+    // Q6_K: one integer sum per group, sum over halves of sc (sum_j u q - 32 sum_j q); others
+    // one per group too, scaled and offset in fp32.
+    __m512i sc[halves];
     GroupScalesV gs;
-    chunk_scales<Type>(h, static_cast<int>(g % per_chunk), &gs);
+    if constexpr (Type == kQ6_K) {
+      for (int half = 0; half < 2; ++half)
+        sc[half] = _mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 32 + 16 * (2 * (g % per_chunk) + half))));
+    } else {
+      chunk_scales<Type>(h, static_cast<int>(g % per_chunk), &gs);
+    }
+    __m512i total[MR];
     for (int half = 0; half < halves; ++half) {
       constexpr int K = 8 / halves;
       __m512i isum[MR][C];
       for (int m = 0; m < MR; ++m)
-        for (int c = 0; c < C; ++c) isum[m][c] = _mm512_setzero_si512();
+        for (int c = 0; c < C; ++c)
+          isum[m][c] = Type == kQ6_K && c == 0 ? _mm512_set1_epi32(-32 * qx.qsum[(m0 + m) * 2 * groups32 + 2 * g + half])
+                                               : _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int k = 0; k < K; ++k) {
         for (int m = 0; m < MR; ++m) {
@@ -323,10 +332,24 @@ void multiply(const uint8_t* tile, const QuantizedX& qx, int64_t m0, int64_t in,
       for (int m = 0; m < MR; ++m) {
         __m512i is = isum[m][0];
         for (int c = 1; c < C; ++c) is = _mm512_add_epi32(is, isum[m][c]);
-        const float dx = qx.d[(m0 + m) * groups32 + g];
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(gs.s[half], _mm512_set1_ps(dx)), acc[m]);
-        acc[m] = _mm512_fmadd_ps(gs.o[half], _mm512_set1_ps(dsum[(m0 + m) * groups32 * halves + halves * g + half]),
+        if constexpr (Type == kQ6_K) {
+          is = _mm512_mullo_epi32(is, sc[half]);
+          total[m] = half == 0 ? is : _mm512_add_epi32(total[m], is);
+        } else {
+          total[m] = is;
+        }
+      }
+    }
+    if constexpr (Type == kQ6_K) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+      for (int m = 0; m < MR; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[m]), _mm512_mul_ps(d, _mm512_set1_ps(qx.d[(m0 + m) * groups32 + g])),
                                  acc[m]);
+    } else {
+      for (int m = 0; m < MR; ++m) {
+        const float dx = qx.d[(m0 + m) * groups32 + g];
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[m]), _mm512_mul_ps(gs.s, _mm512_set1_ps(dx)), acc[m]);
+        acc[m] = _mm512_fmadd_ps(gs.o, _mm512_set1_ps(qx.dsum32[(m0 + m) * groups32 + g]), acc[m]);
       }
     }
   }
@@ -336,25 +359,30 @@ void multiply(const uint8_t* tile, const QuantizedX& qx, int64_t m0, int64_t in,
 #else
 template <int64_t Type, int MR>
 void multiply(const uint8_t* tile, const QuantizedX& qx, int64_t m0, int64_t in, int rows, float* y, int64_t out) {
-  constexpr int halves = Type == kQ6_K ? 2 : 1, per_chunk = static_cast<int>(chunk_columns(Type) / 32);
+  constexpr int per_chunk = static_cast<int>(chunk_columns(Type) / 32);
   const int64_t groups32 = in / 32;
-  const float* dsum = halves == 2 ? qx.dsum.data() : qx.dsum32.data();
   float acc[MR][kTileRows] = {};
   for (int64_t g = 0; g < groups32; ++g) {
     const uint8_t* h = tile + g / per_chunk * chunk_bytes(Type);
     const uint8_t* p = h + header_bytes(Type) + g % per_chunk * group_bytes(Type);
     GroupScales gs;
     group_scales<Type>(h, static_cast<int>(g % per_chunk), &gs);
-    for (int half = 0; half < halves; ++half) {
-      constexpr int K = 32 / halves;
-      for (int m = 0; m < MR; ++m) {
-        const int8_t* q = qx.q.data() + (m0 + m) * in + 32 * g + K * half;
-        const float dx = qx.d[(m0 + m) * groups32 + g];
-        for (int r = 0; r < kTileRows; ++r) {
-          int32_t isum = 0;
-          for (int k = 0; k < K; ++k) isum += value_at(p, value_bits(Type), r, K * half + k) * q[k];
-          acc[m][r] = std::fma(static_cast<float>(isum), gs.s[half][r] * dx, acc[m][r]);
-          acc[m][r] = std::fma(gs.o[half][r], dsum[(m0 + m) * groups32 * halves + halves * g + half], acc[m][r]);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* q = qx.q.data() + (m0 + m) * in + 32 * g;
+      const float dx = qx.d[(m0 + m) * groups32 + g];
+      for (int r = 0; r < kTileRows; ++r) {
+        int32_t total = 0;  // as the VNNI code: one integer sum per group
+        if constexpr (Type == kQ6_K) {
+          for (int half = 0; half < 2; ++half) {
+            int32_t isum = -32 * qx.qsum[(m0 + m) * 2 * groups32 + 2 * g + half];
+            for (int k = 16 * half; k < 16 * half + 16; ++k) isum += value_at(p, 6, r, k) * q[k];
+            total += isum * static_cast<int8_t>(h[32 + 16 * (2 * (g % per_chunk) + half) + r]);
+          }
+          acc[m][r] = std::fma(static_cast<float>(total), fp16(h + 2 * r) * dx, acc[m][r]);
+        } else {
+          for (int k = 0; k < 32; ++k) total += value_at(p, value_bits(Type), r, k) * q[k];
+          acc[m][r] = std::fma(static_cast<float>(total), gs.s[0][r] * dx, acc[m][r]);
+          acc[m][r] = std::fma(gs.o[0][r], qx.dsum32[(m0 + m) * groups32 + g], acc[m][r]);
         }
       }
     }
