@@ -118,7 +118,7 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
         runner.step_events = []
     # Host time per step: recorded by an in-process engine core only.
     host_timing = hasattr(llm.engine, "start_host_timing") and llm.engine.start_host_timing() is not None
-    spec_before = _spec_decode_counts(llm)
+    spec_before = spec_decode_counts(llm)
     busy_before = _stage_busy_s(llm)
     with record_jit_compiles() as compiled:
         start = time.perf_counter()
@@ -132,7 +132,7 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, ignor
     if runner is not None:
         res.jit_compiles_timed = list(compiled)
     if spec_before is not None:
-        for key, value in (spec_decode_result(_spec_decode_counts(llm) - spec_before) or {}).items():
+        for key, value in (spec_decode_result(spec_decode_counts(llm) - spec_before) or {}).items():
             setattr(res, key, value)
     if busy_before is not None:
         busy = [b - a for a, b in zip(busy_before, _stage_busy_s(llm))]
@@ -314,7 +314,7 @@ def _spec_decode_line(res: ThroughputResult) -> str:
             f"({res.spec_decode_num_drafts} verifications); by draft position: {per_pos}")
 
 
-def _spec_decode_counts(llm) -> SpecDecodingStats | None:
+def spec_decode_counts(llm) -> SpecDecodingStats | None:
     """Speculative-decoding counters so far of an in-process engine core; None for the
     DP/TP front-ends, which do not speculate."""
     core = getattr(llm.engine.client, "core", None)

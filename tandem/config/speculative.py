@@ -65,6 +65,9 @@ class SpeculativeConfig:
                 if self.method is None else ""
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}{omitted}.")
         k = self.num_speculative_tokens
+        if k is None:
+            raise ValueError("speculative_config.num_speculative_tokens is required: how many draft tokens to "
+                             'propose per step, e.g. {"num_speculative_tokens": 4}.')
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}.")
         b = self.disable_by_batch_size

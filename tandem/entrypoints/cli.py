@@ -72,6 +72,7 @@ def _generate(args: argparse.Namespace) -> None:
         resolved = llm.engine.resolved
         if params.temperature is None and "temperature" not in resolved.generation_defaults.sampling:
             params = params.clone(temperature=0.0)  # the command's default: greedy
+        generation_start = time.perf_counter()
         if len(args.prompt) == 1 and args.n == 1 and sys.stdout.isatty():
             outs = [_print_streamed(llm, args, params)]  # a terminal sees the text as it comes
         else:
@@ -87,6 +88,7 @@ def _generate(args: argparse.Namespace) -> None:
                         print(c.text)
                     _completion_notes(c, args.max_tokens)
         print(generation_summary(outs, load_s, resolved.weights_mode), file=sys.stderr)
+        _print_spec_decoding(llm, time.perf_counter() - generation_start)
     finally:
         llm.engine.shutdown()
 
@@ -108,6 +110,17 @@ def _print_streamed(llm, args: argparse.Namespace, params):
             print(flush=True)
     _completion_notes(out.outputs[0], args.max_tokens)
     return out
+
+
+def _print_spec_decoding(llm, elapsed_s: float) -> None:
+    """With speculative decoding, the run's acceptance on stderr (the server's
+    ``SpecDecoding metrics`` line over the whole generation)."""
+    from tandem.benchmarks.throughput import spec_decode_counts
+    from tandem.engine.stat_logger import format_spec_decoding_line
+
+    stats = spec_decode_counts(llm)
+    if stats is not None and stats.num_drafts and elapsed_s > 0:
+        print(format_spec_decoding_line(stats, elapsed_s), file=sys.stderr)
 
 
 def _completion_notes(c, max_tokens: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,12 +128,13 @@ def raw_gguf_weights(source, hf_config) -> dict[str, RawWeight]:
     return out
 
 
-def iterate_gguf_weights(source, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf_weights(source, hf_config, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 tensor) for every tensor of a GGUF file.
 
     Args:
         source: the file's path, or a reader from :func:`open_gguf`.
         hf_config: the model's HF config (``model_type``, head counts).
+        skip: HF names left out (not dequantized).
 
     Raises:
         ValueError: a tensor name has no HF equivalent.
@@ -143,7 +144,7 @@ def iterate_gguf_weights(source, hf_config) -> Iterator[tuple[str, torch.Tensor]
     reader = open_gguf(source) if isinstance(source, str) else source
     for t in reader.tensors:
         name = _hf_name(t.name)
-        if name is None:
+        if name is None or name in skip:
             continue
         w = dequantize(t.data, t.tensor_type)
         heads = _permuted_heads(name, hf_config)

@@ -5,8 +5,9 @@ transformers' GGUF support, converted once into a cached folder
 (:mod:`tandem.model_loader.gguf_cache`) that later loads read; weights are dequantized to
 fp32 with the ``gguf`` library and renamed to HF names
 (:mod:`tandem.model_loader.gguf_weights`). With ``quantization="gguf"`` (the CPU default)
-the linear layers of the types the int4 kernel takes are then rebuilt from the file's raw
-blocks and run quantized (:mod:`tandem.layers.quantization.gguf`). The first load of a
+the linear layers of the types the CPU runs quantized are rebuilt from the file's raw
+blocks and run quantized (:mod:`tandem.layers.quantization.gguf`); those that become
+blocks are never dequantized (their dense weights stay on the meta device). The first load of a
 model in a dtype (and with or without int4 layers) caches what the model then holds in the
 folder, and later loads map it instead of reading the GGUF file
 (:mod:`tandem.model_loader.param_cache`).
@@ -31,7 +32,7 @@ from tandem.layers import batch_invariant, fused_ops
 from tandem.layers.quantization.apply import (finish_fp8_model, load_kv_cache_scales, prepare_fp8_model,
                                               rename_checkpoint_scales)
 from tandem.layers.quantization.config import Fp8Config, GGUFQuantConfig
-from tandem.layers.quantization.gguf import quantize_gguf_linears
+from tandem.layers.quantization.gguf import defer_block_weights, quantize_gguf_linears
 from tandem.models.cpu_decode import build_cpu_decode
 from tandem.model_loader.gguf_cache import WEIGHTS_FILE, converted_folder
 from tandem.model_loader.gguf_weights import gguf_weight_count, iterate_gguf_weights, open_gguf, raw_gguf_weights
@@ -163,10 +164,14 @@ def load_gguf_weights(model: nn.Module, path: str, hf_config, dtype: torch.dtype
     # One parse of the file's metadata (seconds: its tokenizer) for its tensors and raw blocks.
     cached = _cached_weights_folder(path)
     reader = open_gguf(path) if cached is None or int4 else None
+    raw = raw_gguf_weights(reader, hf_config) if int4 else None
+    # Layers that become the file's blocks are built from them alone: never dequantized.
+    deferred = defer_block_weights(model, raw) if int4 else set()
     if cached is not None:
-        weights, total = iterate_safetensors_weights(cached), count_safetensors_weights(cached)
+        weights = (w for w in iterate_safetensors_weights(cached) if w[0] not in deferred)
+        total = count_safetensors_weights(cached) - len(deferred)
     else:
-        weights, total = iterate_gguf_weights(reader, hf_config), gguf_weight_count(reader)
+        weights, total = iterate_gguf_weights(reader, hf_config, deferred), gguf_weight_count(reader) - len(deferred)
     if progress is not None:
         progress.stage("reading the tensors")
         weights = progress.track(weights, total)
@@ -174,7 +179,7 @@ def load_gguf_weights(model: nn.Module, path: str, hf_config, dtype: torch.dtype
     if int4:
         if progress is not None:
             progress.stage("GGUF quantized layers")
-        quantize_gguf_linears(model, raw_gguf_weights(reader, hf_config))
+        quantize_gguf_linears(model, raw)
     if cacheable:
         if progress is not None:
             progress.stage("caching the parameters")

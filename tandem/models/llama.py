@@ -328,7 +328,9 @@ def load_decoder_weights(module: nn.Module, weights: Iterable[tuple[str, torch.T
     layer's ``weight_loader`` takes this rank's slice).
 
     Args:
-        optional: parameter names that may be missing (they keep their values).
+        optional: parameter names that may be missing (they keep their values). Parameters
+            on the meta device are not loaded either (layers to be built from a GGUF file's
+            blocks: :func:`tandem.layers.quantization.gguf.defer_block_weights`).
 
     Raises:
         ValueError: a tensor without a matching parameter or buffer, a shape differs, or a
@@ -359,8 +361,8 @@ def load_decoder_weights(module: nn.Module, weights: Iterable[tuple[str, torch.T
             raise ValueError(f"shape of {name!r}: {e}") from None
         loaded.add(f"{target}#{'' if shard is None else shard}")
     expected = set()
-    for pname in params:
-        if pname in optional:
+    for pname, p in params.items():
+        if pname in optional or p.is_meta:
             continue
         if ".qkv_proj." in pname:  # weight, bias, FP8 scales: one per shard
             expected |= {f"{pname}#{i}" for i in range(3)}

@@ -33,7 +33,7 @@ from tandem.engine.arg_utils import EngineArgs
      "model: no such file or folder: 'yuhuili/EAGLE3-LLaMA3.1-Instruct-8B'"),
     ({"method": "eagle3", "num_speculative_tokens": 2, "model": __file__}, "an EAGLE head is a Hugging Face folder"),
     ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "model: no such file or folder"),
-    ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram"}, "num_speculative_tokens is required: how many draft tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1.5}, "disable_by_batch_size must be"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),

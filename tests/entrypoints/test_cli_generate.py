@@ -98,3 +98,18 @@ def test_empty_completion_is_a_note_not_a_blank_line():
     assert res.returncode == 0, res.stderr
     assert res.stdout == ""
     assert "[empty completion: finish_reason stop" in res.stderr, res.stderr
+
+
+def test_generate_with_speculation_prints_its_acceptance(capsys):
+    """The embedded model as its own draft: every draft is accepted, and the run's acceptance
+    is printed after the speed line, as the server logs it."""
+    from tandem.config.model import embedded_default_model
+
+    spec = f'{{"method": "draft_model", "model": "{embedded_default_model()}", "num_speculative_tokens": 2}}'
+    main(["generate", "The capital of France is", "--max-tokens", "8", "--ignore-eos", "--speculative-config", spec,
+          *SMALL])
+    err = capsys.readouterr().err
+    m = re.search(r"SpecDecoding metrics: Mean acceptance length: ([\d.]+), .*Accepted: (\d+) tokens, "
+                  r"Drafted: (\d+) tokens", err)
+    assert m, err
+    assert float(m[1]) == 3.0 and m[2] == m[3] != "0"

@@ -245,8 +245,7 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any], block_kernel
     if block_kernel is None:
         block_kernel = gguf_blocks.available()
     counts = {"blocks": 0, "int4": 0, "dequantized": 0}
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (ColumnShardedLinear, RowParallelLinear))]
-    for name, mod in targets:
+    for name, mod in _linear_layers(model):
         parts = _parts(name)
         missing = [p for p in parts if p not in raw]
         if missing:
@@ -271,7 +270,55 @@ def quantize_gguf_linears(model: nn.Module, raw: Mapping[str, Any], block_kernel
     if embedding is not None:
         model.embed_tokens = embedding
     _drop_dense_head(model)
+    unloaded = [n for n, p in model.named_parameters() if p.is_meta]
+    if unloaded:
+        raise ValueError(f"{unloaded[0]!r} was left unloaded for blocks that it did not become")
     return counts
+
+
+def defer_block_weights(model: nn.Module, raw: Mapping[str, Any], block_kernel: bool | None = None) -> set[str]:
+    """Before a model's weights are loaded: move to the meta device the dense weights that
+    :func:`quantize_gguf_linears` would replace by the file's blocks (the linear layers, the
+    LM head and the token embedding it rebuilds as blocks), so that the load neither
+    dequantizes nor stores them (:func:`tandem.models.llama.load_decoder_weights` skips meta
+    parameters). The same decisions as :func:`quantize_gguf_linears`, which then builds
+    those layers (and raises if one is left on the meta device).
+
+    Returns:
+        The checkpoint (HF) names of the deferred tensors, for the load to leave out.
+    """
+    if block_kernel is None:
+        block_kernel = gguf_blocks.available()
+    names: set[str] = set()
+    deferred: list[nn.Module] = []
+    for name, mod in _linear_layers(model):
+        parts = _parts(name)
+        if all(p in raw for p in parts) and _runs_as_blocks([raw[p] for p in parts], block_kernel):
+            names.update(parts)
+            deferred.append(mod)
+    tied = not hasattr(model, "lm_head")
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    head_blocks = head in raw and _runs_as_blocks([raw[head]], block_kernel)
+    embed = "model.embed_tokens.weight"
+    if head_blocks and not tied:
+        names.add(head)
+        deferred.append(model.lm_head)
+    if (embed in raw and isinstance(getattr(model, "embed_tokens", None), nn.Embedding)
+            and (head_blocks if tied else _runs_as_blocks([raw[embed]], block_kernel))):
+        names.add(embed)
+        deferred.append(model.embed_tokens)
+    for mod in deferred:
+        mod.weight = nn.Parameter(mod.weight.to("meta"), requires_grad=False)
+    return names
+
+
+def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (ColumnShardedLinear, RowParallelLinear))]
+
+
+def _runs_as_blocks(parts: list[Any], block_kernel: bool) -> bool:
+    """Whether a layer of GGUF tensors ``parts`` runs as the file's blocks here."""
+    return block_kernel and {w.qtype for w in parts} <= set(gguf_blocks.BLOCK_TYPES)
 
 
 def _drop_dense_head(model: nn.Module) -> None:
@@ -287,8 +334,7 @@ def _block_embedding(model: nn.Module, raw: Mapping[str, Any], tied: bool, block
     dense table: an untied model (its own tiles), or a tied one whose LM head is blocks
     (sharing its tiles)."""
     embed, name = getattr(model, "embed_tokens", None), "model.embed_tokens.weight"
-    if not (block_kernel and isinstance(embed, nn.Embedding) and name in raw
-            and raw[name].qtype in gguf_blocks.BLOCK_TYPES):
+    if not (isinstance(embed, nn.Embedding) and name in raw and _runs_as_blocks([raw[name]], block_kernel)):
         return None
     if not tied:
         return GGUFEmbedding.from_parts([raw[name]], embed.weight.dtype)
@@ -300,10 +346,9 @@ def _quantized_layer(parts: list[Any], bias: torch.Tensor | None, dense: torch.T
                      block_kernel: bool) -> PhaseLinear | None:
     """The quantized form of a layer of GGUF tensors ``parts`` (:func:`quantize_gguf_linears`
     says which), or None: it stays dense."""
-    types = {w.qtype for w in parts}
-    if block_kernel and types <= set(gguf_blocks.BLOCK_TYPES):
+    if _runs_as_blocks(parts, block_kernel):
         return GGUFBlockLinear.from_parts(parts, bias)
-    if types <= set(INT4_TYPES):
+    if {w.qtype for w in parts} <= set(INT4_TYPES):
         return GGUFInt4Linear.from_planes(_fused_planes(parts), bias, dense, MAX_INT4_ROWS)
     return None
 

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as T
 from tandem.distributed.forward_context import ForwardContext, RowPhases, forward_context
 from tandem.layers import cpu_ops
 from tandem.layers.quantization import gguf_blocks
-from tandem.layers.quantization.gguf import (MAX_INT4_ROWS, GGUFInt4Linear, gguf_quantized_layers,
-                                             quantize_gguf_linears, restore_gguf_linears)
+from tandem.layers.quantization.gguf import (MAX_INT4_ROWS, GGUFInt4Linear, defer_block_weights,
+                                             gguf_quantized_layers, quantize_gguf_linears, restore_gguf_linears)
 from tandem.layers.quantization.gguf_blocks import GGUFBlockLinear, GGUFEmbedding, pack_blocks
 from tandem.model_loader.gguf_weights import RawWeight
 
@@ -310,6 +310,40 @@ def test_an_untied_model_keeps_neither_dense_table_nor_dense_head():
     quantize_gguf_linears(int4_head, parts | {"lm_head.weight": _raw(T.Q4_0, 64, 256, 23)}, block_kernel=False)
     assert isinstance(int4_head.lm_head_quant, GGUFInt4Linear) and hasattr(int4_head, "lm_head")
     assert isinstance(int4_head.embed_tokens, torch.nn.Embedding)
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_deferred_weights_are_the_ones_blocks_replace(untied):
+    """Before a load, exactly the weights that become blocks go to the meta device (every
+    layer here, the head, the embedding; tied: the embedding as the head's source) and their
+    names are returned for the load to skip; the model then quantized equals one quantized
+    from loaded dense weights. A part of a type without blocks (F32) keeps its layer dense and
+    loaded; without the block kernel nothing is deferred."""
+    extra = {"model.embed_tokens.weight": _raw(T.Q5_0, 64, 256, 21), "lm_head.weight": _raw(T.Q6_K, 64, 256, 22)}
+    parts = _parts() | (extra if untied else {})
+    make = _UntiedModel if untied else _Model
+    deferred_model, loaded_model = make(), make()
+    names = defer_block_weights(deferred_model, parts, block_kernel=True)
+    layer_parts = {n for n in parts if n.startswith("model.layers.")}
+    assert names == layer_parts | {"model.embed_tokens.weight"} | ({"lm_head.weight"} if untied else set())
+    meta = {n for n, p in deferred_model.named_parameters() if p.is_meta}
+    assert meta == {"layers.0.qkv_proj.weight", "layers.0.o_proj.weight", "layers.0.down_proj.weight",
+                    "embed_tokens.weight"} | ({"lm_head.weight"} if untied else set())
+    loaded_model.load_state_dict({k: v for k, v in deferred_model.state_dict().items() if not v.is_meta}, strict=False)
+    quantize_gguf_linears(deferred_model, parts, block_kernel=True)
+    quantize_gguf_linears(loaded_model, parts, block_kernel=True)
+    got, want = deferred_model.state_dict(), loaded_model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not any(p.is_meta for p in deferred_model.parameters())
+
+    f32 = _parts() | {"model.layers.0.down_proj.weight": RawWeight(np.zeros((256, 256), np.float32), "F32", 256, 256,
+                                                                 None)}
+    model = _Model()
+    assert "model.layers.0.down_proj.weight" not in defer_block_weights(model, f32, block_kernel=True)
+    assert not model.layers[0].down_proj.weight.is_meta
+    model = _Model()
+    assert defer_block_weights(model, _parts(), block_kernel=False) == set()
+    assert not any(p.is_meta for p in model.parameters())
 
 
 def test_available_says_whether_the_kernel_has_vnni():
