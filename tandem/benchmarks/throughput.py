@@ -8,13 +8,12 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-import msgspec
 import torch
 from tqdm import tqdm
 
 from tandem.benchmarks.datasets import constrained_indices, load_json_schema
 from tandem.benchmarks.serve import spec_decode_result
-from tandem.engine.stat_logger import SpecDecodingStats
+from tandem.entrypoints.llm import spec_decode_counts
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import RequestOutputKind, SamplingParams
 from tandem.step_timing import StepSpan
@@ -312,15 +311,6 @@ def _spec_decode_line(res: ThroughputResult) -> str:
             f"({res.spec_decode_accepted_tokens} of {res.spec_decode_draft_tokens} draft tokens), "
             f"mean acceptance length {res.spec_decode_acceptance_length:.2f} tokens "
             f"({res.spec_decode_num_drafts} verifications); by draft position: {per_pos}")
-
-
-def spec_decode_counts(llm) -> SpecDecodingStats | None:
-    """Speculative-decoding counters so far of an in-process engine core; None for the
-    DP/TP front-ends, which do not speculate."""
-    core = getattr(llm.engine.client, "core", None)
-    if core is None:
-        return None
-    return SpecDecodingStats.from_stats(msgspec.structs.asdict(core.scheduler_stats()))
 
 
 def _stage_busy_s(llm) -> list[float] | None:

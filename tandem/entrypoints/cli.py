@@ -115,7 +115,7 @@ def _print_streamed(llm, args: argparse.Namespace, params):
 def _print_spec_decoding(llm, elapsed_s: float) -> None:
     """With speculative decoding, the run's acceptance on stderr (the server's
     ``SpecDecoding metrics`` line over the whole generation)."""
-    from tandem.benchmarks.throughput import spec_decode_counts
+    from tandem.entrypoints.llm import spec_decode_counts
     from tandem.engine.stat_logger import format_spec_decoding_line
 
     stats = spec_decode_counts(llm)

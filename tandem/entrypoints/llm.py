@@ -8,11 +8,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
+import msgspec
 from tqdm import tqdm
 
 from tandem.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tandem.engine.arg_utils import EngineArgs
 from tandem.engine.processor import MAX_LOGPROBS, parse_prompt
+from tandem.engine.stat_logger import SpecDecodingStats
 from tandem.entrypoints.chat_utils import parse_chat_messages, render_chat
 from tandem.model_loader.model_path import check_model_path
 from tandem.outputs import RequestOutput
@@ -297,3 +299,12 @@ class DPLLM(LLM):
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def spec_decode_counts(llm) -> SpecDecodingStats | None:
+    """Speculative-decoding counters so far of an in-process engine core; None for the
+    DP/TP front-ends, which do not speculate."""
+    core = getattr(llm.engine.client, "core", None)
+    if core is None:
+        return None
+    return SpecDecodingStats.from_stats(msgspec.structs.asdict(core.scheduler_stats()))
